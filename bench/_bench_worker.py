@@ -1,0 +1,229 @@
+"""One benchmark run in a fresh process: ``python bench/_bench_worker.py '<json spec>'``.
+
+Spec keys: ``mode`` ("run" or "tokenize"), ``model`` (path), ``config`` ("stock", "stock2" or a
+llamaflash flash_mode such as "dense"), ``sidecar_path`` (for llamaflash configs), ``prompt_tokens``
+(list of ids, for "run"), ``prompt_text`` and ``n_prompt`` (for "tokenize"), ``n_gen``, ``threads``,
+``n_ctx``, ``n_batch``.
+
+Prints exactly one line starting with ``common.RESULT_MARK`` followed by a JSON object.
+
+"run": load the model (timed); warm up with one eval of 8 prompt tokens, then clear the KV cache;
+prefill = one ``llm.eval(prompt_tokens)`` (timed); decode = ``n_gen`` greedy steps, each
+``llm.eval([tok])`` (timed individually) followed by an argmax of the last logits.  The returned
+``tokens`` are the ``n_gen + 1`` greedy tokens: the first comes from the prefill logits, one more
+after every decode eval.  EOS does not stop generation (this is a speed benchmark).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULT_MARK, STOCK_CONFIGS, cpu_busy_seconds  # noqa: E402
+
+WARMUP_TOKENS = 8
+
+
+def _emit(obj: dict) -> None:
+    sys.stdout.write(RESULT_MARK + json.dumps(obj, default=repr) + "\n")
+    sys.stdout.flush()
+
+
+def _proc_status() -> dict[str, int]:
+    """Memory fields of /proc/self/status in KiB."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmSwap"):
+                out[key] = int(rest.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+def _proc_io() -> dict[str, int]:
+    """/proc/self/io: rchar (bytes read by syscalls, page cache hits included) and read_bytes
+    (bytes this process caused to be fetched from storage)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, _, val = line.partition(":")
+            out[key.strip()] = int(val)
+    except OSError:
+        pass
+    return out
+
+
+def _majflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
+class _ForeignCpu:
+    """CPU time other processes used while a section ran, as a fraction of all cores.
+
+    (machine busy seconds - this process's CPU seconds) / (wall seconds * cores); 0 on a quiet
+    machine, up to ~1 - own share when something else competes for the cores.  Resolution: one
+    clock tick (10 ms) per core, so very short sections read coarse."""
+
+    def __init__(self):
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        self.t, self.busy, self.own = time.perf_counter(), cpu_busy_seconds(), ru.ru_utime + ru.ru_stime
+
+    def fraction(self) -> float:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        wall = time.perf_counter() - self.t
+        other = (cpu_busy_seconds() - self.busy) - (ru.ru_utime + ru.ru_stime - self.own)
+        return max(0.0, other) / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
+
+
+def _load(spec: dict):
+    config = spec["config"]
+    common_kwargs = dict(
+        model_path=spec["model"],
+        n_ctx=spec.get("n_ctx", 512),
+        n_threads=spec["threads"],
+        n_threads_batch=spec["threads"],
+        n_batch=spec.get("n_batch", 512),
+        seed=0,
+        verbose=False,
+    )
+    if config in STOCK_CONFIGS or spec.get("mode") == "tokenize":
+        from llama_cpp import Llama
+
+        return Llama(**common_kwargs)
+    try:
+        from llamaflash import Llama as FlashLlama
+    except ImportError as e:
+        raise RuntimeError(
+            f"config {config!r} needs the llamaflash package (pip install -e . in the repo): {e}"
+        ) from e
+    return FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=config)
+
+
+def _tokenize(spec: dict) -> dict:
+    import llama_cpp
+
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=spec["model"], vocab_only=True, verbose=False)
+    text = spec["prompt_text"]
+    n = spec["n_prompt"]
+    toks = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+    reps = 1
+    while len(toks) < n:  # repeat the text for long prompts
+        reps += 1
+        toks = llm.tokenize(("\n\n".join([text] * reps)).encode("utf-8"), add_bos=True, special=False)
+    toks = toks[:n]
+    return {
+        "ok": True,
+        "prompt_tokens": toks,
+        "text_tokens_total": len(llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)),
+        "n_vocab": llm.n_vocab(),
+        "system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
+    }
+
+
+def _run(spec: dict) -> dict:
+    import numpy as np
+
+    import llama_cpp
+
+    prompt = [int(t) for t in spec["prompt_tokens"]]
+    n_gen = int(spec["n_gen"])
+    io0, flt0 = _proc_io(), _majflt()
+
+    t0 = time.perf_counter()
+    llm = _load(spec)
+    load_s = time.perf_counter() - t0
+    mem_after_load = _proc_status()
+    n_vocab = llm.n_vocab()
+
+    def argmax_last() -> int:
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
+
+    # warm-up: first-call costs (allocations, repacking, thread start) stay out of the timings
+    llm.eval(prompt[:WARMUP_TOKENS])
+    llm.reset()
+    llm._ctx.kv_cache_clear()
+
+    fc_all = fc = _ForeignCpu()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill_s = time.perf_counter() - t0
+    foreign_prefill = fc.fraction()
+    tokens = [argmax_last()]
+
+    step_ms = []
+    fc = _ForeignCpu()
+    t_loop = time.perf_counter()
+    for _ in range(n_gen):
+        t = time.perf_counter()
+        llm.eval([tokens[-1]])
+        step_ms.append((time.perf_counter() - t) * 1e3)
+        tokens.append(argmax_last())
+    loop_s = time.perf_counter() - t_loop
+    decode_s = sum(step_ms) / 1e3
+    foreign_decode, foreign_all = fc.fraction(), fc_all.fraction()
+
+    mem_end = _proc_status()
+    io1, flt1 = _proc_io(), _majflt()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    result = {
+        "ok": True,
+        "config": spec["config"],
+        "rep": spec.get("rep"),
+        "pid": os.getpid(),
+        "n_prompt": len(prompt),
+        "n_gen": n_gen,
+        "load_s": load_s,
+        "prefill_s": prefill_s,
+        "prefill_tps": len(prompt) / prefill_s,
+        "decode_s": decode_s,
+        "decode_tps": n_gen / decode_s if n_gen else None,
+        "decode_loop_s": loop_s,  # includes the argmax after every step
+        "decode_step_ms": [round(x, 4) for x in step_ms],
+        "tokens": tokens,
+        "peak_rss_kb": ru.ru_maxrss,
+        "peak_rss_mb": ru.ru_maxrss / 1024,
+        "mem_after_load_kb": mem_after_load,
+        "mem_end_kb": mem_end,
+        "io": {k: io1.get(k, 0) - io0.get(k, 0) for k in ("rchar", "read_bytes", "syscr")},
+        "major_faults": flt1 - flt0,
+        "foreign_cpu": foreign_all,  # share of all cores other processes used while timed
+        "foreign_cpu_prefill": foreign_prefill,
+        "foreign_cpu_decode": foreign_decode,
+        "cpu_user_s": ru.ru_utime,
+        "cpu_sys_s": ru.ru_stime,
+    }
+    stats = getattr(llm, "flash_stats", None)
+    if callable(stats):
+        try:
+            result["flash_stats"] = stats()
+        except Exception as e:  # report, don't lose the timings
+            result["flash_stats_error"] = repr(e)
+    llm.close()
+    return result
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    try:
+        result = _tokenize(spec) if spec.get("mode") == "tokenize" else _run(spec)
+    except Exception as e:
+        _emit({"ok": False, "config": spec.get("config"), "rep": spec.get("rep"),
+               "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})  # fmt: skip
+        return 1
+    _emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""In-memory benchmark: stock llama-cpp-python vs llamaflash, same run (DESIGN.md section 8).
+
+    python bench/bench_inmemory.py --model smollm2-135m --reps 3 --n-gen 64 --threads 2 \\
+        --prompt-tokens 205 --configs stock,dense [--json out.json]
+
+Every (config, rep) runs in a fresh subprocess (bench/_bench_worker.py); the configs alternate
+within each rep (stock, dense, stock, dense, ...) so slow drifts of the machine hit all of them.
+All configs get the identical prompt token ids (tokenised once, by a separate worker).  The model
+file (and sidecar) are read once beforehand so every run starts with them in the page cache.
+
+Configs: "stock" (llama_cpp.Llama), "stock2" (the same again: a check that the ratios come out at
+~1.0), anything else is a llamaflash ``flash_mode`` ("dense", ...) and uses the sidecar
+``<stem>.flash.gguf`` beside the model, converted first with ``python -m llamaflash.cli convert``
+when missing.
+
+Prints a table of medians and ratios versus stock, and writes every run to --json (default
+bench/results/<model>-<timestamp>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="asset name (llamaflash.assets.MODELS) or a .gguf path")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--n-gen", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=205)
+    p.add_argument("--n-ctx", type=int, default=512)
+    p.add_argument("--n-batch", type=int, default=512)
+    p.add_argument("--configs", default="stock,dense", help="comma-separated; 'stock' is the baseline")
+    p.add_argument("--sidecar", type=Path, default=None, help="sidecar path (default <stem>.flash.gguf beside the model)")
+    p.add_argument("--json", type=Path, default=None, help="output JSON (default bench/results/<model>-<timestamp>.json)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--quiet-wait", type=float, default=60,
+                   help="before each run, wait up to this many seconds for the machine to be <=10%% busy (0: don't)")
+    p.add_argument("--no-warm-cache", action="store_true", help="don't read the model file before the runs")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not args.configs:
+        p.error("--configs is empty")
+    if len(set(args.configs)) != len(args.configs):
+        p.error("--configs has duplicates")
+    if args.prompt_tokens + args.n_gen + 1 > args.n_ctx:
+        p.error("--prompt-tokens + --n-gen must fit in --n-ctx")
+    if args.prompt_tokens <= 8:
+        p.error("--prompt-tokens must be > 8 (the warm-up evaluates 8 of them)")
+    return args
+
+
+def ensure_sidecar(model: Path, sidecar: Path) -> dict | None:
+    """Convert once when the sidecar is missing; returns what was done (or None)."""
+    if sidecar.is_file():
+        return None
+    if sidecar != common.sidecar_path_for(model):
+        raise SystemExit(f"sidecar {sidecar} does not exist (only the default location is converted automatically)")
+    cmd = [sys.executable, "-m", "llamaflash.cli", "convert", str(model)]
+    print(f"sidecar {sidecar} missing: {' '.join(cmd)}", flush=True)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    dt = time.perf_counter() - t
+    if proc.returncode != 0 or not sidecar.is_file():
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-25:])
+        raise SystemExit(f"conversion failed (exit {proc.returncode}, {dt:.1f}s), no {sidecar}:\n{tail}")
+    print(f"converted in {dt:.1f}s -> {sidecar} ({sidecar.stat().st_size / 1e6:.1f} MB)", flush=True)
+    return {"cmd": cmd, "seconds": dt, "sidecar_bytes": sidecar.stat().st_size}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model_path, model_name, model_sha = common.resolve_model(args.model)
+    flash_configs = [c for c in args.configs if c not in common.STOCK_CONFIGS]
+    sidecar = (args.sidecar or common.sidecar_path_for(model_path)).resolve()
+    conversion = ensure_sidecar(model_path, sidecar) if flash_configs else None
+    if not args.no_warm_cache:
+        common.warm_page_cache(model_path)
+        if flash_configs:
+            common.warm_page_cache(sidecar)
+
+    tok = common.run_worker(
+        {"mode": "tokenize", "model": str(model_path), "config": "tokenize",
+         "prompt_text": common.PROMPT_TEXT, "n_prompt": args.prompt_tokens, "threads": args.threads},
+        timeout=args.timeout,
+    )  # fmt: skip
+    if not tok.get("ok"):
+        raise SystemExit(f"tokenisation failed: {tok.get('error')}\n{tok.get('traceback', '')}")
+    prompt_tokens = tok["prompt_tokens"]
+
+    machine = common.machine_info()
+    print(f"machine : {machine['cpu']}, {machine['cores_usable']}/{machine['cores_online']} cores, "
+          f"{machine['mem_total_mb']} MB, SIMD {','.join(machine['simd']) or '?'}; load avg {machine['loadavg']}")  # fmt: skip
+    print(f"software: llama-cpp-python {machine['llama_cpp_python']}, llamaflash {machine['llamaflash']}, "
+          f"python {machine['python']}")  # fmt: skip
+    print(f"model   : {model_path} (sha256 {model_sha[:12]}, {model_path.stat().st_size / 1e6:.1f} MB)")
+    if flash_configs:
+        print(f"sidecar : {sidecar} ({sidecar.stat().st_size / 1e6:.1f} MB)")
+    print(f"run     : {len(prompt_tokens)} prompt tokens, {args.n_gen} generated, {args.threads} threads, "
+          f"n_ctx {args.n_ctx}, {args.reps} reps of {', '.join(args.configs)}", flush=True)  # fmt: skip
+
+    runs = []
+    for rep in range(args.reps):
+        for config in args.configs:
+            spec = {
+                "mode": "run", "model": str(model_path), "config": config, "rep": rep,
+                "sidecar_path": str(sidecar) if config in flash_configs else None,
+                "prompt_tokens": prompt_tokens, "n_gen": args.n_gen, "threads": args.threads,
+                "n_ctx": args.n_ctx, "n_batch": args.n_batch,
+            }  # fmt: skip
+            busy_before = common.wait_until_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+            try:
+                r = common.run_worker(spec, timeout=args.timeout)
+            except common.WorkerError as e:
+                r = {"ok": False, "config": config, "rep": rep, "error": str(e)}
+            r["machine_busy_before"] = busy_before
+            runs.append(r)
+            if r.get("ok"):
+                print(f"  rep {rep} {config:<8} prefill {r['prefill_tps']:8.1f} tok/s  decode {r['decode_tps']:7.1f} tok/s  "
+                      f"peak RSS {r['peak_rss_mb']:6.0f} MB  load {r['load_s']:.2f} s  "
+                      f"other load {r['foreign_cpu']:.1%}", flush=True)  # fmt: skip
+            else:
+                print(f"  rep {rep} {config:<8} FAILED: {r.get('error')}", flush=True)
+
+    baseline = "stock" if "stock" in args.configs else args.configs[0]
+    rows = common.summarize(runs, args.configs, baseline=baseline)
+    print()
+    print(common.format_table(rows))
+    print(f"medians over reps; x = ratio to {baseline}; greedy agree = fraction of the {args.n_gen + 1} greedy "
+          f"tokens equal to {baseline} rep 0 (@ first divergence); other load = max share of the cores other "
+          f"processes used during the timed sections. Spread (min..max):")  # fmt: skip
+    print(common.format_spread(rows))
+    noisy = [r for r in runs if r.get("ok") and r.get("foreign_cpu", 0) > 0.05]
+    if noisy:
+        print(f"WARNING: {len(noisy)} run(s) shared the CPU with other processes (>5% of the cores while timed; "
+              f"'other load' column): their numbers are not clean.")  # fmt: skip
+
+    out = args.json or common.RESULTS_DIR / f"{model_name}-{common.timestamp()}.json"
+    payload = {
+        "benchmark": "inmemory",
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine,
+        "system_info": tok.get("system_info"),
+        "model": {"name": model_name, "path": str(model_path), "sha256": model_sha,
+                  "bytes": model_path.stat().st_size},  # fmt: skip
+        "sidecar": {"path": str(sidecar), "bytes": sidecar.stat().st_size} if flash_configs else None,
+        "conversion": conversion,
+        "prompt_tokens": prompt_tokens,
+        "summary": rows,
+        "runs": runs,
+    }
+    print(f"wrote {common.write_json(out, payload)}")
+    return 0 if all(r.get("ok") for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
