@@ -1,0 +1,64 @@
+// file_reader.h — positional reads from a regular file with errors that name the file.
+//
+// MappedFile maps a whole file read-only and shared: its pages are the page cache's (file-backed,
+// reclaimable), exactly like llama.cpp's own mmap of a GGUF.
+//
+// Contract: read_exact() either fills the whole destination or throws IoError describing the file,
+// offset, size and cause (EIO, short read because the file was truncated, ...). It never returns
+// partial data. drop_cache() asks the kernel to forget clean page-cache pages of a byte range; it is
+// advice, never an error.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace llamaflash {
+
+class IoError : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+class FileReader {
+public:
+    explicit FileReader(const std::string & path);
+    ~FileReader();
+    FileReader(const FileReader &) = delete;
+    FileReader & operator=(const FileReader &) = delete;
+
+    const std::string & path() const { return path_; }
+    uint64_t size() const { return size_; }
+
+    // Throws IoError (file truncated) unless [offset, offset + n) lies inside the file.
+    void check_range(uint64_t offset, uint64_t n) const;
+
+    // Reads exactly `n` bytes at `offset` into `dst`.
+    void read_exact(void * dst, size_t n, uint64_t offset) const;
+
+    // posix_fadvise(DONTNEED) on [offset, offset + n): drops clean cached pages of that range.
+    void drop_cache(uint64_t offset, uint64_t n) const;
+
+private:
+    std::string path_;
+    int fd_ = -1;
+    uint64_t size_ = 0;
+};
+
+class MappedFile {
+public:
+    explicit MappedFile(const std::string & path);
+    ~MappedFile();
+    MappedFile(const MappedFile &) = delete;
+    MappedFile & operator=(const MappedFile &) = delete;
+
+    const uint8_t * data() const { return static_cast<const uint8_t *>(addr_); }
+    uint64_t size() const { return size_; }
+
+private:
+    void * addr_ = nullptr;
+    uint64_t size_ = 0;
+};
+
+}  // namespace llamaflash

@@ -1,0 +1,289 @@
+// flash_model.cpp — see flash_model.h.
+#include "flash_model.h"
+
+#include "file_reader.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+namespace llamaflash {
+
+namespace {
+
+// The buffer type stock llama.cpp would pick for a CPU weight used by MUL_MAT: the first CPU "extra"
+// buffer type (repacked layouts such as Q4_K 8x8) whose device accepts the op, else plain CPU memory.
+ggml_backend_buffer_type_t pick_cpu_weight_buft(ggml_tensor * w) {
+    ggml_backend_dev_t cpu_dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (cpu_dev == nullptr) {
+        throw std::runtime_error("llamaflash: ggml has no CPU device");
+    }
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(cpu_dev);
+    auto get_extra = (ggml_backend_dev_get_extra_bufts_t)
+        ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
+    if (get_extra != nullptr) {
+        ggml_init_params params = {ggml_tensor_overhead() * 4, nullptr, true};
+        ggml_context * ctx = ggml_init(params);
+        ggml_tensor * b = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[0], 512);
+        ggml_tensor * op = ggml_mul_mat(ctx, w, b);
+        for (ggml_backend_buffer_type_t * p = get_extra(cpu_dev); p != nullptr && *p != nullptr; ++p) {
+            w->buffer = ggml_backend_buft_alloc_buffer(*p, 0);
+            const bool ok = ggml_backend_dev_supports_op(cpu_dev, op);
+            ggml_backend_buffer_free(w->buffer);
+            w->buffer = nullptr;
+            if (ok) {
+                ggml_free(ctx);
+                return *p;
+            }
+        }
+        ggml_free(ctx);
+    }
+    return ggml_backend_cpu_buffer_type();
+}
+
+void check_row_bytes(const LayerSpec & s, ggml_type type, int64_t n, uint64_t row_bytes, const char * what) {
+    const size_t expect = ggml_row_size(type, n);
+    if (expect != row_bytes) {
+        throw std::runtime_error("llamaflash: layer " + std::to_string(s.layer) + " " + what + " row is " +
+                                 std::to_string(row_bytes) + " bytes in the sidecar, but a " + ggml_type_name(type) +
+                                 " row of " + std::to_string(n) + " values is " + std::to_string(expect) +
+                                 " bytes; the sidecar does not match this model: re-convert it");
+    }
+}
+
+}  // namespace
+
+FlashModel::FlashModel(std::vector<LayerSpec> layers, std::string sidecar_path, std::string base_path)
+    : layers_(std::move(layers)), sidecar_path_(std::move(sidecar_path)), base_path_(std::move(base_path)) {
+    for (size_t i = 0; i < layers_.size(); ++i) {
+        const LayerSpec & s = layers_[i];
+        if (!index_.emplace(s.layer, i).second) {
+            throw std::invalid_argument("llamaflash: layer " + std::to_string(s.layer) + " listed twice");
+        }
+        if (s.n_embd <= 0 || s.n_ff <= 0) {
+            throw std::invalid_argument("llamaflash: layer " + std::to_string(s.layer) + " has empty FFN shape");
+        }
+        for (ggml_type t : {s.gate_type, s.up_type, s.down_type, s.down_t_type}) {
+            if (t < 0 || t >= GGML_TYPE_COUNT || ggml_blck_size(t) <= 0) {
+                throw std::invalid_argument("llamaflash: layer " + std::to_string(s.layer) + " has unknown ggml type " +
+                                            std::to_string(int(t)));
+            }
+        }
+        check_row_bytes(s, s.gate_type, s.n_embd, s.gate_row_bytes, "gate");
+        check_row_bytes(s, s.up_type, s.n_embd, s.up_row_bytes, "up");
+        check_row_bytes(s, s.down_type, s.n_ff, s.base_down_row_bytes, "base down");
+        if (s.bundle_stride < s.gate_row_bytes + s.up_row_bytes) {
+            throw std::invalid_argument("llamaflash: layer " + std::to_string(s.layer) + " bundle stride too small");
+        }
+    }
+}
+
+FlashModel::~FlashModel() {
+    for (ggml_backend_buffer_t b : buffers_) {
+        ggml_backend_buffer_free(b);
+    }
+    if (ctx_ != nullptr) {
+        ggml_free(ctx_);
+    }
+}
+
+// Placement of each dense weight, mirroring what stock llama.cpp does with the base GGUF:
+//  - the CPU backend has a repacked layout for it (e.g. Q4_K 8x8): an anonymous repacked copy;
+//  - otherwise a view into a read-only shared mapping (page cache, nothing copied): down into the
+//    base GGUF, gate/up into the sidecar bundles (row stride = bundle stride) when the bundles are in
+//    base order and the stride is a whole number of type blocks;
+//  - otherwise (hot-first bundle order) a plain copy gathered back into base order.
+void FlashModel::load_dense_weights() {
+    if (dense_loaded_) {
+        return;
+    }
+    FileReader sidecar(sidecar_path_);
+    FileReader base(base_path_);
+    ggml_backend_buffer_type_t plain = ggml_backend_cpu_buffer_type();
+
+    std::vector<std::vector<int32_t>> orders(layers_.size());
+    std::vector<bool> identity(layers_.size(), true);
+    for (size_t li = 0; li < layers_.size(); ++li) {
+        const LayerSpec & s = layers_[li];
+        const size_t n_ff = static_cast<size_t>(s.n_ff);
+        std::vector<int32_t> & order = orders[li];
+        order.resize(n_ff);
+        sidecar.read_exact(order.data(), n_ff * sizeof(int32_t), s.order_offset);
+        std::vector<bool> seen(n_ff, false);
+        for (size_t k = 0; k < n_ff; ++k) {
+            const int32_t o = order[k];
+            if (o < 0 || static_cast<size_t>(o) >= n_ff || seen[o]) {
+                throw std::runtime_error("llamaflash: '" + sidecar_path_ + "' layer " + std::to_string(s.layer) +
+                                         ": neuron order is not a permutation (corrupt sidecar); re-convert it");
+            }
+            seen[o] = true;
+            identity[li] = identity[li] && static_cast<size_t>(o) == k;
+        }
+        sidecar.check_range(s.bundle_offset, n_ff * s.bundle_stride);
+        base.check_range(s.base_down_offset, static_cast<uint64_t>(s.n_embd) * s.base_down_row_bytes);
+    }
+
+    ggml_init_params params = {ggml_tensor_overhead() * (3 * layers_.size() + 1), nullptr, true};
+    ctx_ = ggml_init(params);
+    weights_.clear();
+    std::map<ggml_backend_buffer_type_t, std::vector<ggml_tensor *>> copies;
+    std::vector<std::pair<ggml_tensor *, const uint8_t *>> views_sidecar, views_base;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+        const LayerSpec & s = layers_[li];
+        ggml_tensor * gate = ggml_new_tensor_2d(ctx_, s.gate_type, s.n_embd, s.n_ff);
+        ggml_tensor * up = ggml_new_tensor_2d(ctx_, s.up_type, s.n_embd, s.n_ff);
+        ggml_tensor * down = ggml_new_tensor_2d(ctx_, s.down_type, s.n_ff, s.n_embd);
+        ggml_format_name(gate, "llamaflash.blk.%d.ffn_gate", s.layer);
+        ggml_format_name(up, "llamaflash.blk.%d.ffn_up", s.layer);
+        ggml_format_name(down, "llamaflash.blk.%d.ffn_down", s.layer);
+        for (int kind = 0; kind < 3; ++kind) {
+            ggml_tensor * t = kind == 0 ? gate : kind == 1 ? up : down;
+            weights_.push_back(t);
+            ggml_backend_buffer_type_t buft = pick_cpu_weight_buft(t);
+            if (buft != plain) {
+                copies[buft].push_back(t);
+            } else if (kind == 2) {
+                views_base.emplace_back(t, reinterpret_cast<const uint8_t *>(s.base_down_offset));
+            } else if (identity[li] && s.bundle_stride % ggml_type_size(t->type) == 0) {
+                t->nb[1] = s.bundle_stride;
+                t->nb[2] = t->nb[3] = s.bundle_stride * static_cast<size_t>(s.n_ff);
+                const uint64_t at = s.bundle_offset + (kind == 1 ? s.gate_row_bytes : 0);
+                views_sidecar.emplace_back(t, reinterpret_cast<const uint8_t *>(at));
+            } else {
+                copies[plain].push_back(t);
+            }
+        }
+    }
+
+    // views: tensors whose data lives in a read-only shared mapping of the file
+    auto place_views = [&](std::vector<std::pair<ggml_tensor *, const uint8_t *>> & views,
+                           std::unique_ptr<MappedFile> & map, const std::string & path) {
+        if (views.empty()) {
+            return;
+        }
+        map = std::make_unique<MappedFile>(path);
+        ggml_backend_buffer_t buf = ggml_backend_cpu_buffer_from_ptr(const_cast<uint8_t *>(map->data()), map->size());
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        buffers_.push_back(buf);
+        for (auto & [t, offset] : views) {
+            ggml_backend_tensor_alloc(buf, t, const_cast<uint8_t *>(map->data()) + reinterpret_cast<uintptr_t>(offset));
+        }
+    };
+    place_views(views_sidecar, sidecar_map_, sidecar_path_);
+    place_views(views_base, base_map_, base_path_);
+
+    // copies: one buffer per buffer type, tensors placed with ggml's linear allocator
+    for (auto & [buft, tensors] : copies) {
+        const size_t align = ggml_backend_buft_get_alignment(buft);
+        size_t total = 0;
+        for (ggml_tensor * t : tensors) {
+            total += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, t), align);
+        }
+        ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, total + align);
+        if (buf == nullptr) {
+            throw std::runtime_error("llamaflash: cannot allocate " + std::to_string(total >> 20) + " MiB for FFN weights");
+        }
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        buffers_.push_back(buf);
+        copied_bytes_ += ggml_backend_buffer_get_size(buf);
+        ggml_tallocr alloc = ggml_tallocr_new(buf);
+        for (ggml_tensor * t : tensors) {
+            if (ggml_tallocr_alloc(&alloc, t) != GGML_STATUS_SUCCESS) {
+                throw std::runtime_error("llamaflash: allocation of FFN weight failed");
+            }
+        }
+    }
+
+    auto is_copy = [&](const ggml_tensor * t) {
+        for (auto & [buft, tensors] : copies) {
+            for (const ggml_tensor * c : tensors) {
+                if (c == t) {
+                    return true;
+                }
+            }
+        }
+        return false;
+    };
+
+    std::vector<uint8_t> bundles, matrix;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+        const LayerSpec & s = layers_[li];
+        const size_t n_ff = static_cast<size_t>(s.n_ff);
+        const std::vector<int32_t> & order = orders[li];
+        const bool copy_gate = is_copy(weights_[3 * li]);
+        const bool copy_up = is_copy(weights_[3 * li + 1]);
+        if (copy_gate || copy_up) {
+            bundles.resize(n_ff * s.bundle_stride);
+            sidecar.read_exact(bundles.data(), bundles.size(), s.bundle_offset);
+            // gather bundle k back to base row order[k]
+            for (int part = 0; part < 2; ++part) {
+                if (!(part == 0 ? copy_gate : copy_up)) {
+                    continue;
+                }
+                const uint64_t row = part == 0 ? s.gate_row_bytes : s.up_row_bytes;
+                const uint64_t skip = part == 0 ? 0 : s.gate_row_bytes;
+                matrix.resize(n_ff * row);
+                for (size_t k = 0; k < n_ff; ++k) {
+                    std::memcpy(matrix.data() + static_cast<size_t>(order[k]) * row,
+                                bundles.data() + k * s.bundle_stride + skip, row);
+                }
+                ggml_backend_tensor_set(weights_[3 * li + part], matrix.data(), 0, matrix.size());
+            }
+            sidecar.drop_cache(s.bundle_offset, bundles.size());
+        }
+        if (is_copy(weights_[3 * li + 2])) {
+            const size_t down_bytes = static_cast<size_t>(s.n_embd) * s.base_down_row_bytes;
+            matrix.resize(down_bytes);
+            base.read_exact(matrix.data(), down_bytes, s.base_down_offset);
+            ggml_backend_tensor_set(weights_[3 * li + 2], matrix.data(), 0, down_bytes);
+        }
+    }
+    dense_loaded_ = true;
+}
+
+ggml_tensor * FlashModel::dense_weight(int layer, FfnWeightKind kind) const {
+    auto it = index_.find(layer);
+    if (it == index_.end() || !dense_loaded_) {
+        return nullptr;
+    }
+    return weights_[3 * it->second + static_cast<int>(kind)];
+}
+
+size_t FlashModel::resident_bytes() const {
+    return copied_bytes_;
+}
+
+void FlashModel::count_split(double seconds) {
+    splits_.fetch_add(1, std::memory_order_relaxed);
+    compute_ns_.fetch_add(static_cast<uint64_t>(seconds * 1e9), std::memory_order_relaxed);
+}
+
+void FlashModel::count_ffn_eval(int layer, int64_t n_tokens) {
+    ffn_evals_.fetch_add(1, std::memory_order_relaxed);
+    if (layer == first_layer()) {
+        tokens_.fetch_add(static_cast<uint64_t>(n_tokens), std::memory_order_relaxed);
+    }
+}
+
+FlashStatsSnapshot FlashModel::stats() const {
+    FlashStatsSnapshot s;
+    s.graph_splits = splits_.load();
+    s.ffn_evals = ffn_evals_.load();
+    s.tokens = tokens_.load();
+    s.dense_lane_calls = dense_calls_.load();
+    s.compute_seconds = static_cast<double>(compute_ns_.load()) * 1e-9;
+    return s;
+}
+
+void FlashModel::reset_stats() {
+    splits_ = 0;
+    ffn_evals_ = 0;
+    tokens_ = 0;
+    dense_calls_ = 0;
+    compute_ns_ = 0;
+}
+
+}  // namespace llamaflash

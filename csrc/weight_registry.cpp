@@ -1,0 +1,100 @@
+// weight_registry.cpp — see weight_registry.h.
+#include "weight_registry.h"
+
+#include <cstdio>
+#include <cstring>
+
+namespace llamaflash {
+
+bool parse_ffn_weight_name(const char * name, int * layer, FfnWeightKind * kind) {
+    int il = -1;
+    int consumed = 0;
+    char which[8] = {0};
+    // "blk.%d.ffn_%4[a-z].weight" — check the full match by the consumed length
+    if (std::sscanf(name, "blk.%d.ffn_%4[a-z].weight%n", &il, which, &consumed) != 2 || consumed == 0 ||
+        name[consumed] != '\0' || il < 0) {
+        return false;
+    }
+    if (std::strcmp(which, "gate") == 0) {
+        *kind = FfnWeightKind::gate;
+    } else if (std::strcmp(which, "up") == 0) {
+        *kind = FfnWeightKind::up;
+    } else if (std::strcmp(which, "down") == 0) {
+        *kind = FfnWeightKind::down;
+    } else {
+        return false;
+    }
+    *layer = il;
+    return true;
+}
+
+WeightRegistry & WeightRegistry::instance() {
+    static WeightRegistry registry;
+    return registry;
+}
+
+void WeightRegistry::set_pending(std::shared_ptr<FlashModel> model) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_ = std::move(model);
+}
+
+void WeightRegistry::clear_pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.reset();
+}
+
+std::shared_ptr<FlashModel> WeightRegistry::pending() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_;
+}
+
+bool WeightRegistry::pending_serves(const char * name) const {
+    int layer = -1;
+    FfnWeightKind kind;
+    if (!parse_ffn_weight_name(name, &layer, &kind)) {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_ && pending_->serves_layer(layer);
+}
+
+bool WeightRegistry::bind(const ggml_tensor * tensor, ggml_backend_buffer_t buffer) {
+    int layer = -1;
+    FfnWeightKind kind;
+    if (!parse_ffn_weight_name(tensor->name, &layer, &kind)) {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!pending_ || !pending_->serves_layer(layer)) {
+        return false;
+    }
+    auto [it, inserted] = bound_.emplace(tensor, Entry{BoundWeight{pending_, layer, kind}, buffer});
+    if (inserted) {
+        pending_->count_bound();
+    }
+    return true;
+}
+
+const BoundWeight * WeightRegistry::lookup(const ggml_tensor * tensor) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = bound_.find(tensor);
+    return it == bound_.end() ? nullptr : &it->second.weight;
+}
+
+void WeightRegistry::unbind_buffer(ggml_backend_buffer_t buffer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = bound_.begin(); it != bound_.end();) {
+        if (it->second.buffer == buffer) {
+            it = bound_.erase(it);
+        } else {
+            ++it;
+        }
+    }
+}
+
+size_t WeightRegistry::bound_count() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bound_.size();
+}
+
+}  // namespace llamaflash
