@@ -1,0 +1,116 @@
+"""The bundle stage: neuron-major FFN weights of each served layer (sidecar format v1).
+
+For served layer L with neuron order ``order`` (identity unless a previous stage chose a
+hot-first order), the stage plans three tensors (see ``docs/SIDECAR.md``):
+
+* ``blk.L.ffn_bundle`` (I8, n_ff × bundle_stride): row k = base gate row order[k] then
+  base up row order[k], bytes copied unchanged (lossless, original ggml types), zero
+  padded to ``bundle_stride = round_up(gate_row_bytes + up_row_bytes, 64)``;
+* ``blk.L.ffn_down_t`` (n_ff × n_embd): row k = base down column order[k], dequantized and
+  requantized to Q8_0 (F16 when n_embd is not a multiple of 32);
+* ``blk.L.ffn_order`` (I32, n_ff): the order itself;
+
+and appends the layer's entries of the per-layer metadata arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import gguf
+import numpy as np
+
+from llamaflash import sidecar_format as fmt
+from llamaflash.converters.writer import PlannedTensor, SidecarPlan
+from llamaflash.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
+
+
+def bundle_stride(ffn: FfnLayer) -> int:
+    """Bytes per bundle row of ``ffn``: gate row + up row, rounded up to 64."""
+    raw = ffn.gate.row_bytes + ffn.up.row_bytes
+    align = fmt.BUNDLE_ROW_ALIGNMENT
+    return (raw + align - 1) // align * align
+
+
+def down_t_type(n_embd: int) -> gguf.GGMLQuantizationType:
+    """ggml type of the stored transposed down: Q8_0 if its blocks divide n_embd, else F16."""
+    if n_embd % fmt.DOWN_T_Q8_0_BLOCK == 0:
+        return gguf.GGMLQuantizationType.Q8_0
+    return gguf.GGMLQuantizationType.F16
+
+
+class BundleStage:
+    """Plans the bundle, transposed down and order tensors of every served layer.
+
+    ``orders`` maps a layer index to its neuron order (a permutation of range(n_ff));
+    layers not in it get the identity order.
+    """
+
+    def __init__(self, orders: Mapping[int, np.ndarray] | None = None) -> None:
+        self._orders = dict(orders or {})
+
+    def plan_layer(self, model: BaseModelInfo, ffn: FfnLayer, plan: SidecarPlan) -> None:
+        """Add layer ``ffn.layer``'s tensors and per-layer values to ``plan``."""
+        order = self._order(ffn)
+        stride = bundle_stride(ffn)
+        dt_type = down_t_type(ffn.n_embd)
+
+        plan.append_layer_value(fmt.KEY_N_FF, ffn.n_ff)
+        plan.append_layer_value(fmt.KEY_GATE_TYPES, ffn.gate.ggml_type)
+        plan.append_layer_value(fmt.KEY_UP_TYPES, ffn.up.ggml_type)
+        plan.append_layer_value(fmt.KEY_DOWN_TYPES, ffn.down.ggml_type)
+        plan.append_layer_value(fmt.KEY_DOWN_T_TYPES, int(dt_type))
+        plan.append_layer_value(fmt.KEY_BUNDLE_STRIDES, stride)
+
+        plan.add_tensor(PlannedTensor(
+            name=fmt.bundle_tensor_name(ffn.layer),
+            ggml_type=gguf.GGMLQuantizationType.I8,
+            shape=(ffn.n_ff, stride),
+            produce=lambda: build_bundle(model, ffn, order, stride),
+            layer=ffn.layer,
+        ))
+        plan.add_tensor(PlannedTensor(
+            name=fmt.down_t_tensor_name(ffn.layer),
+            ggml_type=dt_type,
+            shape=(ffn.n_ff, ffn.n_embd),
+            produce=lambda: build_down_t(model, ffn, order, dt_type),
+            layer=ffn.layer,
+        ))
+        plan.add_tensor(PlannedTensor(
+            name=fmt.order_tensor_name(ffn.layer),
+            ggml_type=gguf.GGMLQuantizationType.I32,
+            shape=(ffn.n_ff,),
+            produce=lambda: order,
+            layer=ffn.layer,
+        ))
+
+    def _order(self, ffn: FfnLayer) -> np.ndarray:
+        order = self._orders.get(ffn.layer)
+        if order is None:
+            return np.arange(ffn.n_ff, dtype=np.int32)
+        order = np.asarray(order, dtype=np.int32)
+        if order.shape != (ffn.n_ff,) or not np.array_equal(np.sort(order), np.arange(ffn.n_ff)):
+            raise ValueError(f"layer {ffn.layer}: neuron order is not a permutation of range({ffn.n_ff})")
+        return order
+
+
+def build_bundle(model: BaseModelInfo, ffn: FfnLayer, order: np.ndarray, stride: int) -> np.ndarray:
+    """The bundle of ``ffn`` as an int8 array (n_ff, stride); see the module docstring."""
+    gate = read_tensor_rows(model.path, ffn.gate)
+    up = read_tensor_rows(model.path, ffn.up)
+    g, u = ffn.gate.row_bytes, ffn.up.row_bytes
+    rows = np.zeros((ffn.n_ff, stride), dtype=np.uint8)
+    rows[:, :g] = gate[order]
+    rows[:, g:g + u] = up[order]
+    return rows.view(np.int8)
+
+
+def build_down_t(
+    model: BaseModelInfo, ffn: FfnLayer, order: np.ndarray, dtype: gguf.GGMLQuantizationType
+) -> np.ndarray:
+    """The transposed, reordered, requantized down of ``ffn``: ``dtype`` data of logical
+    shape (n_ff, n_embd) (raw block bytes for Q8_0)."""
+    raw = np.asarray(read_tensor_rows(model.path, ffn.down))
+    down = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ffn.down.ggml_type))  # (n_embd, n_ff)
+    down_t = np.ascontiguousarray(down.reshape(ffn.n_embd, ffn.n_ff).T[order], dtype=np.float32)
+    return gguf.quants.quantize(down_t, dtype)

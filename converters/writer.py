@@ -1,0 +1,189 @@
+"""The one write path of the converter: a :class:`SidecarPlan`, written atomically.
+
+Converter stages describe what goes into the sidecar by filling a :class:`SidecarPlan`:
+metadata keys, per-layer values (collected into per-layer uint32 arrays) and tensors
+whose data is produced lazily, one tensor at a time, in plan order, so that memory use
+stays at about one tensor however large the model. :func:`write_sidecar_atomically`
+then writes the plan with ``gguf.GGUFWriter`` to a temporary file beside the target,
+fsyncs it and renames it into place; on any failure (including KeyboardInterrupt) the
+temporary file is removed and nothing appears under the target name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from llamaflash import sidecar_format as fmt
+from llamaflash.errors import ConversionError, OutputExistsError
+
+#: Called after each tensor is written: (tensors written so far, total, tensor just written).
+ProgressCallback = Callable[[int, int, "PlannedTensor"], None]
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor to be written.
+
+    ``shape`` is the logical shape in numpy order (elements, not bytes; the last axis is
+    ggml's ne0). ``produce()`` is called once, when the tensor's turn comes, and must
+    return a C-contiguous array of exactly :attr:`nbytes` bytes in the layout of
+    ``ggml_type`` (for quantized types: the raw block bytes). ``layer`` is the served
+    layer the tensor belongs to, or None.
+    """
+
+    name: str
+    ggml_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    produce: Callable[[], np.ndarray]
+    layer: int | None = None
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        return gguf.quant_shape_to_byte_shape(self.shape, self.ggml_type)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.byte_shape))
+
+
+class SidecarPlan:
+    """Metadata and tensors of a sidecar, filled by converter stages, written by
+    :func:`write_sidecar_atomically`.
+
+    Keys are written in the order first set; tensors in the order added. Setting a key
+    twice is an error (two stages disagreeing about the format is a bug).
+    """
+
+    def __init__(self) -> None:
+        self._metadata: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]] = {}
+        self._layer_arrays: dict[str, list[int]] = {}
+        self.tensors: list[PlannedTensor] = []
+
+    # metadata -------------------------------------------------------------------------
+
+    def set_string(self, key: str, value: str) -> None:
+        self._set(key, value, gguf.GGUFValueType.STRING)
+
+    def set_uint32(self, key: str, value: int) -> None:
+        self._set(key, int(value), gguf.GGUFValueType.UINT32)
+
+    def set_uint64(self, key: str, value: int) -> None:
+        self._set(key, int(value), gguf.GGUFValueType.UINT64)
+
+    def set_uint32_array(self, key: str, values: Sequence[int]) -> None:
+        if not values:
+            raise ValueError(f"metadata array '{key}' would be empty; GGUF cannot store that")
+        self._set(key, [int(v) for v in values], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
+
+    def append_layer_value(self, key: str, value: int) -> None:
+        """Append ``value`` to the per-served-layer uint32 array ``key``.
+
+        Stages call this once per served layer, in layer order; the arrays are written as
+        uint32 arrays with one entry per served layer.
+        """
+        if key in self._metadata:
+            raise ValueError(f"metadata key '{key}' is already set as a whole")
+        self._layer_arrays.setdefault(key, []).append(int(value))
+
+    def metadata(self) -> list[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
+        """All keys, in write order, as (key, value, type, array element type)."""
+        items = [(k, v, t, s) for k, (v, t, s) in self._metadata.items()]
+        items += [(k, v, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
+                  for k, v in self._layer_arrays.items()]
+        return items
+
+    def _set(self, key: str, value: Any, vtype: gguf.GGUFValueType,
+             sub_type: gguf.GGUFValueType | None = None) -> None:
+        if key in self._metadata or key in self._layer_arrays:
+            raise ValueError(f"metadata key '{key}' is set twice")
+        self._metadata[key] = (value, vtype, sub_type)
+
+    # tensors --------------------------------------------------------------------------
+
+    def add_tensor(self, tensor: PlannedTensor) -> None:
+        if any(t.name == tensor.name for t in self.tensors):
+            raise ValueError(f"tensor '{tensor.name}' is planned twice")
+        self.tensors.append(tensor)
+
+
+def write_sidecar_atomically(
+    plan: SidecarPlan,
+    out_path: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    progress: ProgressCallback | None = None,
+) -> Path:
+    """Write ``plan`` as a GGUF sidecar at ``out_path`` and return the path.
+
+    The file is written as ``.<name>.tmp-<pid>`` in the same directory, fsynced, then
+    renamed over ``out_path`` (``os.replace``), and the directory is fsynced. Raises
+    :class:`OutputExistsError` if ``out_path`` exists and ``force`` is false, and
+    :class:`ConversionError` for an OS-level failure (missing directory, no permission,
+    disk full). On any exception the temporary file is removed and ``out_path`` is left
+    as it was.
+    """
+    out_path = Path(out_path)
+    if out_path.exists() and not force:
+        raise OutputExistsError(
+            f"{out_path}: already exists. Pass --force (force=True) to overwrite it."
+        )
+    if not out_path.parent.is_dir():
+        raise ConversionError(
+            f"{out_path}: the directory {out_path.parent} does not exist. Create it or "
+            "choose another output path."
+        )
+    tmp_path = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    try:
+        _write_gguf(plan, tmp_path, progress)
+        _fsync_path(tmp_path)
+        os.replace(tmp_path, out_path)
+        _fsync_path(out_path.parent)
+    except OSError as exc:
+        tmp_path.unlink(missing_ok=True)
+        raise ConversionError(
+            f"{out_path}: writing the sidecar failed ({exc}); nothing was written. "
+            "Check free disk space and permissions, then retry."
+        ) from exc
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+def _write_gguf(plan: SidecarPlan, path: Path, progress: ProgressCallback | None) -> None:
+    writer = gguf.GGUFWriter(path, fmt.SIDECAR_ARCHITECTURE)
+    try:
+        writer.add_custom_alignment(fmt.SIDECAR_ALIGNMENT)
+        for key, value, vtype, sub_type in plan.metadata():
+            writer.add_key_value(key, value, vtype, sub_type=sub_type)
+        for t in plan.tensors:
+            writer.add_tensor_info(t.name, t.byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.ggml_type)
+        writer.write_header_to_file(path)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for i, t in enumerate(plan.tensors):
+            data = np.ascontiguousarray(t.produce())
+            if data.nbytes != t.nbytes:
+                raise ValueError(
+                    f"tensor '{t.name}': produced {data.nbytes} bytes, planned {t.nbytes}"
+                )
+            writer.write_tensor_data(data)
+            if progress is not None:
+                progress(i + 1, len(plan.tensors), t)
+    finally:
+        writer.close()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,71 @@
+"""Exceptions raised by llamaflash.
+
+Every exception llamaflash raises on purpose derives from :class:`LlamaflashError`. Its
+message is meant for the user as is: it names the file concerned, says what is wrong
+with it, and says how to get out (usually which command to run). The command line prints
+the message and exits with status 2, without a traceback.
+
+Some classes also derive from a built-in exception so that generic handlers keep
+working: a missing file is a :class:`FileNotFoundError`, a bad base model a
+:class:`ValueError`.
+"""
+
+from __future__ import annotations
+
+
+class LlamaflashError(Exception):
+    """Base of every error llamaflash raises deliberately; the message is user-facing."""
+
+
+# --------------------------------------------------------------------------------------
+# Sidecar problems
+# --------------------------------------------------------------------------------------
+
+
+class SidecarError(LlamaflashError):
+    """A sidecar file (``*.flash.gguf``) is missing, unreadable or does not fit its model."""
+
+
+class SidecarNotFoundError(SidecarError, FileNotFoundError):
+    """The sidecar file does not exist."""
+
+
+class SidecarFormatError(SidecarError):
+    """The file is not a well-formed llamaflash sidecar (not GGUF, truncated, wrong
+    ``general.architecture``, missing or malformed keys or tensors)."""
+
+
+class SidecarVersionError(SidecarError):
+    """The sidecar's format version is not one this llamaflash can read."""
+
+
+class SidecarMismatchError(SidecarError):
+    """The sidecar was converted from a different base model than the one given."""
+
+
+# --------------------------------------------------------------------------------------
+# Base model problems
+# --------------------------------------------------------------------------------------
+
+
+class BaseModelError(LlamaflashError, ValueError):
+    """The base model GGUF cannot be used: not a GGUF, truncated, corrupt, or of an
+    architecture llamaflash does not serve."""
+
+
+class BaseModelNotFoundError(BaseModelError, FileNotFoundError):
+    """The base model file does not exist."""
+
+
+# --------------------------------------------------------------------------------------
+# Conversion problems
+# --------------------------------------------------------------------------------------
+
+
+class ConversionError(LlamaflashError):
+    """Writing a sidecar failed (output exists, unwritable location, disk full, ...).
+    Nothing is left under the output name when this is raised."""
+
+
+class OutputExistsError(ConversionError, FileExistsError):
+    """The conversion's output file already exists and overwriting was not requested."""

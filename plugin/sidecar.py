@@ -1,0 +1,397 @@
+"""Reading and validating a llamaflash sidecar, alone or against its base model.
+
+:func:`read_sidecar` parses a ``*.flash.gguf`` and checks it against format v1 (see
+``docs/SIDECAR.md``), returning a :class:`SidecarInfo` whose :class:`LayerLayout` entries
+give absolute byte offsets of every per-layer tensor. :func:`validate_pair` additionally
+checks that the sidecar was converted from the given base model and fills in where that
+model's own FFN tensors lie; its layouts are what the native backend is given
+(``[layer.to_dict() for layer in info.layers]``).
+
+All offsets are absolute file offsets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+import gguf
+import numpy as np
+
+from llamaflash import sidecar_format as fmt
+from llamaflash.errors import (
+    SidecarFormatError,
+    SidecarMismatchError,
+    SidecarNotFoundError,
+    SidecarVersionError,
+)
+from llamaflash.gguf_header import (
+    UNSIGNED_TYPES,
+    GGUFHeader,
+    GGUFHeaderError,
+    MetadataValue,
+    TensorInfo,
+    ValueType,
+    read_gguf_header,
+)
+from llamaflash.gguf_model import (
+    BaseModelInfo,
+    base_identity,
+    ggml_row_bytes,
+    read_base_model,
+)
+
+_I8 = int(gguf.GGMLQuantizationType.I8)
+_I32 = int(gguf.GGMLQuantizationType.I32)
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where one served layer's FFN lives, in the sidecar and in the base model.
+
+    Sidecar side (absolute offsets into the sidecar file):
+      * bundle at ``bundle_offset``: ``n_ff`` rows of ``bundle_stride`` bytes; row k holds
+        the base gate row ``order[k]`` (``gate_row_bytes`` bytes, ggml type ``gate_type``)
+        then the base up row ``order[k]`` (``up_row_bytes``, ``up_type``), zero padded;
+      * down_t at ``down_t_offset``: ``n_ff`` rows of ``down_t_row_bytes`` bytes of type
+        ``down_t_type``; row k = base down column ``order[k]`` (n_embd values);
+      * order at ``order_offset``: ``n_ff`` little-endian int32, a permutation of
+        ``range(n_ff)``; order[k] = base neuron index stored at position k.
+
+    Base-model side (absolute offsets into the base GGUF): ``base_gate_offset``,
+    ``base_up_offset`` (n_ff rows of gate/up row bytes) and ``base_down_offset``
+    (n_embd rows of ``base_down_row_bytes`` bytes, type ``base_down_type``). The three
+    offsets are None in a layout from :func:`read_sidecar` and set by
+    :func:`validate_pair`.
+    """
+
+    layer: int
+    n_embd: int
+    n_ff: int
+    gate_type: int
+    up_type: int
+    gate_row_bytes: int
+    up_row_bytes: int
+    bundle_offset: int
+    bundle_stride: int
+    down_t_type: int
+    down_t_offset: int
+    down_t_row_bytes: int
+    order_offset: int
+    base_down_type: int
+    base_down_row_bytes: int
+    base_gate_offset: int | None = None
+    base_up_offset: int | None = None
+    base_down_offset: int | None = None
+
+    @property
+    def is_resolved(self) -> bool:
+        """True when the base-model offsets are known (layout came from :func:`validate_pair`)."""
+        return None not in (self.base_gate_offset, self.base_up_offset, self.base_down_offset)
+
+    def to_dict(self) -> dict[str, int]:
+        """All fields as a plain ``{name: int}`` dict, as handed to the native backend.
+
+        Raises ValueError if the base-model offsets are not resolved: a layout for the
+        backend must come from :func:`validate_pair`.
+        """
+        if not self.is_resolved:
+            raise ValueError(
+                f"layer {self.layer}: base-model offsets unknown; use validate_pair() to get "
+                "layouts for the native backend"
+            )
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SidecarInfo:
+    """Everything a v1 sidecar declares, checked for consistency."""
+
+    path: Path
+    format_version: int
+    base_identity: str
+    base_arch: str
+    base_name: str
+    base_file_size: int
+    activation: str
+    n_embd: int
+    converter_version: str
+    layers: list[LayerLayout] = field(default_factory=list)
+
+
+def default_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
+    """The sidecar path that belongs to ``model_path``: ``dir/model.gguf`` → ``dir/model.flash.gguf``.
+
+    The model's name loses a trailing ``.gguf`` (any case) before the sidecar suffix is added.
+    """
+    model_path = Path(model_path)
+    name = model_path.name
+    if name.lower().endswith(fmt.BASE_MODEL_SUFFIX):
+        name = name[: -len(fmt.BASE_MODEL_SUFFIX)]
+    return model_path.with_name(name + fmt.SIDECAR_SUFFIX)
+
+
+def read_sidecar(
+    path: str | os.PathLike[str], *, model_path: str | os.PathLike[str] | None = None
+) -> SidecarInfo:
+    """Parse and check the sidecar at ``path``.
+
+    ``model_path``, the base model if known, is only used in the command that error
+    messages suggest (otherwise it is guessed from the sidecar's name).
+
+    Raises :class:`SidecarNotFoundError` if it does not exist, :class:`SidecarVersionError`
+    if its format version is not in :data:`~llamaflash.sidecar_format.SUPPORTED_FORMAT_VERSIONS`,
+    and :class:`SidecarFormatError` for anything else wrong: not a GGUF, truncated or
+    corrupt, not a llamaflash file, missing/mistyped keys, tensors missing, of the wrong
+    type or shape, misaligned, or an order that is not a permutation.
+    """
+    path = Path(path)
+    model = Path(model_path) if model_path is not None else None
+    hint = f"Re-run {_convert_command(path, model, force=True)} to re-create it."
+    header = _read_header(path, model, hint)
+    fields = _Fields(header.metadata, path, hint)
+
+    arch = fields.optional_string(fmt.GENERAL_ARCHITECTURE)
+    if arch != fmt.SIDECAR_ARCHITECTURE:
+        raise SidecarFormatError(
+            f"{path}: not a llamaflash sidecar (its general.architecture is {arch!r}, not "
+            f"{fmt.SIDECAR_ARCHITECTURE!r}; is it the base model?). Pass the "
+            f"'*{fmt.SIDECAR_SUFFIX}' file written by `llamaflash convert`."
+        )
+    version = fields.uint(fmt.KEY_FORMAT_VERSION)
+    if version not in fmt.SUPPORTED_FORMAT_VERSIONS:
+        supported = ", ".join(str(v) for v in fmt.SUPPORTED_FORMAT_VERSIONS)
+        newer = (" It was written by a newer llamaflash: upgrade llamaflash, or"
+                 if version > max(fmt.SUPPORTED_FORMAT_VERSIONS) else "")
+        raise SidecarVersionError(
+            f"{path}: sidecar format version {version} is not supported (this llamaflash "
+            f"reads version {supported}).{newer} {hint}"
+        )
+    alignment = fields.uint(fmt.GENERAL_ALIGNMENT)
+    if alignment != fmt.SIDECAR_ALIGNMENT:
+        fields.fail(f"general.alignment is {alignment}, expected {fmt.SIDECAR_ALIGNMENT}")
+
+    activation = fields.string(fmt.KEY_FFN_ACTIVATION)
+    if activation not in fmt.ACTIVATIONS:
+        fields.fail(f"unknown FFN activation {activation!r}")
+    n_embd = fields.uint(fmt.KEY_N_EMBD)
+    layer_ids = fields.uint_array(fmt.KEY_LAYERS)
+    if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
+        fields.fail(f"'{fmt.KEY_LAYERS}' is not strictly increasing: {layer_ids}")
+    per_layer = {key: fields.uint_array(key, length=len(layer_ids)) for key in fmt.PER_LAYER_ARRAY_KEYS}
+
+    tensors = {t.name: t for t in header.tensors}
+    layers = []
+    for i, layer in enumerate(layer_ids):
+        layers.append(_layer_layout(
+            fields, tensors, layer, n_embd, {key: values[i] for key, values in per_layer.items()},
+        ))
+
+    return SidecarInfo(
+        path=path,
+        format_version=version,
+        base_identity=fields.string(fmt.KEY_BASE_IDENTITY),
+        base_arch=fields.string(fmt.KEY_BASE_ARCHITECTURE),
+        base_name=fields.optional_string(fmt.KEY_BASE_NAME) or "",
+        base_file_size=fields.uint(fmt.KEY_BASE_FILE_SIZE),
+        activation=activation,
+        n_embd=n_embd,
+        converter_version=fields.optional_string(fmt.KEY_CONVERTER_VERSION) or "",
+        layers=layers,
+    )
+
+
+def validate_pair(
+    model_path: str | os.PathLike[str], sidecar_path: str | os.PathLike[str]
+) -> SidecarInfo:
+    """Check that ``sidecar_path`` belongs to ``model_path``; return its info with every
+    layout's base-model offsets resolved.
+
+    Raises what :func:`~llamaflash.gguf_model.read_base_model` raises for a bad model,
+    what :func:`read_sidecar` raises for a bad sidecar, and :class:`SidecarMismatchError`
+    when the sidecar was converted from a different model.
+    """
+    model_path = Path(model_path)
+    model = read_base_model(model_path)
+    info = read_sidecar(sidecar_path, model_path=model_path)
+    identity = base_identity(model_path, model)
+    if identity != info.base_identity:
+        raise SidecarMismatchError(
+            f"{info.path} does not belong to {model_path}: it was converted from "
+            f"{_describe_base(info)} (identity {info.base_identity[:16]}…), but "
+            f"{model_path} is {_describe_model(model)} (identity {identity[:16]}…). "
+            f"Re-run `llamaflash convert {model_path} --force`, or pass the sidecar made "
+            "from this model."
+        )
+    return dataclasses.replace(info, layers=[_resolve(info, model, lay) for lay in info.layers])
+
+
+# --------------------------------------------------------------------------------------
+# internals
+# --------------------------------------------------------------------------------------
+
+
+def _guess_model_path(sidecar_path: Path) -> Path:
+    """The base model a sidecar's name points to: ``m.flash.gguf`` → ``m.gguf``."""
+    name = sidecar_path.name
+    if name.endswith(fmt.SIDECAR_SUFFIX):
+        return sidecar_path.with_name(name[: -len(fmt.SIDECAR_SUFFIX)] + fmt.BASE_MODEL_SUFFIX)
+    return Path("<base model>.gguf")
+
+
+def _convert_command(sidecar_path: Path, model_path: Path | None, force: bool = False) -> str:
+    """The `llamaflash convert` command that (re-)creates ``sidecar_path``, quoted."""
+    model = model_path if model_path is not None else _guess_model_path(sidecar_path)
+    words = ["llamaflash", "convert", str(model)]
+    if default_sidecar_path(model) != sidecar_path:
+        words += ["-o", str(sidecar_path)]
+    if force:
+        words.append("--force")
+    return "`" + " ".join(words) + "`"
+
+
+def _read_header(path: Path, model_path: Path | None, hint: str) -> GGUFHeader:
+    """Parse ``path``'s GGUF header, turning every failure into a user-facing error
+    (ending with ``hint`` when the file exists)."""
+    if not path.exists():
+        raise SidecarNotFoundError(
+            f"{path}: no such sidecar file. Create it with {_convert_command(path, model_path)}."
+        )
+    if not path.is_file():
+        raise SidecarFormatError(f"{path}: not a regular file. Pass the path of a '*{fmt.SIDECAR_SUFFIX}' file.")
+    try:
+        return read_gguf_header(path)
+    except OSError as exc:
+        raise SidecarFormatError(f"{path}: cannot be read ({exc.strerror or exc}).") from exc
+    except GGUFHeaderError as exc:
+        what = "so not a llamaflash sidecar" if exc.kind == GGUFHeaderError.NOT_GGUF else "unusable sidecar"
+        raise SidecarFormatError(f"{path}: {exc}, {what}. {hint}") from exc
+
+
+class _Fields:
+    """Typed access to a sidecar's metadata, failing with :class:`SidecarFormatError`."""
+
+    def __init__(self, metadata: dict[str, MetadataValue], path: Path, hint: str) -> None:
+        self._metadata = metadata
+        self.path = path
+        self._hint = hint
+
+    def fail(self, problem: str) -> NoReturn:
+        raise SidecarFormatError(f"{self.path}: malformed sidecar: {problem}. {self._hint}")
+
+    def _get(self, key: str) -> MetadataValue:
+        f = self._metadata.get(key)
+        if f is None:
+            self.fail(f"metadata key '{key}' is missing")
+        return f
+
+    def optional_string(self, key: str) -> str | None:
+        return self.string(key) if key in self._metadata else None
+
+    def string(self, key: str) -> str:
+        f = self._get(key)
+        if f.type != ValueType.STRING:
+            self.fail(f"metadata key '{key}' is not a string")
+        return f.value
+
+    def uint(self, key: str) -> int:
+        f = self._get(key)
+        if f.type not in UNSIGNED_TYPES:
+            self.fail(f"metadata key '{key}' is not an unsigned integer")
+        return int(f.value)
+
+    def uint_array(self, key: str, length: int | None = None) -> list[int]:
+        f = self._get(key)
+        if f.type != ValueType.ARRAY or f.element_type not in UNSIGNED_TYPES:
+            self.fail(f"metadata key '{key}' is not an array of unsigned integers")
+        values = [int(v) for v in f.value]
+        if length is not None and len(values) != length:
+            self.fail(f"metadata key '{key}' has {len(values)} entries, expected {length}")
+        return values
+
+
+def _layer_layout(
+    fields: _Fields, tensors: dict[str, TensorInfo], layer: int, n_embd: int, meta: dict[str, int]
+) -> LayerLayout:
+    n_ff = meta[fmt.KEY_N_FF]
+    stride = meta[fmt.KEY_BUNDLE_STRIDES]
+    gate_type, up_type = meta[fmt.KEY_GATE_TYPES], meta[fmt.KEY_UP_TYPES]
+    down_type, down_t_type = meta[fmt.KEY_DOWN_TYPES], meta[fmt.KEY_DOWN_T_TYPES]
+    try:
+        gate_row = ggml_row_bytes(gate_type, n_embd)
+        up_row = ggml_row_bytes(up_type, n_embd)
+        down_row = ggml_row_bytes(down_type, n_ff)
+        down_t_row = ggml_row_bytes(down_t_type, n_embd)
+    except (ValueError, KeyError) as exc:
+        fields.fail(f"layer {layer}: bad ggml type or size ({exc})")
+    if stride < gate_row + up_row or stride % fmt.BUNDLE_ROW_ALIGNMENT:
+        fields.fail(
+            f"layer {layer}: bundle stride {stride} cannot hold {gate_row}+{up_row} bytes "
+            f"or is not a multiple of {fmt.BUNDLE_ROW_ALIGNMENT}"
+        )
+
+    bundle = _tensor(fields, tensors, fmt.bundle_tensor_name(layer), _I8, (stride, n_ff))
+    down_t = _tensor(fields, tensors, fmt.down_t_tensor_name(layer), down_t_type, (n_embd, n_ff))
+    order = _tensor(fields, tensors, fmt.order_tensor_name(layer), _I32, (n_ff,))
+    order_values = np.fromfile(fields.path, dtype="<i4", count=n_ff, offset=order.offset)
+    if not np.array_equal(np.sort(order_values), np.arange(n_ff)):
+        fields.fail(f"layer {layer}: '{order.name}' is not a permutation of 0..{n_ff - 1}")
+
+    return LayerLayout(
+        layer=layer, n_embd=n_embd, n_ff=n_ff,
+        gate_type=gate_type, up_type=up_type,
+        gate_row_bytes=gate_row, up_row_bytes=up_row,
+        bundle_offset=bundle.offset, bundle_stride=stride,
+        down_t_type=down_t_type, down_t_offset=down_t.offset, down_t_row_bytes=down_t_row,
+        order_offset=order.offset,
+        base_down_type=down_type, base_down_row_bytes=down_row,
+    )
+
+
+def _tensor(
+    fields: _Fields, tensors: dict[str, TensorInfo], name: str, ggml_type: int, shape: tuple[int, ...]
+) -> TensorInfo:
+    """The tensor ``name``, checked for type, ggml shape and alignment (the header reader
+    has already checked that its data lies inside the file)."""
+    t = tensors.get(name)
+    if t is None:
+        fields.fail(f"tensor '{name}' is missing")
+    if t.ggml_type != ggml_type:
+        fields.fail(f"tensor '{name}' has ggml type {t.ggml_type}, expected {ggml_type}")
+    if t.shape != shape:
+        fields.fail(f"tensor '{name}' has ggml shape {list(t.shape)}, expected {list(shape)}")
+    if t.offset % fmt.SIDECAR_ALIGNMENT:
+        fields.fail(f"tensor '{name}' data at offset {t.offset} is not {fmt.SIDECAR_ALIGNMENT}-aligned")
+    return t
+
+
+def _describe_base(info: SidecarInfo) -> str:
+    name = f"'{info.base_name}'" if info.base_name else "an unnamed model"
+    return f"{name} ({info.base_arch}, {info.base_file_size} bytes)"
+
+
+def _describe_model(model: BaseModelInfo) -> str:
+    name = f"'{model.name}'" if model.name else "an unnamed model"
+    return f"{name} ({model.architecture}, {model.file_size} bytes)"
+
+
+def _resolve(info: SidecarInfo, model: BaseModelInfo, layout: LayerLayout) -> LayerLayout:
+    """``layout`` with the base-model offsets filled in, after checking the model agrees."""
+    ffn = {f.layer: f for f in model.ffn_layers}.get(layout.layer)
+    expected = None if ffn is None else (
+        ffn.n_embd, ffn.n_ff, ffn.gate.ggml_type, ffn.up.ggml_type, ffn.down.ggml_type)
+    actual = (layout.n_embd, layout.n_ff, layout.gate_type, layout.up_type, layout.base_down_type)
+    if expected != actual:
+        raise SidecarMismatchError(
+            f"{info.path}: layer {layout.layer} (n_embd, n_ff, gate/up/down types) = {actual} "
+            f"but {model.path} has {expected}. Re-run `llamaflash convert {model.path} --force`."
+        )
+    return dataclasses.replace(
+        layout,
+        base_gate_offset=ffn.gate.offset,
+        base_up_offset=ffn.up.offset,
+        base_down_offset=ffn.down.offset,
+    )
