@@ -193,6 +193,8 @@ def _run(spec: dict) -> dict:
         "tokens": tokens,
         "peak_rss_kb": ru.ru_maxrss,
         "peak_rss_mb": ru.ru_maxrss / 1024,
+        "anon_mb": mem_end.get("RssAnon", 0) / 1024,  # after generation
+        "file_mb": mem_end.get("RssFile", 0) / 1024,
         "mem_after_load_kb": mem_after_load,
         "mem_end_kb": mem_end,
         "io": {k: io1.get(k, 0) - io0.get(k, 0) for k in ("rchar", "read_bytes", "syscr")},

@@ -272,7 +272,7 @@ def summarize(runs: list[dict[str, Any]], configs: Sequence[str], baseline: str 
     for cfg in configs:
         rs = [r for r in ok if r["config"] == cfg]
         row: dict[str, Any] = {"config": cfg, "n_ok": len(rs), "n_failed": sum(1 for r in runs if r["config"] == cfg and not r.get("ok"))}
-        for key in ("prefill_tps", "decode_tps", "peak_rss_mb", "load_s", "foreign_cpu"):
+        for key in ("prefill_tps", "decode_tps", "peak_rss_mb", "anon_mb", "file_mb", "load_s", "foreign_cpu"):
             vals = [r.get(key) for r in rs]
             vals = [v for v in vals if v is not None]
             row[key] = median(vals)
@@ -302,7 +302,7 @@ def _fmt(v: Any, spec: str, none: str = "-") -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'config':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9} "
-        f"{'peak RSS MB':>12} {'greedy agree':>13}  {'reps':>4} {'other load':>10}"
+        f"{'peak RSS MB':>12} {'anon MB':>8} {'greedy agree':>13}  {'reps':>4} {'other load':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -313,7 +313,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['config']:<10} {_fmt(r['prefill_tps'], '.1f'):>14} {_fmt(r['decode_tps'], '.1f'):>13} "
             f"{_fmt(r['prefill_x'], '.3f'):>10} {_fmt(r['decode_x'], '.3f'):>9} "
-            f"{_fmt(r['peak_rss_mb'], '.0f'):>12} {agree:>13}  {reps:>4} {_fmt(r.get('foreign_cpu_max'), '.1%'):>10}"
+            f"{_fmt(r['peak_rss_mb'], '.0f'):>12} {_fmt(r.get('anon_mb'), '.0f'):>8} {agree:>13}  {reps:>4} {_fmt(r.get('foreign_cpu_max'), '.1%'):>10}"
         )
     return "\n".join(lines)
 

@@ -20,7 +20,7 @@ def test_greedy_agreement():
 
 def _run(config, rep, prefill, decode, tokens, ok=True):
     return {"ok": ok, "config": config, "rep": rep, "prefill_tps": prefill, "decode_tps": decode,
-            "peak_rss_mb": 100.0, "load_s": 0.1, "foreign_cpu": 0.01, "tokens": tokens}  # fmt: skip
+            "peak_rss_mb": 100.0, "anon_mb": 50.0, "load_s": 0.1, "foreign_cpu": 0.01, "tokens": tokens}  # fmt: skip
 
 
 def test_summarize_medians_ratios_and_failures():
