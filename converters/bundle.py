@@ -26,10 +26,10 @@ from llamaflash.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
 
 
 def bundle_stride(ffn: FfnLayer) -> int:
-    """Bytes per bundle row of ``ffn``: gate row + up row, rounded up to 64."""
-    raw = ffn.gate.row_bytes + ffn.up.row_bytes
-    align = fmt.BUNDLE_ROW_ALIGNMENT
-    return (raw + align - 1) // align * align
+    """Bytes per bundle row of ``ffn`` (see :func:`llamaflash.sidecar_format.bundle_stride`)."""
+    return fmt.bundle_stride(ffn.gate.row_bytes, ffn.up.row_bytes,
+                             gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ffn.gate.ggml_type)][1],
+                             gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ffn.up.ggml_type)][1])
 
 
 def down_t_type(n_embd: int) -> gguf.GGMLQuantizationType:

@@ -97,4 +97,9 @@ size_t WeightRegistry::bound_count() const {
     return bound_.size();
 }
 
+const ggml_tensor * WeightRegistry::any_bound() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bound_.empty() ? nullptr : bound_.begin()->first;
+}
+
 }  // namespace llamaflash

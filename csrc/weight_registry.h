@@ -52,6 +52,9 @@ public:
 
     size_t bound_count() const;
 
+    // Some bound weight, or nullptr (diagnostics and tests).
+    const ggml_tensor * any_bound() const;
+
 private:
     mutable std::mutex mu_;
     std::shared_ptr<FlashModel> pending_;

@@ -313,6 +313,10 @@ class _Fields:
         return values
 
 
+def _block_bytes(ggml_type: int) -> int:
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)][1]
+
+
 def _layer_layout(
     fields: _Fields, tensors: dict[str, TensorInfo], layer: int, n_embd: int, meta: dict[str, int]
 ) -> LayerLayout:
@@ -327,10 +331,12 @@ def _layer_layout(
         down_t_row = ggml_row_bytes(down_t_type, n_embd)
     except (ValueError, KeyError) as exc:
         fields.fail(f"layer {layer}: bad ggml type or size ({exc})")
-    if stride < gate_row + up_row or stride % fmt.BUNDLE_ROW_ALIGNMENT:
+    expected_stride = fmt.bundle_stride(gate_row, up_row, _block_bytes(gate_type),
+                                        _block_bytes(up_type))
+    if stride != expected_stride:
         fields.fail(
-            f"layer {layer}: bundle stride {stride} cannot hold {gate_row}+{up_row} bytes "
-            f"or is not a multiple of {fmt.BUNDLE_ROW_ALIGNMENT}"
+            f"layer {layer}: bundle stride {stride} does not match the v1 rule for {gate_row}+{up_row} "
+            f"byte rows (expected {expected_stride})"
         )
 
     bundle = _tensor(fields, tensors, fmt.bundle_tensor_name(layer), _I8, (stride, n_ff))

@@ -13,6 +13,8 @@ re-laid out neuron-major (see :func:`bundle_tensor_name`, :func:`down_t_tensor_n
 
 from __future__ import annotations
 
+import math
+
 import re
 
 # --------------------------------------------------------------------------------------
@@ -40,8 +42,16 @@ SIDECAR_ARCHITECTURE = "llamaflash"
 #: (absolute file offset), so it can be read with O_DIRECT.
 SIDECAR_ALIGNMENT = 4096
 
-#: Each bundle row (gate row + up row) is zero padded to a multiple of this many bytes.
-BUNDLE_ROW_ALIGNMENT = 64
+def bundle_stride(gate_row_bytes: int, up_row_bytes: int, gate_block_bytes: int, up_block_bytes: int) -> int:
+    """Bytes per bundle row: gate row + up row, zero padded to a multiple of both types' block sizes.
+
+    A run of bundles viewed with row stride ``bundle_stride`` is then a valid ggml matrix of the gate
+    (or up) type: ggml's kernels address row r at ``r * nb[1]`` and its blocked matrix kernels need
+    ``nb[1]`` to be a whole number of blocks. With equal gate/up types there is no padding.
+    """
+    unit = math.lcm(gate_block_bytes, up_block_bytes)
+    raw = gate_row_bytes + up_row_bytes
+    return (raw + unit - 1) // unit * unit
 
 #: File name suffix of a sidecar; ``model.gguf`` → ``model.flash.gguf``.
 SIDECAR_SUFFIX = ".flash.gguf"

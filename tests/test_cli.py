@@ -69,7 +69,7 @@ def test_inspect_describes_the_sidecar(tiny_llama_q8_0, tmp_path):
     assert "ffn activation:   silu" in text
     layer_lines = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])]
     assert layer_lines == [
-        [str(i), "64", "128", "Q8_0", "Q8_0", "Q8_0", "Q8_0", "192", str(128 * 192), str(128 * 68)]
+        [str(i), "64", "128", "Q8_0", "Q8_0", "Q8_0", "Q8_0", "136", str(128 * 136), str(128 * 68)]
         for i in (0, 1)
     ]
 

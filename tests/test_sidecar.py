@@ -12,6 +12,8 @@ d/2 + 127·d·2⁻¹¹ < 0.57·amax/127 per element of that block. F16 (n_embd n
 
 from __future__ import annotations
 
+import math
+
 import shutil
 from pathlib import Path
 
@@ -219,7 +221,11 @@ def test_round_trip_is_exact_for_gate_up_and_within_tolerance_for_down(tiny_mode
             ffn.gate.ggml_type, ffn.up.ggml_type, ffn.down.ggml_type)
         assert (lay.base_gate_offset, lay.base_up_offset, lay.base_down_offset) == (
             ffn.gate.offset, ffn.up.offset, ffn.down.offset)
-        assert lay.bundle_stride % 64 == 0 and lay.bundle_stride - 64 < lay.gate_row_bytes + lay.up_row_bytes
+        gate_block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(lay.gate_type)][1]
+        up_block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(lay.up_type)][1]
+        assert lay.bundle_stride % gate_block == 0 and lay.bundle_stride % up_block == 0
+        assert lay.gate_row_bytes + lay.up_row_bytes <= lay.bundle_stride
+        assert lay.bundle_stride - math.lcm(gate_block, up_block) < lay.gate_row_bytes + lay.up_row_bytes
         expected_down_t = "Q8_0" if lay.n_embd % 32 == 0 else "F16"
         assert gguf.GGMLQuantizationType(lay.down_t_type).name == expected_down_t
         for offset in (lay.bundle_offset, lay.down_t_offset, lay.order_offset):

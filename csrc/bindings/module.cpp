@@ -9,6 +9,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <vector>
+
 namespace py = pybind11;
 using namespace llamaflash;
 
@@ -93,4 +95,16 @@ PYBIND11_MODULE(_native, m) {
     }, "Make `model` the one whose FFN weights llama.cpp's next model load places on the device.");
     m.def("end_model_load", [] { WeightRegistry::instance().clear_pending(); });
     m.def("bound_weight_count", [] { return WeightRegistry::instance().bound_count(); });
+
+    // Test hook: reads the bytes of a bound phantom weight the way another backend would have to
+    // (ggml_backend_tensor_get). The safety net must abort the process with a message; the test
+    // suite runs this in a subprocess.
+    m.def("_read_phantom_weight_for_tests", [] {
+        const ggml_tensor * t = WeightRegistry::instance().any_bound();
+        if (t == nullptr) {
+            throw std::runtime_error("no phantom weight is bound");
+        }
+        std::vector<uint8_t> bytes(ggml_nbytes(t));
+        ggml_backend_tensor_get(t, bytes.data(), 0, bytes.size());
+    });
 }
