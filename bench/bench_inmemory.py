@@ -11,8 +11,8 @@ file (and sidecar) are read once beforehand so every run starts with them in the
 
 Configs: "stock" (llama_cpp.Llama), "stock2" (the same again: a check that the ratios come out at
 ~1.0), anything else is a llamaflash ``flash_mode`` ("dense", ...) and uses the sidecar
-``<stem>.flash.gguf`` beside the model, converted first with ``python -m llamaflash.cli convert``
-when missing.
+``<stem>.flash.gguf`` beside the model (or --sidecar), converted first with
+``python -m llamaflash.cli convert`` when missing or with --reconvert (conversion time is reported).
 
 The machine may be shared: before each run the script waits (--quiet-wait) until the cores are
 idle, every run measures the share of the cores other processes used while it was timed ("other
@@ -46,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-batch", type=int, default=512)
     p.add_argument("--configs", default="stock,dense", help="comma-separated; 'stock' is the baseline")
     p.add_argument("--sidecar", type=Path, default=None, help="sidecar path (default <stem>.flash.gguf beside the model)")
+    p.add_argument("--reconvert", action="store_true", help="convert the sidecar again even if it exists")
     p.add_argument("--json", type=Path, default=None, help="output JSON (default bench/results/<model>-<timestamp>.json)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--quiet-wait", type=float, default=60,
@@ -67,14 +68,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def ensure_sidecar(model: Path, sidecar: Path) -> dict | None:
-    """Convert once when the sidecar is missing; returns what was done (or None)."""
-    if sidecar.is_file():
+def ensure_sidecar(model: Path, sidecar: Path, force: bool = False) -> dict | None:
+    """Convert once when the sidecar is missing (or ``force``); returns what was done (or None)."""
+    if sidecar.is_file() and not force:
         return None
-    if sidecar != common.sidecar_path_for(model):
-        raise SystemExit(f"sidecar {sidecar} does not exist (only the default location is converted automatically)")
     cmd = [sys.executable, "-m", "llamaflash.cli", "convert", str(model)]
-    print(f"sidecar {sidecar} missing: {' '.join(cmd)}", flush=True)
+    if sidecar != common.sidecar_path_for(model):
+        cmd += ["-o", str(sidecar)]
+    if force:
+        cmd.append("--force")
+    print(f"converting: {' '.join(cmd)}", flush=True)
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     dt = time.perf_counter() - t
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
     model_path, model_name, model_sha = common.resolve_model(args.model)
     flash_configs = [c for c in args.configs if c not in common.STOCK_CONFIGS]
     sidecar = (args.sidecar or common.sidecar_path_for(model_path)).resolve()
-    conversion = ensure_sidecar(model_path, sidecar) if flash_configs else None
+    conversion = ensure_sidecar(model_path, sidecar, force=args.reconvert) if flash_configs else None
     if not args.no_warm_cache:
         common.warm_page_cache(model_path)
         if flash_configs:
