@@ -19,6 +19,7 @@ ggml_tensor * leaf_over(ggml_context * ctx, const ggml_tensor * t) {
     std::memcpy(leaf->nb, t->nb, sizeof(leaf->nb));
     leaf->data = t->data;
     leaf->buffer = t->buffer;
+    leaf->extra = t->extra;
     std::memcpy(leaf->name, t->name, sizeof(leaf->name));
     return leaf;
 }
@@ -43,6 +44,7 @@ void DenseLane::set_n_threads(int n_threads) {
 }
 
 ggml_status DenseLane::compute(const ggml_cgraph * split) {
+    const auto t_begin = std::chrono::steady_clock::now();
     const int n_nodes = ggml_graph_n_nodes(const_cast<ggml_cgraph *>(split));
     if (n_nodes == 0) {
         return GGML_STATUS_SUCCESS;
@@ -77,6 +79,8 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
                            src->name);
             }
             model = bound->model.get();
+        } else if (src->op == GGML_OP_NONE) {
+            mapped = const_cast<ggml_tensor *>(src);  // a weight or input: already a leaf (keeps buffer/extra)
         } else {
             mapped = leaf_over(ctx, src);
         }
@@ -93,6 +97,7 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
         m->flags = node->flags;
         m->data = node->data;
         m->buffer = node->buffer;
+        m->extra = node->extra;
         std::memcpy(m->name, node->name, sizeof(m->name));
         for (int j = 0; j < GGML_MAX_SRC; ++j) {
             m->src[j] = node->src[j] != nullptr ? map_src(node->src[j]) : nullptr;
@@ -113,7 +118,7 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (model != nullptr) {
         model->count_dense_call();
-        model->count_split(seconds);
+        model->count_split(seconds, std::chrono::duration<double>(t0 - t_begin).count());
     }
     ggml_free(ctx);
     return status;

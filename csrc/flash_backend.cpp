@@ -7,8 +7,11 @@
 #include "phantom_buffer.h"
 #include "weight_registry.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
+#include <vector>
 #include <sys/sysinfo.h>
 
 namespace llamaflash {
@@ -23,8 +26,10 @@ constexpr const char * kDescription = "llamaflash sparse FFN engine (sidecar-ser
 
 // A weight the device serves: bound to a loaded model (by pointer), or — while a model is being
 // loaded — a weight in a (dummy) buffer of our type whose name the pending model serves.
+// Cheap test first: the scheduler asks about every node of every graph, and only tensors in a buffer
+// of our type can be served weights.
 bool is_served_weight(const ggml_tensor * w, FfnWeightKind * kind = nullptr) {
-    if (w == nullptr) {
+    if (w == nullptr || w->buffer == nullptr || !is_phantom_buffer_type(w->buffer->buft)) {
         return false;
     }
     WeightRegistry & registry = WeightRegistry::instance();
@@ -34,7 +39,7 @@ bool is_served_weight(const ggml_tensor * w, FfnWeightKind * kind = nullptr) {
         }
         return true;
     }
-    if (w->buffer != nullptr && is_phantom_buffer_type(w->buffer->buft) && registry.pending_serves(w->name)) {
+    if (registry.pending_serves(w->name)) {
         int layer;
         FfnWeightKind k;
         parse_ffn_weight_name(w->name, &layer, &k);
@@ -82,7 +87,9 @@ bool lives_in_phantom_buffer(const ggml_tensor * t) {
     return base->buffer != nullptr && is_phantom_buffer_type(base->buffer->buft);
 }
 
-bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
+// FFN-only claims: the served FFN matmuls and the element-wise ops between them. Each served layer's
+// FFN then arrives as one split.
+bool supports_ffn_op(const ggml_tensor * op) {
     switch (op->op) {
         case GGML_OP_NONE:  // a weight or tensor stored in our buffers: the scheduler asks for leaves too
         case GGML_OP_VIEW:
@@ -112,6 +119,53 @@ bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
         default:
             return false;
     }
+}
+
+// A weight in a buffer of our type that is not a bound served weight: either llama.cpp probing,
+// while loading, whether to place a non-FFN weight here (answer: no), or a stray phantom.
+bool uses_unserved_phantom_weight(const ggml_tensor * op) {
+    for (int j = -1; j < GGML_MAX_SRC; ++j) {
+        const ggml_tensor * t = j < 0 ? op : op->src[j];
+        if (t == nullptr) {
+            continue;
+        }
+        if (t->view_src != nullptr) {
+            t = t->view_src;
+        }
+        if (t->buffer != nullptr && is_phantom_buffer_type(t->buffer->buft) &&
+            (t->buffer->size == 0 || t->buffer->usage == GGML_BACKEND_BUFFER_USAGE_WEIGHTS) &&
+            !is_served_weight(t)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+ggml_backend_dev_t cpu_device() {
+    static ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    return dev;
+}
+
+// Whole-graph claims (while a served model is loaded): the served FFN matmuls, and every other op the
+// CPU backend can run on weights outside our buffers. llama.cpp's graph then runs as ONE split on
+// this backend — ggml's CPU kernels via the dense lane — instead of alternating CPU / FFN splits,
+// which costs a scheduler round trip and an OpenMP fork/join per layer (DESIGN 2.7: 6-9% decode).
+std::atomic<bool> g_whole_graph_claims{true};
+
+bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
+    if (!g_whole_graph_claims.load(std::memory_order_relaxed) || !WeightRegistry::instance().any_model_bound()) {
+        return supports_ffn_op(op);
+    }
+    if (op->op == GGML_OP_MUL_MAT && is_served_weight(op->src[0])) {
+        return op->src[1] != nullptr && op->src[1]->type == GGML_TYPE_F32;
+    }
+    if (uses_unserved_phantom_weight(op)) {
+        return false;
+    }
+    if (lives_in_phantom_buffer(op)) {
+        return true;  // an activation already placed in our buffers (leaf / view of it)
+    }
+    return ggml_backend_dev_supports_op(cpu_device(), op);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -214,8 +268,29 @@ ggml_backend_buffer_type_t device_get_buffer_type(ggml_backend_dev_t dev) {
 
 // Our own buffers, and host memory: inputs computed by the CPU backend (the FFN input x, biases) are
 // read in place instead of being copied into a llamaflash buffer.
+// Host buffers always: inputs computed by the CPU backend are read in place. While a served model is
+// loaded, also the CPU backend's "extra" (repacked) weight buffers, which the dense lane's internal
+// CPU backend computes with.
+bool is_cpu_extra_buffer_type(ggml_backend_buffer_type_t buft) {
+    static std::vector<ggml_backend_buffer_type_t> extra = [] {
+        std::vector<ggml_backend_buffer_type_t> out;
+        ggml_backend_dev_t dev = cpu_device();
+        auto get = dev == nullptr ? nullptr : (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
+                                                  ggml_backend_dev_backend_reg(dev), "ggml_backend_dev_get_extra_bufts");
+        for (ggml_backend_buffer_type_t * p = get ? get(dev) : nullptr; p != nullptr && *p != nullptr; ++p) {
+            out.push_back(*p);
+        }
+        return out;
+    }();
+    return std::find(extra.begin(), extra.end(), buft) != extra.end();
+}
+
 bool device_supports_buft(ggml_backend_dev_t, ggml_backend_buffer_type_t buft) {
-    return is_phantom_buffer_type(buft) || ggml_backend_buft_is_host(buft);
+    if (is_phantom_buffer_type(buft) || ggml_backend_buft_is_host(buft)) {
+        return true;
+    }
+    return g_whole_graph_claims.load(std::memory_order_relaxed) && WeightRegistry::instance().any_model_bound() &&
+           is_cpu_extra_buffer_type(buft);
 }
 
 bool device_offload_op(ggml_backend_dev_t, const ggml_tensor *) {
@@ -278,6 +353,14 @@ ggml_backend_dev_t reg_get_device(ggml_backend_reg_t, size_t index) {
 
 ggml_backend_reg_t backend_reg() {
     return &kReg;
+}
+
+void set_whole_graph_claims(bool enabled) {
+    g_whole_graph_claims.store(enabled);
+}
+
+bool whole_graph_claims() {
+    return g_whole_graph_claims.load();
 }
 
 ggml_backend_reg_t register_backend() {

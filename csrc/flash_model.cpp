@@ -256,9 +256,10 @@ size_t FlashModel::resident_bytes() const {
     return copied_bytes_;
 }
 
-void FlashModel::count_split(double seconds) {
+void FlashModel::count_split(double compute_seconds, double prepare_seconds) {
     splits_.fetch_add(1, std::memory_order_relaxed);
-    compute_ns_.fetch_add(static_cast<uint64_t>(seconds * 1e9), std::memory_order_relaxed);
+    compute_ns_.fetch_add(static_cast<uint64_t>(compute_seconds * 1e9), std::memory_order_relaxed);
+    prepare_ns_.fetch_add(static_cast<uint64_t>(prepare_seconds * 1e9), std::memory_order_relaxed);
 }
 
 void FlashModel::count_ffn_eval(int layer, int64_t n_tokens) {
@@ -275,6 +276,7 @@ FlashStatsSnapshot FlashModel::stats() const {
     s.tokens = tokens_.load();
     s.dense_lane_calls = dense_calls_.load();
     s.compute_seconds = static_cast<double>(compute_ns_.load()) * 1e-9;
+    s.prepare_seconds = static_cast<double>(prepare_ns_.load()) * 1e-9;
     return s;
 }
 
@@ -284,6 +286,7 @@ void FlashModel::reset_stats() {
     tokens_ = 0;
     dense_calls_ = 0;
     compute_ns_ = 0;
+    prepare_ns_ = 0;
 }
 
 }  // namespace llamaflash

@@ -55,7 +55,8 @@ struct FlashStatsSnapshot {
     uint64_t ffn_evals = 0;        // (layer, ubatch) FFN evaluations
     uint64_t tokens = 0;           // tokens through the first served layer
     uint64_t dense_lane_calls = 0;
-    double   compute_seconds = 0;  // wall time inside graph_compute
+    double   compute_seconds = 0;  // wall time computing splits (ggml kernels)
+    double   prepare_seconds = 0;  // wall time preparing them (mirroring the split into a private graph)
 };
 
 class FlashModel {
@@ -82,7 +83,7 @@ public:
     size_t resident_bytes() const;
 
     // statistics (updated by the backend; relaxed atomics: counters, not synchronisation)
-    void count_split(double seconds);
+    void count_split(double compute_seconds, double prepare_seconds);
     void count_ffn_eval(int layer, int64_t n_tokens);
     void count_dense_call() { dense_calls_.fetch_add(1, std::memory_order_relaxed); }
     FlashStatsSnapshot stats() const;
@@ -107,7 +108,7 @@ private:
     bool dense_loaded_ = false;
 
     std::atomic<uint64_t> splits_{0}, ffn_evals_{0}, tokens_{0}, dense_calls_{0};
-    std::atomic<uint64_t> compute_ns_{0};
+    std::atomic<uint64_t> compute_ns_{0}, prepare_ns_{0};
     std::atomic<int> bound_{0};
 };
 

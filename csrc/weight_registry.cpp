@@ -71,6 +71,7 @@ bool WeightRegistry::bind(const ggml_tensor * tensor, ggml_backend_buffer_t buff
     auto [it, inserted] = bound_.emplace(tensor, Entry{BoundWeight{pending_, layer, kind}, buffer});
     if (inserted) {
         pending_->count_bound();
+        n_bound_.store(bound_.size(), std::memory_order_relaxed);
     }
     return true;
 }
@@ -90,6 +91,7 @@ void WeightRegistry::unbind_buffer(ggml_backend_buffer_t buffer) {
             ++it;
         }
     }
+    n_bound_.store(bound_.size(), std::memory_order_relaxed);
 }
 
 size_t WeightRegistry::bound_count() const {

@@ -15,6 +15,7 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -52,6 +53,9 @@ public:
 
     size_t bound_count() const;
 
+    // Lock-free: is any weight bound (some served model loaded)? Asked for every node of every graph.
+    bool any_model_bound() const { return n_bound_.load(std::memory_order_relaxed) != 0; }
+
     // Some bound weight, or nullptr (diagnostics and tests).
     const ggml_tensor * any_bound() const;
 
@@ -63,6 +67,7 @@ private:
         ggml_backend_buffer_t buffer;
     };
     std::unordered_map<const ggml_tensor *, Entry> bound_;
+    std::atomic<size_t> n_bound_{0};
 };
 
 }  // namespace llamaflash

@@ -142,7 +142,8 @@ class Llama(llama_cpp.Llama):
             "tokens": 0,
             "graph_splits": 0,
             "dense_lane_calls": 0,
-            "ffn_compute_seconds": 0.0,
+            "compute_seconds": 0.0,
+            "prepare_seconds": 0.0,
             "resident_ffn_bytes": 0,
         }
         if self._flash is not None:

@@ -54,6 +54,10 @@ PYBIND11_MODULE(_native, m) {
 
     m.def("register_backend", [] { register_backend(); },
           "Register the llamaflash ggml backend with ggml (idempotent). Must run before a model loads.");
+    m.def("set_whole_graph_claims", &set_whole_graph_claims, py::arg("enabled"),
+          "Claim policy for graphs scheduled afterwards: True = whole graphs of served models run on the "
+          "llamaflash backend (default); False = only FFN ops of served layers (one split per layer).");
+    m.def("whole_graph_claims", &whole_graph_claims);
     m.def("backend_name", [] { return std::string(ggml_backend_reg_name(backend_reg())); });
 
     py::class_<FlashModel, std::shared_ptr<FlashModel>>(m, "FlashModel")
@@ -85,7 +89,8 @@ PYBIND11_MODULE(_native, m) {
             d["ffn_evals"] = s.ffn_evals;
             d["tokens"] = s.tokens;
             d["dense_lane_calls"] = s.dense_lane_calls;
-            d["ffn_compute_seconds"] = s.compute_seconds;
+            d["compute_seconds"] = s.compute_seconds;
+            d["prepare_seconds"] = s.prepare_seconds;
             return d;
         })
         .def("reset_stats", &FlashModel::reset_stats);
