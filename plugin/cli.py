@@ -1,4 +1,4 @@
-"""The ``llamaflash`` command line: ``convert`` a base model, ``inspect`` a sidecar.
+"""The ``llamaflash`` command line: ``convert`` a base model, ``inspect`` a sidecar, run the ``demo``.
 
 Errors llamaflash raises on purpose (:class:`~llamaflash.errors.LlamaflashError`) are
 printed to stderr as ``error: <message>`` and end the command with exit status 2, without
@@ -47,6 +47,19 @@ def convert(model: Path, output: Path | None, force: bool, quiet: bool) -> None:
     """Convert base model MODEL (.gguf) into its llamaflash sidecar."""
     out = run_convert(model, output, force=force, progress=not quiet)
     click.echo(str(out))
+
+
+@main.command()
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="Registry model to run (see llamaflash.assets.MODELS).")
+@click.option("--prompt", default=None, help="Prompt (default: a fixed question).")
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--threads", default=2, show_default=True, type=int)
+def demo(model_name: str, prompt: str | None, max_tokens: int, threads: int) -> None:
+    """Fetch a real model, convert it, and run it through stock llama.cpp and llamaflash side by side."""
+    from llamaflash.demo import DEFAULT_PROMPT, run_demo
+
+    run_demo(model_name, prompt or DEFAULT_PROMPT, max_tokens, threads, echo=click.echo)
 
 
 @main.command()
