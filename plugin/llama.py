@@ -159,7 +159,8 @@ class Llama(llama_cpp.Llama):
     # -- lifetime and pickling ------------------------------------------------------------------
 
     def close(self) -> None:
-        super().close()
+        if hasattr(self, "_stack"):  # absent when __init__ refused the input before llama.cpp started
+            super().close()
         # after llama.cpp freed its buffers (and with them the registry's references)
         self._flash = None
 

@@ -1,0 +1,97 @@
+"""`llamaflash.Llama` refuses bad files with a clear error raised before llama.cpp starts, and
+touches nothing the user has."""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import warnings
+
+import llama_cpp
+import pytest
+
+import llamaflash
+from llamaflash import sidecar_format as fmt
+from llamaflash.converters import convert
+from synth import truncate, write_not_gguf, write_unsupported_architecture
+from test_sidecar import set_uint_metadata
+
+
+@pytest.fixture
+def llama_must_not_start(monkeypatch):
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("llama.cpp was started although the input is bad")
+
+    monkeypatch.setattr(llama_cpp.Llama, "__init__", refuse)
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def pair(tiny_llama_q8_0, tmp_path):
+    model = tmp_path / "model.gguf"
+    shutil.copy(tiny_llama_q8_0, model)
+    return model, convert(model, progress=False)
+
+
+def test_missing_explicit_sidecar(pair, tmp_path, llama_must_not_start):
+    model, _ = pair
+    missing = tmp_path / "nowhere.flash.gguf"
+    with pytest.raises(llamaflash.SidecarNotFoundError) as exc:
+        llamaflash.Llama(model_path=str(model), sidecar_path=str(missing))
+    assert str(missing) in str(exc.value) and "llamaflash convert" in str(exc.value)
+    assert not missing.exists()
+
+
+def test_sidecar_of_another_model(pair, tiny_model_factory, tmp_path, llama_must_not_start):
+    model, sidecar = pair
+    other = tmp_path / "other.gguf"
+    shutil.copy(tiny_model_factory(weight_type="Q8_0", seed=7), other)
+    before = {p: _digest(p) for p in (model, sidecar, other)}
+    with pytest.raises(llamaflash.SidecarMismatchError) as exc:
+        llamaflash.Llama(model_path=str(other), sidecar_path=str(sidecar))
+    assert str(other) in str(exc.value) and str(sidecar) in str(exc.value)
+    assert {p: _digest(p) for p in before} == before  # nothing written or overwritten
+
+
+def test_unknown_sidecar_version(pair, llama_must_not_start):
+    model, sidecar = pair
+    set_uint_metadata(sidecar, fmt.KEY_FORMAT_VERSION, 99)
+    with pytest.raises(llamaflash.SidecarVersionError, match="99"):
+        llamaflash.Llama(model_path=str(model))
+
+
+def test_truncated_sidecar(pair, llama_must_not_start):
+    model, sidecar = pair
+    truncate(sidecar, sidecar.stat().st_size // 2)
+    with pytest.raises(llamaflash.SidecarError) as exc:
+        llamaflash.Llama(model_path=str(model))
+    assert str(sidecar) in str(exc.value)
+
+
+def test_model_that_is_not_a_gguf(tmp_path, llama_must_not_start):
+    bad = write_not_gguf(tmp_path / "bad.gguf")
+    with pytest.raises(llamaflash.BaseModelError) as exc:
+        llamaflash.Llama(model_path=str(bad))
+    assert str(bad) in str(exc.value)
+
+
+def test_missing_model(tmp_path, llama_must_not_start):
+    with pytest.raises(FileNotFoundError):
+        llamaflash.Llama(model_path=str(tmp_path / "absent.gguf"))
+
+
+def test_bad_arguments(pair, llama_must_not_start):
+    model, _ = pair
+    with pytest.raises(ValueError, match="flash_mode"):
+        llamaflash.Llama(model_path=str(model), flash_mode="turbo")
+    with pytest.raises(ValueError, match="ram_budget_mb"):
+        llamaflash.Llama(model_path=str(model), ram_budget_mb=700)
+
+
+def test_architecture_without_classic_ffn_passes_through(tmp_path):
+    model = write_unsupported_architecture(tmp_path / "ssm.gguf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no sidecar" warning: nothing to accelerate
+        assert llamaflash.Llama._find_sidecar(str(model), None) is None
