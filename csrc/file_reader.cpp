@@ -1,6 +1,7 @@
 // file_reader.cpp — see file_reader.h.
 #include "file_reader.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -63,25 +64,33 @@ void FileReader::drop_cache(uint64_t offset, uint64_t n) const {
     (void) ::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(n), POSIX_FADV_DONTNEED);
 }
 
-MappedFile::MappedFile(const std::string & path) {
+MappedFile::MappedFile(const std::string & path, uint64_t offset, uint64_t length) {
     FileReader file(path);
-    size_ = file.size();
+    if (length == UINT64_MAX) {
+        length = file.size() - std::min(offset, file.size());
+    }
+    file.check_range(offset, length);
+    size_ = length;
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    const uint64_t begin = offset & ~(page - 1);
+    mapped_ = offset + length - begin;
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         throw IoError("cannot open '" + path + "': " + std::strerror(errno));
     }
-    addr_ = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+    addr_ = ::mmap(nullptr, mapped_, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(begin));
     const int err = errno;
     ::close(fd);
     if (addr_ == MAP_FAILED) {
         addr_ = nullptr;
         throw IoError("cannot map '" + path + "': " + std::strerror(err));
     }
+    data_ = static_cast<const uint8_t *>(addr_) + (offset - begin);
 }
 
 MappedFile::~MappedFile() {
     if (addr_ != nullptr) {
-        ::munmap(addr_, size_);
+        ::munmap(addr_, mapped_);
     }
 }
 

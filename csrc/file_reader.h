@@ -48,16 +48,23 @@ private:
 
 class MappedFile {
 public:
-    explicit MappedFile(const std::string & path);
+    // Maps bytes [offset, offset + length) of the file (the whole file by default); data() points at
+    // byte `offset` (the mapping itself starts at the page boundary below it).
+    explicit MappedFile(const std::string & path, uint64_t offset = 0, uint64_t length = UINT64_MAX);
     ~MappedFile();
     MappedFile(const MappedFile &) = delete;
     MappedFile & operator=(const MappedFile &) = delete;
 
-    const uint8_t * data() const { return static_cast<const uint8_t *>(addr_); }
+    const uint8_t * data() const { return data_; }
+    // the whole mapping (page aligned; contains [data(), data() + size()))
+    uint8_t * mapping() const { return static_cast<uint8_t *>(addr_); }
+    uint64_t mapping_size() const { return mapped_; }
     uint64_t size() const { return size_; }
 
 private:
-    void * addr_ = nullptr;
+    void * addr_ = nullptr;     // start of the mapping (page aligned)
+    uint64_t mapped_ = 0;       // bytes mapped
+    const uint8_t * data_ = nullptr;
     uint64_t size_ = 0;
 };
 

@@ -146,11 +146,12 @@ ggml_backend_dev_t cpu_device() {
     return dev;
 }
 
-// Whole-graph claims (while a served model is loaded): the served FFN matmuls, and every other op the
-// CPU backend can run on weights outside our buffers. llama.cpp's graph then runs as ONE split on
-// this backend — ggml's CPU kernels via the dense lane — instead of alternating CPU / FFN splits,
-// which costs a scheduler round trip and an OpenMP fork/join per layer (DESIGN 2.7: 6-9% decode).
-std::atomic<bool> g_whole_graph_claims{true};
+// Whole-graph claims (optional, off by default): the served FFN matmuls, and every other op the CPU
+// backend can run on weights outside our buffers, so prefill graphs run as ONE split on this backend.
+// Measured worse than FFN-only claims: llama.cpp pins each layer's norms to the layer's device (CPU)
+// for batches < 32 tokens, so decode graphs become 4 splits per layer instead of 2 (SmolLM2-135M:
+// decode 0.86x vs 0.98x of stock, prefill 0.87x vs 1.10x; Qwen2.5-1.5B: equal within noise).
+std::atomic<bool> g_whole_graph_claims{false};
 
 bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
     if (!g_whole_graph_claims.load(std::memory_order_relaxed) || !WeightRegistry::instance().any_model_bound()) {

@@ -102,8 +102,7 @@ private:
     ggml_context * ctx_ = nullptr;
     std::vector<ggml_backend_buffer_t> buffers_;
     std::vector<ggml_tensor *> weights_;  // 3 per layer, in layers_ order
-    std::unique_ptr<MappedFile> sidecar_map_;
-    std::unique_ptr<MappedFile> base_map_;
+    std::vector<std::unique_ptr<MappedFile>> maps_;  // one per weight used in place from a file
     size_t copied_bytes_ = 0;
     bool dense_loaded_ = false;
 
