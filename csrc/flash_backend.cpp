@@ -51,6 +51,23 @@ bool is_served_weight(const ggml_tensor * w, FfnWeightKind * kind = nullptr) {
     return false;
 }
 
+// The element-wise ops architectures put between the FFN projections: activation, GLU, scaling, bias.
+bool is_ffn_elementwise_op(ggml_op op) {
+    switch (op) {
+        case GGML_OP_GLU:
+        case GGML_OP_UNARY:
+        case GGML_OP_MUL:
+        case GGML_OP_ADD:
+        case GGML_OP_SCALE:
+        case GGML_OP_CLAMP:
+        case GGML_OP_SQR:
+        case GGML_OP_DIV:
+            return true;
+        default:
+            return false;
+    }
+}
+
 // True if `t` is computed from a served gate/up projection within a few element-wise steps
 // (activation, GLU, scaling, bias): the ops between the FFN matmuls. The down projection's output
 // and anything after it (residual add, norms) are not claimed.
@@ -62,24 +79,15 @@ bool derives_from_ffn_projection(const ggml_tensor * t, int depth) {
         FfnWeightKind kind;
         return is_served_weight(t->src[0], &kind) && kind != FfnWeightKind::down;
     }
-    switch (t->op) {
-        case GGML_OP_GLU:
-        case GGML_OP_UNARY:
-        case GGML_OP_MUL:
-        case GGML_OP_ADD:
-        case GGML_OP_SCALE:
-        case GGML_OP_CLAMP:
-        case GGML_OP_SQR:
-        case GGML_OP_DIV:
-            for (int j = 0; j < GGML_MAX_SRC; ++j) {
-                if (derives_from_ffn_projection(t->src[j], depth + 1)) {
-                    return true;
-                }
-            }
-            return false;
-        default:
-            return false;
+    if (!is_ffn_elementwise_op(t->op)) {
+        return false;
     }
+    for (int j = 0; j < GGML_MAX_SRC; ++j) {
+        if (derives_from_ffn_projection(t->src[j], depth + 1)) {
+            return true;
+        }
+    }
+    return false;
 }
 
 bool lives_in_phantom_buffer(const ggml_tensor * t) {
@@ -99,15 +107,8 @@ bool supports_ffn_op(const ggml_tensor * op) {
             return lives_in_phantom_buffer(op);
         case GGML_OP_MUL_MAT:
             return is_served_weight(op->src[0]) && op->src[1] != nullptr && op->src[1]->type == GGML_TYPE_F32;
-        case GGML_OP_GLU:
-        case GGML_OP_UNARY:
-        case GGML_OP_MUL:
-        case GGML_OP_ADD:
-        case GGML_OP_SCALE:
-        case GGML_OP_CLAMP:
-        case GGML_OP_SQR:
-        case GGML_OP_DIV:
-            if (op->type != GGML_TYPE_F32) {
+        default:
+            if (!is_ffn_elementwise_op(op->op) || op->type != GGML_TYPE_F32) {
                 return false;
             }
             for (int j = 0; j < GGML_MAX_SRC; ++j) {
@@ -115,8 +116,6 @@ bool supports_ffn_op(const ggml_tensor * op) {
                     return true;
                 }
             }
-            return false;
-        default:
             return false;
     }
 }
