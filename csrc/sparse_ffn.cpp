@@ -1,0 +1,563 @@
+// sparse_ffn.cpp — see sparse_ffn.h for the contract, shapes and the dense formula.
+//
+// Work decomposition (three phases, barriers between them; see the phase API in the header):
+//   1. quantize: x_t → xq_gate_t, xq_up_t with ggml-cpu's from_float (tokens over threads);
+//   2. accumulate, for every token: the candidate neurons (all n_ff, or the explicit list) are cut
+//      into clusters of `cluster_size`; cluster c goes to thread c mod nth (deterministic);
+//   3. per cluster: for each candidate i, g = vec_dot(gate_i, xq_gate), a = act(g); if selected,
+//      u = vec_dot(up_i, xq_up) (the up row follows the gate row in the same bundle: one sequential
+//      stream), h_i = a·u; then the cluster's selected down_t rows are dequantized, scaled by h_i and
+//      added into the thread's partial y, up to 4 rows per pass over y (one load/store of y per 4 rows);
+//   4. reduce: y_t = Σ_threads partial (chunks of n_embd over threads, fixed thread order).
+#include "sparse_ffn.h"
+
+#include "ggml-cpu.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define LLAMAFLASH_X86 1
+#endif
+
+namespace llamaflash {
+
+namespace {
+
+constexpr int kMaxCluster = 256;
+constexpr int kRowsPerPass = 4;
+constexpr size_t kAlign = 64;
+
+size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Prefetch [p, p + bytes) into L2 (a down_t row is 26 lines for n_embd 1536 Q8_0: into L1 it would
+// evict the partial y and quantized x while a whole cluster's rows are in flight).
+inline void prefetch_l2(const uint8_t * p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(p + off, 0, 2);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fused "dequantize a down_t row × h, accumulate into acc": acc[0..n_embd) += Σ_r h[r] · row_r
+
+// Q8_0 block: f16 scale d, then 32 int8 quants; value = d · q.
+constexpr size_t kQ8_0Bytes = 34;
+
+inline uint16_t load_u16(const uint8_t * p) {
+    uint16_t v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+void axpy_q8_0_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        const uint8_t * row = rows[r];
+        for (int64_t b = 0; b < n_embd / 32; ++b) {
+            const uint8_t * blk = row + b * kQ8_0Bytes;
+            const float d = ggml_fp16_to_fp32(load_u16(blk)) * h[r];
+            const int8_t * q = reinterpret_cast<const int8_t *>(blk + 2);
+            float * a = acc + b * 32;
+            for (int j = 0; j < 32; ++j) {
+                a[j] += d * static_cast<float>(q[j]);
+            }
+        }
+    }
+}
+
+void axpy_f16_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        const uint16_t * row = reinterpret_cast<const uint16_t *>(rows[r]);
+        for (int64_t j = 0; j < n_embd; ++j) {
+            acc[j] += h[r] * ggml_fp16_to_fp32(row[j]);
+        }
+    }
+}
+
+void axpy_f32(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        const float * row = reinterpret_cast<const float *>(rows[r]);
+        for (int64_t j = 0; j < n_embd; ++j) {
+            acc[j] += h[r] * row[j];
+        }
+    }
+}
+
+#if LLAMAFLASH_X86
+// GCC 12 reports its own AVX-512 intrinsics' `__m512 __Y = __Y;` as maybe-uninitialized in
+// target("avx512f") functions (GCC bug 105593): silence that false positive for this section only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// R rows (1..4) in one pass over acc.
+template <int R>
+__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q8_0_pass_avx512(float * acc, const uint8_t * const * rows,
+                                                                            const float * h, int64_t nb) {
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 y0 = _mm512_loadu_ps(acc + 32 * b);
+        __m512 y1 = _mm512_loadu_ps(acc + 32 * b + 16);
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ8_0Bytes;
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r]);
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 2));
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+            y0 = _mm512_fmadd_ps(q0, d, y0);
+            y1 = _mm512_fmadd_ps(q1, d, y1);
+        }
+        _mm512_storeu_ps(acc + 32 * b, y0);
+        _mm512_storeu_ps(acc + 32 * b + 16, y1);
+    }
+}
+
+template <int R>
+__attribute__((target("avx2,f16c,fma"))) void q8_0_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                              int64_t nb) {
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 y[4];
+        for (int k = 0; k < 4; ++k) {
+            y[k] = _mm256_loadu_ps(acc + 32 * b + 8 * k);
+        }
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ8_0Bytes;
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r]);
+            for (int k = 0; k < 4; ++k) {
+                const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(blk + 2 + 8 * k));
+                y[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d, y[k]);
+            }
+        }
+        for (int k = 0; k < 4; ++k) {
+            _mm256_storeu_ps(acc + 32 * b + 8 * k, y[k]);
+        }
+    }
+}
+
+template <int R>
+__attribute__((target("avx512f,f16c,fma"))) void f16_pass_avx512(float * acc, const uint8_t * const * rows,
+                                                                 const float * h, int64_t n_embd) {
+    int64_t j = 0;
+    for (; j + 16 <= n_embd; j += 16) {
+        __m512 y = _mm512_loadu_ps(acc + j);
+        for (int r = 0; r < R; ++r) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(rows[r] + 2 * j));
+            y = _mm512_fmadd_ps(_mm512_cvtph_ps(v), _mm512_set1_ps(h[r]), y);
+        }
+        _mm512_storeu_ps(acc + j, y);
+    }
+    for (; j < n_embd; ++j) {
+        for (int r = 0; r < R; ++r) {
+            acc[j] += h[r] * _cvtsh_ss(load_u16(rows[r] + 2 * j));
+        }
+    }
+}
+
+template <int R>
+__attribute__((target("avx2,f16c,fma"))) void f16_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                             int64_t n_embd) {
+    int64_t j = 0;
+    for (; j + 8 <= n_embd; j += 8) {
+        __m256 y = _mm256_loadu_ps(acc + j);
+        for (int r = 0; r < R; ++r) {
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(rows[r] + 2 * j));
+            y = _mm256_fmadd_ps(_mm256_cvtph_ps(v), _mm256_set1_ps(h[r]), y);
+        }
+        _mm256_storeu_ps(acc + j, y);
+    }
+    for (; j < n_embd; ++j) {
+        for (int r = 0; r < R; ++r) {
+            acc[j] += h[r] * _cvtsh_ss(load_u16(rows[r] + 2 * j));
+        }
+    }
+}
+
+// n rows in passes of 4, then the remainder: PASS<R>(acc, rows, h, arg)
+#define LLAMAFLASH_DEFINE_AXPY(name, pass, arg_expr)                                                  \
+    void name(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {      \
+        const int64_t arg = (arg_expr);                                                                \
+        int r = 0;                                                                                     \
+        for (; r + kRowsPerPass <= n; r += kRowsPerPass) pass<4>(acc, rows + r, h + r, arg);           \
+        switch (n - r) {                                                                               \
+            case 3: pass<3>(acc, rows + r, h + r, arg); break;                                         \
+            case 2: pass<2>(acc, rows + r, h + r, arg); break;                                         \
+            case 1: pass<1>(acc, rows + r, h + r, arg); break;                                         \
+            default: break;                                                                            \
+        }                                                                                              \
+    }
+LLAMAFLASH_DEFINE_AXPY(axpy_q8_0_avx512, q8_0_pass_avx512, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_q8_0_avx2, q8_0_pass_avx2, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_f16_avx512, f16_pass_avx512, n_embd)
+LLAMAFLASH_DEFINE_AXPY(axpy_f16_avx2, f16_pass_avx2, n_embd)
+#undef LLAMAFLASH_DEFINE_AXPY
+
+#pragma GCC diagnostic pop
+#endif  // LLAMAFLASH_X86
+
+using AxpyFn = void (*)(float *, const uint8_t * const *, const float *, int, int64_t);
+
+AxpyFn pick_axpy(ggml_type type, SparseIsa isa) {
+    if (type == GGML_TYPE_F32) return axpy_f32;  // (compiler-vectorized; not a production down_t type)
+#if LLAMAFLASH_X86
+    if (type == GGML_TYPE_Q8_0) {
+        return isa == SparseIsa::avx512 ? axpy_q8_0_avx512 : isa == SparseIsa::avx2 ? axpy_q8_0_avx2 : axpy_q8_0_scalar;
+    }
+    if (type == GGML_TYPE_F16) {
+        return isa == SparseIsa::avx512 ? axpy_f16_avx512 : isa == SparseIsa::avx2 ? axpy_f16_avx2 : axpy_f16_scalar;
+    }
+#else
+    if (type == GGML_TYPE_Q8_0) return axpy_q8_0_scalar;
+    if (type == GGML_TYPE_F16) return axpy_f16_scalar;
+#endif
+    return nullptr;  // generic path: to_float into a row buffer, then axpy
+}
+
+// Selection prefilter (exact). silu and gelu are increasing for g >= 0 and bounded in magnitude by
+// a small peak for g < 0 (silu: 0.2785 at g = -1.278; gelu: 0.1700 at g = -0.752). For a threshold
+// above that peak, |act(g)| > thr only for g above the positive crossing g*, so every g below a point
+// g_lo safely under g* (act(g_lo) = 0.99·thr: far more margin than float and f16 rounding of act
+// need) is rejected without evaluating act (expf / tanhf). Returns -inf when no prefilter applies.
+float prefilter_bound(FfnActivation act, float thr) {
+    double peak = 0.0;
+    switch (act) {
+        case FfnActivation::silu: peak = 0.27847; break;
+        case FfnActivation::gelu: peak = 0.17004; break;
+        case FfnActivation::relu: return -INFINITY;  // max(g, 0) is cheaper than the test
+    }
+    if (!(thr > 1.01 * peak)) return -INFINITY;
+    auto f = [act](double g) {
+        return act == FfnActivation::silu ? g / (1.0 + std::exp(-g))
+                                          : 0.5 * g * (1.0 + std::tanh(0.7978845608028654 * g * (1.0 + 0.044715 * g * g)));
+    };
+    const double target = 0.99 * thr;
+    double lo = 0.0, hi = 2.0 * thr + 1.0;  // f(hi) > thr: both are >= g - 0.5 for g >= 0
+    for (int it = 0; it < 100; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        (f(mid) < target ? lo : hi) = mid;
+    }
+    return static_cast<float>(lo);  // f(lo) < 0.99 thr
+}
+
+void ensure_cpu_init() {
+    static std::once_flag once;
+    std::call_once(once, [] { ggml_cpu_init(); });  // fp16 / gelu tables used by some CPU kernels
+}
+
+const ggml_type_traits_cpu * dot_traits(ggml_type type, const char * what) {
+    const ggml_type_traits_cpu * t = ggml_get_type_traits_cpu(type);
+    if (t == nullptr || t->vec_dot == nullptr || ggml_get_type_traits_cpu(t->vec_dot_type)->from_float == nullptr) {
+        throw std::invalid_argument(std::string("sparse_ffn: ") + what + " type " + ggml_type_name(type) +
+                                    " has no ggml-cpu vec_dot");
+    }
+    return t;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+FfnActivation parse_ffn_activation(const std::string & name) {
+    if (name == "silu") return FfnActivation::silu;
+    if (name == "gelu") return FfnActivation::gelu;
+    if (name == "relu") return FfnActivation::relu;
+    throw std::invalid_argument("sparse_ffn: unknown activation '" + name + "' (expected silu, gelu or relu)");
+}
+
+const char * ffn_activation_name(FfnActivation act) {
+    switch (act) {
+        case FfnActivation::silu: return "silu";
+        case FfnActivation::gelu: return "gelu";
+        case FfnActivation::relu: return "relu";
+    }
+    return "?";
+}
+
+float ffn_activation(FfnActivation act, float g) {
+    switch (act) {
+        case FfnActivation::silu:
+            return g / (1.0f + std::exp(-g));
+        case FfnActivation::gelu: {
+            // ggml-cpu GEGLU (GGML_GELU_FP16): table[f16(g)] with table[v] = f16(gelu_tanh(v))
+            if (g <= -10.0f) return 0.0f;
+            if (g >= 10.0f) return g;
+            const float v = ggml_fp16_to_fp32(ggml_fp32_to_fp16(g));
+            const float r = 0.5f * v * (1.0f + std::tanh(0.79788456080286535587989211986876f * v * (1.0f + 0.044715f * v * v)));
+            return ggml_fp16_to_fp32(ggml_fp32_to_fp16(r));
+        }
+        case FfnActivation::relu:
+            return g > 0.0f ? g : 0.0f;
+    }
+    return 0.0f;
+}
+
+SparseIsa sparse_ffn_best_isa() {
+#if LLAMAFLASH_X86
+    static const SparseIsa best = [] {
+        __builtin_cpu_init();
+        const bool base = __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        if (base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return SparseIsa::avx512;
+        if (base && __builtin_cpu_supports("avx2")) return SparseIsa::avx2;
+        return SparseIsa::scalar;
+    }();
+    return best;
+#else
+    return SparseIsa::scalar;
+#endif
+}
+
+const char * sparse_isa_name(SparseIsa isa) {
+    switch (isa) {
+        case SparseIsa::auto_: return "auto";
+        case SparseIsa::scalar: return "scalar";
+        case SparseIsa::avx2: return "avx2";
+        case SparseIsa::avx512: return "avx512";
+    }
+    return "?";
+}
+
+void sparse_ffn_validate(const SparseFfnLayer & L) {
+    auto fail = [](const std::string & msg) { throw std::invalid_argument("sparse_ffn: " + msg); };
+    if (L.n_embd <= 0 || L.n_ff <= 0) fail("empty layer shape");
+    if (L.bundles == nullptr || L.down_t == nullptr) fail("null weight view");
+    for (ggml_type t : {L.gate_type, L.up_type, L.down_t_type}) {
+        if (t < 0 || t >= GGML_TYPE_COUNT || ggml_blck_size(t) <= 0) fail("unknown ggml type " + std::to_string(int(t)));
+    }
+    auto check_row = [&](ggml_type t, size_t bytes, const char * what) {
+        if (L.n_embd % ggml_blck_size(t) != 0 || ggml_row_size(t, L.n_embd) != bytes) {
+            fail(std::string(what) + " row of " + std::to_string(L.n_embd) + " " + ggml_type_name(t) + " values is not " +
+                 std::to_string(bytes) + " bytes");
+        }
+    };
+    check_row(L.gate_type, L.gate_row_bytes, "gate");
+    check_row(L.up_type, L.up_row_bytes, "up");
+    check_row(L.down_t_type, L.down_t_row_bytes, "down_t");
+    if (L.bundle_stride < L.gate_row_bytes + L.up_row_bytes) fail("bundle stride smaller than gate + up row");
+    dot_traits(L.gate_type, "gate");
+    dot_traits(L.up_type, "up");
+    if (pick_axpy(L.down_t_type, SparseIsa::scalar) == nullptr && ggml_get_type_traits(L.down_t_type)->to_float == nullptr) {
+        fail(std::string("down_t type ") + ggml_type_name(L.down_t_type) + " cannot be dequantized");
+    }
+}
+
+void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n_threads) {
+    const ggml_type vg = ggml_get_type_traits_cpu(L.gate_type)->vec_dot_type;
+    const ggml_type vu = ggml_get_type_traits_cpu(L.up_type)->vec_dot_type;
+    const size_t gate_bytes = round_up(ggml_row_size(vg, L.n_embd), kAlign);
+    const size_t up_bytes = vu == vg ? 0 : round_up(ggml_row_size(vu, L.n_embd), kAlign);
+    const size_t token_bytes = gate_bytes + up_bytes;
+    n_tokens = std::max<int64_t>(n_tokens, 1);
+    n_threads = std::max(n_threads, 1);
+    xq_gate_bytes_ = gate_bytes;
+    xq_up_bytes_ = up_bytes;
+    xq_token_bytes_ = token_bytes;
+    if (n_tokens <= cap_tokens_ && n_threads <= cap_threads_ && L.n_embd <= cap_embd_ && token_bytes <= cap_xq_token_bytes_) {
+        return;  // the carve-up for the larger capacity still fits
+    }
+    cap_tokens_ = std::max(cap_tokens_, n_tokens);
+    cap_threads_ = std::max(cap_threads_, n_threads);
+    cap_embd_ = std::max(cap_embd_, L.n_embd);
+    cap_xq_token_bytes_ = std::max(cap_xq_token_bytes_, token_bytes);
+    embd_pad_ = round_up(static_cast<size_t>(cap_embd_), kAlign / sizeof(float));
+    const size_t row = embd_pad_ * sizeof(float);
+    const size_t xq = static_cast<size_t>(cap_tokens_) * cap_xq_token_bytes_;
+    const size_t partial = static_cast<size_t>(cap_tokens_) * cap_threads_ * row;
+    const size_t tmp = static_cast<size_t>(cap_threads_) * row;
+    const size_t counts = round_up(static_cast<size_t>(cap_tokens_) * sizeof(int32_t), kAlign);
+    buf_.assign(xq + partial + tmp + counts + kAlign, 0);
+    uint8_t * p = reinterpret_cast<uint8_t *>(round_up(reinterpret_cast<uintptr_t>(buf_.data()), kAlign));
+    xq_ = p;
+    partial_ = reinterpret_cast<float *>(p += xq);
+    row_tmp_ = reinterpret_cast<float *>(p += partial);
+    counts_ = reinterpret_cast<int32_t *>(p += tmp);
+}
+
+// Accessor for the phases (friend of SparseFfnScratch).
+struct SparseFfnImpl {
+    static void begin(const SparseFfnLayer & L, const SparseFfnParams & P, const SparseFfnIo & io, SparseFfnScratch & S);
+    static void quantize(SparseFfnScratch & S, int ith, int nth);
+    static void accumulate(SparseFfnScratch & S, int ith, int nth);
+    static void reduce(SparseFfnScratch & S, int ith, int nth);
+    static float * partial(SparseFfnScratch & S, int64_t t, int th) {
+        return S.partial_ + (static_cast<size_t>(t) * S.cap_threads_ + th) * S.embd_pad_;
+    }
+};
+
+void SparseFfnImpl::begin(const SparseFfnLayer & L, const SparseFfnParams & P, const SparseFfnIo & io,
+                          SparseFfnScratch & S) {
+    sparse_ffn_validate(L);
+    auto fail = [](const std::string & msg) { throw std::invalid_argument("sparse_ffn: " + msg); };
+    if (io.n_tokens < 0) fail("negative n_tokens");
+    if (io.n_tokens > 0 && (io.x == nullptr || io.y == nullptr)) fail("null x or y");
+    if (P.n_threads < 1) fail("n_threads must be >= 1");
+    if (P.cluster_size < 1 || P.cluster_size > kMaxCluster) fail("cluster_size must be in 1..256");
+    if (std::isnan(P.threshold)) fail("threshold is NaN");
+    const SparseIsa isa = P.isa == SparseIsa::auto_ ? sparse_ffn_best_isa() : P.isa;
+    if (static_cast<int>(isa) > static_cast<int>(sparse_ffn_best_isa())) {
+        fail(std::string("ISA ") + sparse_isa_name(isa) + " is not supported by this CPU");
+    }
+    if (P.active != nullptr && io.n_tokens > 0) {
+        const int64_t total = P.active_offsets != nullptr ? P.active_offsets[io.n_tokens] : P.n_active;
+        if (P.active_offsets != nullptr) {
+            if (P.active_offsets[0] != 0) fail("active_offsets[0] must be 0");
+            for (int64_t t = 0; t < io.n_tokens; ++t) {
+                if (P.active_offsets[t + 1] < P.active_offsets[t]) fail("active_offsets must be non-decreasing");
+            }
+        }
+        if (total < 0) fail("negative active count");
+        for (int64_t k = 0; k < total; ++k) {
+            if (P.active[k] < 0 || P.active[k] >= L.n_ff) {
+                fail("active index " + std::to_string(P.active[k]) + " out of range [0, " + std::to_string(L.n_ff) + ")");
+            }
+        }
+    }
+    ensure_cpu_init();
+    S.reserve(L, io.n_tokens, P.n_threads);
+    S.layer_ = L;
+    S.params_ = P;
+    S.io_ = io;
+    if (S.io_.x_stride == 0) S.io_.x_stride = L.n_embd * sizeof(float);
+    if (S.io_.y_stride == 0) S.io_.y_stride = L.n_embd * sizeof(float);
+    if (S.io_.active_counts == nullptr) S.io_.active_counts = S.counts_;
+    S.isa_ = isa;
+    S.g_lo_ = prefilter_bound(L.activation, P.threshold);
+    std::fill(S.io_.active_counts, S.io_.active_counts + io.n_tokens, 0);
+    if (io.active_mask != nullptr) std::memset(io.active_mask, 0, static_cast<size_t>(io.n_tokens) * L.n_ff);
+}
+
+void SparseFfnImpl::quantize(SparseFfnScratch & S, int ith, int nth) {
+    const SparseFfnLayer & L = S.layer_;
+    const ggml_from_float_t gate_q = ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(L.gate_type)->vec_dot_type)->from_float;
+    const ggml_from_float_t up_q = ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(L.up_type)->vec_dot_type)->from_float;
+    for (int64_t t = ith; t < S.io_.n_tokens; t += nth) {
+        const float * xt = reinterpret_cast<const float *>(reinterpret_cast<const uint8_t *>(S.io_.x) + t * S.io_.x_stride);
+        uint8_t * q = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
+        gate_q(xt, q, L.n_embd);
+        if (S.xq_up_bytes_ != 0) up_q(xt, q + S.xq_gate_bytes_, L.n_embd);
+    }
+}
+
+void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
+    const SparseFfnLayer & L = S.layer_;
+    const SparseFfnParams & P = S.params_;
+    const SparseFfnIo & io = S.io_;
+    const ggml_vec_dot_t gate_dot = ggml_get_type_traits_cpu(L.gate_type)->vec_dot;
+    const ggml_vec_dot_t up_dot = ggml_get_type_traits_cpu(L.up_type)->vec_dot;
+    const AxpyFn axpy = pick_axpy(L.down_t_type, S.isa_);
+    const ggml_to_float_t down_to_float = ggml_get_type_traits(L.down_t_type)->to_float;
+    const int n_embd = static_cast<int>(L.n_embd);
+    const float thr = P.threshold, g_lo = S.g_lo_;
+    const int cs = P.cluster_size;
+    float * tmp = S.row_tmp_ + static_cast<size_t>(ith) * S.embd_pad_;
+    int32_t ids[kMaxCluster];
+    float hs[kMaxCluster];
+    const uint8_t * rows[kMaxCluster];
+
+    for (int64_t t = 0; t < io.n_tokens; ++t) {
+        const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
+        const uint8_t * xq_up = S.xq_up_bytes_ == 0 ? xq_gate : xq_gate + S.xq_gate_bytes_;
+        const int32_t * list = nullptr;
+        int64_t n_cand = L.n_ff;
+        if (P.active != nullptr) {
+            const int64_t begin = P.active_offsets != nullptr ? P.active_offsets[t] : 0;
+            list = P.active + begin;
+            n_cand = P.active_offsets != nullptr ? P.active_offsets[t + 1] - begin : P.n_active;
+        }
+        const bool prefetch_list = P.prefetch && list != nullptr;
+        uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
+        float * acc = partial(S, t, ith);
+        std::memset(acc, 0, L.n_embd * sizeof(float));
+        int32_t local = 0;
+        const int64_t n_clusters = (n_cand + cs - 1) / cs;
+        for (int64_t c = ith; c < n_clusters; c += nth) {
+            const int64_t k1 = std::min<int64_t>((c + 1) * cs, n_cand);
+            int n = 0;
+            for (int64_t k = c * cs; k < k1; ++k) {
+                const int32_t i = list != nullptr ? list[k] : static_cast<int32_t>(k);
+                const uint8_t * bundle = L.bundles + static_cast<size_t>(i) * L.bundle_stride;
+                if (prefetch_list && k + 2 < n_cand) {  // scattered bundles: two ahead
+                    prefetch_l2(L.bundles + static_cast<size_t>(list[k + 2]) * L.bundle_stride,
+                                L.gate_row_bytes + L.up_row_bytes);
+                }
+                float g, u;
+                gate_dot(n_embd, &g, 0, bundle, 0, xq_gate, 0, 1);
+                if (g < g_lo) continue;  // |act(g)| <= thr for sure
+                const float a = ffn_activation(L.activation, g);
+                if (thr >= 0.0f && !(std::fabs(a) > thr)) continue;  // thr < 0 keeps every neuron
+                up_dot(n_embd, &u, 0, bundle + L.gate_row_bytes, 0, xq_up, 0, 1);
+                ids[n] = i;
+                hs[n] = a * u;
+                rows[n] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
+                if (P.prefetch) prefetch_l2(rows[n], L.down_t_row_bytes);  // used after the cluster's dots
+                ++n;
+            }
+            if (axpy != nullptr) {
+                axpy(acc, rows, hs, n, n_embd);
+            } else {
+                for (int r = 0; r < n; ++r) {
+                    down_to_float(rows[r], tmp, n_embd);
+                    for (int j = 0; j < n_embd; ++j) acc[j] += hs[r] * tmp[j];
+                }
+            }
+            if (mask != nullptr) {
+                for (int r = 0; r < n; ++r) mask[ids[r]] = 1;
+            }
+            local += n;
+        }
+        if (local != 0) __atomic_fetch_add(io.active_counts + t, local, __ATOMIC_RELAXED);
+    }
+}
+
+void SparseFfnImpl::reduce(SparseFfnScratch & S, int ith, int nth) {
+    constexpr int64_t kChunk = 64;
+    const int64_t n_embd = S.layer_.n_embd;
+    const int64_t per_token = (n_embd + kChunk - 1) / kChunk;
+    for (int64_t q = ith; q < S.io_.n_tokens * per_token; q += nth) {
+        const int64_t t = q / per_token, j0 = (q % per_token) * kChunk, j1 = std::min(j0 + kChunk, n_embd);
+        float * yt = reinterpret_cast<float *>(reinterpret_cast<uint8_t *>(S.io_.y) + t * S.io_.y_stride);
+        const float * p0 = partial(S, t, 0);
+        for (int64_t j = j0; j < j1; ++j) yt[j] = p0[j];
+        for (int p = 1; p < nth; ++p) {  // fixed order: deterministic for a given nth
+            const float * part = partial(S, t, p);
+            for (int64_t j = j0; j < j1; ++j) yt[j] += part[j];
+        }
+    }
+}
+
+void sparse_ffn_begin(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
+                      SparseFfnScratch & scratch) {
+    SparseFfnImpl::begin(layer, params, io, scratch);
+}
+
+void sparse_ffn_quantize(SparseFfnScratch & scratch, int ith, int nth) {
+    SparseFfnImpl::quantize(scratch, ith, nth);
+}
+
+void sparse_ffn_accumulate(SparseFfnScratch & scratch, int ith, int nth) {
+    SparseFfnImpl::accumulate(scratch, ith, nth);
+}
+
+void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth) {
+    SparseFfnImpl::reduce(scratch, ith, nth);
+}
+
+void sparse_ffn_forward(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
+                        SparseFfnScratch & scratch) {
+    SparseFfnImpl::begin(layer, params, io, scratch);
+    if (io.n_tokens == 0) return;
+#pragma omp parallel num_threads(params.n_threads)
+    {
+        const int ith = omp_get_thread_num();
+        const int nth = omp_get_num_threads();  // may be fewer than requested: the phases use the real team
+        SparseFfnImpl::quantize(scratch, ith, nth);
+#pragma omp barrier
+        SparseFfnImpl::accumulate(scratch, ith, nth);
+#pragma omp barrier
+        SparseFfnImpl::reduce(scratch, ith, nth);
+    }
+}
+
+}  // namespace llamaflash

@@ -1,0 +1,181 @@
+// sparse_ffn.h — the sparse FFN decode kernel (issue 4): one served layer, computed over its
+// active neurons only, straight from the sidecar's neuron-bundled layout (docs/SIDECAR.md).
+//
+// Dense formula the kernel matches (per token x, n_embd values):
+//     g = Gate·x,  u = Up·x              (n_ff values; Gate/Up rows = the base model's rows)
+//     h = act(g) ⊙ u
+//     y = Down·h = Σ_i h_i · down_t[i]   (down_t[i] = column i of the base Down, n_embd values)
+// Sparse: y = Σ_{i ∈ A} h_i · down_t[i], where A (the active set) is
+//   * gate-first (no explicit list): A = { i : |act(g_i)| > threshold } over all n_ff neurons.
+//     threshold 0 → every neuron with act(g_i) ≠ 0 (for relu: exactly its nonzero pattern, so the
+//     result equals the dense formula); threshold < 0 → every neuron (the dense formula itself);
+//   * explicit list (predictor-first selection done by the caller): A = { i ∈ list : |act(g_i)| >
+//     threshold }; gate (and up) are computed for the listed neurons only. With threshold < 0 the
+//     list is taken as is.
+// Neuron indices are positions in the sidecar's bundle order (bundle row k, down_t row k); the
+// caller maps them through `ffn_order` when it needs base indices. y does not depend on the order.
+//
+// Numerics (what "matches" means):
+//   * gate/up row dots are ggml-cpu's own `vec_dot` of the weight type, against x quantized once
+//     per token to that type's `vec_dot_type` with ggml-cpu's `from_float` (Q4_0/Q8_0 → Q8_0,
+//     Q4_1 → Q8_1, K-quants → Q8_K, F16 → F16, F32 → F32): exactly what ggml's MUL_MAT does for one
+//     token. `activation_roundtrip()` (ffn_dense_ref.h) returns the x the dots effectively see;
+//   * act: silu x/(1+e^-x) (scalar expf; ggml's SIMD silu differs by float rounding);
+//     gelu = ggml's GEGLU on CPU: tanh-approximation gelu looked up for x rounded to f16 and the
+//     result rounded to f16 (x ≤ -10 → 0, x ≥ 10 → x), reproduced bit for bit without the table;
+//     relu max(x, 0);
+//   * h_i is f32 and the down_t accumulation is f32 (no quantization of h, unlike ggml's down
+//     MUL_MAT, which quantizes h to Q8): down_t row dequantized and scaled by h_i in one pass.
+//   * summation order: neurons are split into clusters assigned round-robin to threads; each thread
+//     accumulates a private partial y, partials are summed in thread order. Results are
+//     deterministic for a given thread count and differ between thread counts only by float
+//     rounding.
+//
+// Batches: n_tokens > 1 is a loop over tokens inside one OpenMP region (every weight row is read
+// once per token; fine for decode, the dense lane is the path for prefill).
+//
+// Threads: sparse_ffn_forward runs `#pragma omp parallel num_threads(n_threads)`, i.e. on the same
+// OpenMP runtime (and worker threads) that llama.cpp's ggml-cpu uses (DESIGN 2.8); call it from
+// outside any OpenMP region (inside one, the nested team has one thread). The phase API below runs
+// the same work on the caller's threads instead.
+//
+// Memory: the layer is a set of views into memory the caller owns (a mapping of the sidecar, cache
+// slots); the kernel allocates nothing once `SparseFfnScratch` has been reserved for the largest
+// (n_tokens, n_threads) it will see (sparse_ffn_forward reserves on demand otherwise).
+#pragma once
+
+#include "ggml.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace llamaflash {
+
+enum class FfnActivation : int { silu = 0, gelu = 1, relu = 2 };
+
+// "silu" | "gelu" | "relu" (the sidecar's llamaflash.ffn.activation values); throws
+// std::invalid_argument otherwise.
+FfnActivation parse_ffn_activation(const std::string & name);
+const char * ffn_activation_name(FfnActivation act);
+
+// The activation exactly as the kernel applies it to g (see Numerics above).
+float ffn_activation(FfnActivation act, float g);
+
+// Instruction set of the fused down_t accumulation. auto_ = the best this CPU supports.
+enum class SparseIsa : int { auto_ = -1, scalar = 0, avx2 = 1, avx512 = 2 };
+SparseIsa sparse_ffn_best_isa();       // avx512 (F+BW+F16C+FMA) > avx2 (+F16C+FMA) > scalar
+const char * sparse_isa_name(SparseIsa isa);
+
+// One served layer, as views into caller-owned memory, in sidecar bundle order.
+struct SparseFfnLayer {
+    int64_t n_embd = 0;
+    int64_t n_ff = 0;
+    // n_ff rows of bundle_stride bytes: [gate row (gate_row_bytes) | up row (up_row_bytes) | pad]
+    const uint8_t * bundles = nullptr;
+    size_t bundle_stride = 0;
+    ggml_type gate_type = GGML_TYPE_COUNT;
+    ggml_type up_type = GGML_TYPE_COUNT;
+    size_t gate_row_bytes = 0;  // == ggml_row_size(gate_type, n_embd)
+    size_t up_row_bytes = 0;    // == ggml_row_size(up_type, n_embd)
+    // n_ff rows of down_t_row_bytes bytes, type down_t_type (Q8_0 and F16 — what the sidecar stores —
+    // have fused SIMD paths; F32 a plain loop; any other type with a ggml to_float works through a
+    // dequantize-then-axpy fallback)
+    const uint8_t * down_t = nullptr;
+    ggml_type down_t_type = GGML_TYPE_COUNT;
+    size_t down_t_row_bytes = 0;  // == ggml_row_size(down_t_type, n_embd)
+    FfnActivation activation = FfnActivation::silu;
+};
+
+// Throws std::invalid_argument naming the problem (null views, row sizes that do not match the
+// types, a stride too small, a type ggml-cpu cannot dot).
+void sparse_ffn_validate(const SparseFfnLayer & layer);
+
+struct SparseFfnParams {
+    float threshold = 0.0f;  // see the selection rules above
+    // Explicit active list (nullptr: gate-first over all neurons). Indices in [0, n_ff), unique;
+    // ascending order reads the weights sequentially (fastest). Either one list for every token
+    // (active_offsets == nullptr, n_active entries), or per token t the entries
+    // active[active_offsets[t] .. active_offsets[t+1]) (active_offsets has n_tokens + 1 entries).
+    const int32_t * active = nullptr;
+    int64_t n_active = 0;
+    const int64_t * active_offsets = nullptr;
+    int n_threads = 1;       // OpenMP team size requested (>= 1)
+    int cluster_size = 32;   // neurons per work unit, 1..256
+    SparseIsa isa = SparseIsa::auto_;  // tests force scalar/avx2 to compare paths
+    // software prefetch (into L2) of a selected neuron's down_t row as soon as its gate passes, and
+    // of the next listed bundles with an explicit list; off only to measure what it buys
+    bool prefetch = true;
+};
+
+// Per-call inputs and outputs. x and y are f32 [n_tokens, n_embd] with the given row strides in
+// bytes (0 = contiguous). y is overwritten.
+struct SparseFfnIo {
+    const float * x = nullptr;
+    size_t x_stride = 0;
+    float * y = nullptr;
+    size_t y_stride = 0;
+    int64_t n_tokens = 1;
+    int32_t * active_counts = nullptr;  // optional out [n_tokens]: |A| per token
+    uint8_t * active_mask = nullptr;    // optional out [n_tokens, n_ff]: 1 where neuron is in A
+};
+
+// Caller-owned working memory; reuse it across calls (one per concurrently running forward). Also
+// holds the plan of the call in progress between sparse_ffn_begin and the last phase.
+class SparseFfnScratch {
+public:
+    // Size for this layer shape, up to n_tokens tokens and n_threads threads. Allocates only when
+    // the current capacity is too small.
+    void reserve(const SparseFfnLayer & layer, int64_t n_tokens, int n_threads);
+    size_t capacity_bytes() const { return buf_.size(); }
+
+private:
+    friend struct SparseFfnImpl;
+    std::vector<uint8_t> buf_;
+    // carved out of buf_ by reserve()
+    uint8_t * xq_ = nullptr;        // [n_tokens][xq_gate_bytes + xq_up_bytes] quantized activations
+    size_t xq_gate_bytes_ = 0, xq_up_bytes_ = 0, xq_token_bytes_ = 0;
+    float * partial_ = nullptr;     // [n_tokens][cap_threads][embd_pad] per-thread partial y
+    float * row_tmp_ = nullptr;     // [cap_threads][embd_pad] dequantized down_t row (generic path)
+    int32_t * counts_ = nullptr;    // [n_tokens] when the caller wants no counts
+    size_t embd_pad_ = 0;
+    int64_t cap_tokens_ = 0;
+    int cap_threads_ = 0;
+    int64_t cap_embd_ = 0;
+    size_t cap_xq_token_bytes_ = 0;
+    // plan of the current call (set by sparse_ffn_begin)
+    SparseFfnLayer layer_;
+    SparseFfnParams params_;
+    SparseFfnIo io_;
+    SparseIsa isa_ = SparseIsa::scalar;
+    float g_lo_ = 0.0f;  // selection prefilter bound (see sparse_ffn.cpp)
+};
+
+// Computes y for every token of io (see the contract at the top of this file): sparse_ffn_begin,
+// then an OpenMP team of params.n_threads running the three phases below with barriers between.
+// Throws std::invalid_argument on bad arguments (checked before any work starts).
+void sparse_ffn_forward(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
+                        SparseFfnScratch & scratch);
+
+// Phase API: the same computation cut at its two barriers, for callers that run it on threads of
+// their own, e.g. as three ggml custom ops with n_tasks = nth (ggml's graph executor puts a barrier
+// between consecutive nodes), so the FFN runs inside one ggml graph compute without a fork/join.
+//   sparse_ffn_begin       one thread, before the others: validates (throws), reserves the scratch
+//                          for params.n_threads, zeroes the outputs, records the plan in `scratch`
+//                          (layer, params and io must stay valid until the last phase returns);
+//   then every thread ith in [0, nth), nth <= params.n_threads, the same nth throughout:
+//   sparse_ffn_quantize    x → activations in vec_dot types (tokens split over threads)
+//   -- barrier --
+//   sparse_ffn_accumulate  clusters c ≡ ith (mod nth) of every token into thread ith's partial y
+//   -- barrier --
+//   sparse_ffn_reduce      y = Σ partials (chunks of n_embd split over threads)
+// The phases never throw and never allocate.
+void sparse_ffn_begin(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
+                      SparseFfnScratch & scratch);
+void sparse_ffn_quantize(SparseFfnScratch & scratch, int ith, int nth);
+void sparse_ffn_accumulate(SparseFfnScratch & scratch, int ith, int nth);
+void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth);
+
+
+}  // namespace llamaflash
