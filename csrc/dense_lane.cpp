@@ -24,6 +24,30 @@ ggml_tensor * leaf_over(ggml_context * ctx, const ggml_tensor * t) {
     return leaf;
 }
 
+// Row 2i + parity of z [2·n_ff, T] -> row i of dst [n_ff, T] (parity 0: gate, 1: up).
+constexpr int64_t kMaxFusedTokens = 4;
+const int kGateParity = 0;
+const int kUpParity = 1;
+
+void deinterleave_gate_up(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const int parity = *static_cast<const int *>(userdata);
+    const ggml_tensor * z = dst->src[0];
+    const int64_t n_ff = dst->ne[0];
+    const int64_t n_rows = ggml_nrows(dst);
+    // split the rows over threads; a single row (decode) is split by columns
+    const int64_t per_row_parts = n_rows >= nth ? 1 : nth;
+    for (int64_t task = ith; task < n_rows * per_row_parts; task += nth) {
+        const int64_t r = task / per_row_parts;
+        const int64_t part = task % per_row_parts;
+        const int64_t i0 = n_ff * part / per_row_parts, i1 = n_ff * (part + 1) / per_row_parts;
+        const float * zr = reinterpret_cast<const float *>(static_cast<const char *>(z->data) + r * z->nb[1]);
+        float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + r * dst->nb[1]);
+        for (int64_t i = i0; i < i1; ++i) {
+            out[i] = zr[2 * i + parity];
+        }
+    }
+}
+
 }  // namespace
 
 DenseLane::DenseLane() {
@@ -88,8 +112,71 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
         return mapped;
     };
 
+    // Gate and up projections of a layer whose bundles are one interleaved matrix (fused_gate_up):
+    // ONE matmul streams the bundles once, z = [gate_0·x, up_0·x, gate_1·x, ...], and two cheap
+    // element-wise ops split z into the memory the scheduler gave the original gate and up nodes.
+    // (Two strided matmuls would each drag the other's rows through the cache: ~2x the bytes.) Only
+    // for small batches (decode), which are bandwidth bound; batched matmuls are compute bound and a
+    // [2·n_ff, T] scratch product would add to peak memory.
+    size_t n_fused = 0;
+    auto try_fuse = [&](int i, const ggml_tensor * node) -> bool {
+        if (node->op != GGML_OP_MUL_MAT || mirror.count(node) || !ggml_is_contiguous(node) ||
+            node->src[1]->type != GGML_TYPE_F32 || ggml_nrows(node->src[1]) > kMaxFusedTokens) {
+            return false;
+        }
+        const BoundWeight * bound = registry.lookup(node->src[0]);
+        if (bound == nullptr || bound->kind == FfnWeightKind::down) {
+            return false;
+        }
+        ggml_tensor * both = bound->model->fused_gate_up(bound->layer);
+        if (both == nullptr) {
+            return false;
+        }
+        const FfnWeightKind other_kind = bound->kind == FfnWeightKind::gate ? FfnWeightKind::up : FfnWeightKind::gate;
+        const ggml_tensor * partner = nullptr;
+        for (int j = i + 1; j < n_nodes && partner == nullptr; ++j) {
+            const ggml_tensor * cand = ggml_graph_node(const_cast<ggml_cgraph *>(split), j);
+            const BoundWeight * b = cand->op == GGML_OP_MUL_MAT ? registry.lookup(cand->src[0]) : nullptr;
+            if (b != nullptr && b->model == bound->model && b->layer == bound->layer && b->kind == other_kind &&
+                cand->src[1] == node->src[1] && ggml_is_contiguous(cand)) {
+                partner = cand;
+            }
+        }
+        if (partner == nullptr) {
+            return false;
+        }
+        if (scratch_.size() <= n_fused) {
+            scratch_.resize(n_fused + 1);
+        }
+        ggml_tensor * z = ggml_mul_mat(ctx, both, map_src(node->src[1]));
+        std::vector<float> & mem = scratch_[n_fused++];
+        mem.resize(static_cast<size_t>(ggml_nelements(z)));
+        z->data = mem.data();
+        model = bound->model.get();
+        for (const ggml_tensor * orig : {node, partner}) {
+            const bool is_gate = registry.lookup(orig->src[0])->kind == FfnWeightKind::gate;
+            ggml_tensor * args[1] = {z};
+            ggml_tensor * m = ggml_custom_4d(ctx, GGML_TYPE_F32, orig->ne[0], orig->ne[1], orig->ne[2], orig->ne[3],
+                                             args, 1, deinterleave_gate_up, GGML_N_TASKS_MAX,
+                                             const_cast<int *>(is_gate ? &kGateParity : &kUpParity));
+            m->data = orig->data;
+            m->buffer = orig->buffer;
+            std::memcpy(m->name, orig->name, sizeof(m->name));
+            mirror.emplace(orig, m);
+        }
+        return true;
+    };
+
     for (int i = 0; i < n_nodes; ++i) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
+        if (mirror.count(node)) {
+            ggml_build_forward_expand(graph, mirror.at(node));  // produced by a fused gate/up pair
+            continue;
+        }
+        if (try_fuse(i, node)) {
+            ggml_build_forward_expand(graph, mirror.at(node));
+            continue;
+        }
         ggml_tensor * m = ggml_new_tensor(ctx, node->type, GGML_MAX_DIMS, node->ne);
         std::memcpy(m->nb, node->nb, sizeof(m->nb));
         m->op = node->op;

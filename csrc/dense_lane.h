@@ -37,6 +37,7 @@ public:
 private:
     ggml_backend_t cpu_ = nullptr;
     std::vector<uint8_t> arena_;  // metadata memory of the private graph, reused across calls
+    std::vector<std::vector<float>> scratch_;  // fused gate/up products, one per fused pair of a split
 };
 
 }  // namespace llamaflash

@@ -126,7 +126,7 @@ void FlashModel::load_dense_weights() {
         base.check_range(s.base_down_offset, static_cast<uint64_t>(s.n_embd) * s.base_down_row_bytes);
     }
 
-    ggml_init_params params = {ggml_tensor_overhead() * (3 * layers_.size() + 1), nullptr, true};
+    ggml_init_params params = {ggml_tensor_overhead() * (4 * layers_.size() + 1), nullptr, true};
     ctx_ = ggml_init(params);
     weights_.clear();
     std::map<ggml_backend_buffer_type_t, std::vector<ggml_tensor *>> copies;
@@ -157,6 +157,18 @@ void FlashModel::load_dense_weights() {
                 copies[plain].push_back(t);
             }
         }
+        // Both gate and up used in place from unpadded bundles of one type: the bundle region is also
+        // one contiguous matrix of 2·n_ff rows (gate_0, up_0, gate_1, up_1, ...), which the dense lane
+        // multiplies in a single streaming pass (see DenseLane).
+        const bool gate_view = !views_sidecar.empty() && views_sidecar.back().first == up &&
+                               views_sidecar.size() >= 2 && views_sidecar[views_sidecar.size() - 2].first == gate;
+        fused_.push_back(nullptr);
+        if (gate_view && s.gate_type == s.up_type && s.bundle_stride == s.gate_row_bytes + s.up_row_bytes) {
+            ggml_tensor * both = ggml_new_tensor_2d(ctx_, s.gate_type, s.n_embd, 2 * s.n_ff);
+            ggml_format_name(both, "llamaflash.blk.%d.ffn_gate_up", s.layer);
+            fused_.back() = both;
+            views_sidecar.emplace_back(both, s.bundle_offset);
+        }
     }
 
     // views: tensors whose data lives in a read-only shared mapping of the file
@@ -186,6 +198,9 @@ void FlashModel::load_dense_weights() {
     for (size_t li = 0; li < layers_.size(); ++li) {
         for (int kind = 0; kind < 3; ++kind) {
             spec_of[weights_[3 * li + kind]] = &layers_[li];
+        }
+        if (fused_[li] != nullptr) {
+            spec_of[fused_[li]] = &layers_[li];
         }
     }
     place_views(views_sidecar, sidecar_path_, [&](const ggml_tensor * t, uint64_t) {
@@ -271,6 +286,14 @@ ggml_tensor * FlashModel::dense_weight(int layer, FfnWeightKind kind) const {
         return nullptr;
     }
     return weights_[3 * it->second + static_cast<int>(kind)];
+}
+
+ggml_tensor * FlashModel::fused_gate_up(int layer) const {
+    auto it = index_.find(layer);
+    if (it == index_.end() || !dense_loaded_) {
+        return nullptr;
+    }
+    return fused_[it->second];
 }
 
 size_t FlashModel::resident_bytes() const {

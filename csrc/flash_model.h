@@ -82,6 +82,11 @@ public:
     // in place from a file mapping are not counted (they are page cache, as in stock llama.cpp)
     size_t resident_bytes() const;
 
+    // For a layer whose gate and up weights are used in place from unpadded bundles of one type: the
+    // bundle region as one matrix, ggml ne = [n_embd, 2·n_ff], rows gate_0, up_0, gate_1, up_1, ...
+    // (row 2i = gate row i, row 2i+1 = up row i, in base order). nullptr otherwise.
+    ggml_tensor * fused_gate_up(int layer) const;
+
     // statistics (updated by the backend; relaxed atomics: counters, not synchronisation)
     void count_split(double compute_seconds, double prepare_seconds);
     void count_ffn_eval(int layer, int64_t n_tokens);
@@ -102,6 +107,7 @@ private:
     ggml_context * ctx_ = nullptr;
     std::vector<ggml_backend_buffer_t> buffers_;
     std::vector<ggml_tensor *> weights_;  // 3 per layer, in layers_ order
+    std::vector<ggml_tensor *> fused_;    // 1 per layer (or nullptr), see fused_gate_up()
     std::vector<std::unique_ptr<MappedFile>> maps_;  // one per weight used in place from a file
     size_t copied_bytes_ = 0;
     bool dense_loaded_ = false;
