@@ -41,10 +41,10 @@ float read_f16(const uint8_t * p) {
 
 }  // namespace
 
-DenseFfnGraph::DenseFfnGraph(const DenseFfnRefWeights & w, int64_t n_tokens, int n_threads, bool repack)
+DenseFfnGraph::DenseFfnGraph(const DenseFfnRefWeights & w, int64_t n_tokens, int n_threads, bool repack, bool gate_only)
     : n_embd_(w.n_embd), n_tokens_(n_tokens) {
-    if (w.gate == nullptr || w.up == nullptr || w.down == nullptr || n_tokens < 1 || n_threads < 1 || w.n_embd < 1 ||
-        w.n_ff < 1) {
+    if (w.gate == nullptr || (!gate_only && (w.up == nullptr || w.down == nullptr)) || n_tokens < 1 || n_threads < 1 ||
+        w.n_embd < 1 || w.n_ff < 1) {
         throw std::runtime_error("DenseFfnGraph: bad arguments");
     }
     cpu_ = ggml_backend_cpu_init();
@@ -57,6 +57,7 @@ DenseFfnGraph::DenseFfnGraph(const DenseFfnRefWeights & w, int64_t n_tokens, int
         ggml_tensor * down = ggml_new_tensor_2d(wctx_, w.down_type, w.n_ff, w.n_embd);
         const std::pair<ggml_tensor *, const uint8_t *> weights[] = {{gate, w.gate}, {up, w.up}, {down, w.down}};
         for (const auto & [t, data] : weights) {
+            if (gate_only && t != gate) continue;
             ggml_backend_buffer_type_t buft = repack ? repack_buft_for(t) : nullptr;
             repacked_ = repacked_ || buft != nullptr;
             if (buft == nullptr) buft = ggml_backend_cpu_buffer_type();
@@ -75,11 +76,15 @@ DenseFfnGraph::DenseFfnGraph(const DenseFfnRefWeights & w, int64_t n_tokens, int
         x_ = ggml_new_tensor_2d(gctx_, GGML_TYPE_F32, w.n_embd, n_tokens);
         ggml_set_input(x_);
         ggml_tensor * g = ggml_mul_mat(gctx_, gate, x_);
-        ggml_tensor * u = ggml_mul_mat(gctx_, up, x_);
-        ggml_tensor * h = w.activation == FfnActivation::silu   ? ggml_swiglu_split(gctx_, g, u)
-                          : w.activation == FfnActivation::gelu ? ggml_geglu_split(gctx_, g, u)
-                                                                : ggml_reglu_split(gctx_, g, u);
-        y_ = ggml_mul_mat(gctx_, down, h);
+        if (gate_only) {
+            y_ = g;
+        } else {
+            ggml_tensor * u = ggml_mul_mat(gctx_, up, x_);
+            ggml_tensor * h = w.activation == FfnActivation::silu   ? ggml_swiglu_split(gctx_, g, u)
+                              : w.activation == FfnActivation::gelu ? ggml_geglu_split(gctx_, g, u)
+                                                                    : ggml_reglu_split(gctx_, g, u);
+            y_ = ggml_mul_mat(gctx_, down, h);
+        }
         ggml_set_output(y_);
         graph_ = ggml_new_graph(gctx_);
         ggml_build_forward_expand(graph_, y_);

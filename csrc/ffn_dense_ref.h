@@ -28,20 +28,23 @@ struct DenseFfnRefWeights {
 };
 
 // The graph for a fixed n_tokens, with its own copy of the weights (the caller's memory is not
-// referenced after construction). Throws std::runtime_error.
+// referenced after construction). gate_only: the graph is just g = MUL_MAT(gate, x) (output
+// [n_tokens, n_ff]; up/down unused and may be null), i.e. the dense half of a hybrid "gate by ggml,
+// up/down sparse" lane. Throws std::runtime_error.
 class DenseFfnGraph {
 public:
-    DenseFfnGraph(const DenseFfnRefWeights & w, int64_t n_tokens, int n_threads, bool repack);
+    DenseFfnGraph(const DenseFfnRefWeights & w, int64_t n_tokens, int n_threads, bool repack, bool gate_only = false);
     ~DenseFfnGraph();
     DenseFfnGraph(const DenseFfnGraph &) = delete;
     DenseFfnGraph & operator=(const DenseFfnGraph &) = delete;
 
-    // x: f32 [n_tokens, n_embd]; y (may be null): f32 [n_tokens, n_embd]. Returns the wall time of
+    // x: f32 [n_tokens, n_embd]; y (may be null): f32 [n_tokens, out_width()]. Returns the wall time of
     // the graph computation alone (seconds), x upload and y download excluded.
     double run(const float * x, float * y);
     void set_n_threads(int n_threads);
     int64_t n_tokens() const { return n_tokens_; }
     int64_t n_embd() const { return n_embd_; }
+    int64_t out_width() const { return y_->ne[0]; }  // n_embd, or n_ff for a gate-only graph
     bool repacked() const { return repacked_; }
     size_t weight_bytes() const { return weight_bytes_; }  // bytes of the three weights as stored
 

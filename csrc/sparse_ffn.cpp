@@ -4,10 +4,11 @@
 //   1. quantize: x_t → xq_gate_t, xq_up_t with ggml-cpu's from_float (tokens over threads);
 //   2. accumulate, for every token: the candidate neurons (all n_ff, or the explicit list) are cut
 //      into clusters of `cluster_size`; cluster c goes to thread c mod nth (deterministic);
-//   3. per cluster: for each candidate i, g = vec_dot(gate_i, xq_gate), a = act(g); if selected,
-//      u = vec_dot(up_i, xq_up) (the up row follows the gate row in the same bundle: one sequential
-//      stream), h_i = a·u; then the cluster's selected down_t rows are dequantized, scaled by h_i and
-//      added into the thread's partial y, up to 4 rows per pass over y (one load/store of y per 4 rows);
+//   3. per cluster: for each candidate i, g = vec_dot(gate_i, xq_gate) (gate rows prefetched a few
+//      candidates ahead: in a bundle run they are strided), a = act(g); if selected, its up and
+//      down_t rows are prefetched; then u = vec_dot(up_i, xq_up), h_i = a·u for the selected; then
+//      their down_t rows are dequantized, scaled by h_i and added into the thread's partial y, up
+//      to 4 rows per pass over y (one load/store of y per 4 rows);
 //   4. reduce: y_t = Σ_threads partial (chunks of n_embd over threads, fixed thread order).
 #include "sparse_ffn.h"
 
@@ -32,6 +33,7 @@ namespace {
 
 constexpr int kMaxCluster = 256;
 constexpr int kRowsPerPass = 4;
+constexpr int kGateAhead = 4;  // gate rows prefetched this many candidates ahead
 constexpr size_t kAlign = 64;
 
 size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
@@ -466,7 +468,10 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
             list = P.active + begin;
             n_cand = P.active_offsets != nullptr ? P.active_offsets[t + 1] - begin : P.n_active;
         }
-        const bool prefetch_list = P.prefetch && list != nullptr;
+        const float * gv = P.gate_values != nullptr
+                               ? P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff)
+                               : nullptr;
+        const bool prefetch_gate = P.prefetch && gv == nullptr;
         uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
         float * acc = partial(S, t, ith);
         std::memset(acc, 0, L.n_embd * sizeof(float));
@@ -474,25 +479,39 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
         const int64_t n_clusters = (n_cand + cs - 1) / cs;
         for (int64_t c = ith; c < n_clusters; c += nth) {
             const int64_t k1 = std::min<int64_t>((c + 1) * cs, n_cand);
+            // pass 1: gate and selection; the selected neurons' up and down_t rows are prefetched so
+            // they arrive while the rest of the cluster's gates are computed
             int n = 0;
             for (int64_t k = c * cs; k < k1; ++k) {
                 const int32_t i = list != nullptr ? list[k] : static_cast<int32_t>(k);
-                const uint8_t * bundle = L.bundles + static_cast<size_t>(i) * L.bundle_stride;
-                if (prefetch_list && k + 2 < n_cand) {  // scattered bundles: two ahead
-                    prefetch_l2(L.bundles + static_cast<size_t>(list[k + 2]) * L.bundle_stride,
-                                L.gate_row_bytes + L.up_row_bytes);
+                float g;
+                if (gv != nullptr) {
+                    g = gv[i];
+                } else {
+                    if (prefetch_gate && k + kGateAhead < n_cand) {  // gate rows are strided (bundles)
+                        const int64_t ahead = list != nullptr ? list[k + kGateAhead] : k + kGateAhead;
+                        prefetch_l2(L.bundles + static_cast<size_t>(ahead) * L.bundle_stride, L.gate_row_bytes);
+                    }
+                    gate_dot(n_embd, &g, 0, L.bundles + static_cast<size_t>(i) * L.bundle_stride, 0, xq_gate, 0, 1);
                 }
-                float g, u;
-                gate_dot(n_embd, &g, 0, bundle, 0, xq_gate, 0, 1);
                 if (g < g_lo) continue;  // |act(g)| <= thr for sure
                 const float a = ffn_activation(L.activation, g);
                 if (thr >= 0.0f && !(std::fabs(a) > thr)) continue;  // thr < 0 keeps every neuron
-                up_dot(n_embd, &u, 0, bundle + L.gate_row_bytes, 0, xq_up, 0, 1);
                 ids[n] = i;
-                hs[n] = a * u;
+                hs[n] = a;
                 rows[n] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
-                if (P.prefetch) prefetch_l2(rows[n], L.down_t_row_bytes);  // used after the cluster's dots
+                if (P.prefetch) {
+                    prefetch_l2(L.bundles + static_cast<size_t>(i) * L.bundle_stride + L.gate_row_bytes, L.up_row_bytes);
+                    prefetch_l2(rows[n], L.down_t_row_bytes);
+                }
                 ++n;
+            }
+            // pass 2: h_i = act(g_i) · (up_i · x)
+            for (int r = 0; r < n; ++r) {
+                float u;
+                up_dot(n_embd, &u, 0, L.bundles + static_cast<size_t>(ids[r]) * L.bundle_stride + L.gate_row_bytes, 0,
+                       xq_up, 0, 1);
+                hs[r] *= u;
             }
             if (axpy != nullptr) {
                 axpy(acc, rows, hs, n, n_embd);

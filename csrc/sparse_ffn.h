@@ -12,6 +12,7 @@
 //   * explicit list (predictor-first selection done by the caller): A = { i ∈ list : |act(g_i)| >
 //     threshold }; gate (and up) are computed for the listed neurons only. With threshold < 0 the
 //     list is taken as is.
+//   Either way g may instead be supplied by the caller (SparseFfnParams::gate_values).
 // Neuron indices are positions in the sidecar's bundle order (bundle row k, down_t row k); the
 // caller maps them through `ffn_order` when it needs base indices. y does not depend on the order.
 //
@@ -101,6 +102,12 @@ struct SparseFfnParams {
     const int32_t * active = nullptr;
     int64_t n_active = 0;
     const int64_t * active_offsets = nullptr;
+    // Precomputed gate values (nullptr: the kernel computes g = gate_i·x itself). f32, token t's g_i
+    // (bundle order) at gate_values[t·gate_values_stride + i]; stride 0 = n_ff. With them the gate
+    // rows are not read at all: e.g. g from ggml's repacked dense GEMV (the fast way to get every
+    // g_i for gate-first selection), then up and down_t for the selected neurons only here.
+    const float * gate_values = nullptr;
+    size_t gate_values_stride = 0;
     int n_threads = 1;       // OpenMP team size requested (>= 1)
     int cluster_size = 32;   // neurons per work unit, 1..256
     SparseIsa isa = SparseIsa::auto_;  // tests force scalar/avx2 to compare paths

@@ -312,6 +312,32 @@ def test_threads_isas_and_clusters_agree(down_t_type):
     assert_close(y1, layer.reference(x, np.abs(a) > thr), 1e-5)
 
 
+@pytest.mark.parametrize("activation", ["silu", "relu"])
+def test_precomputed_gate_values(activation):
+    """With gate_values the kernel reads no gate rows: selection and h come from the given g."""
+    rng = np.random.default_rng(13)
+    layer = random_layer(rng, 128, 300, T.Q4_0, T.Q4_0, T.Q8_0, activation)
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    g, a, _ = layer.act_g_u(x)
+    g32 = g.astype(np.float32)
+    thr = gap_threshold(a, 0.4)
+    y, counts, mask = layer.run(x, thr, gate_values=g32, return_mask=True)
+    np.testing.assert_array_equal(mask.astype(bool), np.abs(a) > thr)
+    assert_close(y, layer.reference(x, np.abs(a) > thr), 1e-5)
+    y_own, counts_own = layer.run(x, thr)
+    np.testing.assert_array_equal(counts, counts_own)
+    assert_close(y, y_own.astype(np.float64), 1e-5)
+    # the gate rows are really not read: garbage in them changes nothing
+    spoiled = Layer.__new__(Layer)
+    spoiled.__dict__.update(layer.__dict__)
+    spoiled.bundles = layer.bundles.copy()
+    spoiled.bundles[:, : layer.gate_row_bytes] = 0x77
+    listed = np.sort(rng.permutation(300)[:50]).astype(np.int32)
+    y1, _ = layer.run(x, thr, listed, gate_values=g32)
+    y2, _ = spoiled.run(x, thr, listed, gate_values=g32)
+    np.testing.assert_array_equal(y1, y2)
+
+
 def test_phase_api_equals_openmp_driver():
     """sparse_ffn_begin + quantize / accumulate / reduce on the caller's threads (what a ggml custom
     op integration does) gives exactly sparse_ffn_forward's result for the same thread count."""
@@ -447,6 +473,16 @@ def test_kquant_sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd
         y_ggml = ggml_dense(base_w["gate"], base_w["gate_type"], base_w["up"], base_w["up_type"], base_w["down"],
                             base_w["down_type"], n_embd, n_ff, layer.activation, x, n_threads=2)
         assert np.linalg.norm(y_dense - y_ggml) / np.linalg.norm(y_ggml) < 3e-2
+
+        # hybrid: g from ggml's (repacked) dense gate GEMV, up/down_t sparse in the kernel
+        gate_graph = N.DenseFfnGraph(base_w["gate"], base_w["gate_type"], None, 0, None, 0, n_embd, n_ff,
+                                     layer.activation, n_tokens=2, n_threads=2, gate_only=True)
+        g_ggml, _ = gate_graph.run(x)
+        g, _, _ = layer.act_g_u(x)
+        assert np.abs(g_ggml - g).max() <= 1e-5 * np.abs(g).max()  # same g (bundle order = base order here)
+        y_h, _, mask_h = layer.run(x, thr, gate_values=g_ggml, return_mask=True)
+        np.testing.assert_array_equal(mask_h.astype(bool), np.abs(a) > thr)
+        assert_close(y_h, layer.reference(x, np.abs(a) > thr), 1e-5)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])

@@ -155,7 +155,7 @@ public:
     // active mask [n_tokens, n_ff] (uint8); with n_iter > 0 instead a list of n_iter wall times (s).
     py::object run(const F32Array & x, float threshold, const py::object & active, int n_threads, int cluster_size,
                    const std::string & isa, bool return_mask, int n_iter, bool prefetch = true,
-                   const std::string & driver = "omp") {
+                   const std::string & driver = "omp", const py::object & gate_values = py::none()) {
         if (driver != "omp" && driver != "phases") throw py::value_error("driver must be 'omp' or 'phases'");
         if (x.ndim() != 2 || x.shape(1) != L_.n_embd) {
             throw py::value_error("x must be float32 [n_tokens, n_embd=" + std::to_string(L_.n_embd) + "]");
@@ -189,6 +189,14 @@ public:
             static const int32_t kNone = 0;
             p.active = shared.size() > 0 ? shared.data() : &kNone;
             p.n_active = shared.size();
+        }
+        F32Array gv;
+        if (!gate_values.is_none()) {
+            gv = gate_values.cast<F32Array>();
+            if (gv.ndim() != 2 || gv.shape(0) != n_tokens || gv.shape(1) != L_.n_ff) {
+                throw py::value_error("gate_values must be float32 [n_tokens, n_ff]");
+            }
+            p.gate_values = gv.data();
         }
         F32Array y({n_tokens, L_.n_embd});
         py::array_t<int32_t> counts(n_tokens);
@@ -303,38 +311,45 @@ PYBIND11_MODULE(_native, m) {
              py::arg("down_t_row_bytes"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"))
         .def("forward", [](SparseFfnKernelPy & k, const F32Array & x, float threshold, const py::object & active,
                            int n_threads, int cluster_size, const std::string & isa, bool return_mask, bool prefetch,
-                           const std::string & driver) {
-                 return k.run(x, threshold, active, n_threads, cluster_size, isa, return_mask, 0, prefetch, driver);
+                           const std::string & driver, const py::object & gate_values) {
+                 return k.run(x, threshold, active, n_threads, cluster_size, isa, return_mask, 0, prefetch, driver,
+                              gate_values);
              },
              py::arg("x"), py::arg("threshold") = 0.0f, py::arg("active") = py::none(), py::arg("n_threads") = 1,
              py::arg("cluster_size") = 32, py::arg("isa") = "auto", py::arg("return_mask") = false,
-             py::arg("prefetch") = true, py::arg("driver") = "omp",
+             py::arg("prefetch") = true, py::arg("driver") = "omp", py::arg("gate_values") = py::none(),
              "(y, active_counts[, active_mask]); see csrc/sparse_ffn.h for the contract. driver 'phases' runs\n"
              "sparse_ffn_begin + the phase functions on n_threads std::threads instead of OpenMP.")
         .def("time", [](SparseFfnKernelPy & k, const F32Array & x, float threshold, const py::object & active,
-                        int n_threads, int cluster_size, const std::string & isa, int n_iter, bool prefetch) {
-                 return k.run(x, threshold, active, n_threads, cluster_size, isa, false, std::max(n_iter, 1), prefetch);
+                        int n_threads, int cluster_size, const std::string & isa, int n_iter, bool prefetch,
+                        const py::object & gate_values) {
+                 return k.run(x, threshold, active, n_threads, cluster_size, isa, false, std::max(n_iter, 1), prefetch,
+                              "omp", gate_values);
              },
              py::arg("x"), py::arg("threshold") = 0.0f, py::arg("active") = py::none(), py::arg("n_threads") = 1,
              py::arg("cluster_size") = 32, py::arg("isa") = "auto", py::arg("n_iter") = 10, py::arg("prefetch") = true,
+             py::arg("gate_values") = py::none(),
              "wall time in seconds of each of n_iter forward calls (scratch reused, GIL released)");
     m.def("sparse_ffn_forward",
           [](const py::object & bundles, size_t bundle_stride, int gate_type, int up_type, size_t gate_row_bytes,
              size_t up_row_bytes, const py::object & down_t, int down_t_type, size_t down_t_row_bytes, int64_t n_embd,
              int64_t n_ff, const std::string & activation, const F32Array & x, float threshold,
-             const py::object & active, int n_threads, int cluster_size, const std::string & isa, bool return_mask) {
+             const py::object & active, int n_threads, int cluster_size, const std::string & isa, bool return_mask,
+             const py::object & gate_values) {
               SparseFfnKernelPy k(bundles, bundle_stride, gate_type, up_type, gate_row_bytes, up_row_bytes, down_t,
                                   down_t_type, down_t_row_bytes, n_embd, n_ff, activation);
-              return k.run(x, threshold, active, n_threads, cluster_size, isa, return_mask, 0);
+              return k.run(x, threshold, active, n_threads, cluster_size, isa, return_mask, 0, true, "omp", gate_values);
           },
           py::arg("bundles"), py::arg("bundle_stride"), py::arg("gate_type"), py::arg("up_type"),
           py::arg("gate_row_bytes"), py::arg("up_row_bytes"), py::arg("down_t"), py::arg("down_t_type"),
           py::arg("down_t_row_bytes"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"), py::arg("x"),
           py::arg("threshold") = 0.0f, py::arg("active") = py::none(), py::arg("n_threads") = 1,
           py::arg("cluster_size") = 32, py::arg("isa") = "auto", py::arg("return_mask") = false,
+          py::arg("gate_values") = py::none(),
           "Sparse FFN of one layer (csrc/sparse_ffn.h) -> (y [n_tokens, n_embd], active_counts [n_tokens])\n"
           "(+ active_mask [n_tokens, n_ff] with return_mask). active: None (gate-first), an int32 array of\n"
-          "bundle-order indices for every token, or a list of one array per token.");
+          "bundle-order indices for every token, or a list of one array per token. gate_values: optional\n"
+          "float32 [n_tokens, n_ff] precomputed g (bundle order); the gate rows are then not read.");
     m.def("sparse_ffn_best_isa", [] { return std::string(sparse_isa_name(sparse_ffn_best_isa())); });
     m.def("sparse_ffn_activation", [](const std::string & act, const F32Array & g) {
               const FfnActivation a = parse_ffn_activation(act);
@@ -351,8 +366,10 @@ PYBIND11_MODULE(_native, m) {
                               "One layer's dense FFN as a ggml CPU graph (csrc/ffn_dense_ref.h), weights copied in.")
         .def(py::init([](const py::object & gate, int gate_type, const py::object & up, int up_type,
                          const py::object & down, int down_type, int64_t n_embd, int64_t n_ff,
-                         const std::string & activation, int64_t n_tokens, int n_threads, bool repack) {
-                 ByteView g = byte_view(gate, "gate"), u = byte_view(up, "up"), d = byte_view(down, "down");
+                         const std::string & activation, int64_t n_tokens, int n_threads, bool repack, bool gate_only) {
+                 ByteView g = byte_view(gate, "gate");
+                 ByteView u = gate_only && up.is_none() ? g : byte_view(up, "up");
+                 ByteView d = gate_only && down.is_none() ? g : byte_view(down, "down");
                  DenseFfnRefWeights w;
                  w.n_embd = n_embd;
                  w.n_ff = n_ff;
@@ -366,20 +383,21 @@ PYBIND11_MODULE(_native, m) {
                  for (ggml_type t : {w.gate_type, w.up_type, w.down_type}) {
                      if (t < 0 || t >= GGML_TYPE_COUNT || ggml_blck_size(t) <= 0) throw py::value_error("bad ggml type");
                  }
-                 if (g.size < ggml_row_size(w.gate_type, n_embd) * n_ff || u.size < ggml_row_size(w.up_type, n_embd) * n_ff ||
-                     d.size < ggml_row_size(w.down_type, n_ff) * n_embd) {
+                 if (g.size < ggml_row_size(w.gate_type, n_embd) * n_ff ||
+                     (!gate_only && (u.size < ggml_row_size(w.up_type, n_embd) * n_ff ||
+                                     d.size < ggml_row_size(w.down_type, n_ff) * n_embd))) {
                      throw py::value_error("DenseFfnGraph: a weight buffer is too small");
                  }
-                 return std::make_unique<DenseFfnGraph>(w, n_tokens, n_threads, repack);
+                 return std::make_unique<DenseFfnGraph>(w, n_tokens, n_threads, repack, gate_only);
              }),
              py::arg("gate"), py::arg("gate_type"), py::arg("up"), py::arg("up_type"), py::arg("down"),
              py::arg("down_type"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"), py::arg("n_tokens") = 1,
-             py::arg("n_threads") = 1, py::arg("repack") = true)
+             py::arg("n_threads") = 1, py::arg("repack") = true, py::arg("gate_only") = false)
         .def("run", [](DenseFfnGraph & gr, const F32Array & x, int n_iter) {
                  if (x.ndim() != 2 || x.shape(0) != gr.n_tokens() || x.shape(1) != gr.n_embd()) {
                      throw py::value_error("x must be float32 [n_tokens, n_embd] as given at construction");
                  }
-                 F32Array y({x.shape(0), x.shape(1)});
+                 F32Array y({static_cast<py::ssize_t>(x.shape(0)), static_cast<py::ssize_t>(gr.out_width())});
                  std::vector<double> seconds;
                  {
                      py::gil_scoped_release release;
