@@ -5,7 +5,7 @@ hot-first order), the stage plans three tensors (see ``docs/SIDECAR.md``):
 
 * ``blk.L.ffn_bundle`` (I8, n_ff × bundle_stride): row k = base gate row order[k] then
   base up row order[k], bytes copied unchanged (lossless, original ggml types), zero
-  padded to ``bundle_stride = round_up(gate_row_bytes + up_row_bytes, 64)``;
+  padded to ``bundle_stride`` (:func:`llamaflash.sidecar_format.bundle_stride`);
 * ``blk.L.ffn_down_t`` (n_ff × n_embd): row k = base down column order[k], dequantized and
   requantized to Q8_0 (F16 when n_embd is not a multiple of 32);
 * ``blk.L.ffn_order`` (I32, n_ff): the order itself;
@@ -45,6 +45,9 @@ class BundleStage:
     ``orders`` maps a layer index to its neuron order (a permutation of range(n_ff));
     layers not in it get the identity order.
     """
+
+    #: The oldest sidecar format version that can hold what this stage plans.
+    min_format_version = 1
 
     def __init__(self, orders: Mapping[int, np.ndarray] | None = None) -> None:
         self._orders = dict(orders or {})

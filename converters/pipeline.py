@@ -1,16 +1,33 @@
 """``convert``: base model GGUF → llamaflash sidecar, through converter stages.
 
-The pipeline validates the base model, fills one :class:`~llamaflash.converters.writer.SidecarPlan`
-with the sidecar header (format version, base identity, ...) and, for every served layer in
-order, lets each stage add that layer's tensors and per-layer values; the plan is then
-written atomically. Format v1 has one stage, :class:`~llamaflash.converters.bundle.BundleStage`;
-later stages (predictors, statistics) implement :class:`ConverterStage` and are appended.
+The pipeline (``docs/SIDECAR.md``, DESIGN.md §4/§5):
+
+1. validate the base model, refuse an existing output (unless ``force``) — before any work;
+2. read the calibration text (default: the registry's calibration corpus) and the validation
+   text (default: held-out Shakespeare), refuse texts too short for the model;
+3. **profile** the stock model through llama.cpp (:mod:`.llama_runner`): the FFN input x of
+   every served layer for up to ``calib_tokens`` calibration tokens (float16);
+4. **analyse** each layer in NumPy (:mod:`.analysis`): thresholds for every sparsity level,
+   held-out sparsity and FFN output error, per-neuron frequency/magnitude, predictors;
+5. choose the **operating point**: a fixed ``sparsity``, or ``"auto"``: the highest level whose
+   (emulated, :mod:`.quality`) perplexity on the validation text stays within
+   ``quality_budget`` of dense; then the per-layer selection mode (:mod:`.sparsity`);
+6. fill one :class:`~llamaflash.converters.writer.SidecarPlan` (header keys, then each served
+   layer through the :class:`~llamaflash.converters.bundle.BundleStage` with the hot-first
+   orders and the :class:`~llamaflash.converters.sparsity.SparsityStage`) and write it
+   atomically; then the report ``<sidecar>.report.json`` (:mod:`.report`).
+
+``profile=False`` skips 2–5 and writes a format-1 sidecar (bundles in base order, no sparsity
+content; the backend runs it dense).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TextIO
 
@@ -29,7 +46,13 @@ from llamaflash.sidecar import default_sidecar_path
 
 
 class ConverterStage(Protocol):
-    """A converter stage contributes, per served layer, tensors and per-layer metadata."""
+    """A converter stage contributes, per served layer, tensors and per-layer metadata.
+
+    ``min_format_version`` is the oldest format that can hold what it plans; the sidecar is
+    written with the largest of its stages' versions.
+    """
+
+    min_format_version: int
 
     def plan_layer(self, model: BaseModelInfo, ffn: FfnLayer, plan: SidecarPlan) -> None:
         """Add layer ``ffn.layer``'s tensors (``plan.add_tensor``) and per-layer values
@@ -37,11 +60,63 @@ class ConverterStage(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Settings of :func:`convert` (all have working defaults)."""
+
+    #: calibration text (a string) or file; None: the registry calibration corpus
+    calib_text: str | None = None
+    calib_path: Path | None = None
+    #: validation text or file for perplexity; None: held-out Shakespeare
+    valid_text: str | None = None
+    valid_path: Path | None = None
+    #: calibration tokens profiled (evenly spaced windows over the text)
+    calib_tokens: int = 4096
+    #: validation tokens scored per perplexity measurement
+    valid_tokens: int = 2048
+    #: target sparsity in [0, 1), or "auto"
+    sparsity: float | str = "auto"
+    #: --sparsity auto: perplexity may rise at most this much over dense (0.02 = +2%)
+    quality_budget: float = 0.02
+    #: "auto", "gate" or "predictor" (see llamaflash.converters.sparsity)
+    selection: str = "auto"
+    #: bundle order: "base" (identity; the dense lane maps the bundles in place) or "hot"
+    #: (most frequently active neuron first; this version's dense lane then copies gate/up)
+    order: str = "base"
+    #: a predictor is only used when its held-out recall is at least this
+    min_recall: float = 0.9
+    #: measure perplexity/greedy agreement for a fixed sparsity too (always for "auto")
+    measure_quality: bool = True
+    #: False: write a format-1 sidecar (no profiling, no sparsity content)
+    profile: bool = True
+    #: write <sidecar>.report.json
+    report: bool = True
+    #: sparsity levels analysed (and, for "auto", evaluated in increasing order)
+    levels: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    #: predictor ranks tried
+    ranks: tuple[int, ...] = (16, 64, 256)
+    #: recall the predictor threshold is calibrated for
+    recall_target: float = 0.95
+    #: "auto" stops evaluating levels once perplexity exceeds this multiple of the budget
+    stop_factor: float = 2.0
+    #: profiling / evaluation context length (capped by the model's training context)
+    chunk_len: int = 512
+    #: FFN inputs kept per layer at most (subsampled uniformly beyond)
+    max_samples: int = 4096
+    #: fraction of calibration chunks held out for recall/sparsity/error measurements
+    heldout_fraction: float = 0.25
+    n_threads: int | None = None
+    cache_dir: Path | None = None
+    seed: int = 0
+
+
 def convert(
     model_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str] | None = None,
     force: bool = False,
     progress: bool = True,
+    options: ConvertOptions | None = None,
+    **settings,
 ) -> Path:
     """Convert the base model at ``model_path`` into a sidecar; return the sidecar's path.
 
@@ -49,10 +124,17 @@ def convert(
     ``m.flash.gguf`` beside it). The base model is validated before anything is written
     (:class:`~llamaflash.errors.BaseModelError` / ``BaseModelNotFoundError``) and never
     modified. An existing output is refused unless ``force``
-    (:class:`~llamaflash.errors.OutputExistsError`). The sidecar appears under its final
-    name only when complete; on any failure nothing is left behind. With ``progress``,
-    one line per layer is printed to stderr.
+    (:class:`~llamaflash.errors.OutputExistsError`); texts too short for the model raise
+    :class:`~llamaflash.errors.CalibrationError`. The sidecar appears under its final name
+    only when complete; on any failure nothing is left behind. With ``progress``, progress
+    bars, one line per written layer and the report table go to stderr.
+
+    ``options`` (a :class:`ConvertOptions`) and/or keyword ``settings`` (its field names)
+    configure calibration, sparsity and predictors.
     """
+    opts = dataclasses.replace(options or ConvertOptions(), **settings)
+    _check_options(opts)
+    t_start = time.perf_counter()
     model_path = Path(model_path)
     model = read_base_model(model_path)
     require_supported(model)
@@ -63,22 +145,51 @@ def convert(
         )
     if out.exists() and not force:
         raise OutputExistsError(f"{out}: already exists. Pass --force to overwrite it.")
+    if not out.parent.is_dir():
+        raise ConversionError(
+            f"{out}: the directory {out.parent} does not exist. Create it or choose another output path."
+        )
 
     stream = sys.stderr if progress else None
     _say(stream, f"llamaflash convert: {model_path} -> {out} "
                  f"({len(model.ffn_layers)} FFN layers, {model.architecture})")
-    plan = plan_sidecar(model, base_identity(model_path, model), [BundleStage()])
+    identity = base_identity(model_path, model)
+    if not opts.profile:
+        plan = plan_sidecar(model, identity, [BundleStage()])
+        write_sidecar_atomically(plan, out, force=force,
+                                 progress=_LayerProgress(plan, stream) if stream else None)
+        _say(stream, f"llamaflash convert: wrote {out} ({out.stat().st_size} bytes)")
+        return out
+
+    from llamaflash.converters.calibrate import calibrate  # imports llama_cpp: only when needed
+
+    result = calibrate(model, opts, stream)
+    stages = [BundleStage(result.stage.orders), result.stage]
+    plan = plan_sidecar(model, identity, stages)
+    result.add_header_keys(plan)
+    t_write = time.perf_counter()
     write_sidecar_atomically(plan, out, force=force,
                              progress=_LayerProgress(plan, stream) if stream else None)
+    result.timings["write_s"] = time.perf_counter() - t_write
+    result.timings["total_s"] = time.perf_counter() - t_start
     _say(stream, f"llamaflash convert: wrote {out} ({out.stat().st_size} bytes)")
+    if opts.report:
+        report_path = result.write_report(out, model_path)
+        _say(stream, f"llamaflash convert: report {report_path}")
+    if stream is not None:
+        result.print_table(stream)
     return out
 
 
 def plan_sidecar(model: BaseModelInfo, identity: str, stages: list[ConverterStage]) -> SidecarPlan:
     """The complete plan of ``model``'s sidecar: header keys, then every served layer
-    through every stage, in layer order."""
+    through every stage, in layer order. The format version is the largest
+    ``min_format_version`` of the stages."""
+    version = max([1] + [getattr(stage, "min_format_version", 1) for stage in stages])
+    if version not in fmt.SUPPORTED_FORMAT_VERSIONS:
+        raise ValueError(f"stages need format version {version}, which this llamaflash cannot read")
     plan = SidecarPlan()
-    plan.set_uint32(fmt.KEY_FORMAT_VERSION, fmt.FORMAT_VERSION)
+    plan.set_uint32(fmt.KEY_FORMAT_VERSION, version)
     plan.set_string(fmt.KEY_CONVERTER_VERSION, fmt.CONVERTER_VERSION)
     plan.set_string(fmt.KEY_BASE_IDENTITY, identity)
     plan.set_string(fmt.KEY_BASE_ARCHITECTURE, model.architecture)
@@ -92,6 +203,24 @@ def plan_sidecar(model: BaseModelInfo, identity: str, stages: list[ConverterStag
         for stage in stages:
             stage.plan_layer(model, ffn, plan)
     return plan
+
+
+def _check_options(opts: ConvertOptions) -> None:
+    if isinstance(opts.sparsity, str):
+        if opts.sparsity != fmt.SPARSITY_METHOD_AUTO:
+            raise ValueError(f"sparsity must be a number in [0, 1) or 'auto', not {opts.sparsity!r}")
+    elif not 0.0 <= float(opts.sparsity) < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), not {opts.sparsity}")
+    if not opts.quality_budget > 0:
+        raise ValueError(f"quality_budget must be positive, not {opts.quality_budget}")
+    if opts.order not in fmt.BUNDLE_ORDERS:
+        raise ValueError(f"order must be one of {sorted(fmt.BUNDLE_ORDERS)}, not {opts.order!r}")
+    if opts.selection not in ("auto", fmt.SELECTION_GATE, fmt.SELECTION_PREDICTOR):
+        raise ValueError(f"selection must be auto, gate or predictor, not {opts.selection!r}")
+    if not all(0.0 < s < 1.0 for s in opts.levels):
+        raise ValueError(f"levels must lie in (0, 1): {opts.levels}")
+    if opts.calib_tokens <= 0 or opts.valid_tokens <= 0:
+        raise ValueError("calib_tokens and valid_tokens must be positive")
 
 
 class _LayerProgress:

@@ -1,7 +1,7 @@
 """The one write path of the converter: a :class:`SidecarPlan`, written atomically.
 
 Converter stages describe what goes into the sidecar by filling a :class:`SidecarPlan`:
-metadata keys, per-layer values (collected into per-layer uint32 arrays) and tensors
+metadata keys, per-layer values (collected into per-layer uint32 or float32 arrays) and tensors
 whose data is produced lazily, one tensor at a time, in plan order, so that memory use
 stays at about one tensor however large the model. :func:`write_sidecar_atomically`
 then writes the plan with ``gguf.GGUFWriter`` to a temporary file beside the target,
@@ -63,7 +63,7 @@ class SidecarPlan:
 
     def __init__(self) -> None:
         self._metadata: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]] = {}
-        self._layer_arrays: dict[str, list[int]] = {}
+        self._layer_arrays: dict[str, tuple[list[Any], gguf.GGUFValueType]] = {}
         self.tensors: list[PlannedTensor] = []
 
     # metadata -------------------------------------------------------------------------
@@ -77,10 +77,18 @@ class SidecarPlan:
     def set_uint64(self, key: str, value: int) -> None:
         self._set(key, int(value), gguf.GGUFValueType.UINT64)
 
+    def set_float32(self, key: str, value: float) -> None:
+        self._set(key, float(value), gguf.GGUFValueType.FLOAT32)
+
     def set_uint32_array(self, key: str, values: Sequence[int]) -> None:
         if not values:
             raise ValueError(f"metadata array '{key}' would be empty; GGUF cannot store that")
         self._set(key, [int(v) for v in values], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
+
+    def set_float32_array(self, key: str, values: Sequence[float]) -> None:
+        if len(values) == 0:
+            raise ValueError(f"metadata array '{key}' would be empty; GGUF cannot store that")
+        self._set(key, [float(v) for v in values], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT32)
 
     def append_layer_value(self, key: str, value: int) -> None:
         """Append ``value`` to the per-served-layer uint32 array ``key``.
@@ -88,16 +96,25 @@ class SidecarPlan:
         Stages call this once per served layer, in layer order; the arrays are written as
         uint32 arrays with one entry per served layer.
         """
-        if key in self._metadata:
-            raise ValueError(f"metadata key '{key}' is already set as a whole")
-        self._layer_arrays.setdefault(key, []).append(int(value))
+        self._append(key, int(value), gguf.GGUFValueType.UINT32)
+
+    def append_layer_float(self, key: str, value: float) -> None:
+        """Like :meth:`append_layer_value` for a per-served-layer float32 array."""
+        self._append(key, float(value), gguf.GGUFValueType.FLOAT32)
 
     def metadata(self) -> list[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
         """All keys, in write order, as (key, value, type, array element type)."""
         items = [(k, v, t, s) for k, (v, t, s) in self._metadata.items()]
-        items += [(k, v, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
-                  for k, v in self._layer_arrays.items()]
+        items += [(k, v, gguf.GGUFValueType.ARRAY, t) for k, (v, t) in self._layer_arrays.items()]
         return items
+
+    def _append(self, key: str, value: Any, vtype: gguf.GGUFValueType) -> None:
+        if key in self._metadata:
+            raise ValueError(f"metadata key '{key}' is already set as a whole")
+        values, existing = self._layer_arrays.setdefault(key, ([], vtype))
+        if existing != vtype:
+            raise ValueError(f"per-layer array '{key}' mixes {existing.name} and {vtype.name} values")
+        values.append(value)
 
     def _set(self, key: str, value: Any, vtype: gguf.GGUFValueType,
              sub_type: gguf.GGUFValueType | None = None) -> None:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import click
 import gguf
+import numpy as np
 
 from llamaflash.converters import convert as run_convert
 from llamaflash.errors import LlamaflashError
-from llamaflash.sidecar import read_sidecar
+from llamaflash.sidecar import read_layer_vectors, read_sidecar
 
 #: Exit status of a command that failed with a LlamaflashError.
 EXIT_LLAMAFLASH_ERROR = 2
@@ -37,15 +38,72 @@ def main() -> None:
     """llamaflash: serve the FFN layers of llama.cpp models from a neuron-bundled sidecar."""
 
 
+class _Sparsity(click.ParamType):
+    """``auto`` or a number in [0, 1)."""
+
+    name = "auto|FRACTION"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float) or value == "auto":
+            return value
+        try:
+            number = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither 'auto' nor a number", param, ctx)
+        if not 0.0 <= number < 1.0:
+            self.fail(f"{number} is not in [0, 1) (a fraction of neurons, e.g. 0.6)", param, ctx)
+        return number
+
+
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), default=None,
               help="Sidecar to write (default: MODEL with .gguf replaced by .flash.gguf).")
 @click.option("--force", is_flag=True, help="Overwrite the output if it exists.")
-@click.option("--quiet", "-q", is_flag=True, help="Do not print per-layer progress.")
-def convert(model: Path, output: Path | None, force: bool, quiet: bool) -> None:
-    """Convert base model MODEL (.gguf) into its llamaflash sidecar."""
-    out = run_convert(model, output, force=force, progress=not quiet)
+@click.option("--calib", "calib", type=click.Path(path_type=Path), default=None,
+              help="Calibration text file (UTF-8). Default: the registry calibration corpus (English + code), "
+                   "fetched once into ~/.cache/llamaflash.")
+@click.option("--valid", "valid", type=click.Path(path_type=Path), default=None,
+              help="Validation text for perplexity (never the calibration text). Default: held-out Shakespeare.")
+@click.option("--sparsity", type=_Sparsity(), default="auto", show_default=True,
+              help="Target fraction of FFN neurons skipped per token, or 'auto': the highest level whose "
+                   "perplexity stays within --quality-budget of dense.")
+@click.option("--quality-budget", type=click.FloatRange(min=0.0, min_open=True), default=2.0, show_default=True,
+              help="--sparsity auto: allowed perplexity increase over dense, in percent.")
+@click.option("--selection", type=click.Choice(["auto", "gate", "predictor"]), default="auto", show_default=True,
+              help="How the engine selects active neurons: gate-first (exact), predictor-first (low-rank "
+                   "predictor), or per layer whichever moves fewer bytes (auto).")
+@click.option("--order", type=click.Choice(["base", "hot"]), default="base", show_default=True,
+              help="Bundle order: base neuron order (the dense lane maps bundles in place) or hot-first "
+                   "(most frequently active neurons first; the dense lane then copies gate/up).")
+@click.option("--calib-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Calibration tokens to profile.")
+@click.option("--valid-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Validation tokens per perplexity measurement.")
+@click.option("--no-quality", is_flag=True,
+              help="With a fixed --sparsity: do not measure perplexity and greedy agreement.")
+@click.option("--no-calibration", is_flag=True,
+              help="Write a format-1 sidecar: bundles only, no profiling and no sparsity content (runs dense).")
+@click.option("--no-report", is_flag=True, help="Do not write <sidecar>.report.json.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="llama.cpp threads (default: all cores).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress, per-layer lines or report table on stderr.")
+def convert(model: Path, output: Path | None, force: bool, calib: Path | None, valid: Path | None,
+            sparsity, quality_budget: float, selection: str, order: str, calib_tokens: int, valid_tokens: int,
+            no_quality: bool, no_calibration: bool, no_report: bool, threads: int | None, quiet: bool) -> None:
+    """Convert base model MODEL (.gguf) into its llamaflash sidecar.
+
+    Profiles MODEL through llama.cpp on calibration text, chooses per-layer thresholds for the
+    target sparsity, orders neurons hot-first, trains activation predictors, measures the quality
+    cost, and writes the sidecar plus a report (<sidecar>.report.json).
+    """
+    if no_quality and sparsity == "auto":
+        raise click.UsageError("--no-quality needs a fixed --sparsity (auto measures perplexity to choose).")
+    out = run_convert(
+        model, output, force=force, progress=not quiet,
+        calib_path=calib, valid_path=valid, sparsity=sparsity, quality_budget=quality_budget / 100.0,
+        selection=selection, order=order, calib_tokens=calib_tokens, valid_tokens=valid_tokens,
+        measure_quality=not no_quality, profile=not no_calibration, report=not no_report, n_threads=threads,
+    )
     click.echo(str(out))
 
 
@@ -95,6 +153,38 @@ def inspect(sidecar: Path) -> None:
             f"{down_t_bytes:>10}"
         )
     click.echo(f"ffn bytes (bundles + down_t): {total}")
+    if info.sparsity is None:
+        click.echo("sparsity:         none (format 1: the backend runs every layer dense)")
+        return
+    sp = info.sparsity
+    click.echo(f"sparsity:         {sp.method}, target {sp.target:.3f}, criterion {sp.criterion} "
+               "(neuron inactive when |act(gate.x)| <= threshold)")
+    click.echo(f"bundle order:     {sp.bundle_order}")
+    if sp.quality_budget is not None:
+        click.echo(f"quality budget:   perplexity within +{100 * sp.quality_budget:.3g}% of dense")
+    if sp.calibration_source:
+        click.echo(f"calibration:      {sp.calibration_tokens} tokens of {sp.calibration_source}")
+    q = sp.quality
+    if "ppl_dense" in q:
+        click.echo(f"quality (EMULATED in stock llama.cpp, {q.get('validation_tokens')} tokens of "
+                   f"{q.get('validation')}):")
+        delta = 100 * (q["ppl"] / q["ppl_dense"] - 1)
+        click.echo(f"  ppl dense {q['ppl_dense']:.4f}, at the operating point {q['ppl']:.4f} ({delta:+.2f}%), "
+                   f"greedy agreement {q['greedy_agreement']:.3f}")
+        for s_, p_, g_ in zip(q.get("curve_sparsity", []), q.get("curve_ppl", []),
+                              q.get("curve_greedy_agreement", [])):
+            click.echo(f"  curve: sparsity {s_:.2f}  ppl {p_:.4f} ({100 * (p_ / q['ppl_dense'] - 1):+.2f}%)  "
+                       f"greedy agreement {g_:.3f}")
+    click.echo(f"{'layer':>5} {'threshold':>10} {'sparsity':>8} {'ffn_err':>8} {'select':>9} {'rank':>5} "
+               f"{'pred_thr':>9} {'recall':>7} {'precis':>7} {'hot>=0.5':>8}")
+    for lay in info.layers:
+        vectors = read_layer_vectors(info, lay)
+        hot = int(np.count_nonzero(vectors["freq"] >= 0.5))
+        click.echo(
+            f"{lay.layer:>5} {lay.threshold:>10.4g} {lay.sparsity:>8.3f} {lay.ffn_rel_error:>8.4f} "
+            f"{lay.selection:>9} {lay.pred_rank:>5} {lay.pred_threshold:>9.4g} {lay.pred_recall:>7.3f} "
+            f"{lay.pred_precision:>7.3f} {hot:>8}"
+        )
 
 
 if __name__ == "__main__":

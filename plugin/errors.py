@@ -69,3 +69,8 @@ class ConversionError(LlamaflashError):
 
 class OutputExistsError(ConversionError, FileExistsError):
     """The conversion's output file already exists and overwriting was not requested."""
+
+
+class CalibrationError(ConversionError):
+    """The calibration or validation text cannot be used for this model (too short, unreadable).
+    Raised before anything is written; the message says how much text is needed."""

@@ -1,7 +1,7 @@
 """Reading and validating a llamaflash sidecar, alone or against its base model.
 
-:func:`read_sidecar` parses a ``*.flash.gguf`` and checks it against format v1 (see
-``docs/SIDECAR.md``), returning a :class:`SidecarInfo` whose :class:`LayerLayout` entries
+:func:`read_sidecar` parses a ``*.flash.gguf`` and checks it against its format version
+(1 or 2, see ``docs/SIDECAR.md``), returning a :class:`SidecarInfo` whose :class:`LayerLayout` entries
 give absolute byte offsets of every per-layer tensor. :func:`validate_pair` additionally
 checks that the sidecar was converted from the given base model and fills in where that
 model's own FFN tensors lie; its layouts are what the native backend is given
@@ -66,6 +66,17 @@ class LayerLayout:
     (n_embd rows of ``base_down_row_bytes`` bytes, type ``base_down_type``). The three
     offsets are None in a layout from :func:`read_sidecar` and set by
     :func:`validate_pair`.
+
+    Sparsity (format v2; None/0 in a v1 sidecar, which carries no thresholds and runs dense):
+      * ``threshold``: neuron k is inactive for FFN input x when |act(gate_k·x)| <= threshold;
+      * ``sparsity``: fraction of neurons inactive at that threshold on held-out calibration tokens;
+      * ``selection``: ``"gate"`` (gate·x for all neurons, then the active ones' up/down) or
+        ``"predictor"`` (the low-rank predictor picks the neurons); None in v1;
+      * ``freq_offset`` / ``mag_offset``: ``n_ff`` float32 in bundle order, activation frequency
+        (non-increasing when the file's bundle order is "hot") and mean |act(gate·x)·(up·x)|;
+      * ``pred_rank`` r (0: no predictor), ``pred_in_offset`` (r rows of n_embd F16: z = B·x),
+        ``pred_out_offset`` (n_ff rows of r F16, bundle order: score = act(A·z)),
+        ``pred_threshold`` (predicted active when |score| > it), ``pred_recall``/``pred_precision``.
     """
 
     layer: int
@@ -86,14 +97,28 @@ class LayerLayout:
     base_gate_offset: int | None = None
     base_up_offset: int | None = None
     base_down_offset: int | None = None
+    threshold: float | None = None
+    sparsity: float | None = None
+    selection: str | None = None
+    freq_offset: int | None = None
+    mag_offset: int | None = None
+    pred_rank: int = 0
+    pred_in_offset: int | None = None
+    pred_out_offset: int | None = None
+    pred_threshold: float | None = None
+    pred_recall: float | None = None
+    pred_precision: float | None = None
+    ffn_rel_error: float | None = None
 
     @property
     def is_resolved(self) -> bool:
         """True when the base-model offsets are known (layout came from :func:`validate_pair`)."""
         return None not in (self.base_gate_offset, self.base_up_offset, self.base_down_offset)
 
-    def to_dict(self) -> dict[str, int]:
-        """All fields as a plain ``{name: int}`` dict, as handed to the native backend.
+    def to_dict(self) -> dict[str, int | float | str | None]:
+        """All fields as a plain dict, as handed to the native backend (offsets, sizes and type
+        ids are ints; ``threshold``/``pred_*`` floats, ``selection`` a string; v2 fields are None
+        in a v1 sidecar). The backend ignores keys it does not use.
 
         Raises ValueError if the base-model offsets are not resolved: a layout for the
         backend must come from :func:`validate_pair`.
@@ -107,8 +132,28 @@ class LayerLayout:
 
 
 @dataclass(frozen=True)
+class SparsityInfo:
+    """The file-level sparsity settings and quality record of a v2 sidecar.
+
+    ``quality`` holds the *emulated* quality measurement (keys as in the file without the
+    ``llamaflash.quality.emulated.`` prefix: ``ppl_dense``, ``ppl``, ``greedy_agreement``,
+    ``curve_sparsity``, ``curve_ppl``, ``curve_greedy_agreement``, ``validation``,
+    ``validation_tokens``); empty when the conversion did not measure quality.
+    """
+
+    criterion: str
+    method: str
+    target: float
+    bundle_order: str
+    quality_budget: float | None = None
+    calibration_tokens: int | None = None
+    calibration_source: str | None = None
+    quality: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class SidecarInfo:
-    """Everything a v1 sidecar declares, checked for consistency."""
+    """Everything a sidecar declares, checked for consistency. ``sparsity`` is None for v1."""
 
     path: Path
     format_version: int
@@ -120,6 +165,7 @@ class SidecarInfo:
     n_embd: int
     converter_version: str
     layers: list[LayerLayout] = field(default_factory=list)
+    sparsity: SparsityInfo | None = None
 
 
 def default_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
@@ -181,14 +227,24 @@ def read_sidecar(
     layer_ids = fields.uint_array(fmt.KEY_LAYERS)
     if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
         fields.fail(f"'{fmt.KEY_LAYERS}' is not strictly increasing: {layer_ids}")
-    per_layer = {key: fields.uint_array(key, length=len(layer_ids)) for key in fmt.PER_LAYER_ARRAY_KEYS}
+    per_layer: dict[str, list] = {
+        key: fields.uint_array(key, length=len(layer_ids)) for key in fmt.PER_LAYER_ARRAY_KEYS}
+    sparsity = None
+    if version >= fmt.SPARSITY_FORMAT_VERSION:
+        sparsity = _sparsity_info(fields)
+        per_layer.update({key: fields.uint_array(key, length=len(layer_ids))
+                          for key in fmt.V2_PER_LAYER_UINT_KEYS})
+        per_layer.update({key: fields.float_array(key, length=len(layer_ids))
+                          for key in fmt.V2_PER_LAYER_FLOAT_KEYS})
 
     tensors = {t.name: t for t in header.tensors}
     layers = []
     for i, layer in enumerate(layer_ids):
-        layers.append(_layer_layout(
-            fields, tensors, layer, n_embd, {key: values[i] for key, values in per_layer.items()},
-        ))
+        meta = {key: values[i] for key, values in per_layer.items()}
+        layout = _layer_layout(fields, tensors, layer, n_embd, meta)
+        if sparsity is not None:
+            layout = _sparsity_layout(fields, tensors, layout, meta)
+        layers.append(layout)
 
     return SidecarInfo(
         path=path,
@@ -201,6 +257,7 @@ def read_sidecar(
         n_embd=n_embd,
         converter_version=fields.optional_string(fmt.KEY_CONVERTER_VERSION) or "",
         layers=layers,
+        sparsity=sparsity,
     )
 
 
@@ -303,6 +360,24 @@ class _Fields:
             self.fail(f"metadata key '{key}' is not an unsigned integer")
         return int(f.value)
 
+    def has(self, key: str) -> bool:
+        return key in self._metadata
+
+    def real(self, key: str) -> float:
+        f = self._get(key)
+        if f.type not in (ValueType.FLOAT32, ValueType.FLOAT64):
+            self.fail(f"metadata key '{key}' is not a float")
+        return float(f.value)
+
+    def float_array(self, key: str, length: int | None = None) -> list[float]:
+        f = self._get(key)
+        if f.type != ValueType.ARRAY or f.element_type not in (ValueType.FLOAT32, ValueType.FLOAT64):
+            self.fail(f"metadata key '{key}' is not an array of floats")
+        values = [float(v) for v in f.value]
+        if length is not None and len(values) != length:
+            self.fail(f"metadata key '{key}' has {len(values)} entries, expected {length}")
+        return values
+
     def uint_array(self, key: str, length: int | None = None) -> list[int]:
         f = self._get(key)
         if f.type != ValueType.ARRAY or f.element_type not in UNSIGNED_TYPES:
@@ -355,6 +430,106 @@ def _layer_layout(
         order_offset=order.offset,
         base_down_type=down_type, base_down_row_bytes=down_row,
     )
+
+
+_F32 = int(gguf.GGMLQuantizationType.F32)
+_F16 = int(gguf.GGMLQuantizationType.F16)
+
+_QUALITY_PREFIX = fmt.KEY_PREFIX + "quality.emulated."
+
+
+def _sparsity_info(fields: _Fields) -> SparsityInfo:
+    """The file-level v2 keys, checked."""
+    criterion = fields.string(fmt.KEY_SPARSITY_CRITERION)
+    if criterion not in fmt.CRITERIA:
+        fields.fail(f"unknown sparsity criterion {criterion!r}")
+    method = fields.string(fmt.KEY_SPARSITY_METHOD)
+    if method not in fmt.SPARSITY_METHODS:
+        fields.fail(f"unknown sparsity method {method!r}")
+    target = fields.real(fmt.KEY_SPARSITY_TARGET)
+    bundle_order = fields.string(fmt.KEY_BUNDLE_ORDER)
+    if bundle_order not in fmt.BUNDLE_ORDERS:
+        fields.fail(f"unknown bundle order {bundle_order!r}")
+    if not 0.0 <= target < 1.0:
+        fields.fail(f"sparsity target {target} is not in [0, 1)")
+    quality: dict = {}
+    for key in (fmt.KEY_QUALITY_PPL_DENSE, fmt.KEY_QUALITY_PPL, fmt.KEY_QUALITY_GREEDY):
+        if fields.has(key):
+            quality[key[len(_QUALITY_PREFIX):]] = fields.real(key)
+    for key in (fmt.KEY_CURVE_SPARSITY, fmt.KEY_CURVE_PPL, fmt.KEY_CURVE_GREEDY):
+        if fields.has(key):
+            quality[key[len(_QUALITY_PREFIX):]] = fields.float_array(key)
+    if fields.has(fmt.KEY_QUALITY_VALIDATION):
+        quality["validation"] = fields.string(fmt.KEY_QUALITY_VALIDATION)
+    if fields.has(fmt.KEY_QUALITY_VALIDATION_TOKENS):
+        quality["validation_tokens"] = fields.uint(fmt.KEY_QUALITY_VALIDATION_TOKENS)
+    return SparsityInfo(
+        criterion=criterion,
+        method=method,
+        target=target,
+        bundle_order=bundle_order,
+        quality_budget=fields.real(fmt.KEY_QUALITY_BUDGET) if fields.has(fmt.KEY_QUALITY_BUDGET) else None,
+        calibration_tokens=fields.uint(fmt.KEY_CALIB_TOKENS) if fields.has(fmt.KEY_CALIB_TOKENS) else None,
+        calibration_source=fields.optional_string(fmt.KEY_CALIB_SOURCE),
+        quality=quality,
+    )
+
+
+def _sparsity_layout(
+    fields: _Fields, tensors: dict[str, TensorInfo], layout: LayerLayout, meta: dict
+) -> LayerLayout:
+    """``layout`` with its v2 fields read and checked."""
+    layer, n_ff, n_embd = layout.layer, layout.n_ff, layout.n_embd
+    selection = fmt.SELECTION_NAMES.get(meta[fmt.KEY_SELECTION])
+    if selection is None:
+        fields.fail(f"layer {layer}: unknown selection code {meta[fmt.KEY_SELECTION]}")
+    rank = meta[fmt.KEY_PRED_RANKS]
+    if selection == fmt.SELECTION_PREDICTOR and rank == 0:
+        fields.fail(f"layer {layer}: selection 'predictor' but no predictor (rank 0)")
+    threshold = meta[fmt.KEY_THRESHOLDS]
+    if not threshold >= 0.0:
+        fields.fail(f"layer {layer}: threshold {threshold} is not a non-negative number")
+    freq = _tensor(fields, tensors, fmt.freq_tensor_name(layer), _F32, (n_ff,))
+    mag = _tensor(fields, tensors, fmt.magnitude_tensor_name(layer), _F32, (n_ff,))
+    pred_in = pred_out = None
+    if rank:
+        if rank > n_embd:
+            fields.fail(f"layer {layer}: predictor rank {rank} exceeds n_embd {n_embd}")
+        pred_in = _tensor(fields, tensors, fmt.predictor_in_tensor_name(layer), _F16, (n_embd, rank))
+        pred_out = _tensor(fields, tensors, fmt.predictor_out_tensor_name(layer), _F16, (rank, n_ff))
+    return dataclasses.replace(
+        layout,
+        threshold=threshold,
+        sparsity=meta[fmt.KEY_SPARSITY_REACHED],
+        selection=selection,
+        freq_offset=freq.offset,
+        mag_offset=mag.offset,
+        pred_rank=rank,
+        pred_in_offset=None if pred_in is None else pred_in.offset,
+        pred_out_offset=None if pred_out is None else pred_out.offset,
+        pred_threshold=meta[fmt.KEY_PRED_THRESHOLDS],
+        pred_recall=meta[fmt.KEY_PRED_RECALL],
+        pred_precision=meta[fmt.KEY_PRED_PRECISION],
+        ffn_rel_error=meta[fmt.KEY_FFN_REL_ERROR],
+    )
+
+
+def read_layer_vectors(info: SidecarInfo, layout: LayerLayout) -> dict[str, np.ndarray]:
+    """The per-neuron arrays of one layer of a v2 sidecar, in bundle order: ``order`` (int32),
+    ``freq`` and ``mag`` (float32), and when the layer has a predictor ``pred_in`` (rank, n_embd)
+    and ``pred_out`` (n_ff, rank) as float32. A v1 layout gives only ``order``."""
+    path, n_ff = info.path, layout.n_ff
+    out = {"order": np.fromfile(path, dtype="<i4", count=n_ff, offset=layout.order_offset)}
+    if layout.freq_offset is not None:
+        out["freq"] = np.fromfile(path, dtype="<f4", count=n_ff, offset=layout.freq_offset)
+        out["mag"] = np.fromfile(path, dtype="<f4", count=n_ff, offset=layout.mag_offset)
+    if layout.pred_rank:
+        r = layout.pred_rank
+        out["pred_in"] = np.fromfile(path, dtype="<f2", count=r * layout.n_embd,
+                                     offset=layout.pred_in_offset).reshape(r, layout.n_embd).astype(np.float32)
+        out["pred_out"] = np.fromfile(path, dtype="<f2", count=n_ff * r,
+                                      offset=layout.pred_out_offset).reshape(n_ff, r).astype(np.float32)
+    return out
 
 
 def _tensor(

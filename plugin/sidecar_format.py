@@ -21,15 +21,20 @@ import re
 # Versioning
 # --------------------------------------------------------------------------------------
 
-#: Format version written by this converter.
-FORMAT_VERSION = 1
+#: Format version written by this converter. Version 2 adds the sparsity content (per-layer
+#: thresholds, neuron statistics, selection mode, activation predictors, quality record); a
+#: version 1 file (bundles only, run dense) is still read.
+FORMAT_VERSION = 2
 
 #: Format versions this reader understands. A file with any other version is refused
 #: (re-convert it); versions are never guessed or partially read.
-SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1,)
+SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1, 2)
+
+#: First format version that carries the sparsity content (required keys and tensors below).
+SPARSITY_FORMAT_VERSION = 2
 
 #: Version string of the converter, stored in :data:`KEY_CONVERTER_VERSION` (informative only).
-CONVERTER_VERSION = "llamaflash-converter 1"
+CONVERTER_VERSION = "llamaflash-converter 2"
 
 # --------------------------------------------------------------------------------------
 # File-level constants
@@ -216,3 +221,131 @@ def down_t_tensor_name(layer: int) -> str:
 def order_tensor_name(layer: int) -> str:
     """Name of layer ``layer``'s neuron order: I32, shape (n_ff,); order[k] = base neuron index."""
     return f"blk.{layer}.ffn_order"
+
+
+# --------------------------------------------------------------------------------------
+# Format v2: sparsity content (thresholds, statistics, selection, predictors, quality)
+# --------------------------------------------------------------------------------------
+#
+# Neuron k of a served layer (bundle position k, base neuron order[k]) is *inactive* for a
+# token with FFN input x when |act(gate_k · x)| <= threshold (criterion
+# :data:`CRITERION_ACT_GATE`, CATS). For ReLU models a threshold of 0 is the exact zero
+# pattern. Skipping inactive neurons is what the sparse engine does; the converter chose the
+# thresholds for the target sparsity and measured what it costs.
+
+#: string: the inactivity criterion; today always :data:`CRITERION_ACT_GATE`.
+KEY_SPARSITY_CRITERION = KEY_PREFIX + "sparsity.criterion"
+#: float32: target sparsity the thresholds were calibrated for (fraction of neurons inactive).
+KEY_SPARSITY_TARGET = KEY_PREFIX + "sparsity.target"
+#: string: the order of the bundles: :data:`BUNDLE_ORDER_BASE` (identity ``ffn_order``) or
+#: :data:`BUNDLE_ORDER_HOT` (most frequently active neuron first).
+KEY_BUNDLE_ORDER = KEY_PREFIX + "bundle_order"
+#: string: how the target was chosen: :data:`SPARSITY_METHOD_FIXED` or :data:`SPARSITY_METHOD_AUTO`.
+KEY_SPARSITY_METHOD = KEY_PREFIX + "sparsity.method"
+#: float32: quality budget of ``--sparsity auto`` (relative perplexity increase allowed, 0.02 = +2%).
+KEY_QUALITY_BUDGET = KEY_PREFIX + "sparsity.quality_budget"
+
+#: float32 array (per served layer): threshold on |act(gate·x)|; neuron inactive when <= it.
+KEY_THRESHOLDS = KEY_PREFIX + "thresholds"
+#: float32 array (per served layer): sparsity reached with that threshold on held-out calibration tokens.
+KEY_SPARSITY_REACHED = KEY_PREFIX + "sparsity_reached"
+#: uint32 array (per served layer): how the engine should select active neurons, a :data:`SELECTION_CODES` value.
+KEY_SELECTION = KEY_PREFIX + "selection"
+#: uint32 array (per served layer): predictor rank r; 0 = no predictor stored for the layer.
+KEY_PRED_RANKS = KEY_PREFIX + "pred_ranks"
+#: float32 array (per served layer): predictor threshold on |act(score)| (0 where rank is 0).
+KEY_PRED_THRESHOLDS = KEY_PREFIX + "pred_thresholds"
+#: float32 array (per served layer): predictor recall of the active set on held-out calibration tokens.
+KEY_PRED_RECALL = KEY_PREFIX + "pred_recall"
+#: float32 array (per served layer): predictor precision on held-out calibration tokens.
+KEY_PRED_PRECISION = KEY_PREFIX + "pred_precision"
+#: float32 array (per served layer): relative L2 error of the FFN output y with inactive neurons
+#: skipped (gate-first, exact selection), on held-out calibration tokens.
+KEY_FFN_REL_ERROR = KEY_PREFIX + "ffn_rel_error"
+
+#: uint32: calibration tokens profiled; string: where the calibration text came from.
+KEY_CALIB_TOKENS = KEY_PREFIX + "calibration.tokens"
+KEY_CALIB_SOURCE = KEY_PREFIX + "calibration.source"
+#: string: sha256 of the calibration text (UTF-8) actually used.
+KEY_CALIB_SHA256 = KEY_PREFIX + "calibration.sha256"
+
+# Quality record. Until the native sparse engine exists, perplexity and greedy agreement are
+# measured by an *emulation*: stock llama.cpp computes the model and an eval callback zeroes the
+# inactive neurons' activations before the down projection (NumPy masks on the captured
+# activations). Every key says "emulated"; the engine's own measurement will use other keys.
+#: string: validation text used for perplexity (never the calibration text).
+KEY_QUALITY_VALIDATION = KEY_PREFIX + "quality.emulated.validation"
+#: uint32: validation tokens scored.
+KEY_QUALITY_VALIDATION_TOKENS = KEY_PREFIX + "quality.emulated.validation_tokens"
+#: float32: perplexity of the dense model (stock llama.cpp) on the validation text.
+KEY_QUALITY_PPL_DENSE = KEY_PREFIX + "quality.emulated.ppl_dense"
+#: float32: perplexity at the chosen operating point (with the recorded selection modes).
+KEY_QUALITY_PPL = KEY_PREFIX + "quality.emulated.ppl"
+#: float32: teacher-forced greedy agreement with stock at the chosen point (fraction of tokens).
+KEY_QUALITY_GREEDY = KEY_PREFIX + "quality.emulated.greedy_agreement"
+#: float32 arrays (same length): the sparsity/quality curve (gate-first selection).
+KEY_CURVE_SPARSITY = KEY_PREFIX + "quality.emulated.curve_sparsity"
+KEY_CURVE_PPL = KEY_PREFIX + "quality.emulated.curve_ppl"
+KEY_CURVE_GREEDY = KEY_PREFIX + "quality.emulated.curve_greedy_agreement"
+
+#: Keys a version-2 sidecar must have (scalars and per-layer arrays).
+V2_REQUIRED_STRING_KEYS: tuple[str, ...] = (KEY_SPARSITY_CRITERION, KEY_SPARSITY_METHOD, KEY_BUNDLE_ORDER)
+V2_REQUIRED_FLOAT_KEYS: tuple[str, ...] = (KEY_SPARSITY_TARGET,)
+V2_PER_LAYER_UINT_KEYS: tuple[str, ...] = (KEY_SELECTION, KEY_PRED_RANKS)
+V2_PER_LAYER_FLOAT_KEYS: tuple[str, ...] = (
+    KEY_THRESHOLDS,
+    KEY_SPARSITY_REACHED,
+    KEY_PRED_THRESHOLDS,
+    KEY_PRED_RECALL,
+    KEY_PRED_PRECISION,
+    KEY_FFN_REL_ERROR,
+)
+
+#: The criterion: neuron k inactive when |act(gate_k·x)| <= threshold (CATS, arXiv 2404.08763).
+CRITERION_ACT_GATE = "act_gate"
+CRITERIA = frozenset({CRITERION_ACT_GATE})
+
+#: Bundle orders. "base": bundle k = base neuron k (the dense lane maps such bundles in place).
+#: "hot": hot-first, ``ffn_freq`` non-increasing (the flash engine's hot set is a prefix; the dense
+#: lane of this version must copy gate/up back into base order for it).
+BUNDLE_ORDER_BASE = "base"
+BUNDLE_ORDER_HOT = "hot"
+BUNDLE_ORDERS = frozenset({BUNDLE_ORDER_BASE, BUNDLE_ORDER_HOT})
+
+SPARSITY_METHOD_FIXED = "fixed"
+SPARSITY_METHOD_AUTO = "auto"
+SPARSITY_METHODS = frozenset({SPARSITY_METHOD_FIXED, SPARSITY_METHOD_AUTO})
+
+#: Selection modes. "gate": compute gate·x for every neuron (gate rows resident), then up/down
+#: of the active ones only (exact). "predictor": the layer's low-rank predictor picks the
+#: neurons first (no gate rows needed), then their bundles are computed.
+SELECTION_GATE = "gate"
+SELECTION_PREDICTOR = "predictor"
+SELECTION_CODES: dict[str, int] = {SELECTION_GATE: 0, SELECTION_PREDICTOR: 1}
+SELECTION_NAMES: dict[int, str] = {v: k for k, v in SELECTION_CODES.items()}
+
+
+def freq_tensor_name(layer: int) -> str:
+    """Per-neuron activation frequency, F32 shape (n_ff,), in bundle order (non-increasing when the
+    bundle order is "hot").
+
+    Entry k = fraction of calibration tokens for which neuron order[k] is active at the layer's threshold.
+    """
+    return f"blk.{layer}.ffn_freq"
+
+
+def magnitude_tensor_name(layer: int) -> str:
+    """Per-neuron mean activation magnitude, F32 shape (n_ff,), in bundle order:
+    mean over calibration tokens of |act(gate_k·x) · (up_k·x)| (the neuron's coefficient on its down column)."""
+    return f"blk.{layer}.ffn_mag"
+
+
+def predictor_in_tensor_name(layer: int) -> str:
+    """Predictor input factor B, F16, ggml ne = [n_embd, rank] (numpy (rank, n_embd)): z = B·x."""
+    return f"blk.{layer}.ffn_pred_in"
+
+
+def predictor_out_tensor_name(layer: int) -> str:
+    """Predictor output factor A, F16, ggml ne = [rank, n_ff] (numpy (n_ff, rank)), rows in bundle order:
+    score_k = act(A_k · z); neuron k predicted active when |score_k| > the layer's predictor threshold."""
+    return f"blk.{layer}.ffn_pred_out"

@@ -7,12 +7,29 @@ beside it (a sidecar, say).
 
 from __future__ import annotations
 
+import os
+
+# The converter's NumPy work on synthetic models is tiny matrices: one BLAS thread is several times
+# faster than OpenBLAS's thread hand-offs (and does not fight a benchmark running beside the tests).
+# Set before anything imports numpy.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from synth import TinyModelSpec, write_tiny_llama
+from synth import TinyModelSpec, synthetic_text, write_tiny_llama
+
+#: Conversion settings for tests on synthetic models: self-contained synthetic calibration and
+#: validation texts (no registry download), few levels, short validation (fast).
+FAST_CONVERT = dict(
+    calib_text=synthetic_text(3000, seed=1),
+    valid_text=synthetic_text(800, seed=2),
+    valid_tokens=512,
+    calib_tokens=2048,
+    levels=(0.25, 0.5, 0.75),
+)
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +59,10 @@ def tiny_llama_f32(tiny_model_factory) -> Path:
 def tiny_llama_q8_0(tiny_model_factory) -> Path:
     """2 layers, n_embd 64, n_ff 128, Q8_0 FFN and attention weights."""
     return tiny_model_factory(weight_type="Q8_0")
+
+
+@pytest.fixture(scope="session")
+def fast_convert() -> dict:
+    """Keyword settings for ``convert()`` that keep a synthetic model's conversion well under a second
+    (see :data:`FAST_CONVERT`)."""
+    return dict(FAST_CONVERT)

@@ -129,6 +129,21 @@ def write_tiny_llama(path: str | os.PathLike[str], spec: TinyModelSpec = TinyMod
     return path
 
 
+def synthetic_text(n_words: int, seed: int = 0) -> str:
+    """Deterministic text of ``n_words`` words from :data:`WORDS` (about one token each for the
+    synthetic vocabulary), in sentences of 4 to 12 words, one sentence per line now and then."""
+    rng = np.random.default_rng(seed)
+    words = rng.choice(np.array(WORDS), size=n_words)
+    out, i = [], 0
+    while i < n_words:
+        k = int(rng.integers(4, 13))
+        sentence = " ".join(words[i:i + k])
+        out.append(sentence[:1].upper() + sentence[1:] + ".")
+        i += k
+    lines = [" ".join(out[j:j + 3]) for j in range(0, len(out), 3)]
+    return "\n".join(lines) + "\n"
+
+
 def write_not_gguf(path: str | os.PathLike[str]) -> Path:
     """Write a small file that is not a GGUF (plain text) to ``path``."""
     path = Path(path)

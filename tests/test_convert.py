@@ -17,8 +17,10 @@ from llamaflash.errors import (
     ConversionError,
     OutputExistsError,
 )
-from llamaflash.sidecar import default_sidecar_path, validate_pair
-from synth import truncate, write_not_gguf, write_unsupported_architecture
+from llamaflash.converters.report import report_path
+from llamaflash.errors import CalibrationError
+from llamaflash.sidecar import default_sidecar_path, read_sidecar, validate_pair
+from synth import synthetic_text, truncate, write_not_gguf, write_unsupported_architecture
 
 
 def copy_model(model: Path, directory: Path) -> Path:
@@ -51,12 +53,13 @@ class _WriteFails:
         monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", write_tensor_data)
 
 
-def test_default_output_is_beside_the_model_with_flash_suffix(tiny_llama_q8_0, tmp_path):
+def test_default_output_is_beside_the_model_with_flash_suffix(tiny_llama_q8_0, tmp_path, fast_convert):
     model = copy_model(tiny_llama_q8_0, tmp_path)
-    out = convert(model, progress=False)
+    out = convert(model, progress=False, **fast_convert)
     assert out == tmp_path / (model.name[: -len(".gguf")] + ".flash.gguf")
     assert out == default_sidecar_path(model)
-    assert listing(tmp_path) == sorted([model.name, out.name])
+    assert listing(tmp_path) == sorted([model.name, out.name, report_path(out).name])
+    assert report_path(out).name == out.name + ".report.json"
     validate_pair(model, out)
 
 
@@ -66,32 +69,40 @@ def test_default_sidecar_path_drops_only_a_gguf_suffix():
     assert default_sidecar_path("/m/model.bin") == Path("/m/model.bin.flash.gguf")
 
 
-def test_explicit_output_path(tiny_llama_q8_0, tmp_path):
-    out = convert(tiny_llama_q8_0, tmp_path / "elsewhere.gguf", progress=False)
+def test_explicit_output_path(tiny_llama_q8_0, tmp_path, fast_convert):
+    out = convert(tiny_llama_q8_0, tmp_path / "elsewhere.gguf", progress=False, **fast_convert)
     assert out == tmp_path / "elsewhere.gguf"
     validate_pair(tiny_llama_q8_0, out)
 
 
-def test_conversion_is_deterministic_and_leaves_the_model_untouched(tiny_llama_q8_0, tmp_path):
+def test_conversion_is_deterministic_and_leaves_the_model_untouched(tiny_llama_q8_0, tmp_path, fast_convert):
     model = copy_model(tiny_llama_q8_0, tmp_path)
     before, mtime = sha256(model), model.stat().st_mtime_ns
-    first = sha256(convert(model, progress=False))
-    second = sha256(convert(model, force=True, progress=False))
+    first = sha256(convert(model, progress=False, **fast_convert))
+    second = sha256(convert(model, force=True, progress=False, **fast_convert))
     assert first == second
     assert sha256(model) == before and model.stat().st_mtime_ns == mtime
 
 
-def test_existing_output_is_refused_without_force_and_replaced_with_it(tiny_model_factory, tmp_path):
+def test_existing_output_is_refused_without_force_and_replaced_with_it(tiny_model_factory, tmp_path,
+                                                                      fast_convert, monkeypatch):
     model = copy_model(tiny_model_factory(weight_type="Q8_0"), tmp_path)
     out = default_sidecar_path(model)
     out.write_bytes(b"precious")
-    with pytest.raises(OutputExistsError) as exc:
-        convert(model, progress=False)
+    import llamaflash.converters.calibrate as calibrate_module
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("calibration started although the output exists")
+
+    with monkeypatch.context() as m:  # refused before any profiling
+        m.setattr(calibrate_module, "calibrate", no_work)
+        with pytest.raises(OutputExistsError) as exc:
+            convert(model, progress=False, **fast_convert)
     assert str(out) in str(exc.value) and "--force" in str(exc.value)
     assert out.read_bytes() == b"precious"
     assert listing(tmp_path) == sorted([model.name, out.name])
 
-    convert(model, force=True, progress=False)
+    convert(model, force=True, progress=False, **fast_convert)
     validate_pair(model, out)
 
 
@@ -103,10 +114,10 @@ def test_output_may_not_be_the_model_itself(tiny_llama_q8_0, tmp_path):
     assert sha256(model) == before
 
 
-def test_missing_output_directory_is_a_clear_error(tiny_llama_q8_0, tmp_path):
+def test_missing_output_directory_is_a_clear_error(tiny_llama_q8_0, tmp_path, fast_convert):
     out = tmp_path / "no" / "such" / "dir" / "m.flash.gguf"
     with pytest.raises(ConversionError, match="does not exist") as exc:
-        convert(tiny_llama_q8_0, out, progress=False)
+        convert(tiny_llama_q8_0, out, progress=False, **fast_convert)
     assert str(out) in str(exc.value)
 
 
@@ -126,31 +137,68 @@ def test_bad_input_is_refused_before_anything_is_written(tiny_llama_q8_0, tmp_pa
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt(), RuntimeError("boom")], ids=["ctrl-c", "error"])
-def test_interrupted_conversion_leaves_no_file(tiny_llama_q8_0, tmp_path, monkeypatch, exc):
+def test_interrupted_conversion_leaves_no_file(tiny_llama_q8_0, tmp_path, monkeypatch, exc, fast_convert):
     model = copy_model(tiny_llama_q8_0, tmp_path)
     failing = _WriteFails(monkeypatch, exc, fail_at=3)
     with pytest.raises(type(exc)):
-        convert(model, progress=False)
+        convert(model, progress=False, **fast_convert)
     assert failing.calls == 3
     assert listing(tmp_path) == [model.name]
 
 
-def test_disk_full_keeps_the_previous_sidecar_and_reports_it(tiny_llama_q8_0, tmp_path, monkeypatch):
+def test_disk_full_keeps_the_previous_sidecar_and_reports_it(tiny_llama_q8_0, tmp_path, monkeypatch,
+                                                            fast_convert):
     model = copy_model(tiny_llama_q8_0, tmp_path)
-    out = convert(model, progress=False)
-    previous = sha256(out)
+    out = convert(model, progress=False, **fast_convert)
+    previous, previous_report = sha256(out), sha256(report_path(out))
     _WriteFails(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(ConversionError, match="No space left") as exc:
-        convert(model, force=True, progress=False)
+        convert(model, force=True, progress=False, **fast_convert)
     assert str(out) in str(exc.value)
-    assert sha256(out) == previous
-    assert listing(tmp_path) == sorted([model.name, out.name])
+    assert sha256(out) == previous and sha256(report_path(out)) == previous_report
+    assert listing(tmp_path) == sorted([model.name, out.name, report_path(out).name])
 
 
-def test_progress_prints_one_line_per_layer_to_stderr(tiny_llama_q8_0, tmp_path, capsys):
-    convert(tiny_llama_q8_0, tmp_path / "a.flash.gguf", progress=True)
+def test_progress_prints_one_line_per_layer_to_stderr(tiny_llama_q8_0, tmp_path, capsys, fast_convert):
+    convert(tiny_llama_q8_0, tmp_path / "a.flash.gguf", progress=True, **fast_convert)
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "layer   0 written (1/2)" in captured.err and "layer   1 written (2/2)" in captured.err
-    convert(tiny_llama_q8_0, tmp_path / "b.flash.gguf", progress=False)
+    for phrase in ("profile", "analyse", "quality (emulated)", "operating point: auto", "EMULATED"):
+        assert phrase in captured.err, phrase
+    convert(tiny_llama_q8_0, tmp_path / "b.flash.gguf", progress=False, **fast_convert)
     assert capsys.readouterr().err == ""
+
+
+def test_calibration_text_too_short_says_how_much_is_needed(tiny_llama_q8_0, tmp_path, fast_convert):
+    settings = dict(fast_convert, calib_text=synthetic_text(100, seed=3))
+    with pytest.raises(CalibrationError) as exc:
+        convert(tiny_llama_q8_0, tmp_path / "s.flash.gguf", progress=False, **settings)
+    message = str(exc.value)
+    assert "too short" in message and "needs at least 1024" in message and "characters" in message
+    assert "--calib" in message
+    assert listing(tmp_path) == []
+
+
+def test_validation_text_too_short_is_refused(tiny_llama_q8_0, tmp_path, fast_convert):
+    settings = dict(fast_convert, valid_text="the cat sat")
+    with pytest.raises(CalibrationError, match="validation text .* too short"):
+        convert(tiny_llama_q8_0, tmp_path / "s.flash.gguf", progress=False, **settings)
+    assert listing(tmp_path) == []
+
+
+def test_bundles_only_conversion_writes_format_1(tiny_llama_q8_0, tmp_path):
+    out = convert(tiny_llama_q8_0, tmp_path / "v1.flash.gguf", progress=False, profile=False)
+    info = validate_pair(tiny_llama_q8_0, out)
+    assert info.format_version == 1 and info.sparsity is None
+    assert all(lay.selection is None and lay.threshold is None for lay in info.layers)
+    assert listing(tmp_path) == ["v1.flash.gguf"]
+
+
+def test_fixed_sparsity_without_quality_needs_no_validation_text(tiny_llama_q8_0, tmp_path, fast_convert):
+    settings = dict(fast_convert, valid_text=None, valid_path=tmp_path / "absent.txt",
+                    sparsity=0.5, measure_quality=False)
+    out = convert(tiny_llama_q8_0, tmp_path / "f.flash.gguf", progress=False, **settings)
+    info = read_sidecar(out)
+    assert (info.sparsity.method, info.sparsity.target) == ("fixed", 0.5)
+    assert info.sparsity.quality == {}

@@ -36,6 +36,7 @@ from llamaflash.errors import (
 )
 from llamaflash.gguf_model import base_identity, read_base_model, require_supported
 from llamaflash.sidecar import LayerLayout, default_sidecar_path, read_sidecar, validate_pair
+from conftest import FAST_CONVERT
 from synth import truncate, write_not_gguf, write_unsupported_architecture
 
 Q8_0_BLOCK = 32
@@ -60,10 +61,11 @@ def copy_model(model: Path, directory: Path) -> Path:
     return dst
 
 
-def converted(model: Path, directory: Path) -> tuple[Path, Path]:
-    """A private copy of ``model`` in ``directory`` and its freshly converted sidecar."""
+def converted(model: Path, directory: Path, **settings) -> tuple[Path, Path]:
+    """A private copy of ``model`` in ``directory`` and its freshly converted sidecar
+    (fast synthetic calibration, see conftest.FAST_CONVERT, unless ``settings`` say otherwise)."""
     local = copy_model(model, directory)
-    return local, convert(local, progress=False)
+    return local, convert(local, progress=False, **{**FAST_CONVERT, **settings})
 
 
 def set_uint_metadata(path: Path, key: str, value: int) -> None:
@@ -230,7 +232,20 @@ def test_round_trip_is_exact_for_gate_up_and_within_tolerance_for_down(tiny_mode
         assert gguf.GGMLQuantizationType(lay.down_t_type).name == expected_down_t
         for offset in (lay.bundle_offset, lay.down_t_offset, lay.order_offset):
             assert offset % fmt.SIDECAR_ALIGNMENT == 0
-        assert stored_order(sidecar, lay).tolist() == list(range(lay.n_ff))  # v1 writes identity
+        assert stored_order(sidecar, lay).tolist() == list(range(lay.n_ff))  # default: base order
+        assert_layer_round_trips(model, sidecar, lay)
+
+
+@pytest.mark.parametrize("params", [ROUND_TRIP_SPECS[2], ROUND_TRIP_SPECS[6]])
+def test_hot_first_conversion_round_trips(tiny_model_factory, tmp_path, params):
+    model, sidecar = converted(tiny_model_factory(**params), tmp_path, order="hot")
+    info = validate_pair(model, sidecar)
+    assert info.sparsity.bundle_order == "hot"
+    for lay in info.layers:
+        order = stored_order(sidecar, lay)  # a permutation (the reader checks), hot first
+        freq = np.fromfile(sidecar, dtype="<f4", count=lay.n_ff, offset=lay.freq_offset)
+        assert np.all(np.diff(freq) <= 0)
+        assert order.tolist() != list(range(lay.n_ff))
         assert_layer_round_trips(model, sidecar, lay)
 
 

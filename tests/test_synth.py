@@ -47,8 +47,12 @@ def test_fixture_models_load_tokenize_and_generate(request, fixture):
     assert pieces[:4] == [b" the", b" quick", b" brown", b" fox"]
     out = llm("once upon a time", max_tokens=8, temperature=0.0)
     assert out["usage"]["completion_tokens"] >= 1
+    llm.reset()
     llm.eval(tokens)
-    assert all(math.isfinite(x) for x in llm.scores[len(tokens) - 1][:16])
+    # llm.scores is only written with logits_all=True (otherwise it is uninitialised memory):
+    # read the last position's logits from llama.cpp itself
+    last = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    assert all(math.isfinite(last[i]) for i in range(16))
 
 
 def test_k_quant_model_generates(tiny_model_factory):

@@ -1,0 +1,319 @@
+"""Steps 2–5 of the conversion (see :mod:`.pipeline`): texts, profiling, analysis, operating point.
+
+:func:`calibrate` returns a :class:`CalibrationResult`: the per-layer
+:class:`~llamaflash.converters.sparsity.LayerDecision` s wrapped in a
+:class:`~llamaflash.converters.sparsity.SparsityStage`, the file-level keys, and everything
+the report shows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import gguf
+import numpy as np
+
+from llamaflash import sidecar_format as fmt
+from llamaflash.converters import texts
+from llamaflash.converters.blas import blas_threads
+from llamaflash.converters.analysis import AnalysisSettings, LayerAnalysis, analyse_layer
+from llamaflash.converters.llama_runner import EmulatedLayer, LlamaRunner, ProfileHook
+from llamaflash.converters.progress import Progress
+from llamaflash.converters.quality import GREEDY_PROMPTS, GREEDY_TOKENS, QualityEvaluator, QualityPoint
+from llamaflash.converters.sparsity import LayerDecision, SparsityStage, decide_layer
+from llamaflash.converters.writer import SidecarPlan
+from llamaflash.gguf_model import BaseModelInfo, TensorLocation, read_tensor_rows
+
+
+@dataclass
+class CalibrationResult:
+    """What the calibration decided and measured (see :mod:`.report` for how it is shown)."""
+
+    model: BaseModelInfo
+    options: object                      # ConvertOptions
+    calibration: texts.TextSource
+    calibration_tokens: int
+    heldout_tokens: int
+    samples_per_layer: int
+    chunk_len: int
+    method: str                          # "fixed" | "auto"
+    target: float
+    analyses: dict[int, LayerAnalysis]
+    decisions: dict[int, LayerDecision]
+    stage: SparsityStage
+    validation: texts.TextSource | None = None
+    validation_tokens: int = 0
+    dense: QualityPoint | None = None
+    curve: list[QualityPoint] = field(default_factory=list)
+    chosen: QualityPoint | None = None   # the operating point with the recorded selection modes
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def add_header_keys(self, plan: SidecarPlan) -> None:
+        """The file-level v2 keys."""
+        plan.set_string(fmt.KEY_SPARSITY_CRITERION, fmt.CRITERION_ACT_GATE)
+        plan.set_string(fmt.KEY_SPARSITY_METHOD, self.method)
+        plan.set_string(fmt.KEY_BUNDLE_ORDER, self.options.order)
+        plan.set_float32(fmt.KEY_SPARSITY_TARGET, self.target)
+        if self.method == fmt.SPARSITY_METHOD_AUTO:
+            plan.set_float32(fmt.KEY_QUALITY_BUDGET, self.options.quality_budget)
+        plan.set_uint32(fmt.KEY_CALIB_TOKENS, self.calibration_tokens)
+        plan.set_string(fmt.KEY_CALIB_SOURCE, self.calibration.source)
+        plan.set_string(fmt.KEY_CALIB_SHA256, self.calibration.sha256)
+        if self.dense is not None and self.chosen is not None:
+            plan.set_string(fmt.KEY_QUALITY_VALIDATION, self.validation.source)
+            plan.set_uint32(fmt.KEY_QUALITY_VALIDATION_TOKENS, self.validation_tokens)
+            plan.set_float32(fmt.KEY_QUALITY_PPL_DENSE, self.dense.ppl)
+            plan.set_float32(fmt.KEY_QUALITY_PPL, self.chosen.ppl)
+            plan.set_float32(fmt.KEY_QUALITY_GREEDY, self.chosen.greedy_agreement)
+            if self.curve:
+                plan.set_float32_array(fmt.KEY_CURVE_SPARSITY, [p.target_sparsity for p in self.curve])
+                plan.set_float32_array(fmt.KEY_CURVE_PPL, [p.ppl for p in self.curve])
+                plan.set_float32_array(fmt.KEY_CURVE_GREEDY, [p.greedy_agreement for p in self.curve])
+
+    def write_report(self, sidecar: Path, model_path: Path) -> Path:
+        from llamaflash.converters.report import write_report
+
+        return write_report(self, sidecar, model_path)
+
+    def print_table(self, stream: TextIO) -> None:
+        from llamaflash.converters.report import print_table
+
+        print_table(self, stream)
+
+
+def calibrate(model: BaseModelInfo, opts, stream: TextIO | None) -> CalibrationResult:
+    """Profile ``model``, analyse every served layer and choose the operating point."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    fixed = not isinstance(opts.sparsity, str)
+    need_quality = (not fixed) or opts.measure_quality
+    calib = _calibration_source(opts)
+    valid = _validation_source(opts) if need_quality else None
+    label = f"{model.path.name} ({model.architecture}, n_embd {model.n_embd})"
+
+    runner = LlamaRunner(model.path, opts.chunk_len, n_threads=opts.n_threads or _default_threads(model))
+    try:
+        bos = runner.bos
+        per_chunk = runner.n_ctx - (1 if bos is not None else 0)
+        windows = texts.calibration_tokens(runner.tokenize, calib.text, opts.calib_tokens, per_chunk)
+        chunks = texts.calibration_chunks(windows, opts.calib_tokens, runner.n_ctx, bos,
+                                          texts.required_calibration_tokens(model.n_embd), calib, label)
+        vchunks = None
+        if valid is not None:
+            vchunks = texts.validation_chunks(runner.tokenize(valid.text), opts.valid_tokens, runner.n_ctx,
+                                              bos, valid.source, label)
+        timings["texts_s"] = time.perf_counter() - t0
+
+        t = time.perf_counter()
+        x, heldout, gate_checks = _profile(runner, model, chunks, bos, opts, stream)
+        timings["profile_s"] = time.perf_counter() - t
+
+        levels = sorted(set(opts.levels) | ({float(opts.sparsity)} if fixed else set()) | {0.0})
+        settings = AnalysisSettings(
+            levels=tuple(levels),
+            ranks=() if opts.selection == fmt.SELECTION_GATE else tuple(opts.ranks),
+            recall_target=opts.recall_target, seed=opts.seed,
+        )
+        t = time.perf_counter()
+        analyses = _analyse(model, x, heldout, gate_checks, settings, stream)
+        timings["analyse_s"] = time.perf_counter() - t
+        del x
+
+        t = time.perf_counter()
+        result = CalibrationResult(
+            model=model, options=opts, calibration=calib,
+            calibration_tokens=int(sum(c.size - (1 if bos is not None else 0) for c in chunks)),
+            heldout_tokens=int(np.count_nonzero(heldout[model.ffn_layers[0].layer])),
+            samples_per_layer=int(heldout[model.ffn_layers[0].layer].size),
+            chunk_len=runner.n_ctx,
+            method=fmt.SPARSITY_METHOD_FIXED if fixed else fmt.SPARSITY_METHOD_AUTO,
+            target=float(opts.sparsity) if fixed else 0.0,
+            analyses=analyses, decisions={}, stage=SparsityStage({}), validation=valid,
+        )
+        evaluator = None
+        if need_quality:
+            bar = Progress(stream, 0, "quality (emulated)", unit="eval")
+            evaluator = QualityEvaluator(runner, model.activation, vchunks, GREEDY_PROMPTS, GREEDY_TOKENS,
+                                         tick=bar.update)
+            result.validation_tokens = evaluator.n_tokens
+            try:
+                _operating_point(result, evaluator, levels, fixed, opts, bar)
+            finally:
+                bar.close()
+        result.decisions = {ffn.layer: decide_layer(analyses[ffn.layer], ffn, result.target, opts.selection,
+                                                    opts.min_recall, opts.order)
+                            for ffn in model.ffn_layers}
+        if evaluator is not None:
+            _check_predictors(result, evaluator, opts, stream)
+        result.stage = SparsityStage(result.decisions)
+        timings["quality_s"] = time.perf_counter() - t
+    finally:
+        runner.close()
+    result.timings.update(timings)
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# steps
+# --------------------------------------------------------------------------------------
+
+
+def _default_threads(model: BaseModelInfo) -> int:
+    """One thread for tiny models (OpenMP barriers cost more than the work, above all on a busy
+    machine), else one per core (at most 8)."""
+    if model.file_size < 32 << 20:
+        return 1
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def _calibration_source(opts) -> texts.TextSource:
+    if opts.calib_text is not None:
+        return texts.TextSource(opts.calib_text, "text given to convert()")
+    if opts.calib_path is not None:
+        return texts.read_text_file(opts.calib_path, "calibration")
+    return texts.default_calibration(opts.cache_dir)
+
+
+def _validation_source(opts) -> texts.TextSource:
+    if opts.valid_text is not None:
+        return texts.TextSource(opts.valid_text, "text given to convert()")
+    if opts.valid_path is not None:
+        return texts.read_text_file(opts.valid_path, "validation")
+    return texts.default_validation(opts.valid_tokens * 8, opts.cache_dir)
+
+
+#: While profiling, logits are asked for every OUTPUT_STRIDE-th token only: llama.cpp's last layer
+#: computes just those rows (so it gets 1/OUTPUT_STRIDE of the samples), and the output projection,
+#: as costly as the whole model for large vocabularies (Gemma-3: 262k x 640), runs on 1/4 of them.
+OUTPUT_STRIDE = 4
+
+
+def _profile(runner: LlamaRunner, model: BaseModelInfo, chunks, bos, opts, stream):
+    """FFN inputs of every served layer: (x per layer (N_layer, n_embd) float16, held-out mask per
+    layer (N_layer,), gate check pairs per layer). The BOS position of each chunk is left out; the
+    model's last layer sees only every OUTPUT_STRIDE-th position."""
+    layers = [ffn.layer for ffn in model.ffn_layers]
+    last = model.n_layer - 1
+    hook = ProfileHook(layers, output_layer=last)
+    first = 1 if bos is not None else 0
+    hook.keep = slice(first, None)
+    heldout_parts, heldout_last = [], []
+    period = max(2, round(1 / opts.heldout_fraction)) if opts.heldout_fraction > 0 else 0
+    with Progress(stream, len(chunks), "profile", unit="chunk") as bar:
+        for i, chunk in enumerate(chunks):
+            pos = np.arange(chunk.size)
+            outputs = (pos % OUTPUT_STRIDE == OUTPUT_STRIDE - 1) & (pos >= first)
+            outputs[-1] = True
+            runner.decode(chunk, hook, outputs=outputs)
+            if len(chunks) >= period:      # whole chunks held out: every period-th chunk
+                held = np.full(chunk.size, i % period == period - 1)
+            else:                          # too few chunks: the last part of each
+                held = pos >= chunk.size - max(1, int((chunk.size - first) * opts.heldout_fraction))
+            heldout_parts.append(held[first:])
+            heldout_last.append(held[outputs])
+            bar.update()
+    heldout_all = np.concatenate(heldout_parts)
+    heldout_out = np.concatenate(heldout_last)
+    rng = np.random.default_rng(opts.seed)
+    x, heldout = {}, {}
+    for layer in layers:
+        rows = np.concatenate(hook.x.pop(layer))
+        held = heldout_out if layer == last else heldout_all
+        if rows.shape[0] != held.size:
+            raise RuntimeError(f"layer {layer}: profiled {rows.shape[0]} FFN inputs for {held.size} tokens")
+        if held.size > opts.max_samples:
+            keep = np.sort(rng.choice(held.size, opts.max_samples, replace=False))
+            rows, held = rows[keep], held[keep]
+        x[layer], heldout[layer] = rows, held
+    checks = {layer: (hook.x_check[layer], hook.gate_check[layer]) for layer in layers
+              if layer in hook.gate_check and layer in hook.x_check}
+    return x, heldout, checks
+
+
+def dequantize(model_path: Path, tensor: TensorLocation) -> np.ndarray:
+    """``tensor`` of the base model as float32, numpy shape (n_rows, ne0)."""
+    raw = np.asarray(read_tensor_rows(model_path, tensor))
+    out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(tensor.ggml_type))
+    return np.asarray(out, dtype=np.float32).reshape(tensor.n_rows, tensor.shape[0])
+
+
+def _analyse(model, x, heldout, gate_checks, settings, stream) -> dict[int, LayerAnalysis]:
+    analyses = {}
+    with Progress(stream, len(model.ffn_layers), "analyse", unit="layer") as bar, blas_threads(1):
+        for ffn in model.ffn_layers:
+            rows = x.pop(ffn.layer).astype(np.float32)
+            analyses[ffn.layer] = analyse_layer(
+                ffn.layer, rows, heldout[ffn.layer],
+                dequantize(model.path, ffn.gate), dequantize(model.path, ffn.up), dequantize(model.path, ffn.down),
+                model.activation, settings, gate_check=gate_checks.get(ffn.layer),
+            )
+            bar.update()
+    return analyses
+
+
+def _gate_layers(analyses: dict[int, LayerAnalysis], level: float) -> dict[int, EmulatedLayer]:
+    return {layer: EmulatedLayer(float(an.thresholds[an.level_index(level)])) for layer, an in analyses.items()}
+
+
+def _operating_point(result: CalibrationResult, ev: QualityEvaluator, levels, fixed: bool, opts, bar) -> None:
+    """Dense reference, then (auto) levels in increasing order until perplexity exceeds
+    ``stop_factor`` x budget, choosing the highest level within budget; or (fixed) the one level."""
+    to_eval = [s for s in levels if s > 0] if not fixed else ([float(opts.sparsity)] if opts.sparsity > 0 else [])
+    bar.add_total(ev.steps_per_eval * (1 + len(to_eval)))
+    dense = ev.measure_dense()
+    result.dense = dense
+    for level in to_eval:
+        point = ev.measure(_gate_layers(result.analyses, level), level)
+        result.curve.append(point)
+        bar.set_postfix(f"s={level:.2f} ppl {point.ppl:.3f} ({100 * point.ppl_delta(dense):+.2f}%)")
+        if not fixed and point.ppl_delta(dense) > opts.stop_factor * opts.quality_budget:
+            break
+    if fixed:
+        result.chosen = result.curve[0] if result.curve else dense
+        return
+    passing = [p for p in result.curve if p.ppl_delta(dense) <= opts.quality_budget]
+    if passing:
+        best = max(passing, key=lambda p: p.target_sparsity)
+        result.target, result.chosen = best.target_sparsity, best
+    else:
+        result.target, result.chosen = 0.0, dense
+        result.notes.append(
+            f"no sparsity level kept perplexity within +{100 * opts.quality_budget:g}% of dense "
+            f"(lowest level {result.curve[0].target_sparsity:g}: {100 * result.curve[0].ppl_delta(dense):+.2f}%); "
+            "thresholds are 0 (only exact zeros are skipped)")
+
+
+def _check_predictors(result: CalibrationResult, ev: QualityEvaluator, opts, stream) -> None:
+    """With some layers on predictor selection, measure the operating point as recorded; under
+    ``selection="auto"`` fall back to gate-first everywhere if that breaks the quality budget."""
+    pred_layers = {layer for layer, d in result.decisions.items() if d.selection == fmt.SELECTION_PREDICTOR}
+    if not pred_layers or result.dense is None:
+        return
+    layers = {}
+    for layer, d in result.decisions.items():
+        an = result.analyses[layer]
+        spec = EmulatedLayer(d.threshold)
+        if layer in pred_layers:
+            spec.pred_in, spec.pred_out = an.pred_in[:d.rank], an.pred_out[:, :d.rank]
+            spec.pred_threshold = d.pred_threshold
+        layers[layer] = spec
+    with Progress(stream, ev.steps_per_eval, "quality, predictors (emulated)", unit="eval") as bar:
+        ev.tick = bar.update
+        mixed = ev.measure(layers, result.target)
+    gate_point = result.chosen
+    budget = opts.quality_budget if result.method == fmt.SPARSITY_METHOD_AUTO else math.inf
+    if opts.selection == "auto" and mixed.ppl_delta(result.dense) > budget:
+        for layer in pred_layers:
+            result.decisions[layer].selection = fmt.SELECTION_GATE
+        result.notes.append(
+            f"predictor selection on {len(pred_layers)} layers raised perplexity to "
+            f"{100 * mixed.ppl_delta(result.dense):+.2f}% (over the budget); those layers use gate-first selection")
+        result.chosen = gate_point
+    else:
+        result.chosen = mixed

@@ -1,0 +1,189 @@
+"""The conversion report: ``<sidecar>.report.json`` and a table per layer on stderr.
+
+Quality numbers (perplexity, greedy agreement) come from the sparse-FFN *emulation* in stock
+llama.cpp (:mod:`.quality`) and every such key says ``emulated``. Sparsity, recall, precision
+and FFN output error are measured directly on profiled activations of held-out calibration
+tokens (:mod:`.analysis`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from llamaflash import sidecar_format as fmt
+from llamaflash.converters.quality import GREEDY_PROMPTS, GREEDY_TOKENS
+
+REPORT_SUFFIX = ".report.json"
+
+EMULATION_NOTE = (
+    "EMULATION ESTIMATE: perplexity and greedy agreement were measured with stock llama.cpp, zeroing the "
+    "activations of the neurons the sparse engine would skip before the down projection (base down "
+    "weights, not the sidecar's Q8_0 down_t). The native sparse engine's own measurement will replace it."
+)
+
+
+def report_path(sidecar: Path) -> Path:
+    """``model.flash.gguf`` → ``model.flash.gguf.report.json``."""
+    return sidecar.with_name(sidecar.name + REPORT_SUFFIX)
+
+
+def build_report(result, sidecar: Path, model_path: Path) -> dict:
+    """The report as a JSON-ready dict."""
+    opts = result.options
+    dense = result.dense
+    layers = []
+    for layer, d in sorted(result.decisions.items()):
+        an = result.analyses[layer]
+        entry = {
+            "layer": layer,
+            "threshold": d.threshold,
+            "sparsity_heldout": d.sparsity,
+            "ffn_rel_error": d.ffn_rel_error,
+            "selection": d.selection,
+            "pred_rank": d.rank,
+            "pred_threshold": d.pred_threshold,
+            "pred_recall": d.pred_recall if d.rank else None,
+            "pred_precision": d.pred_precision if d.rank else None,
+            "pred_mass_recall": d.pred_mass_recall if d.rank else None,
+            "pred_fraction_predicted": d.pred_fraction if d.rank else None,
+            "bytes_per_token_gate_first": d.bytes_gate,
+            "bytes_per_token_predictor_first": d.bytes_predictor if d.rank else None,
+            "natural_sparsity": an.natural_sparsity,
+            "gate_check_rel_error": an.gate_check_error,
+            "hot_neurons_freq_ge_0.5": int(np.count_nonzero(d.freq >= 0.5)),
+            "curve": {
+                "levels": an.levels.tolist(),
+                "thresholds": an.thresholds.tolist(),
+                "sparsity_heldout": an.sparsity_heldout.tolist(),
+                "ffn_rel_error": an.ffn_error.tolist(),
+                "criterion_act_gate_up": {
+                    "thresholds": an.thresholds_gate_up.tolist(),
+                    "sparsity_heldout": an.sparsity_heldout_gate_up.tolist(),
+                    "ffn_rel_error": an.ffn_error_gate_up.tolist(),
+                },
+                "predictors": [
+                    {"rank": q.rank, "tau": q.tau.tolist(), "recall": q.recall.tolist(),
+                     "precision": q.precision.tolist(), "mass_recall": q.mass_recall.tolist(),
+                     "fraction_predicted": q.predicted.tolist()}
+                    for q in an.predictors
+                ],
+            },
+        }
+        layers.append(entry)
+
+    quality = None
+    if dense is not None:
+        quality = {
+            "note": EMULATION_NOTE,
+            "validation": result.validation.source,
+            "validation_tokens": result.validation_tokens,
+            "ppl_dense_emulated": dense.ppl,
+            "curve_emulated": [p.to_dict(dense) for p in result.curve],
+            "chosen_emulated": result.chosen.to_dict(dense) if result.chosen is not None else None,
+            "greedy_prompts": list(GREEDY_PROMPTS),
+            "greedy_tokens_per_prompt": GREEDY_TOKENS,
+        }
+
+    n_served = len(result.decisions)
+    mean = (lambda xs: float(np.mean(xs)) if xs else None)
+    report = {
+        "llamaflash_report": 1,
+        "sidecar": str(sidecar),
+        "model": str(model_path),
+        "base_architecture": result.model.architecture,
+        "format_version": fmt.FORMAT_VERSION,
+        "criterion": fmt.CRITERION_ACT_GATE,
+        "bundle_order": opts.order,
+        "operating_point": {
+            "method": result.method,
+            "target_sparsity": result.target,
+            "quality_budget": opts.quality_budget if result.method == fmt.SPARSITY_METHOD_AUTO else None,
+            "selection_option": opts.selection,
+            "mean_sparsity_heldout": mean([d.sparsity for d in result.decisions.values()]),
+            "mean_ffn_rel_error": mean([d.ffn_rel_error for d in result.decisions.values()]),
+            "layers_predictor": sum(d.selection == fmt.SELECTION_PREDICTOR for d in result.decisions.values()),
+            "layers_gate": sum(d.selection == fmt.SELECTION_GATE for d in result.decisions.values()),
+            "mean_pred_recall": mean([d.pred_recall for d in result.decisions.values() if d.rank]),
+            "mean_pred_precision": mean([d.pred_precision for d in result.decisions.values() if d.rank]),
+            "ppl_dense_emulated": dense.ppl if dense is not None else None,
+            "ppl_emulated": result.chosen.ppl if result.chosen is not None else None,
+            "ppl_delta_emulated": result.chosen.ppl_delta(dense) if result.chosen is not None else None,
+            "greedy_agreement_emulated": result.chosen.greedy_agreement if result.chosen is not None else None,
+        },
+        "calibration": {
+            "source": result.calibration.source,
+            "sha256": result.calibration.sha256,
+            "tokens": result.calibration_tokens,
+            "samples_per_layer": result.samples_per_layer,
+            "heldout_samples": result.heldout_tokens,
+            "chunk_len": result.chunk_len,
+        },
+        "quality": quality,
+        "served_layers": n_served,
+        "layers": layers,
+        "notes": list(result.notes),
+        "timings_s": dict(result.timings),
+    }
+    return _clean(report)
+
+
+def write_report(result, sidecar: Path, model_path: Path) -> Path:
+    """Write the report beside the sidecar (atomically) and return its path."""
+    path = report_path(sidecar)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(build_report(result, sidecar, model_path), indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def print_table(result, stream: TextIO) -> None:
+    """Per-layer table and the quality summary."""
+    p = lambda line="": print(line, file=stream)  # noqa: E731
+    p()
+    p(f"operating point: {result.method} sparsity {result.target:.2f} (criterion |act(gate.x)| <= threshold)")
+    p(f"{'layer':>5} {'threshold':>10} {'sparsity':>8} {'ffn_err':>8} {'select':>9} {'rank':>5} "
+      f"{'recall':>7} {'precis':>7} {'bytes/tok':>10}")
+    for layer, d in sorted(result.decisions.items()):
+        rec = f"{d.pred_recall:7.3f}" if d.rank else f"{'-':>7}"
+        pre = f"{d.pred_precision:7.3f}" if d.rank else f"{'-':>7}"
+        b = d.bytes_predictor if d.selection == fmt.SELECTION_PREDICTOR else d.bytes_gate
+        p(f"{layer:>5} {d.threshold:>10.4g} {d.sparsity:>8.3f} {d.ffn_rel_error:>8.4f} {d.selection:>9} "
+          f"{d.rank:>5} {rec} {pre} {b:>10.0f}")
+    if result.dense is not None:
+        dense = result.dense
+        p(f"quality (EMULATED in stock llama.cpp; {result.validation_tokens} tokens of {result.validation.source}):")
+        p(f"  dense ppl {dense.ppl:.4f}")
+        for q in result.curve:
+            p(f"  sparsity {q.target_sparsity:.2f}: ppl {q.ppl:.4f} ({100 * q.ppl_delta(dense):+.2f}%), "
+              f"greedy agreement {q.greedy_agreement:.3f}, measured sparsity {q.measured_sparsity:.3f}")
+        if result.chosen is not None:
+            c = result.chosen
+            p(f"  chosen ({c.selection}): ppl {c.ppl:.4f} ({100 * c.ppl_delta(dense):+.2f}%), "
+              f"greedy agreement {c.greedy_agreement:.3f}")
+    for note in result.notes:
+        p(f"note: {note}")
+
+
+def _clean(obj):
+    """Replace non-finite floats by None and numpy scalars by Python ones (strict JSON)."""
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        v = float(obj)
+        return v if math.isfinite(v) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    return obj
