@@ -25,7 +25,10 @@ pytestmark = pytest.mark.real_model
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
 def real_model(request, tmp_path_factory):
     model = assets.fetch_model(request.param, progress=False)
-    sidecar = convert(model, tmp_path_factory.mktemp(request.param) / "model.flash.gguf", progress=False)
+    # profile=False: a bundle-only (format 1) sidecar; the dense lane needs no calibration, and
+    # calibrating real models is covered by the converter tests and costs minutes
+    sidecar = convert(model, tmp_path_factory.mktemp(request.param) / "model.flash.gguf", progress=False,
+                      profile=False)
     return request.param, model, sidecar
 
 
