@@ -65,7 +65,7 @@ def find_sidecar(model: Path, convert_dir: Path):
 
     out = candidates[1]
     print(f"[bench] converting {model.name} -> {out}", file=sys.stderr)
-    convert(model, out, force=True, progress=False)
+    convert(model, out, force=True, progress=False, profile=False)  # bundle-only: what the kernel reads
     return out, validate_pair(model, out)
 
 
