@@ -180,8 +180,7 @@ def train_predictor(x_train: np.ndarray, gate: np.ndarray, rank: int) -> tuple[n
     A (n_ff, rank)) minimising the mean of ||gate·x - A·B·x||² over ``x_train`` (see module doc)."""
     x32 = np.ascontiguousarray(x_train, dtype=np.float32)
     cov = (x32.T @ x32).astype(np.float64) / max(1, x32.shape[0])
-    ridge = 1e-6 * max(float(np.mean(np.diag(cov))), 1e-30)  # keeps the Cholesky factor defined
-    root = np.linalg.cholesky(cov + ridge * np.eye(cov.shape[0]))        # cov ≈ root rootᵀ
+    root = _covariance_root(cov)                                         # cov ≈ root rootᵀ
     m = gate.astype(np.float32) @ root.astype(np.float32)                # (n_ff, n_embd)
     s2, v = np.linalg.eigh((m.T @ m).astype(np.float64))                 # ascending
     top = np.argsort(s2)[::-1][:rank]
@@ -189,6 +188,17 @@ def train_predictor(x_train: np.ndarray, gate: np.ndarray, rank: int) -> tuple[n
     u = (m.astype(np.float64) @ v[:, top]) / s               # (n_ff, rank), orthonormal columns
     b = u.T @ gate.astype(np.float64)                        # (rank, n_embd)
     return b.astype(np.float32), u.astype(np.float32)
+
+
+def _covariance_root(cov: np.ndarray) -> np.ndarray:
+    """A square root L of the covariance (cov ≈ L Lᵀ): Cholesky with a tiny ridge, or, when the
+    covariance is singular (fewer samples than dimensions, e.g. the last layer), its eigen root."""
+    ridge = 1e-6 * max(float(np.mean(np.diag(cov))), 1e-30)
+    try:
+        return np.linalg.cholesky(cov + ridge * np.eye(cov.shape[0]))
+    except np.linalg.LinAlgError:
+        lam, q = np.linalg.eigh(cov)
+        return q * np.sqrt(np.clip(lam, 0.0, None))
 
 
 def predictor_quality(

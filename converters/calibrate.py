@@ -53,6 +53,7 @@ class CalibrationResult:
     chosen: QualityPoint | None = None   # the operating point with the recorded selection modes
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    threads: int = 0                     # llama.cpp threads used
 
     def add_header_keys(self, plan: SidecarPlan) -> None:
         """The file-level v2 keys."""
@@ -97,7 +98,8 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None) -> CalibrationR
     valid = _validation_source(opts) if need_quality else None
     label = f"{model.path.name} ({model.architecture}, n_embd {model.n_embd})"
 
-    runner = LlamaRunner(model.path, opts.chunk_len, n_threads=opts.n_threads or _default_threads(model))
+    threads = opts.n_threads or _default_threads(model)
+    runner = LlamaRunner(model.path, opts.chunk_len, n_threads=threads)
     try:
         bos = runner.bos
         per_chunk = runner.n_ctx - (1 if bos is not None else 0)
@@ -156,6 +158,7 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None) -> CalibrationR
     finally:
         runner.close()
     result.timings.update(timings)
+    result.threads = threads
     return result
 
 
@@ -165,11 +168,19 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None) -> CalibrationR
 
 
 def _default_threads(model: BaseModelInfo) -> int:
-    """One thread for tiny models (OpenMP barriers cost more than the work, above all on a busy
-    machine), else one per core (at most 8)."""
+    """llama.cpp threads when ``--threads`` is not given: one for tiny models (OpenMP barriers cost
+    more than the work), else one per core that is not busy at the start (1-minute load average),
+    at most 8. llama.cpp's OpenMP workers spin at every barrier: with more threads than free
+    cores they wait on each other (measured here on a shared 2-core machine: a tiny model's
+    decode took 234 ms with 2 threads against 4 ms with 1 while another process ran)."""
+    cores = os.cpu_count() or 1
     if model.file_size < 32 << 20:
         return 1
-    return max(1, min(os.cpu_count() or 1, 8))
+    try:
+        busy = int(os.getloadavg()[0] + 0.5)
+    except OSError:  # pragma: no cover - no load average on this platform
+        busy = 0
+    return max(1, min(cores - busy, 8))
 
 
 def _calibration_source(opts) -> texts.TextSource:

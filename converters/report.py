@@ -42,6 +42,8 @@ def build_report(result, sidecar: Path, model_path: Path) -> dict:
         an = result.analyses[layer]
         entry = {
             "layer": layer,
+            "samples": an.n_train + an.n_heldout,
+            "heldout_samples": an.n_heldout,
             "threshold": d.threshold,
             "sparsity_heldout": d.sparsity,
             "ffn_rel_error": d.ffn_rel_error,
@@ -128,6 +130,7 @@ def build_report(result, sidecar: Path, model_path: Path) -> dict:
         "served_layers": n_served,
         "layers": layers,
         "notes": list(result.notes),
+        "llama_threads": result.threads,
         "timings_s": dict(result.timings),
     }
     return _clean(report)
