@@ -66,6 +66,10 @@ class CalibrationResult:
         plan.set_uint32(fmt.KEY_CALIB_TOKENS, self.calibration_tokens)
         plan.set_string(fmt.KEY_CALIB_SOURCE, self.calibration.source)
         plan.set_string(fmt.KEY_CALIB_SHA256, self.calibration.sha256)
+        levels, table = self.threshold_table()
+        if levels:
+            plan.set_float32_array(fmt.KEY_THRESHOLD_LEVELS, levels)
+            plan.set_float32_array(fmt.KEY_THRESHOLD_TABLE, table)
         if self.dense is not None and self.chosen is not None:
             plan.set_string(fmt.KEY_QUALITY_VALIDATION, self.validation.source)
             plan.set_uint32(fmt.KEY_QUALITY_VALIDATION_TOKENS, self.validation_tokens)
@@ -76,6 +80,19 @@ class CalibrationResult:
                 plan.set_float32_array(fmt.KEY_CURVE_SPARSITY, [p.target_sparsity for p in self.curve])
                 plan.set_float32_array(fmt.KEY_CURVE_PPL, [p.ppl for p in self.curve])
                 plan.set_float32_array(fmt.KEY_CURVE_GREEDY, [p.greedy_agreement for p in self.curve])
+
+    def threshold_table(self) -> tuple[list[float], list[float]]:
+        """The analysed levels (> 0) and every layer's threshold at each, layer-major in layer
+        order (:data:`~llamaflash.sidecar_format.KEY_THRESHOLD_TABLE`)."""
+        layers = sorted(self.analyses)
+        if not layers:
+            return [], []
+        levels = [float(v) for v in self.analyses[layers[0]].levels if v > 0]
+        table = []
+        for layer in layers:
+            an = self.analyses[layer]
+            table.extend(float(an.thresholds[an.level_index(v)]) for v in levels)
+        return levels, table
 
     def write_report(self, sidecar: Path, model_path: Path) -> Path:
         from llamaflash.converters.report import write_report

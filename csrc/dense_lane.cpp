@@ -2,6 +2,7 @@
 #include "dense_lane.h"
 
 #include "ggml-cpu.h"
+#include "sparse_lane.h"
 #include "weight_registry.h"
 
 #include <chrono>
@@ -65,6 +66,7 @@ DenseLane::~DenseLane() {
 
 void DenseLane::set_n_threads(int n_threads) {
     ggml_backend_cpu_set_n_threads(cpu_, n_threads);
+    n_threads_ = n_threads;
 }
 
 ggml_status DenseLane::compute(const ggml_cgraph * split) {
@@ -167,16 +169,8 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
         return true;
     };
 
-    for (int i = 0; i < n_nodes; ++i) {
-        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
-        if (mirror.count(node)) {
-            ggml_build_forward_expand(graph, mirror.at(node));  // produced by a fused gate/up pair
-            continue;
-        }
-        if (try_fuse(i, node)) {
-            ggml_build_forward_expand(graph, mirror.at(node));
-            continue;
-        }
+    // a node of the split, computed by the same op over mirrored sources into the same memory
+    auto mirror_node = [&](const ggml_tensor * node) -> ggml_tensor * {
         ggml_tensor * m = ggml_new_tensor(ctx, node->type, GGML_MAX_DIMS, node->ne);
         std::memcpy(m->nb, node->nb, sizeof(m->nb));
         m->op = node->op;
@@ -197,14 +191,67 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
             }
         }
         mirror.emplace(node, m);
-        ggml_build_forward_expand(graph, m);
+        return m;
+    };
+
+    // The sparse lane, when the split is a plain GLU FFN of a layer with a threshold and the batch
+    // is decode-sized (sparse_lane.h); everything else runs dense below.
+    bool sparse = false;
+    GluFfnPattern ffn;
+    if (match_glu_ffn(split, registry, ffn)) {
+        const SparseLayerView * view = ffn.model->sparse_layer(ffn.layer);
+        const SparseConfig & config = ffn.model->sparse_config();
+        if (view != nullptr && ffn.x->ne[1] <= config.max_tokens) {
+            model = ffn.model;
+            ggml_tensor * x_leaf = map_src(ffn.x);
+            ggml_tensor * gate = nullptr;
+            if (config.gate_by_ggml && view->base_order) {
+                gate = mirror_node(ffn.gate);
+                ggml_build_forward_expand(graph, gate);
+            }
+            try {
+                sparse_.append(ctx, graph, ffn, *view, x_leaf, gate, n_threads_, config.cluster_size);
+            } catch (const std::exception & e) {  // validated at load: a broken invariant, not bad input
+                GGML_ABORT("llamaflash: sparse lane for layer %d: %s", ffn.layer, e.what());
+            }
+            sparse = true;
+        }
+    } else if (n_nodes > 0) {
+        for (int i = 0; i < n_nodes; ++i) {
+            const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
+            const BoundWeight * b = node->op == GGML_OP_MUL_MAT ? registry.lookup(node->src[0]) : nullptr;
+            if (b != nullptr) {
+                if (b->model->sparse_layer(b->layer) != nullptr) {
+                    b->model->count_sparse_fallback();
+                }
+                break;
+            }
+        }
+    }
+
+    for (int i = 0; i < n_nodes && !sparse; ++i) {
+        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
+        if (mirror.count(node)) {
+            ggml_build_forward_expand(graph, mirror.at(node));  // produced by a fused gate/up pair
+            continue;
+        }
+        if (try_fuse(i, node)) {
+            ggml_build_forward_expand(graph, mirror.at(node));
+            continue;
+        }
+        ggml_build_forward_expand(graph, mirror_node(node));
     }
 
     const auto t0 = std::chrono::steady_clock::now();
     const ggml_status status = ggml_backend_graph_compute(cpu_, graph);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (sparse) {
+        sparse_.account(seconds);
+    }
     if (model != nullptr) {
-        model->count_dense_call();
+        if (!sparse) {
+            model->count_dense_call();
+        }
         model->count_split(seconds, std::chrono::duration<double>(t0 - t_begin).count());
     }
     ggml_free(ctx);

@@ -12,10 +12,12 @@
 // the scheduler allocated for the original nodes. The private graph runs on an internal ggml CPU
 // backend: ggml's own (blocked, repacked) kernels on the context's thread count, on the same OpenMP
 // workers as llama.cpp's CPU backend. Result: bit-identical to stock llama.cpp for the same weights.
+// Decode-sized splits of layers with a sparsity threshold go to the sparse lane instead (sparse_lane.h).
 #pragma once
 
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "sparse_lane.h"
 
 #include <cstdint>
 #include <vector>
@@ -38,6 +40,8 @@ private:
     ggml_backend_t cpu_ = nullptr;
     std::vector<uint8_t> arena_;  // metadata memory of the private graph, reused across calls
     std::vector<std::vector<float>> scratch_;  // fused gate/up products, one per fused pair of a split
+    SparseLane sparse_;                        // the sparse decode lane (sparse_lane.h)
+    int n_threads_ = GGML_DEFAULT_N_THREADS;  // the internal CPU backend's, kept in step by set_n_threads
 };
 
 }  // namespace llamaflash

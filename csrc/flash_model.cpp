@@ -176,22 +176,20 @@ void FlashModel::load_dense_weights() {
     // and up): a whole-file mapping would let the kernel's fault-around map neighbouring tensors'
     // pages too (measured: +16 MB RSS on SmolLM2-135M), and two mappings of the same pages would
     // count them twice.
-    auto place_views = [&](std::vector<std::pair<ggml_tensor *, uint64_t>> & views, const std::string & path,
-                           auto region_of) {
-        std::map<uint64_t, std::pair<MappedFile *, ggml_backend_buffer_t>> regions;  // region offset -> map
+    auto place_views = [&](std::vector<std::pair<ggml_tensor *, uint64_t>> & views, int file, auto region_of) {
+        std::map<uint64_t, ggml_backend_buffer_t> buffers;  // region offset -> buffer over its mapping
         for (auto & [t, offset] : views) {
             const auto [region_offset, region_bytes] = region_of(t, offset);
-            auto it = regions.find(region_offset);
-            if (it == regions.end()) {
-                maps_.push_back(std::make_unique<MappedFile>(path, region_offset, region_bytes));
-                MappedFile * map = maps_.back().get();
+            const uint8_t * data = map_region(file, region_offset, region_bytes);
+            auto it = buffers.find(region_offset);
+            if (it == buffers.end()) {
+                const MappedFile * map = regions_.at({file, region_offset});
                 ggml_backend_buffer_t buf = ggml_backend_cpu_buffer_from_ptr(map->mapping(), map->mapping_size());
                 ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
                 buffers_.push_back(buf);
-                it = regions.emplace(region_offset, std::make_pair(map, buf)).first;
+                it = buffers.emplace(region_offset, buf).first;
             }
-            const MappedFile * map = it->second.first;
-            ggml_backend_tensor_alloc(it->second.second, t, const_cast<uint8_t *>(map->data()) + (offset - region_offset));
+            ggml_backend_tensor_alloc(it->second, t, const_cast<uint8_t *>(data) + (offset - region_offset));
         }
     };
     std::map<const ggml_tensor *, const LayerSpec *> spec_of;
@@ -203,11 +201,11 @@ void FlashModel::load_dense_weights() {
             spec_of[fused_[li]] = &layers_[li];
         }
     }
-    place_views(views_sidecar, sidecar_path_, [&](const ggml_tensor * t, uint64_t) {
+    place_views(views_sidecar, 0, [&](const ggml_tensor * t, uint64_t) {
         const LayerSpec & s = *spec_of.at(t);
         return std::make_pair(s.bundle_offset, static_cast<uint64_t>(s.n_ff) * s.bundle_stride);
     });
-    place_views(views_base, base_path_, [&](const ggml_tensor * t, uint64_t offset) {
+    place_views(views_base, 1, [&](const ggml_tensor * t, uint64_t offset) {
         return std::make_pair(offset, static_cast<uint64_t>(ggml_nbytes(t)));
     });
 
@@ -280,6 +278,109 @@ void FlashModel::load_dense_weights() {
     dense_loaded_ = true;
 }
 
+const uint8_t * FlashModel::map_region(int file, uint64_t offset, uint64_t length) {
+    auto it = regions_.find({file, offset});
+    if (it != regions_.end()) {
+        if (it->second->size() < length) {
+            throw std::logic_error("llamaflash: region mapped twice with different lengths");
+        }
+        return it->second->data();
+    }
+    maps_.push_back(std::make_unique<MappedFile>(file == 0 ? sidecar_path_ : base_path_, offset, length));
+    regions_.emplace(std::make_pair(file, offset), maps_.back().get());
+    return maps_.back()->data();
+}
+
+// The kernel's views: a layer's bundle region is the same mapping the dense lane's gate/up views use
+// (when it has them), so pages are shared, never counted twice; down_t rows get a mapping per layer.
+void FlashModel::load_sparse(const std::string & activation) {
+    if (!dense_loaded_) {
+        throw std::logic_error("llamaflash: load_dense_weights() must run before load_sparse()");
+    }
+    if (!sparse_.empty()) {
+        return;
+    }
+    activation_ = parse_ffn_activation(activation);
+    FileReader sidecar(sidecar_path_);
+    std::vector<SparseLayerView> views(layers_.size());
+    for (size_t li = 0; li < layers_.size(); ++li) {
+        const LayerSpec & s = layers_[li];
+        SparseLayerView & v = views[li];
+        SparseFfnLayer & k = v.kernel;
+        check_row_bytes(s, s.down_t_type, s.n_embd, s.down_t_row_bytes, "down_t");
+        sidecar.check_range(s.down_t_offset, static_cast<uint64_t>(s.n_ff) * s.down_t_row_bytes);
+        k.n_embd = s.n_embd;
+        k.n_ff = s.n_ff;
+        k.bundles = map_region(0, s.bundle_offset, static_cast<uint64_t>(s.n_ff) * s.bundle_stride);
+        k.bundle_stride = s.bundle_stride;
+        k.gate_type = s.gate_type;
+        k.up_type = s.up_type;
+        k.gate_row_bytes = s.gate_row_bytes;
+        k.up_row_bytes = s.up_row_bytes;
+        k.down_t = map_region(0, s.down_t_offset, static_cast<uint64_t>(s.n_ff) * s.down_t_row_bytes);
+        k.down_t_type = s.down_t_type;
+        k.down_t_row_bytes = s.down_t_row_bytes;
+        k.activation = activation_;
+        sparse_ffn_validate(k);
+        v.threshold = s.threshold;
+        std::vector<int32_t> order(static_cast<size_t>(s.n_ff));
+        sidecar.read_exact(order.data(), order.size() * sizeof(int32_t), s.order_offset);
+        for (size_t i = 0; i < order.size() && v.base_order; ++i) {
+            v.base_order = order[i] == static_cast<int32_t>(i);
+        }
+    }
+    layer_sparse_tokens_.reset(new std::atomic<uint64_t>[layers_.size()]());
+    layer_active_.reset(new std::atomic<uint64_t>[layers_.size()]());
+    sparse_ = std::move(views);
+}
+
+void FlashModel::set_thresholds(const std::vector<float> & thresholds) {
+    if (thresholds.size() != layers_.size()) {
+        throw std::invalid_argument("llamaflash: " + std::to_string(thresholds.size()) + " thresholds for " +
+                                    std::to_string(layers_.size()) + " served layers");
+    }
+    for (size_t li = 0; li < layers_.size(); ++li) {
+        layers_[li].threshold = thresholds[li];
+        if (li < sparse_.size()) {
+            sparse_[li].threshold = thresholds[li];
+        }
+    }
+}
+
+std::vector<float> FlashModel::thresholds() const {
+    std::vector<float> out;
+    for (const LayerSpec & s : layers_) {
+        out.push_back(s.threshold);
+    }
+    return out;
+}
+
+const SparseLayerView * FlashModel::sparse_layer(int layer) const {
+    if (!sparse_config_.enabled || sparse_.empty()) {
+        return nullptr;
+    }
+    auto it = index_.find(layer);
+    if (it == index_.end() || sparse_[it->second].threshold < 0.0f) {
+        return nullptr;
+    }
+    return &sparse_[it->second];
+}
+
+void FlashModel::count_sparse_call(int layer, const int32_t * active_counts, int64_t n_tokens, double seconds) {
+    sparse_calls_.fetch_add(1, std::memory_order_relaxed);
+    sparse_ns_.fetch_add(static_cast<uint64_t>(seconds * 1e9), std::memory_order_relaxed);
+    auto it = index_.find(layer);
+    if (it == index_.end() || !layer_active_) {
+        return;
+    }
+    uint64_t active = 0;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        active += static_cast<uint64_t>(active_counts[t]);
+    }
+    layer_sparse_tokens_[it->second].fetch_add(static_cast<uint64_t>(n_tokens), std::memory_order_relaxed);
+    layer_active_[it->second].fetch_add(active, std::memory_order_relaxed);
+}
+
 ggml_tensor * FlashModel::dense_weight(int layer, FfnWeightKind kind) const {
     auto it = index_.find(layer);
     if (it == index_.end() || !dense_loaded_) {
@@ -321,6 +422,14 @@ FlashStatsSnapshot FlashModel::stats() const {
     s.dense_lane_calls = dense_calls_.load();
     s.compute_seconds = static_cast<double>(compute_ns_.load()) * 1e-9;
     s.prepare_seconds = static_cast<double>(prepare_ns_.load()) * 1e-9;
+    s.sparse_lane_calls = sparse_calls_.load();
+    s.sparse_fallbacks = sparse_fallbacks_.load();
+    s.sparse_seconds = static_cast<double>(sparse_ns_.load()) * 1e-9;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+        s.layer_ids.push_back(layers_[li].layer);
+        s.layer_sparse_tokens.push_back(layer_active_ ? layer_sparse_tokens_[li].load() : 0);
+        s.layer_active.push_back(layer_active_ ? layer_active_[li].load() : 0);
+    }
     return s;
 }
 
@@ -331,6 +440,13 @@ void FlashModel::reset_stats() {
     dense_calls_ = 0;
     compute_ns_ = 0;
     prepare_ns_ = 0;
+    sparse_calls_ = 0;
+    sparse_fallbacks_ = 0;
+    sparse_ns_ = 0;
+    for (size_t li = 0; layer_active_ && li < layers_.size(); ++li) {
+        layer_sparse_tokens_[li] = 0;
+        layer_active_[li] = 0;
+    }
 }
 
 }  // namespace llamaflash

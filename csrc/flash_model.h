@@ -16,6 +16,7 @@
 
 #include "file_reader.h"
 #include "ggml-backend.h"
+#include "sparse_ffn.h"
 #include "ggml.h"
 
 #include <atomic>
@@ -48,6 +49,9 @@ struct LayerSpec {
     uint64_t order_offset = 0;
     uint64_t base_down_offset = 0;
     uint64_t base_down_row_bytes = 0;
+    // sparsity (sidecar format 2): neuron k is skipped for input x when |act(gate_k·x)| <= threshold;
+    // threshold < 0 (format 1, or no threshold) = the layer always runs dense
+    float threshold = -1.0f;
 };
 
 struct FlashStatsSnapshot {
@@ -57,6 +61,29 @@ struct FlashStatsSnapshot {
     uint64_t dense_lane_calls = 0;
     double   compute_seconds = 0;  // wall time computing splits (ggml kernels)
     double   prepare_seconds = 0;  // wall time preparing them (mirroring the split into a private graph)
+    uint64_t sparse_lane_calls = 0;   // splits whose FFN ran on the sparse lane
+    uint64_t sparse_fallbacks = 0;    // splits of sparse layers that had to run dense (pattern not plain GLU)
+    double   sparse_seconds = 0;      // wall time in the sparse lane's graph computes (gate GEMV + kernel)
+    std::vector<int> layer_ids;                // served layers, in the order of the vectors below
+    std::vector<uint64_t> layer_sparse_tokens; // tokens computed sparsely per layer
+    std::vector<uint64_t> layer_active;        // Σ over those tokens of the active neuron count
+};
+
+// How the sparse lane runs (set with FlashModel::set_sparse_config).
+struct SparseConfig {
+    bool enabled = false;       // false: every split runs on the dense lane
+    int64_t max_tokens = 1;     // batches of more tokens run dense (prefill); measured crossover
+    int cluster_size = 32;      // neurons per work unit of the kernel
+    // true: g = gate·x for all neurons by ggml's dense (repacked) GEMV, then the kernel reads only the
+    // selected neurons' up rows and down_t rows; false: the kernel reads the gate rows from the bundles
+    bool gate_by_ggml = true;
+};
+
+// One layer as the sparse lane sees it: views into the sidecar mapping.
+struct SparseLayerView {
+    SparseFfnLayer kernel;           // bundles + down_t, bundle order
+    float threshold = -1.0f;         // < 0: dense
+    bool base_order = true;          // bundle k holds base neuron k (gate values from ggml usable)
 };
 
 class FlashModel {
@@ -87,10 +114,27 @@ public:
     // (row 2i = gate row i, row 2i+1 = up row i, in base order). nullptr otherwise.
     ggml_tensor * fused_gate_up(int layer) const;
 
+    // The sparse lane (sparse_ffn.h) over the sidecar: maps every served layer's bundle and down_t
+    // regions (shared read-only file mappings, page cache) and arms the per-layer thresholds. Needs
+    // the dense weights (prefill and gate GEMV). activation: "silu" | "gelu" | "relu". Throws
+    // std::invalid_argument / IoError.
+    void load_sparse(const std::string & activation);
+    bool sparse_loaded() const { return !sparse_.empty(); }
+    void set_sparse_config(const SparseConfig & config) { sparse_config_ = config; }
+    const SparseConfig & sparse_config() const { return sparse_config_; }
+    // Replaces the thresholds (one per served layer, in layers() order; < 0 = that layer dense).
+    void set_thresholds(const std::vector<float> & thresholds);
+    std::vector<float> thresholds() const;
+    // The layer's sparse view when the sparse lane is enabled and the layer has a threshold; else nullptr.
+    const SparseLayerView * sparse_layer(int layer) const;
+    FfnActivation activation() const { return activation_; }
+
     // statistics (updated by the backend; relaxed atomics: counters, not synchronisation)
     void count_split(double compute_seconds, double prepare_seconds);
     void count_ffn_eval(int layer, int64_t n_tokens);
     void count_dense_call() { dense_calls_.fetch_add(1, std::memory_order_relaxed); }
+    void count_sparse_call(int layer, const int32_t * active_counts, int64_t n_tokens, double seconds);
+    void count_sparse_fallback() { sparse_fallbacks_.fetch_add(1, std::memory_order_relaxed); }
     FlashStatsSnapshot stats() const;
     void reset_stats();
 
@@ -108,7 +152,14 @@ private:
     std::vector<ggml_backend_buffer_t> buffers_;
     std::vector<ggml_tensor *> weights_;  // 3 per layer, in layers_ order
     std::vector<ggml_tensor *> fused_;    // 1 per layer (or nullptr), see fused_gate_up()
-    std::vector<std::unique_ptr<MappedFile>> maps_;  // one per weight used in place from a file
+    std::vector<std::unique_ptr<MappedFile>> maps_;  // one per mapped region (see map_region)
+    std::map<std::pair<int, uint64_t>, MappedFile *> regions_;  // (0 sidecar / 1 base, offset) -> map
+    const uint8_t * map_region(int file, uint64_t offset, uint64_t length);
+    std::vector<SparseLayerView> sparse_;  // 1 per layer once load_sparse ran
+    SparseConfig sparse_config_;
+    FfnActivation activation_ = FfnActivation::silu;
+    std::unique_ptr<std::atomic<uint64_t>[]> layer_sparse_tokens_, layer_active_;
+    std::atomic<uint64_t> sparse_calls_{0}, sparse_fallbacks_{0}, sparse_ns_{0};
     size_t copied_bytes_ = 0;
     bool dense_loaded_ = false;
 

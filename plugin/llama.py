@@ -6,8 +6,14 @@ which owns the native FlashModel for the lifetime of the llama.cpp model → the
 Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword arguments:
   sidecar_path   path of the sidecar GGUF; default `<model stem>.flash.gguf` beside the model. With
                  no sidecar the model runs exactly as stock llama-cpp-python (said once, as a warning).
-  flash_mode     "dense": the exact dense lane (bit-identical to stock); None / "auto": the best
-                 lane available (today: "dense").
+  flash_mode     "dense": the exact dense lane (bit-identical to stock); "sparse": decode batches
+                 (up to `flash_max_sparse_tokens` tokens) of layers with a threshold run on the sparse
+                 lane, prefill on the dense lane; None / "auto": "sparse" when the sidecar carries
+                 sparsity thresholds (format 2, target > 0, or a ReLU model), else "dense".
+  flash_sparsity None: the converter's operating point (the sidecar's thresholds); a level the
+                 converter analysed (e.g. 0.3): that level's per-layer thresholds; 0: no sparsity
+                 (sparse mode then skips only exact zeros of the activation).
+  flash_max_sparse_tokens  batches up to this many tokens use the sparse lane (default 1: decode).
   ram_budget_mb  reserved for the flash-offload engine; must be None in this version.
 """
 from __future__ import annotations
@@ -24,7 +30,7 @@ from . import gguf_model
 from .errors import LlamaflashError, SidecarNotFoundError
 from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
 
-FLASH_MODES = ("auto", "dense")
+FLASH_MODES = ("auto", "dense", "sparse")
 
 
 class LlamaflashWarning(UserWarning):
@@ -51,7 +57,36 @@ def _resolve_mode(flash_mode: Optional[str]) -> str:
     mode = "auto" if flash_mode is None else flash_mode
     if mode not in FLASH_MODES:
         raise ValueError(f"flash_mode={flash_mode!r} is not supported; use one of {', '.join(FLASH_MODES)} (or None)")
-    return "dense" if mode == "auto" else mode
+    return mode
+
+
+def _has_sparsity(info: SidecarInfo) -> bool:
+    """Whether the sidecar gives the sparse lane something to skip."""
+    if info.sparsity is None:
+        return False
+    return info.activation == "relu" or info.sparsity.target > 0
+
+
+def sparsity_thresholds(info: SidecarInfo, level: Optional[float]) -> list:
+    """Per served layer, the thresholds of `level` (None: the sidecar's operating point; 0: exact
+    zeros only). Raises ValueError naming the levels the sidecar has."""
+    if info.sparsity is None:
+        raise ValueError(
+            f"sidecar '{info.path}' is format {info.format_version} and has no sparsity thresholds; "
+            f"re-convert it with `llamaflash convert` (format 2) to use the sparse lane")
+    if level is None:
+        return [float(layer.threshold) for layer in info.layers]
+    if level == 0:
+        return [0.0 for _ in info.layers]
+    levels = info.sparsity.threshold_levels or ()
+    for i, v in enumerate(levels):
+        if abs(v - level) < 1e-4:
+            return [float(layer.threshold_table[i]) for layer in info.layers]
+    if abs(info.sparsity.target - level) < 1e-4:
+        return [float(layer.threshold) for layer in info.layers]
+    have = ", ".join(f"{v:g}" for v in levels) or f"{info.sparsity.target:g} only"
+    raise ValueError(f"flash_sparsity={level} was not calibrated in '{info.path}' (levels: {have}); "
+                     f"pick one of those or re-convert with `--sparsity {level}`")
 
 
 class Llama(llama_cpp.Llama):
@@ -63,6 +98,8 @@ class Llama(llama_cpp.Llama):
         *args: Any,
         sidecar_path: Optional[str] = None,
         flash_mode: Optional[str] = None,
+        flash_sparsity: Optional[float] = None,
+        flash_max_sparse_tokens: int = 1,
         ram_budget_mb: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
@@ -70,7 +107,10 @@ class Llama(llama_cpp.Llama):
         self._flash_info: Optional[SidecarInfo] = None
         self._flash_sidecar: Optional[Path] = None
         self._flash_mode = _resolve_mode(flash_mode)
-        self._flash_args = {"sidecar_path": sidecar_path, "flash_mode": flash_mode, "ram_budget_mb": ram_budget_mb}
+        self._flash_args = {"sidecar_path": sidecar_path, "flash_mode": flash_mode, "flash_sparsity": flash_sparsity,
+                            "flash_max_sparse_tokens": flash_max_sparse_tokens, "ram_budget_mb": ram_budget_mb}
+        if flash_max_sparse_tokens < 1:
+            raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens} must be >= 1")
         if ram_budget_mb is not None:
             raise ValueError(
                 "ram_budget_mb needs the flash-offload engine, which this llamaflash version does not have yet; "
@@ -85,8 +125,17 @@ class Llama(llama_cpp.Llama):
 
         # Everything that can be wrong with the files is found here, before llama.cpp starts.
         info = validate_pair(model_path, sidecar)
+        if self._flash_mode == "auto":
+            self._flash_mode = "sparse" if _has_sparsity(info) else "dense"
+        thresholds = None
+        if self._flash_mode == "sparse":
+            thresholds = sparsity_thresholds(info, flash_sparsity)
         flash = _native.FlashModel([layer.to_dict() for layer in info.layers], str(sidecar), os.fspath(model_path))
         flash.load_dense_weights()
+        if thresholds is not None:
+            flash.load_sparse(info.activation)
+            flash.thresholds = thresholds
+            flash.set_sparse_config(True, max_tokens=flash_max_sparse_tokens)
 
         _native.begin_model_load(flash)
         try:
@@ -129,8 +178,15 @@ class Llama(llama_cpp.Llama):
 
     @property
     def flash_mode(self) -> str:
-        """The lane in use: "dense", or "stock" when no sidecar is loaded."""
+        """The lane in use: "sparse", "dense", or "stock" when no sidecar is loaded."""
         return self._flash_mode
+
+    def set_flash_sparsity(self, level: Optional[float]) -> None:
+        """Switches the sparse lane to another calibrated level (see `flash_sparsity`) without
+        reloading; only in "sparse" mode."""
+        if self._flash is None or self._flash_mode != "sparse":
+            raise ValueError(f"set_flash_sparsity needs flash_mode='sparse' (this model runs {self._flash_mode!r})")
+        self._flash.thresholds = sparsity_thresholds(self._flash_info, level)
 
     def flash_stats(self) -> Dict[str, Any]:
         """Counters since load (or the last reset): layers served, FFN evaluations, tokens, time."""
@@ -147,9 +203,19 @@ class Llama(llama_cpp.Llama):
             "resident_ffn_bytes": 0,
         }
         if self._flash is not None:
-            stats.update(self._flash.stats())
+            native = self._flash.stats()
+            layer_ids = native.pop("layer_ids")
+            tokens = native.pop("layer_sparse_tokens")
+            active = native.pop("layer_active_neurons")
+            stats.update(native)
             stats["layers_served"] = len(self._flash.served_layers)
             stats["resident_ffn_bytes"] = self._flash.resident_bytes
+            n_ff = {layer.layer: layer.n_ff for layer in self._flash_info.layers}
+            # per layer: fraction of neurons the sparse lane computed, over the tokens it ran
+            stats["active_fraction"] = {
+                layer: (a / (t * n_ff[layer]) if t else None) for layer, t, a in zip(layer_ids, tokens, active)}
+            fractions = [f for f in stats["active_fraction"].values() if f is not None]
+            stats["mean_active_fraction"] = sum(fractions) / len(fractions) if fractions else None
         return stats
 
     def reset_flash_stats(self) -> None:

@@ -109,6 +109,7 @@ class LayerLayout:
     pred_recall: float | None = None
     pred_precision: float | None = None
     ffn_rel_error: float | None = None
+    threshold_table: tuple[float, ...] | None = None  # threshold at each SparsityInfo.threshold_levels
 
     @property
     def is_resolved(self) -> bool:
@@ -149,6 +150,7 @@ class SparsityInfo:
     calibration_tokens: int | None = None
     calibration_source: str | None = None
     quality: dict = field(default_factory=dict)
+    threshold_levels: tuple[float, ...] | None = None  # levels of LayerLayout.threshold_table
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,16 @@ def read_sidecar(
                           for key in fmt.V2_PER_LAYER_UINT_KEYS})
         per_layer.update({key: fields.float_array(key, length=len(layer_ids))
                           for key in fmt.V2_PER_LAYER_FLOAT_KEYS})
+        if fields.has(fmt.KEY_THRESHOLD_LEVELS):
+            levels = fields.float_array(fmt.KEY_THRESHOLD_LEVELS)
+            if not levels or any(not 0.0 < v < 1.0 for v in levels) or any(b <= a for a, b in zip(levels, levels[1:])):
+                fields.fail(f"'{fmt.KEY_THRESHOLD_LEVELS}' must be increasing levels in (0, 1): {levels}")
+            table = fields.float_array(fmt.KEY_THRESHOLD_TABLE, length=len(layer_ids) * len(levels))
+            if any(not v >= 0.0 for v in table):
+                fields.fail(f"'{fmt.KEY_THRESHOLD_TABLE}' has a negative or NaN threshold")
+            sparsity = dataclasses.replace(sparsity, threshold_levels=tuple(levels))
+            per_layer["threshold_table"] = [tuple(table[i * len(levels):(i + 1) * len(levels)])
+                                            for i in range(len(layer_ids))]
 
     tensors = {t.name: t for t in header.tensors}
     layers = []
@@ -511,6 +523,7 @@ def _sparsity_layout(
         pred_recall=meta[fmt.KEY_PRED_RECALL],
         pred_precision=meta[fmt.KEY_PRED_PRECISION],
         ffn_rel_error=meta[fmt.KEY_FFN_REL_ERROR],
+        threshold_table=meta.get("threshold_table"),
     )
 
 

@@ -263,6 +263,15 @@ KEY_PRED_PRECISION = KEY_PREFIX + "pred_precision"
 #: skipped (gate-first, exact selection), on held-out calibration tokens.
 KEY_FFN_REL_ERROR = KEY_PREFIX + "ffn_rel_error"
 
+#: Optional (written by converters since 0.3; absent in older format-2 files): the thresholds for
+#: every analysed sparsity level, so the engine can run any of them (``flash_sparsity=``) and the
+#: converter can measure the curve with the real sparse computation.
+#: float32 array: the sparsity levels (increasing, each in (0, 1)).
+KEY_THRESHOLD_LEVELS = KEY_PREFIX + "threshold_levels"
+#: float32 array of len(layers) × len(levels), layer-major (served layers in ``KEY_LAYERS`` order):
+#: the threshold of each layer at each level.
+KEY_THRESHOLD_TABLE = KEY_PREFIX + "threshold_table"
+
 #: uint32: calibration tokens profiled; string: where the calibration text came from.
 KEY_CALIB_TOKENS = KEY_PREFIX + "calibration.tokens"
 KEY_CALIB_SOURCE = KEY_PREFIX + "calibration.source"

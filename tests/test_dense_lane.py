@@ -67,7 +67,7 @@ def test_dense_lane_thread_counts_and_batches(tiny_model_factory, tmp_path, n_th
     kwargs = dict(n_ctx=128, n_batch=8, n_ubatch=8, n_threads=n_threads, n_threads_batch=n_threads,
                   logits_all=True, verbose=False)
     stock = run_model(llama_cpp.Llama(model_path=str(model), **kwargs))
-    flash = run_model(llamaflash.Llama(model_path=str(model), **kwargs))
+    flash = run_model(llamaflash.Llama(model_path=str(model), flash_mode="dense", **kwargs))
     assert rel_max_diff(stock.prompt_logits, flash.prompt_logits) <= TOLERANCE
     assert flash.generated == stock.generated
 
@@ -78,8 +78,8 @@ def test_two_models_in_one_process(tiny_model_factory, tmp_path):
     model_a, _ = _model_with_sidecar(tiny_model_factory, tmp_path / "a", "Q8_0", 96, 160)
     model_b, _ = _model_with_sidecar(tiny_model_factory, tmp_path / "b", "F16", 64, 160)
     kwargs = dict(n_ctx=128, n_threads=2, logits_all=True, verbose=False)
-    a = llamaflash.Llama(model_path=str(model_a), **kwargs)
-    b = llamaflash.Llama(model_path=str(model_b), **kwargs)
+    a = llamaflash.Llama(model_path=str(model_a), flash_mode="dense", **kwargs)
+    b = llamaflash.Llama(model_path=str(model_b), flash_mode="dense", **kwargs)
     ra, rb = run_model(a), run_model(b)
     sa = run_model(llama_cpp.Llama(model_path=str(model_a), **kwargs))
     sb = run_model(llama_cpp.Llama(model_path=str(model_b), **kwargs))
@@ -112,7 +112,7 @@ def test_no_sidecar_runs_stock_and_says_so_once(tiny_model_factory, tmp_path, mo
 def test_llama_api_keeps_working(tiny_model_factory, tmp_path):
     """Completion, streaming, chat, tokenize, save/load state through llamaflash.Llama."""
     model, _ = _model_with_sidecar(tiny_model_factory, tmp_path, "Q8_0", 96, 160)
-    llm = llamaflash.Llama(model_path=str(model), n_ctx=256, n_threads=2, verbose=False, seed=0)
+    llm = llamaflash.Llama(model_path=str(model), flash_mode="dense", n_ctx=256, n_threads=2, verbose=False, seed=0)
     stock = llama_cpp.Llama(model_path=str(model), n_ctx=256, n_threads=2, verbose=False, seed=0)
 
     out = llm("the cat sat on", max_tokens=8, temperature=0.0)

@@ -50,6 +50,9 @@ LayerSpec layer_from_dict(const py::dict & d) {
     s.order_offset = required<uint64_t>(d, "order_offset");
     s.base_down_offset = required<uint64_t>(d, "base_down_offset");
     s.base_down_row_bytes = required<uint64_t>(d, "base_down_row_bytes");
+    if (d.contains("threshold") && !d["threshold"].is_none()) {
+        s.threshold = d["threshold"].cast<float>();
+    }
     return s;
 }
 
@@ -278,8 +281,46 @@ PYBIND11_MODULE(_native, m) {
             d["dense_lane_calls"] = s.dense_lane_calls;
             d["compute_seconds"] = s.compute_seconds;
             d["prepare_seconds"] = s.prepare_seconds;
+            d["sparse_lane_calls"] = s.sparse_lane_calls;
+            d["sparse_fallbacks"] = s.sparse_fallbacks;
+            d["sparse_seconds"] = s.sparse_seconds;
+            d["layer_ids"] = s.layer_ids;
+            d["layer_sparse_tokens"] = s.layer_sparse_tokens;
+            d["layer_active_neurons"] = s.layer_active;
             return d;
         })
+        .def("load_sparse", &FlashModel::load_sparse, py::arg("activation"),
+             "Map the sidecar bundles and down_t rows for the sparse lane (after load_dense_weights).")
+        .def_property_readonly("sparse_loaded", &FlashModel::sparse_loaded)
+        .def("set_sparse_config",
+             [](FlashModel & fm, bool enabled, int64_t max_tokens, int cluster_size, bool gate_by_ggml) {
+                 if (enabled && !fm.sparse_loaded()) {
+                     throw py::value_error("the sparse lane is not loaded (call load_sparse first)");
+                 }
+                 if (max_tokens < 1 || cluster_size < 1 || cluster_size > 256) {
+                     throw py::value_error("max_tokens must be >= 1 and cluster_size in 1..256");
+                 }
+                 SparseConfig c;
+                 c.enabled = enabled;
+                 c.max_tokens = max_tokens;
+                 c.cluster_size = cluster_size;
+                 c.gate_by_ggml = gate_by_ggml;
+                 fm.set_sparse_config(c);
+             },
+             py::arg("enabled"), py::arg("max_tokens") = 1, py::arg("cluster_size") = 32, py::arg("gate_by_ggml") = true,
+             "Route decode batches of up to max_tokens tokens of layers with a threshold to the sparse lane.")
+        .def_property_readonly("sparse_config", [](const FlashModel & fm) {
+            const SparseConfig & c = fm.sparse_config();
+            py::dict d;
+            d["enabled"] = c.enabled;
+            d["max_tokens"] = c.max_tokens;
+            d["cluster_size"] = c.cluster_size;
+            d["gate_by_ggml"] = c.gate_by_ggml;
+            return d;
+        })
+        .def_property("thresholds", &FlashModel::thresholds, &FlashModel::set_thresholds,
+                      "Per served layer (in served_layers order): skip neuron k when |act(gate_k·x)| <= "
+                      "threshold; a negative threshold runs that layer dense.")
         .def("reset_stats", &FlashModel::reset_stats);
 
     m.def("begin_model_load", [](std::shared_ptr<FlashModel> model) {

@@ -1,0 +1,179 @@
+// sparse_lane.cpp — see sparse_lane.h.
+#include "sparse_lane.h"
+
+#include "weight_registry.h"
+
+#include <cstring>
+
+namespace llamaflash {
+
+namespace {
+
+bool glu_activation(const ggml_tensor * node, FfnActivation & act) {
+    switch (ggml_get_glu_op(node)) {
+        case GGML_GLU_OP_SWIGLU: act = FfnActivation::silu; return true;
+        case GGML_GLU_OP_GEGLU:  act = FfnActivation::gelu; return true;
+        case GGML_GLU_OP_REGLU:  act = FfnActivation::relu; return true;
+        default: return false;  // erf/quick gelu, clamped or OAI swiglu: not what the kernel computes
+    }
+}
+
+bool unary_activation(const ggml_tensor * node, FfnActivation & act) {
+    switch (ggml_get_unary_op(node)) {
+        case GGML_UNARY_OP_SILU: act = FfnActivation::silu; return true;
+        case GGML_UNARY_OP_GELU: act = FfnActivation::gelu; return true;
+        case GGML_UNARY_OP_RELU: act = FfnActivation::relu; return true;
+        default: return false;
+    }
+}
+
+bool is_f32_rows(const ggml_tensor * t) {
+    return t->type == GGML_TYPE_F32 && t->nb[0] == sizeof(float) && t->ne[2] == 1 && t->ne[3] == 1;
+}
+
+// Phase nodes: userdata is the lane's SparseFfnScratch, which sparse_ffn_begin has armed.
+void phase_quantize(ggml_tensor *, int ith, int nth, void * userdata) {
+    sparse_ffn_quantize(*static_cast<SparseFfnScratch *>(userdata), ith, nth);
+}
+void phase_accumulate(ggml_tensor *, int ith, int nth, void * userdata) {
+    sparse_ffn_accumulate(*static_cast<SparseFfnScratch *>(userdata), ith, nth);
+}
+void phase_reduce(ggml_tensor *, int ith, int nth, void * userdata) {
+    sparse_ffn_reduce(*static_cast<SparseFfnScratch *>(userdata), ith, nth);
+}
+
+}  // namespace
+
+bool match_glu_ffn(const ggml_cgraph * split, const WeightRegistry & registry, GluFfnPattern & out) {
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    const int n = ggml_graph_n_nodes(g);
+    GluFfnPattern p;
+    const ggml_tensor * act_node = nullptr;  // GLU, or the UNARY of MUL(UNARY(gate), up)
+    const ggml_tensor * mul_node = nullptr;
+    const ggml_tensor * h = nullptr;         // the input of down
+    for (int i = 0; i < n; ++i) {
+        const ggml_tensor * node = ggml_graph_node(g, i);
+        switch (node->op) {
+            case GGML_OP_MUL_MAT: {
+                const BoundWeight * b = registry.lookup(node->src[0]);
+                if (b == nullptr || (p.model != nullptr && (b->model.get() != p.model || b->layer != p.layer))) {
+                    return false;
+                }
+                p.model = b->model.get();
+                p.layer = b->layer;
+                const ggml_tensor *& slot = b->kind == FfnWeightKind::gate ? p.gate
+                                          : b->kind == FfnWeightKind::up   ? p.up
+                                                                           : p.down;
+                if (slot != nullptr) {
+                    return false;
+                }
+                slot = node;
+                break;
+            }
+            case GGML_OP_GLU:
+            case GGML_OP_UNARY:
+                if (act_node != nullptr) {
+                    return false;
+                }
+                act_node = node;
+                break;
+            case GGML_OP_MUL:
+                if (mul_node != nullptr) {
+                    return false;
+                }
+                mul_node = node;
+                break;
+            default:
+                return false;
+        }
+    }
+    if (p.gate == nullptr || p.up == nullptr || p.down == nullptr || act_node == nullptr) {
+        return false;
+    }
+    p.x = p.gate->src[1];
+    if (p.up->src[1] != p.x || !is_f32_rows(p.x) || !is_f32_rows(p.down) || !is_f32_rows(p.gate) ||
+        p.x->ne[0] != p.gate->src[0]->ne[0] || p.down->ne[1] != p.x->ne[1]) {
+        return false;
+    }
+    if (act_node->op == GGML_OP_GLU) {
+        const bool swapped = act_node->op_params[1] != 0;  // ggml_glu: op_params = {op, swapped}
+        const ggml_tensor * a = swapped ? act_node->src[1] : act_node->src[0];
+        const ggml_tensor * b = swapped ? act_node->src[0] : act_node->src[1];
+        if (mul_node != nullptr || a != p.gate || b != p.up || !glu_activation(act_node, p.activation)) {
+            return false;
+        }
+        h = act_node;
+    } else {
+        if (mul_node == nullptr || act_node->src[0] != p.gate || !unary_activation(act_node, p.activation)) {
+            return false;
+        }
+        const bool ordered = (mul_node->src[0] == act_node && mul_node->src[1] == p.up) ||
+                             (mul_node->src[1] == act_node && mul_node->src[0] == p.up);
+        if (!ordered) {
+            return false;
+        }
+        h = mul_node;
+    }
+    if (p.down->src[1] != h) {
+        return false;
+    }
+    out = p;
+    return true;
+}
+
+void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
+                        const SparseLayerView & view, ggml_tensor * x_leaf, ggml_tensor * gate, int n_threads,
+                        int cluster_size) {
+    const int64_t n_tokens = ffn.x->ne[1];
+    layer_ = view.kernel;
+    params_ = SparseFfnParams{};
+    params_.threshold = view.threshold;
+    params_.n_threads = n_threads;
+    params_.cluster_size = cluster_size;
+    if (gate != nullptr) {
+        params_.gate_values = static_cast<const float *>(gate->data);
+        params_.gate_values_stride = gate->nb[1] / sizeof(float);
+    }
+    io_ = SparseFfnIo{};
+    io_.x = static_cast<const float *>(ffn.x->data);
+    io_.x_stride = ffn.x->nb[1];
+    io_.y = static_cast<float *>(ffn.down->data);
+    io_.y_stride = ffn.down->nb[1];
+    io_.n_tokens = n_tokens;
+    counts_.assign(static_cast<size_t>(n_tokens), 0);
+    io_.active_counts = counts_.data();
+    sparse_ffn_begin(layer_, params_, io_, scratch_);
+    model_ = ffn.model;
+    layer_id_ = ffn.layer;
+
+    // each phase node depends on the previous one, so the graph keeps them in order; the first
+    // depends on x (and g), so it runs after them
+    ggml_tensor * args_q[2] = {x_leaf, gate};
+    ggml_tensor * q = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args_q, gate != nullptr ? 2 : 1, phase_quantize,
+                                     GGML_N_TASKS_MAX, &scratch_);
+    q->data = sink_;
+    ggml_format_name(q, "llamaflash.sparse.quantize-%d", ffn.layer);
+    ggml_tensor * args_a[1] = {q};
+    ggml_tensor * acc = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args_a, 1, phase_accumulate, GGML_N_TASKS_MAX,
+                                       &scratch_);
+    acc->data = sink_ + 4;
+    ggml_format_name(acc, "llamaflash.sparse.accumulate-%d", ffn.layer);
+    ggml_tensor * args_r[1] = {acc};
+    ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn.down->ne[0], ffn.down->ne[1], 1, 1, args_r, 1,
+                                     phase_reduce, GGML_N_TASKS_MAX, &scratch_);
+    y->data = ffn.down->data;
+    y->buffer = ffn.down->buffer;
+    std::memcpy(y->nb, ffn.down->nb, sizeof(y->nb));
+    std::memcpy(y->name, ffn.down->name, sizeof(y->name));
+    ggml_build_forward_expand(graph, y);
+}
+
+void SparseLane::account(double seconds) {
+    if (model_ != nullptr) {
+        model_->count_sparse_call(layer_id_, counts_.data(), static_cast<int64_t>(counts_.size()), seconds);
+        model_->count_ffn_eval(layer_id_, static_cast<int64_t>(counts_.size()));
+    }
+    model_ = nullptr;
+}
+
+}  // namespace llamaflash

@@ -1,0 +1,74 @@
+// sparse_lane.h — the sparse decode lane: a served layer's FFN split computed over its active
+// neurons only, inside the dense lane's private ggml graph (see dense_lane.h).
+//
+// The split the scheduler hands over for a served layer L is recognised as a plain GLU FFN
+//   gate = MUL_MAT(blk.L.ffn_gate.weight, x)     x : [n_embd, T] f32, T tokens
+//   up   = MUL_MAT(blk.L.ffn_up.weight,   x)
+//   h    = GLU(gate, up)  or  MUL(UNARY(gate), up)      act ∈ {silu, gelu (tanh), relu}
+//   y    = MUL_MAT(blk.L.ffn_down.weight, h)     y : [n_embd, T] f32
+// and nothing else. For such a split of a layer with a threshold, and T <= SparseConfig::max_tokens,
+// the lane puts into the private graph, in place of those nodes:
+//   g    = MUL_MAT(resident gate, x)   ggml's own (repacked) GEMV, written where the split's gate
+//                                      node lives                  (only with gate_by_ggml)
+//   q    = CUSTOM(x [, g])             kernel phase 1: x quantized to the vec_dot types
+//   acc  = CUSTOM(q)                   phase 2: per token A = {i : |act(g_i)| > threshold},
+//                                      h_i = act(g_i)·(up_i·x), partial y += h_i·down_t[i]
+//   y'   = CUSTOM(acc)                 phase 3: y = Σ partials, written where the split's down
+//                                      node lives (so every later split reads y as usual)
+// ggml's graph executor puts a barrier between consecutive nodes, which is exactly what the kernel's
+// phase API needs (sparse_ffn.h); the phases run on the context's threads, no extra fork/join.
+//
+// Anything else (another op in the split, a fused gate_up weight, GEGLU_ERF, bias adds, batches
+// over max_tokens) is left to the dense lane, which stays bit-identical to stock llama.cpp.
+#pragma once
+
+#include "flash_model.h"
+#include "ggml.h"
+#include "sparse_ffn.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace llamaflash {
+
+class WeightRegistry;
+
+// The plain GLU FFN of one served layer, as found in a split (pointers into the split).
+struct GluFfnPattern {
+    FlashModel * model = nullptr;
+    int layer = -1;
+    const ggml_tensor * gate = nullptr;   // MUL_MAT node with the gate weight
+    const ggml_tensor * up = nullptr;     // MUL_MAT node with the up weight
+    const ggml_tensor * down = nullptr;   // MUL_MAT node with the down weight (its data = y)
+    const ggml_tensor * x = nullptr;      // the FFN input, src[1] of gate and up
+    FfnActivation activation = FfnActivation::silu;
+};
+
+// Fills `out` and returns true when `split` is exactly a plain GLU FFN of one served layer whose
+// weights are bound in `registry` (see the top of this file).
+bool match_glu_ffn(const ggml_cgraph * split, const WeightRegistry & registry, GluFfnPattern & out);
+
+class SparseLane {
+public:
+    // Appends the lane's nodes for `ffn` to `graph`. `gate` is the mirrored gate MUL_MAT node (over
+    // the resident gate weight, writing into the split's gate node memory), or nullptr when the
+    // kernel should read the gate rows from the bundles. Calls sparse_ffn_begin (which validates
+    // and throws std::invalid_argument on a bad layer). n_threads: the graph's thread count.
+    void append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn, const SparseLayerView & view,
+                ggml_tensor * x_leaf, ggml_tensor * gate, int n_threads, int cluster_size);
+
+    // After the graph computed: per-layer statistics into the model.
+    void account(double seconds);
+
+private:
+    SparseFfnScratch scratch_;
+    SparseFfnLayer layer_;
+    SparseFfnParams params_;
+    SparseFfnIo io_;
+    std::vector<int32_t> counts_;
+    FlashModel * model_ = nullptr;
+    int layer_id_ = -1;
+    float sink_[16] = {};  // memory of the phase nodes' (unused) outputs
+};
+
+}  // namespace llamaflash
