@@ -93,6 +93,7 @@ def _load(spec: dict):
         n_batch=spec.get("n_batch", 512),
         seed=0,
         verbose=False,
+        logits_all=bool(spec.get("logits_all", False)),
     )
     if config in STOCK_CONFIGS or spec.get("mode") == "tokenize":
         from llama_cpp import Llama
@@ -104,7 +105,55 @@ def _load(spec: dict):
         raise RuntimeError(
             f"config {config!r} needs the llamaflash package (pip install -e . in the repo): {e}"
         ) from e
-    return FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=config)
+    mode, level = parse_flash_config(config)
+    extra = {}
+    if mode == "sparse" and spec.get("mode") == "ppl":
+        # every token of the scored batches through the sparse lane, as in decode
+        extra["flash_max_sparse_tokens"] = common_kwargs["n_batch"]
+    return FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=mode, flash_sparsity=level,
+                      **extra)
+
+
+def parse_flash_config(config: str):
+    """A llamaflash config: "dense", "sparse" (the sidecar's operating point) or "sparse@LEVEL"
+    (a calibrated level, e.g. sparse@0.4); returns (flash_mode, flash_sparsity)."""
+    if "@" in config:
+        mode, level = config.split("@", 1)
+        return mode, float(level)
+    return config, None
+
+
+def _ppl(spec: dict) -> dict:
+    """Perplexity of spec["ppl_tokens"] in windows of n_ctx tokens, scoring the second half of each
+    window (as llama.cpp's perplexity tool does), and the time it took."""
+    import numpy as np
+
+    toks = [int(t) for t in spec["ppl_tokens"]]
+    n_ctx = spec.get("n_ctx", 512)
+    spec = dict(spec, n_batch=n_ctx)
+    t0 = time.perf_counter()
+    llm = _load(dict(spec, logits_all=True))
+    nll, n = 0.0, 0
+    for start in range(0, len(toks) - n_ctx + 1, n_ctx):
+        window = toks[start:start + n_ctx]
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        llm.eval(window)
+        logits = np.array(llm.scores[: len(window)], dtype=np.float64)
+        first = n_ctx // 2
+        z = logits[first:-1]
+        z = z - z.max(axis=1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        target = np.array(window[first + 1:])
+        nll -= float(logp[np.arange(len(target)), target].sum())
+        n += len(target)
+    result = {"ok": True, "config": spec["config"], "ppl": float(np.exp(nll / n)) if n else None,
+              "scored_tokens": n, "seconds": time.perf_counter() - t0}
+    stats = getattr(llm, "flash_stats", None)
+    if callable(stats):
+        result["flash_stats"] = stats()
+    llm.close()
+    return result
 
 
 def _tokenize(spec: dict) -> dict:
@@ -218,7 +267,8 @@ def _run(spec: dict) -> dict:
 def main() -> int:
     spec = json.loads(sys.argv[1])
     try:
-        result = _tokenize(spec) if spec.get("mode") == "tokenize" else _run(spec)
+        handler = {"tokenize": _tokenize, "ppl": _ppl}.get(spec.get("mode"), _run)
+        result = handler(spec)
     except Exception as e:
         _emit({"ok": False, "config": spec.get("config"), "rep": spec.get("rep"),
                "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})  # fmt: skip

@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a run during which other processes used more than this share of the cores is noisy")
     p.add_argument("--retry-noisy", type=int, default=2, help="re-run a noisy run up to this many times")
     p.add_argument("--no-warm-cache", action="store_true", help="don't read the model file before the runs")
+    p.add_argument("--ppl-tokens", type=int, default=1024,
+                   help="quality: perplexity of every config on this many tokens of held-out text (Shakespeare, "
+                        "never used for calibration), in windows of --n-ctx scoring their second half; 0: skip")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not args.configs:
@@ -86,6 +89,29 @@ def ensure_sidecar(model: Path, sidecar: Path, force: bool = False) -> dict | No
         raise SystemExit(f"conversion failed (exit {proc.returncode}, {dt:.1f}s), no {sidecar}:\n{tail}")
     print(f"converted in {dt:.1f}s -> {sidecar} ({sidecar.stat().st_size / 1e6:.1f} MB)", flush=True)
     return {"cmd": cmd, "seconds": dt, "sidecar_bytes": sidecar.stat().st_size}
+
+
+def measure_quality(args, model_path: Path, sidecar: Path, flash_configs: list[str]) -> dict:
+    """Perplexity of every config on the same held-out tokens (one worker each)."""
+    from llamaflash.converters import texts
+
+    text = texts.default_validation(args.ppl_tokens * 8).text
+    tok = common.run_worker(
+        {"mode": "tokenize", "model": str(model_path), "config": "tokenize", "prompt_text": text,
+         "n_prompt": args.ppl_tokens, "threads": args.threads}, timeout=args.timeout)  # fmt: skip
+    out = {}
+    for config in args.configs:
+        spec = {"mode": "ppl", "model": str(model_path), "config": config, "threads": args.threads,
+                "sidecar_path": str(sidecar) if config in flash_configs else None,
+                "ppl_tokens": tok["prompt_tokens"], "n_ctx": args.n_ctx}  # fmt: skip
+        try:
+            out[config] = common.run_worker(spec, timeout=max(args.timeout, 3600))
+        except common.WorkerError as e:
+            out[config] = {"ok": False, "error": str(e)}
+        q = out[config]
+        if q.get("ok"):
+            print(f"  quality {config:<12} ppl {q['ppl']:.3f} ({q['seconds']:.0f} s)", flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -150,14 +176,35 @@ def main(argv=None) -> int:
             else:
                 print(f"  rep {rep} {config:<8} FAILED: {r.get('error')}", flush=True)
 
+    quality = measure_quality(args, model_path, sidecar, flash_configs) if args.ppl_tokens > 0 else {}
+
     baseline = "stock" if "stock" in args.configs else args.configs[0]
     rows = common.summarize(runs, args.configs, baseline=baseline)
+    for row in rows:
+        q = quality.get(row["config"])
+        if q and q.get("ok"):
+            row["ppl"] = q["ppl"]
+            base_q = quality.get(baseline, {})
+            row["ppl_delta"] = q["ppl"] / base_q["ppl"] - 1 if base_q.get("ok") else None
     print()
     print(common.format_table(rows))
     print(f"medians over reps; x = ratio to {baseline}; greedy agree = fraction of the {args.n_gen + 1} greedy "
           f"tokens equal to {baseline} rep 0 (@ first divergence); other load = max share of the cores other "
           f"processes used during the timed sections; anon MB = RssAnon after generation. Spread (min..max):")  # fmt: skip
     print(common.format_spread(rows))
+    if quality:
+        print(f"quality: perplexity on {args.ppl_tokens} tokens of held-out text (sparse configs: every token "
+              f"through the sparse lane)")
+        for config in args.configs:
+            q = quality.get(config, {})
+            if not q.get("ok"):
+                print(f"  {config:<12} FAILED: {q.get('error')}")
+                continue
+            base_q = quality.get(baseline, {})
+            delta = f"{q['ppl'] / base_q['ppl'] - 1:+.2%}" if base_q.get("ok") else "?"
+            frac = (q.get("flash_stats") or {}).get("mean_active_fraction")
+            print(f"  {config:<12} ppl {q['ppl']:8.3f}  vs {baseline} {delta:>8}  "
+                  f"active neurons {'' if frac is None else f'{frac:.1%}'}  ({q['seconds']:.0f} s)")
     noisy = [r for r in runs if r.get("ok") and r.get("foreign_cpu", 0) > args.max_other_load]
     if noisy:
         print(f"WARNING: {len(noisy)} run(s) shared the CPU with other processes (>{args.max_other_load:.0%} of the "
@@ -175,6 +222,7 @@ def main(argv=None) -> int:
         "conversion": conversion,
         "prompt_tokens": prompt_tokens,
         "summary": rows,
+        "quality": quality,
         "runs": runs,
     }
     print(f"wrote {common.write_json(out, payload)}")

@@ -32,8 +32,30 @@ def bundle_stride(ffn: FfnLayer) -> int:
                              gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ffn.up.ggml_type)][1])
 
 
-def down_t_type(n_embd: int) -> gguf.GGMLQuantizationType:
-    """ggml type of the stored transposed down: Q8_0 if its blocks divide n_embd, else F16."""
+#: ``down_t_type`` choices: "q8_0" (the default: Q8_0 where its blocks divide n_embd, else F16;
+#: near-lossless), "base" (the base down's own type when its blocks divide n_embd, e.g. Q4_K/Q6_K:
+#: about half the bytes the sparse lane reads per neuron, at the cost of a second quantization),
+#: or a ggml type name.
+DOWN_T_CHOICES = ("q8_0", "base", "f16", "q6_k", "q5_k", "q4_k", "q5_0", "q4_0")
+_NAMED = {
+    "f16": gguf.GGMLQuantizationType.F16, "q6_k": gguf.GGMLQuantizationType.Q6_K,
+    "q5_k": gguf.GGMLQuantizationType.Q5_K, "q4_k": gguf.GGMLQuantizationType.Q4_K,
+    "q5_0": gguf.GGMLQuantizationType.Q5_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+}
+
+
+def down_t_type(n_embd: int, choice: str = "q8_0", base_type: int | None = None) -> gguf.GGMLQuantizationType:
+    """ggml type of the stored transposed down (rows of n_embd values) for ``choice`` (see
+    :data:`DOWN_T_CHOICES`); a type whose blocks do not divide n_embd falls back to Q8_0, then F16."""
+    if choice not in DOWN_T_CHOICES:
+        raise ValueError(f"down_t_type {choice!r}: use one of {', '.join(DOWN_T_CHOICES)}")
+    wanted = None
+    if choice == "base" and base_type is not None:
+        wanted = gguf.GGMLQuantizationType(base_type)
+    elif choice in _NAMED:
+        wanted = _NAMED[choice]
+    if wanted is not None and n_embd % gguf.GGML_QUANT_SIZES[wanted][0] == 0:
+        return wanted
     if n_embd % fmt.DOWN_T_Q8_0_BLOCK == 0:
         return gguf.GGMLQuantizationType.Q8_0
     return gguf.GGMLQuantizationType.F16
@@ -49,14 +71,15 @@ class BundleStage:
     #: The oldest sidecar format version that can hold what this stage plans.
     min_format_version = 1
 
-    def __init__(self, orders: Mapping[int, np.ndarray] | None = None) -> None:
+    def __init__(self, orders: Mapping[int, np.ndarray] | None = None, down_t: str = "q8_0") -> None:
         self._orders = dict(orders or {})
+        self._down_t = down_t
 
     def plan_layer(self, model: BaseModelInfo, ffn: FfnLayer, plan: SidecarPlan) -> None:
         """Add layer ``ffn.layer``'s tensors and per-layer values to ``plan``."""
         order = self._order(ffn)
         stride = bundle_stride(ffn)
-        dt_type = down_t_type(ffn.n_embd)
+        dt_type = down_t_type(ffn.n_embd, self._down_t, ffn.down.ggml_type)
 
         plan.append_layer_value(fmt.KEY_N_FF, ffn.n_ff)
         plan.append_layer_value(fmt.KEY_GATE_TYPES, ffn.gate.ggml_type)
@@ -116,4 +139,7 @@ def build_down_t(
     raw = np.asarray(read_tensor_rows(model.path, ffn.down))
     down = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ffn.down.ggml_type))  # (n_embd, n_ff)
     down_t = np.ascontiguousarray(down.reshape(ffn.n_embd, ffn.n_ff).T[order], dtype=np.float32)
-    return gguf.quants.quantize(down_t, dtype)
+    if dtype in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0):
+        return gguf.quants.quantize(down_t, dtype)
+    from llamaflash import _native  # ggml's own quantizer: gguf-py has none for K-quants
+    return _native.quantize_rows(int(dtype), down_t)

@@ -166,7 +166,7 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None) -> CalibrationR
             finally:
                 bar.close()
         result.decisions = {ffn.layer: decide_layer(analyses[ffn.layer], ffn, result.target, opts.selection,
-                                                    opts.min_recall, opts.order)
+                                                    opts.min_recall, opts.order, opts.down_t_type)
                             for ffn in model.ffn_layers}
         if evaluator is not None:
             _check_predictors(result, evaluator, opts, stream)

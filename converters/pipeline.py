@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from llamaflash import sidecar_format as fmt
-from llamaflash.converters.bundle import BundleStage
+from llamaflash.converters.bundle import DOWN_T_CHOICES, BundleStage
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan, write_sidecar_atomically
 from llamaflash.errors import ConversionError, OutputExistsError
 from llamaflash.gguf_model import (
@@ -83,6 +83,8 @@ class ConvertOptions:
     #: bundle order: "base" (identity; the dense lane maps the bundles in place) or "hot"
     #: (most frequently active neuron first; this version's dense lane then copies gate/up)
     order: str = "base"
+    #: type of the transposed down rows the sparse lane reads (llamaflash.converters.bundle.DOWN_T_CHOICES)
+    down_t_type: str = "q8_0"
     #: a predictor is only used when its held-out recall is at least this
     min_recall: float = 0.9
     #: measure perplexity/greedy agreement for a fixed sparsity too (always for "auto")
@@ -155,7 +157,7 @@ def convert(
                  f"({len(model.ffn_layers)} FFN layers, {model.architecture})")
     identity = base_identity(model_path, model)
     if not opts.profile:
-        plan = plan_sidecar(model, identity, [BundleStage()])
+        plan = plan_sidecar(model, identity, [BundleStage(down_t=opts.down_t_type)])
         write_sidecar_atomically(plan, out, force=force,
                                  progress=_LayerProgress(plan, stream) if stream else None)
         _say(stream, f"llamaflash convert: wrote {out} ({out.stat().st_size} bytes)")
@@ -164,7 +166,7 @@ def convert(
     from llamaflash.converters.calibrate import calibrate  # imports llama_cpp: only when needed
 
     result = calibrate(model, opts, stream)
-    stages = [BundleStage(result.stage.orders), result.stage]
+    stages = [BundleStage(result.stage.orders, down_t=opts.down_t_type), result.stage]
     plan = plan_sidecar(model, identity, stages)
     result.add_header_keys(plan)
     t_write = time.perf_counter()
@@ -206,6 +208,8 @@ def plan_sidecar(model: BaseModelInfo, identity: str, stages: list[ConverterStag
 
 
 def _check_options(opts: ConvertOptions) -> None:
+    if opts.down_t_type not in DOWN_T_CHOICES:
+        raise ValueError(f"down_t_type {opts.down_t_type!r}: use one of {', '.join(DOWN_T_CHOICES)}")
     if isinstance(opts.sparsity, str):
         if opts.sparsity != fmt.SPARSITY_METHOD_AUTO:
             raise ValueError(f"sparsity must be a number in [0, 1) or 'auto', not {opts.sparsity!r}")

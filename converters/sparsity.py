@@ -63,19 +63,19 @@ class LayerDecision:
     bytes_predictor: float = 0.0          # expected bytes per token, predictor-first (best rank)
 
 
-def layer_bytes(ffn: FfnLayer) -> dict[str, int]:
+def layer_bytes(ffn: FfnLayer, down_t: str = "q8_0") -> dict[str, int]:
     """Row sizes of ``ffn`` in the sidecar: gate, up, bundle and down_t rows."""
     return {
         "gate": ffn.gate.row_bytes,
         "up": ffn.up.row_bytes,
         "bundle": bundle_stride(ffn),
-        "down_t": ggml_row_bytes(int(down_t_type(ffn.n_embd)), ffn.n_embd),
+        "down_t": ggml_row_bytes(int(down_t_type(ffn.n_embd, down_t, ffn.down.ggml_type)), ffn.n_embd),
     }
 
 
 def decide_layer(
     an: LayerAnalysis, ffn: FfnLayer, level: float, selection: str = SELECTION_AUTO, min_recall: float = 0.9,
-    bundle_order: str = fmt.BUNDLE_ORDER_BASE,
+    bundle_order: str = fmt.BUNDLE_ORDER_BASE, down_t: str = "q8_0",
 ) -> LayerDecision:
     """The decision for ``an`` at operating point ``level`` (one of ``an.levels``); bundles in
     ``bundle_order`` ("base": identity, "hot": most frequently active first)."""
@@ -86,7 +86,7 @@ def decide_layer(
         order = np.arange(an.n_ff, dtype=np.int32)
     else:
         raise ValueError(f"unknown bundle order {bundle_order!r}")
-    rows = layer_bytes(ffn)
+    rows = layer_bytes(ffn, down_t)
     n_ff, n_embd = an.n_ff, an.n_embd
     active = 1.0 - an.sparsity_heldout[i]
     bytes_gate = n_ff * rows["gate"] + active * n_ff * (rows["up"] + rows["down_t"])

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 
 from llamaflash.converters import convert as run_convert
+from llamaflash.converters.bundle import DOWN_T_CHOICES
 from llamaflash.errors import LlamaflashError
 from llamaflash.sidecar import read_layer_vectors, read_sidecar
 
@@ -76,6 +77,9 @@ class _Sparsity(click.ParamType):
 @click.option("--order", type=click.Choice(["base", "hot"]), default="base", show_default=True,
               help="Bundle order: base neuron order (the dense lane maps bundles in place) or hot-first "
                    "(most frequently active neurons first; the dense lane then copies gate/up).")
+@click.option("--down-t-type", type=click.Choice(list(DOWN_T_CHOICES)), default="q8_0", show_default=True,
+              help="Type of the transposed down rows the sparse lane reads: q8_0 (near-lossless), base (the "
+                   "base down's type, e.g. Q4_K/Q6_K: about half the bytes, quantized a second time), or a type.")
 @click.option("--calib-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Calibration tokens to profile.")
 @click.option("--valid-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
@@ -88,7 +92,8 @@ class _Sparsity(click.ParamType):
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="llama.cpp threads (default: all cores).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress, per-layer lines or report table on stderr.")
 def convert(model: Path, output: Path | None, force: bool, calib: Path | None, valid: Path | None,
-            sparsity, quality_budget: float, selection: str, order: str, calib_tokens: int, valid_tokens: int,
+            sparsity, quality_budget: float, selection: str, order: str, down_t_type: str, calib_tokens: int,
+            valid_tokens: int,
             no_quality: bool, no_calibration: bool, no_report: bool, threads: int | None, quiet: bool) -> None:
     """Convert base model MODEL (.gguf) into its llamaflash sidecar.
 
@@ -101,7 +106,8 @@ def convert(model: Path, output: Path | None, force: bool, calib: Path | None, v
     out = run_convert(
         model, output, force=force, progress=not quiet,
         calib_path=calib, valid_path=valid, sparsity=sparsity, quality_budget=quality_budget / 100.0,
-        selection=selection, order=order, calib_tokens=calib_tokens, valid_tokens=valid_tokens,
+        selection=selection, order=order, down_t_type=down_t_type, calib_tokens=calib_tokens,
+        valid_tokens=valid_tokens,
         measure_quality=not no_quality, profile=not no_calibration, report=not no_report, n_threads=threads,
     )
     click.echo(str(out))

@@ -391,6 +391,35 @@ PYBIND11_MODULE(_native, m) {
           "(+ active_mask [n_tokens, n_ff] with return_mask). active: None (gate-first), an int32 array of\n"
           "bundle-order indices for every token, or a list of one array per token. gate_values: optional\n"
           "float32 [n_tokens, n_ff] precomputed g (bundle order); the gate rows are then not read.");
+    m.def("quantize_rows",
+          [](int type, const F32Array & values) {
+              if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size(static_cast<ggml_type>(type)) <= 0) {
+                  throw py::value_error("unknown ggml type " + std::to_string(type));
+              }
+              const ggml_type t = static_cast<ggml_type>(type);
+              if (values.ndim() != 2) {
+                  throw py::value_error("values must be 2-D (rows, n)");
+              }
+              const int64_t rows = values.shape(0), n = values.shape(1);
+              if (n % ggml_blck_size(t) != 0) {
+                  throw py::value_error(std::string("rows of ") + std::to_string(n) + " values do not split into " +
+                                        ggml_type_name(t) + " blocks of " + std::to_string(ggml_blck_size(t)));
+              }
+              if (ggml_quantize_requires_imatrix(t)) {
+                  throw py::value_error(std::string(ggml_type_name(t)) + " needs an importance matrix");
+              }
+              const size_t row_bytes = ggml_row_size(t, n);
+              py::array_t<uint8_t> out({static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(row_bytes)});
+              {
+                  py::gil_scoped_release release;
+                  ggml_quantize_init(t);
+                  ggml_quantize_chunk(t, values.data(), out.mutable_data(), 0, rows, n, nullptr);
+              }
+              return out;
+          },
+          py::arg("type"), py::arg("values"),
+          "ggml's own quantization (ggml_quantize_chunk, no importance matrix) of f32 rows: raw block bytes "
+          "(rows, row_bytes).");
     m.def("sparse_ffn_best_isa", [] { return std::string(sparse_isa_name(sparse_ffn_best_isa())); });
     m.def("sparse_ffn_activation", [](const std::string & act, const F32Array & g) {
               const FfnActivation a = parse_ffn_activation(act);
