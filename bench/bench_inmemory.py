@@ -91,6 +91,47 @@ def ensure_sidecar(model: Path, sidecar: Path, force: bool = False) -> dict | No
     return {"cmd": cmd, "seconds": dt, "sidecar_bytes": sidecar.stat().st_size}
 
 
+def report_bound(model_path: Path, sidecar: Path | None, runs: list[dict], args, bandwidth: dict) -> dict:
+    """Per config: weight bytes per decoded token, the bound they give at the measured bandwidth, how
+    close the median decode gets, and the decode time per token split into the llamaflash FFN
+    splits and everything else (attention, output, llama.cpp and Python overhead)."""
+    import statistics
+
+    from bound import decode_bytes
+    from llamaflash.sidecar import read_sidecar
+
+    info = read_sidecar(sidecar) if sidecar is not None else None
+    bw = bandwidth["bytes_per_second"]
+    print(f"bound: read bandwidth {bw / 1e9:.1f} GB/s ({args.threads} threads, best of "
+          f"{bandwidth['repetitions']}; median {bandwidth['median_bytes_per_second'] / 1e9:.1f}); weight bytes per "
+          f"decoded token ÷ bandwidth")
+    out = {}
+    for config in args.configs:
+        ok = [r for r in runs if r.get("ok") and r["config"] == config]
+        if not ok:
+            continue
+        decode_tps = statistics.median(r["decode_tps"] for r in ok)
+        fractions = {}
+        stats = [r.get("flash_stats") or {} for r in ok]
+        for st in stats:
+            for layer, f in (st.get("active_fraction") or {}).items():
+                if f is not None:
+                    fractions.setdefault(int(layer), []).append(f)
+        frac = {layer: statistics.median(v) for layer, v in fractions.items()}
+        b = decode_bytes(model_path, info, frac or None)
+        per_token = b.sparse if b.sparse is not None else b.stock
+        ms = 1e3 / decode_tps
+        ffn_ms = statistics.median(st.get("compute_seconds", 0.0) for st in stats) * 1e3 / args.n_gen if any(stats) else None
+        row = {"bytes_per_token": per_token, "bound_tps": bw / per_token, "decode_tps": decode_tps,
+               "of_bound": decode_tps / (bw / per_token), "ms_per_token": ms, "ffn_ms_per_token": ffn_ms,
+               "mean_active_fraction": statistics.median(frac.values()) if frac else None}
+        out[config] = row
+        split = "" if ffn_ms is None else f"  per token {ms:.1f} ms = FFN splits {ffn_ms:.1f} + rest {ms - ffn_ms:.1f}"
+        print(f"  {config:<12} {per_token / 1e6:7.1f} MB/token  bound {row['bound_tps']:6.1f} tok/s  "
+              f"decode {decode_tps:6.1f} = {row['of_bound']:.0%} of bound{split}")
+    return out
+
+
 def measure_quality(args, model_path: Path, sidecar: Path, flash_configs: list[str]) -> dict:
     """Perplexity of every config on the same held-out tokens (one worker each)."""
     from llamaflash.converters import texts
@@ -135,6 +176,10 @@ def main(argv=None) -> int:
     prompt_tokens = tok["prompt_tokens"]
 
     machine = common.machine_info()
+    from llamaflash import _native
+
+    common.wait_until_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+    bandwidth = _native.measure_read_bandwidth(1 << 30, args.threads, 5)
     print(f"machine : {machine['cpu']}, {machine['cores_usable']}/{machine['cores_online']} cores, "
           f"{machine['mem_total_mb']} MB, SIMD {','.join(machine['simd']) or '?'}; load avg {machine['loadavg']}")  # fmt: skip
     print(f"software: llama-cpp-python {machine['llama_cpp_python']}, llamaflash {machine['llamaflash']}, "
@@ -205,6 +250,7 @@ def main(argv=None) -> int:
             frac = (q.get("flash_stats") or {}).get("mean_active_fraction")
             print(f"  {config:<12} ppl {q['ppl']:8.3f}  vs {baseline} {delta:>8}  "
                   f"active neurons {'' if frac is None else f'{frac:.1%}'}  ({q['seconds']:.0f} s)")
+    bound = report_bound(model_path, sidecar if flash_configs else None, runs, args, bandwidth)
     noisy = [r for r in runs if r.get("ok") and r.get("foreign_cpu", 0) > args.max_other_load]
     if noisy:
         print(f"WARNING: {len(noisy)} run(s) shared the CPU with other processes (>{args.max_other_load:.0%} of the "
@@ -223,6 +269,8 @@ def main(argv=None) -> int:
         "prompt_tokens": prompt_tokens,
         "summary": rows,
         "quality": quality,
+        "bandwidth": bandwidth,
+        "bound": bound,
         "runs": runs,
     }
     print(f"wrote {common.write_json(out, payload)}")

@@ -36,11 +36,12 @@ def bundle_stride(ffn: FfnLayer) -> int:
 #: near-lossless), "base" (the base down's own type when its blocks divide n_embd, e.g. Q4_K/Q6_K:
 #: about half the bytes the sparse lane reads per neuron, at the cost of a second quantization),
 #: or a ggml type name.
-DOWN_T_CHOICES = ("q8_0", "base", "f16", "q6_k", "q5_k", "q4_k", "q5_0", "q4_0")
+DOWN_T_CHOICES = ("q8_0", "base", "f16", "q6_k", "q5_k", "q4_k", "q5_0", "q4_1", "q4_0")
 _NAMED = {
     "f16": gguf.GGMLQuantizationType.F16, "q6_k": gguf.GGMLQuantizationType.Q6_K,
     "q5_k": gguf.GGMLQuantizationType.Q5_K, "q4_k": gguf.GGMLQuantizationType.Q4_K,
-    "q5_0": gguf.GGMLQuantizationType.Q5_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q5_0": gguf.GGMLQuantizationType.Q5_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
 }
 
 

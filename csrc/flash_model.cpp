@@ -328,6 +328,12 @@ void FlashModel::load_sparse(const std::string & activation) {
         for (size_t i = 0; i < order.size() && v.base_order; ++i) {
             v.base_order = order[i] == static_cast<int32_t>(i);
         }
+        if (v.base_order) {
+            // the base file's up rows: contiguous, so a thread's run of active neurons is one stream
+            // (the bundles interleave gate rows, which the gate-by-ggml path never needs)
+            k.up_rows = map_region(1, s.base_up_offset, static_cast<uint64_t>(s.n_ff) * s.up_row_bytes);
+            k.up_stride = s.up_row_bytes;
+        }
     }
     layer_sparse_tokens_.reset(new std::atomic<uint64_t>[layers_.size()]());
     layer_active_.reset(new std::atomic<uint64_t>[layers_.size()]());

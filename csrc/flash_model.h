@@ -49,6 +49,7 @@ struct LayerSpec {
     uint64_t order_offset = 0;
     uint64_t base_down_offset = 0;
     uint64_t base_down_row_bytes = 0;
+    uint64_t base_up_offset = 0;   // the base model's row-major ffn_up (n_ff rows of up_row_bytes)
     // sparsity (sidecar format 2): neuron k is skipped for input x when |act(gate_k·x)| <= threshold;
     // threshold < 0 (format 1, or no threshold) = the layer always runs dense
     float threshold = -1.0f;

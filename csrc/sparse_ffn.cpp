@@ -3,7 +3,8 @@
 // Work decomposition (three phases, barriers between them; see the phase API in the header):
 //   1. quantize: x_t → xq_gate_t, xq_up_t with ggml-cpu's from_float (tokens over threads);
 //   2. accumulate, for every token: the candidate neurons (all n_ff, or the explicit list) are cut
-//      into clusters of `cluster_size`; cluster c goes to thread c mod nth (deterministic);
+//      into nth contiguous ranges (thread ith streams range ith: sequential reads per thread), each
+//      processed in clusters of `cluster_size` (deterministic);
 //   3. per cluster: for each candidate i, g = vec_dot(gate_i, xq_gate) (gate rows prefetched a few
 //      candidates ahead: in a bundle run they are strided), a = act(g); if selected, its up and
 //      down_t rows are prefetched; then u = vec_dot(up_i, xq_up), h_i = a·u for the selected; then
@@ -82,6 +83,29 @@ void axpy_f16_scalar(float * acc, const uint8_t * const * rows, const float * h,
     }
 }
 
+// Q4_0 block (18 bytes): f16 d, 16 bytes of nibbles; value j (< 16) = d·((qs[j] & 15) − 8), value
+// 16 + j = d·((qs[j] >> 4) − 8). Q4_1 block (20 bytes): f16 d, f16 m, nibbles; value = d·q + m.
+constexpr size_t kQ4_0Bytes = 18;
+constexpr size_t kQ4_1Bytes = 20;
+
+template <bool kMin>
+void axpy_q4_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
+    for (int r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < n_embd / 32; ++b) {
+            const uint8_t * blk = rows[r] + b * bytes;
+            const float d = ggml_fp16_to_fp32(load_u16(blk)) * h[r];
+            const float m = kMin ? ggml_fp16_to_fp32(load_u16(blk + 2)) * h[r] : -8.0f * d;
+            const uint8_t * qs = blk + (kMin ? 4 : 2);
+            float * a = acc + b * 32;
+            for (int j = 0; j < 16; ++j) {
+                a[j] += d * static_cast<float>(qs[j] & 15) + m;
+                a[j + 16] += d * static_cast<float>(qs[j] >> 4) + m;
+            }
+        }
+    }
+}
+
 void axpy_f32(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
     for (int r = 0; r < n; ++r) {
         const float * row = reinterpret_cast<const float *>(rows[r]);
@@ -140,6 +164,64 @@ __attribute__((target("avx2,f16c,fma"))) void q8_0_pass_avx2(float * acc, const 
     }
 }
 
+// R rows (1..4) of Q4_0 (kMin false) or Q4_1 (true) in one pass over acc.
+template <bool kMin, int R>
+__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_pass_avx512(float * acc, const uint8_t * const * rows,
+                                                                          const float * h, int64_t nb) {
+    const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 y0 = _mm512_loadu_ps(acc + 32 * b);
+        __m512 y1 = _mm512_loadu_ps(acc + 32 * b + 16);
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * bytes;
+            const float d = _cvtsh_ss(load_u16(blk)) * h[r];
+            const __m512 vd = _mm512_set1_ps(d);
+            const __m512 vm = _mm512_set1_ps(kMin ? _cvtsh_ss(load_u16(blk + 2)) * h[r] : -8.0f * d);
+            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + (kMin ? 4 : 2)));
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
+            y0 = _mm512_add_ps(_mm512_fmadd_ps(q0, vd, vm), y0);
+            y1 = _mm512_add_ps(_mm512_fmadd_ps(q1, vd, vm), y1);
+        }
+        _mm512_storeu_ps(acc + 32 * b, y0);
+        _mm512_storeu_ps(acc + 32 * b + 16, y1);
+    }
+}
+
+template <bool kMin, int R>
+__attribute__((target("avx2,f16c,fma"))) void q4_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                            int64_t nb) {
+    const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 y[4];
+        for (int k = 0; k < 4; ++k) {
+            y[k] = _mm256_loadu_ps(acc + 32 * b + 8 * k);
+        }
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * bytes;
+            const float d = _cvtsh_ss(load_u16(blk)) * h[r];
+            const __m256 vd = _mm256_set1_ps(d);
+            const __m256 vm = _mm256_set1_ps(kMin ? _cvtsh_ss(load_u16(blk + 2)) * h[r] : -8.0f * d);
+            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + (kMin ? 4 : 2)));
+            const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int k = 0; k < 4; ++k) {
+                const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]));
+                y[k] = _mm256_add_ps(_mm256_fmadd_ps(v, vd, vm), y[k]);
+            }
+        }
+        for (int k = 0; k < 4; ++k) {
+            _mm256_storeu_ps(acc + 32 * b + 8 * k, y[k]);
+        }
+    }
+}
+template <int R> void q4_0_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx512<false, R>(a, rw, h, nb); }
+template <int R> void q4_1_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx512<true, R>(a, rw, h, nb); }
+template <int R> void q4_0_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx2<false, R>(a, rw, h, nb); }
+template <int R> void q4_1_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx2<true, R>(a, rw, h, nb); }
+
 template <int R>
 __attribute__((target("avx512f,f16c,fma"))) void f16_pass_avx512(float * acc, const uint8_t * const * rows,
                                                                  const float * h, int64_t n_embd) {
@@ -195,6 +277,10 @@ LLAMAFLASH_DEFINE_AXPY(axpy_q8_0_avx512, q8_0_pass_avx512, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_q8_0_avx2, q8_0_pass_avx2, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_f16_avx512, f16_pass_avx512, n_embd)
 LLAMAFLASH_DEFINE_AXPY(axpy_f16_avx2, f16_pass_avx2, n_embd)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx512, q4_0_pass_avx512, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx512, q4_1_pass_avx512, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx2, q4_0_pass_avx2, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx2, q4_1_pass_avx2, n_embd / 32)
 #undef LLAMAFLASH_DEFINE_AXPY
 
 #pragma GCC diagnostic pop
@@ -211,7 +297,15 @@ AxpyFn pick_axpy(ggml_type type, SparseIsa isa) {
     if (type == GGML_TYPE_F16) {
         return isa == SparseIsa::avx512 ? axpy_f16_avx512 : isa == SparseIsa::avx2 ? axpy_f16_avx2 : axpy_f16_scalar;
     }
+    if (type == GGML_TYPE_Q4_0) {
+        return isa == SparseIsa::avx512 ? axpy_q4_0_avx512 : isa == SparseIsa::avx2 ? axpy_q4_0_avx2 : axpy_q4_scalar<false>;
+    }
+    if (type == GGML_TYPE_Q4_1) {
+        return isa == SparseIsa::avx512 ? axpy_q4_1_avx512 : isa == SparseIsa::avx2 ? axpy_q4_1_avx2 : axpy_q4_scalar<true>;
+    }
 #else
+    if (type == GGML_TYPE_Q4_0) return axpy_q4_scalar<false>;
+    if (type == GGML_TYPE_Q4_1) return axpy_q4_scalar<true>;
     if (type == GGML_TYPE_Q8_0) return axpy_q8_0_scalar;
     if (type == GGML_TYPE_F16) return axpy_f16_scalar;
 #endif
@@ -338,6 +432,7 @@ void sparse_ffn_validate(const SparseFfnLayer & L) {
     check_row(L.up_type, L.up_row_bytes, "up");
     check_row(L.down_t_type, L.down_t_row_bytes, "down_t");
     if (L.bundle_stride < L.gate_row_bytes + L.up_row_bytes) fail("bundle stride smaller than gate + up row");
+    if (L.up_rows != nullptr && L.up_stride < L.up_row_bytes) fail("up stride smaller than an up row");
     dot_traits(L.gate_type, "gate");
     dot_traits(L.up_type, "up");
     if (pick_axpy(L.down_t_type, SparseIsa::scalar) == nullptr && ggml_get_type_traits(L.down_t_type)->to_float == nullptr) {
@@ -457,6 +552,8 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
     int32_t ids[kMaxCluster];
     float hs[kMaxCluster];
     const uint8_t * rows[kMaxCluster];
+    const uint8_t * const up_base = L.up_rows != nullptr ? L.up_rows : L.bundles + L.gate_row_bytes;
+    const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
 
     for (int64_t t = 0; t < io.n_tokens; ++t) {
         const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
@@ -476,13 +573,13 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
         float * acc = partial(S, t, ith);
         std::memset(acc, 0, L.n_embd * sizeof(float));
         int32_t local = 0;
-        const int64_t n_clusters = (n_cand + cs - 1) / cs;
-        for (int64_t c = ith; c < n_clusters; c += nth) {
-            const int64_t k1 = std::min<int64_t>((c + 1) * cs, n_cand);
+        const int64_t range_begin = n_cand * ith / nth, range_end = n_cand * (ith + 1) / nth;
+        for (int64_t k0 = range_begin; k0 < range_end; k0 += cs) {
+            const int64_t k1 = std::min<int64_t>(k0 + cs, range_end);
             // pass 1: gate and selection; the selected neurons' up and down_t rows are prefetched so
             // they arrive while the rest of the cluster's gates are computed
             int n = 0;
-            for (int64_t k = c * cs; k < k1; ++k) {
+            for (int64_t k = k0; k < k1; ++k) {
                 const int32_t i = list != nullptr ? list[k] : static_cast<int32_t>(k);
                 float g;
                 if (gv != nullptr) {
@@ -501,7 +598,7 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
                 hs[n] = a;
                 rows[n] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
                 if (P.prefetch) {
-                    prefetch_l2(L.bundles + static_cast<size_t>(i) * L.bundle_stride + L.gate_row_bytes, L.up_row_bytes);
+                    prefetch_l2(up_base + static_cast<size_t>(i) * up_stride, L.up_row_bytes);
                     prefetch_l2(rows[n], L.down_t_row_bytes);
                 }
                 ++n;
@@ -509,8 +606,7 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
             // pass 2: h_i = act(g_i) · (up_i · x)
             for (int r = 0; r < n; ++r) {
                 float u;
-                up_dot(n_embd, &u, 0, L.bundles + static_cast<size_t>(ids[r]) * L.bundle_stride + L.gate_row_bytes, 0,
-                       xq_up, 0, 1);
+                up_dot(n_embd, &u, 0, up_base + static_cast<size_t>(ids[r]) * up_stride, 0, xq_up, 0, 1);
                 hs[r] *= u;
             }
             if (axpy != nullptr) {

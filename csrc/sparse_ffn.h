@@ -27,8 +27,9 @@
 //     relu max(x, 0);
 //   * h_i is f32 and the down_t accumulation is f32 (no quantization of h, unlike ggml's down
 //     MUL_MAT, which quantizes h to Q8): down_t row dequantized and scaled by h_i in one pass.
-//   * summation order: neurons are split into clusters assigned round-robin to threads; each thread
-//     accumulates a private partial y, partials are summed in thread order. Results are
+//   * summation order: the candidate neurons are split into nth contiguous ranges, one per thread
+//     (each thread streams its own part of the weights sequentially), processed in clusters; each
+//     thread accumulates a private partial y, partials are summed in thread order. Results are
 //     deterministic for a given thread count and differ between thread counts only by float
 //     rounding.
 //
@@ -80,8 +81,14 @@ struct SparseFfnLayer {
     ggml_type up_type = GGML_TYPE_COUNT;
     size_t gate_row_bytes = 0;  // == ggml_row_size(gate_type, n_embd)
     size_t up_row_bytes = 0;    // == ggml_row_size(up_type, n_embd)
-    // n_ff rows of down_t_row_bytes bytes, type down_t_type (Q8_0 and F16 — what the sidecar stores —
-    // have fused SIMD paths; F32 a plain loop; any other type with a ggml to_float works through a
+    // (optional) the up rows elsewhere, up row k at up_rows + k·up_stride (e.g. the base model's
+    // row-major ffn_up when the bundles are in base order): with gate values supplied by the caller
+    // only up rows are read, and a dense run of them streams better than every other half-bundle.
+    // nullptr: the up rows inside the bundles.
+    const uint8_t * up_rows = nullptr;
+    size_t up_stride = 0;
+    // n_ff rows of down_t_row_bytes bytes, type down_t_type (Q8_0, Q4_0, Q4_1 and F16 have fused SIMD
+    // paths; F32 a plain loop; any other type with a ggml to_float works through a
     // dequantize-then-axpy fallback)
     const uint8_t * down_t = nullptr;
     ggml_type down_t_type = GGML_TYPE_COUNT;
@@ -174,7 +181,7 @@ void sparse_ffn_forward(const SparseFfnLayer & layer, const SparseFfnParams & pa
 //   then every thread ith in [0, nth), nth <= params.n_threads, the same nth throughout:
 //   sparse_ffn_quantize    x → activations in vec_dot types (tokens split over threads)
 //   -- barrier --
-//   sparse_ffn_accumulate  clusters c ≡ ith (mod nth) of every token into thread ith's partial y
+//   sparse_ffn_accumulate  range ith of nth of every token's candidates into thread ith's partial y
 //   -- barrier --
 //   sparse_ffn_reduce      y = Σ partials (chunks of n_embd split over threads)
 // The phases never throw and never allocate.

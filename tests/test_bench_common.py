@@ -47,3 +47,31 @@ def test_summarize_medians_ratios_and_failures():
 def test_prompt_text_is_long_enough():
     # ~520 tokens with the SmolLM2 / Gemma-3 / Qwen2.5 tokenisers; 205 is the standard prompt
     assert len(common.PROMPT_TEXT.split()) > 400
+
+
+def test_decode_bytes_bound(tiny_model_factory, tmp_path):
+    """Stock bytes per token = every weight once, one embedding row unless the output is tied; the
+    sparse lane's = stock − up − down + active rows of up and down_t."""
+    import shutil
+
+    from bound import decode_bytes
+    from llamaflash.converters import convert
+    from llamaflash.gguf_header import read_gguf_header
+    from llamaflash.sidecar import read_sidecar
+
+    model = tmp_path / "m.gguf"
+    shutil.copy(tiny_model_factory(weight_type="Q8_0"), model)
+    sidecar = read_sidecar(convert(model, progress=False, profile=False))
+    tensors = {t.name: t for t in read_gguf_header(model).tensors}
+    everything = sum(t.nbytes for t in tensors.values())
+    b = decode_bytes(model)
+    emb = tensors["token_embd.weight"]
+    expected = everything if "output.weight" not in tensors else everything - emb.nbytes + emb.nbytes // emb.shape[1]
+    assert b.stock == expected
+    assert b.ffn == sum(t.nbytes for n, t in tensors.items() if ".ffn_" in n and n.endswith(".weight")
+                        and n.split(".")[2] in ("ffn_gate", "ffn_up", "ffn_down"))
+    half = decode_bytes(model, sidecar, {layer.layer: 0.5 for layer in sidecar.layers})
+    saved = sum(tensors[f"blk.{l.layer}.ffn_up.weight"].nbytes + tensors[f"blk.{l.layer}.ffn_down.weight"].nbytes
+                - int(0.5 * l.n_ff * (l.up_row_bytes + l.down_t_row_bytes)) for l in sidecar.layers)
+    assert half.sparse == b.stock - saved
+    assert half.bound_tps(1e9, sparse=True) > b.bound_tps(1e9)

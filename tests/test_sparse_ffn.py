@@ -177,6 +177,8 @@ VARIANTS = [
     (T.Q5_0, T.Q5_0, T.Q8_0, "relu", 96, 128),
     (T.F16, T.F16, T.F16, "gelu", 48, 64),        # n_embd % 32 != 0 -> F16 down_t with a SIMD tail
     (T.F32, T.F32, T.F16, "silu", 100, 70),
+    (T.Q8_0, T.Q8_0, T.Q4_0, "silu", 64, 96),    # 4-bit down_t (converter --down-t-type q4_0/q4_1)
+    (T.Q4_1, T.Q4_1, T.Q4_1, "gelu", 96, 64),
 ]
 
 
@@ -284,7 +286,7 @@ def test_explicit_active_list():
     assert not y.any() and counts.tolist() == [0, 0, 0]
 
 
-@pytest.mark.parametrize("down_t_type", [T.Q8_0, T.F16])
+@pytest.mark.parametrize("down_t_type", [T.Q8_0, T.F16, T.Q4_0, T.Q4_1])
 def test_threads_isas_and_clusters_agree(down_t_type):
     rng = np.random.default_rng(5)
     layer = random_layer(rng, 256, 1000, T.Q4_0, T.Q4_0, down_t_type, "silu")

@@ -1,6 +1,7 @@
 // bindings/module.cpp — the thin pybind11 layer over the C++ core (module llamaflash._native).
 // Python owns lifetimes: FlashModel is held by shared_ptr (llamaflash.Llama keeps one; the weight
 // registry keeps one per llama.cpp buffer bound to it).
+#include "../bandwidth.h"
 #include "../file_reader.h"
 #include "../flash_backend.h"
 #include "../flash_model.h"
@@ -50,6 +51,7 @@ LayerSpec layer_from_dict(const py::dict & d) {
     s.order_offset = required<uint64_t>(d, "order_offset");
     s.base_down_offset = required<uint64_t>(d, "base_down_offset");
     s.base_down_row_bytes = required<uint64_t>(d, "base_down_row_bytes");
+    s.base_up_offset = required<uint64_t>(d, "base_up_offset");
     if (d.contains("threshold") && !d["threshold"].is_none()) {
         s.threshold = d["threshold"].cast<float>();
     }
@@ -391,6 +393,23 @@ PYBIND11_MODULE(_native, m) {
           "(+ active_mask [n_tokens, n_ff] with return_mask). active: None (gate-first), an int32 array of\n"
           "bundle-order indices for every token, or a list of one array per token. gate_values: optional\n"
           "float32 [n_tokens, n_ff] precomputed g (bundle order); the gate rows are then not read.");
+    m.def("measure_read_bandwidth",
+          [](size_t buffer_bytes, int n_threads, int repetitions) {
+              BandwidthResult r;
+              {
+                  py::gil_scoped_release release;
+                  r = measure_read_bandwidth(buffer_bytes, n_threads, repetitions);
+              }
+              py::dict d;
+              d["bytes_per_second"] = r.bytes_per_second;
+              d["median_bytes_per_second"] = r.median_bytes_per_second;
+              d["buffer_bytes"] = r.buffer_bytes;
+              d["n_threads"] = r.n_threads;
+              d["repetitions"] = r.repetitions;
+              return d;
+          },
+          py::arg("buffer_bytes") = size_t(1) << 30, py::arg("n_threads") = 2, py::arg("repetitions") = 5,
+          "DRAM read bandwidth: n_threads stream a buffer of buffer_bytes (best and median of the repetitions).");
     m.def("quantize_rows",
           [](int type, const F32Array & values) {
               if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size(static_cast<ggml_type>(type)) <= 0) {
