@@ -74,3 +74,14 @@ class OutputExistsError(ConversionError, FileExistsError):
 class CalibrationError(ConversionError):
     """The calibration or validation text cannot be used for this model (too short, unreadable).
     Raised before anything is written; the message says how much text is needed."""
+
+
+# --------------------------------------------------------------------------------------
+# Flash read problems
+# --------------------------------------------------------------------------------------
+
+
+class FlashIoError(LlamaflashError, OSError):
+    """Reading FFN bundles from flash failed: the file cannot be opened or is not a file, the
+    device reported an error (EIO, ...), or the file was truncated, rewritten or replaced while
+    in use. The message names the file, the byte range and the cause."""

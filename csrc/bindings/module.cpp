@@ -23,6 +23,8 @@
 namespace py = pybind11;
 using namespace llamaflash;
 
+void bind_flash_io(py::module_ & m);  // bindings/flash_io.cpp
+
 namespace {
 
 template <typename T>
@@ -243,6 +245,7 @@ PYBIND11_MODULE(_native, m) {
     m.doc() = "llamaflash native core: ggml backend device, sidecar-served FFN lanes";
 
     py::register_exception<IoError>(m, "IoError", PyExc_OSError);
+    bind_flash_io(m);
 
     m.def("register_backend", [] { register_backend(); },
           "Register the llamaflash ggml backend with ggml (idempotent). Must run before a model loads.");
