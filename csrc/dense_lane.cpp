@@ -205,12 +205,17 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
             model = ffn.model;
             ggml_tensor * x_leaf = map_src(ffn.x);
             ggml_tensor * gate = nullptr;
+            ggml_tensor * up = nullptr;
             if (config.gate_by_ggml && view->base_order) {
                 gate = mirror_node(ffn.gate);
                 ggml_build_forward_expand(graph, gate);
+                if (config.up_by_ggml) {
+                    up = mirror_node(ffn.up);
+                    ggml_build_forward_expand(graph, up);
+                }
             }
             try {
-                sparse_.append(ctx, graph, ffn, *view, x_leaf, gate, n_threads_, config.cluster_size);
+                sparse_.append(ctx, graph, ffn, *view, x_leaf, gate, up, n_threads_, config.cluster_size);
             } catch (const std::exception & e) {  // validated at load: a broken invariant, not bad input
                 GGML_ABORT("llamaflash: sparse lane for layer %d: %s", ffn.layer, e.what());
             }

@@ -78,6 +78,10 @@ struct SparseConfig {
     // true: g = gate·x for all neurons by ggml's dense (repacked) GEMV, then the kernel reads only the
     // selected neurons' up rows and down_t rows; false: the kernel reads the gate rows from the bundles
     bool gate_by_ggml = true;
+    // true (needs gate_by_ggml): u = up·x for all neurons by ggml's dense GEMV too; the kernel then
+    // reads only the selected neurons' down_t rows. Faster while many neurons are active (ggml
+    // streams a whole matrix faster than the kernel's per-row dots), slower at high sparsity.
+    bool up_by_ggml = false;
 };
 
 // One layer as the sparse lane sees it: views into the sidecar mapping.

@@ -568,6 +568,9 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
         const float * gv = P.gate_values != nullptr
                                ? P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff)
                                : nullptr;
+        const float * uv = P.up_values != nullptr
+                               ? P.up_values + t * (P.up_values_stride != 0 ? P.up_values_stride : L.n_ff)
+                               : nullptr;
         const bool prefetch_gate = P.prefetch && gv == nullptr;
         uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
         float * acc = partial(S, t, ith);
@@ -598,7 +601,7 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
                 hs[n] = a;
                 rows[n] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
                 if (P.prefetch) {
-                    prefetch_l2(up_base + static_cast<size_t>(i) * up_stride, L.up_row_bytes);
+                    if (uv == nullptr) prefetch_l2(up_base + static_cast<size_t>(i) * up_stride, L.up_row_bytes);
                     prefetch_l2(rows[n], L.down_t_row_bytes);
                 }
                 ++n;
@@ -606,7 +609,11 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
             // pass 2: h_i = act(g_i) · (up_i · x)
             for (int r = 0; r < n; ++r) {
                 float u;
-                up_dot(n_embd, &u, 0, up_base + static_cast<size_t>(ids[r]) * up_stride, 0, xq_up, 0, 1);
+                if (uv != nullptr) {
+                    u = uv[ids[r]];
+                } else {
+                    up_dot(n_embd, &u, 0, up_base + static_cast<size_t>(ids[r]) * up_stride, 0, xq_up, 0, 1);
+                }
                 hs[r] *= u;
             }
             if (axpy != nullptr) {

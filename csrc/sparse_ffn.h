@@ -115,6 +115,11 @@ struct SparseFfnParams {
     // g_i for gate-first selection), then up and down_t for the selected neurons only here.
     const float * gate_values = nullptr;
     size_t gate_values_stride = 0;
+    // Precomputed up values (nullptr: the kernel computes u = up_i·x for the selected neurons), same
+    // layout as gate_values: e.g. u for every neuron from ggml's repacked dense GEMV, which at low
+    // sparsity streams the up matrix faster than per-row dots; the kernel then reads down_t only.
+    const float * up_values = nullptr;
+    size_t up_values_stride = 0;
     int n_threads = 1;       // OpenMP team size requested (>= 1)
     int cluster_size = 32;   // neurons per work unit, 1..256
     SparseIsa isa = SparseIsa::auto_;  // tests force scalar/avx2 to compare paths

@@ -122,8 +122,8 @@ bool match_glu_ffn(const ggml_cgraph * split, const WeightRegistry & registry, G
 }
 
 void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
-                        const SparseLayerView & view, ggml_tensor * x_leaf, ggml_tensor * gate, int n_threads,
-                        int cluster_size) {
+                        const SparseLayerView & view, ggml_tensor * x_leaf, ggml_tensor * gate, ggml_tensor * up,
+                        int n_threads, int cluster_size) {
     const int64_t n_tokens = ffn.x->ne[1];
     layer_ = view.kernel;
     params_ = SparseFfnParams{};
@@ -133,6 +133,10 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     if (gate != nullptr) {
         params_.gate_values = static_cast<const float *>(gate->data);
         params_.gate_values_stride = gate->nb[1] / sizeof(float);
+    }
+    if (up != nullptr) {
+        params_.up_values = static_cast<const float *>(up->data);
+        params_.up_values_stride = up->nb[1] / sizeof(float);
     }
     io_ = SparseFfnIo{};
     io_.x = static_cast<const float *>(ffn.x->data);
@@ -148,8 +152,12 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
 
     // each phase node depends on the previous one, so the graph keeps them in order; the first
     // depends on x (and g), so it runs after them
-    ggml_tensor * args_q[2] = {x_leaf, gate};
-    ggml_tensor * q = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args_q, gate != nullptr ? 2 : 1, phase_quantize,
+    ggml_tensor * args_q[3] = {x_leaf, nullptr, nullptr};
+    int n_args = 1;
+    for (ggml_tensor * t : {gate, up}) {
+        if (t != nullptr) args_q[n_args++] = t;
+    }
+    ggml_tensor * q = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args_q, n_args, phase_quantize,
                                      GGML_N_TASKS_MAX, &scratch_);
     q->data = sink_;
     ggml_format_name(q, "llamaflash.sparse.quantize-%d", ffn.layer);

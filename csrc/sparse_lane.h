@@ -54,8 +54,10 @@ public:
     // the resident gate weight, writing into the split's gate node memory), or nullptr when the
     // kernel should read the gate rows from the bundles. Calls sparse_ffn_begin (which validates
     // and throws std::invalid_argument on a bad layer). n_threads: the graph's thread count.
+    // `up`: likewise the mirrored up MUL_MAT node (u for every neuron), or nullptr (the kernel
+    // computes u for the selected neurons).
     void append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn, const SparseLayerView & view,
-                ggml_tensor * x_leaf, ggml_tensor * gate, int n_threads, int cluster_size);
+                ggml_tensor * x_leaf, ggml_tensor * gate, ggml_tensor * up, int n_threads, int cluster_size);
 
     // After the graph computed: per-layer statistics into the model.
     void account(double seconds);

@@ -14,6 +14,10 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  converter analysed (e.g. 0.3): that level's per-layer thresholds; 0: no sparsity
                  (sparse mode then skips only exact zeros of the activation).
   flash_max_sparse_tokens  batches up to this many tokens use the sparse lane (default 1: decode).
+  flash_dense_up  sparse lane only: True = u = up·x for every neuron by ggml's dense GEMV (then the
+                 kernel reads only the active neurons' down_t rows); False = up rows of the active
+                 neurons only, in the kernel; None = chosen from the level's sparsity (dense up below
+                 DENSE_UP_MAX_SPARSITY, where streaming the whole matrix measured faster).
   ram_budget_mb  reserved for the flash-offload engine; must be None in this version.
 """
 from __future__ import annotations
@@ -60,6 +64,18 @@ def _resolve_mode(flash_mode: Optional[str]) -> str:
     return mode
 
 
+#: flash_dense_up=None: up·x for every neuron by ggml while the level's sparsity is below this (measured
+#: on Qwen2.5-1.5B, 2 threads: ggml's repacked GEMV streams the whole up matrix faster than the
+#: kernel's per-row dots of 50-70% of its rows; see README "Sparse lane").
+DENSE_UP_MAX_SPARSITY = 0.6
+
+
+def _level_sparsity(info: SidecarInfo, level: Optional[float]) -> float:
+    if level is not None:
+        return float(level)
+    return float(info.sparsity.target) if info.sparsity is not None else 0.0
+
+
 def _has_sparsity(info: SidecarInfo) -> bool:
     """Whether the sidecar gives the sparse lane something to skip."""
     if info.sparsity is None:
@@ -100,6 +116,7 @@ class Llama(llama_cpp.Llama):
         flash_mode: Optional[str] = None,
         flash_sparsity: Optional[float] = None,
         flash_max_sparse_tokens: int = 1,
+        flash_dense_up: Optional[bool] = None,
         ram_budget_mb: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
@@ -108,7 +125,8 @@ class Llama(llama_cpp.Llama):
         self._flash_sidecar: Optional[Path] = None
         self._flash_mode = _resolve_mode(flash_mode)
         self._flash_args = {"sidecar_path": sidecar_path, "flash_mode": flash_mode, "flash_sparsity": flash_sparsity,
-                            "flash_max_sparse_tokens": flash_max_sparse_tokens, "ram_budget_mb": ram_budget_mb}
+                            "flash_max_sparse_tokens": flash_max_sparse_tokens, "flash_dense_up": flash_dense_up,
+                            "ram_budget_mb": ram_budget_mb}
         if flash_max_sparse_tokens < 1:
             raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens} must be >= 1")
         if ram_budget_mb is not None:
@@ -135,7 +153,6 @@ class Llama(llama_cpp.Llama):
         if thresholds is not None:
             flash.load_sparse(info.activation)
             flash.thresholds = thresholds
-            flash.set_sparse_config(True, max_tokens=flash_max_sparse_tokens)
 
         _native.begin_model_load(flash)
         try:
@@ -154,6 +171,15 @@ class Llama(llama_cpp.Llama):
         self._flash = flash
         self._flash_info = info
         self._flash_sidecar = Path(sidecar)
+        if thresholds is not None:
+            self._configure_sparse(flash_sparsity)
+
+    def _configure_sparse(self, level: Optional[float]) -> None:
+        dense_up = self._flash_args["flash_dense_up"]
+        if dense_up is None:
+            dense_up = _level_sparsity(self._flash_info, level) < DENSE_UP_MAX_SPARSITY
+        self._flash.set_sparse_config(True, max_tokens=self._flash_args["flash_max_sparse_tokens"],
+                                      up_by_ggml=bool(dense_up))
 
     @staticmethod
     def _find_sidecar(model_path: str, sidecar_path: Optional[str]) -> Optional[Path]:
@@ -187,6 +213,7 @@ class Llama(llama_cpp.Llama):
         if self._flash is None or self._flash_mode != "sparse":
             raise ValueError(f"set_flash_sparsity needs flash_mode='sparse' (this model runs {self._flash_mode!r})")
         self._flash.thresholds = sparsity_thresholds(self._flash_info, level)
+        self._configure_sparse(level)
 
     def flash_stats(self) -> Dict[str, Any]:
         """Counters since load (or the last reset): layers served, FFN evaluations, tokens, time."""
@@ -209,6 +236,7 @@ class Llama(llama_cpp.Llama):
             active = native.pop("layer_active_neurons")
             stats.update(native)
             stats["layers_served"] = len(self._flash.served_layers)
+            stats["sparse_config"] = self._flash.sparse_config
             stats["resident_ffn_bytes"] = self._flash.resident_bytes
             n_ff = {layer.layer: layer.n_ff for layer in self._flash_info.layers}
             # per layer: fraction of neurons the sparse lane computed, over the tokens it ran

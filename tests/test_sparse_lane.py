@@ -139,3 +139,20 @@ def test_switching_levels_and_errors(converted):
     with pytest.raises(ValueError, match="flash_mode='sparse'"):
         dense.set_flash_sparsity(0.5)
     dense.close()
+
+
+def test_up_by_ggml_matches_kernel_up(converted):
+    """u for every neuron from ggml's dense up GEMV (then only down_t rows in the kernel) gives the
+    kernel's result up to summation order: same selection, same quantized x."""
+    model, _, _ = converted
+    out = {}
+    for up_by_ggml in (False, True):
+        llm = llamaflash.Llama(model_path=str(model), flash_mode="sparse", **KW)
+        llm._flash.set_sparse_config(True, max_tokens=1, up_by_ggml=up_by_ggml)
+        assert llm._flash.sparse_config["up_by_ggml"] == up_by_ggml
+        run, steps = _decode_logits(llm, n_gen=4)
+        out[up_by_ggml] = (run, steps, llm.flash_stats()["mean_active_fraction"])
+        llm.close()
+    assert out[True][0].generated == out[False][0].generated
+    assert rel_max_diff(out[False][1], out[True][1]) < 1e-3
+    assert out[True][2] == pytest.approx(out[False][2])

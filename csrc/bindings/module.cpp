@@ -298,7 +298,8 @@ PYBIND11_MODULE(_native, m) {
              "Map the sidecar bundles and down_t rows for the sparse lane (after load_dense_weights).")
         .def_property_readonly("sparse_loaded", &FlashModel::sparse_loaded)
         .def("set_sparse_config",
-             [](FlashModel & fm, bool enabled, int64_t max_tokens, int cluster_size, bool gate_by_ggml) {
+             [](FlashModel & fm, bool enabled, int64_t max_tokens, int cluster_size, bool gate_by_ggml,
+                bool up_by_ggml) {
                  if (enabled && !fm.sparse_loaded()) {
                      throw py::value_error("the sparse lane is not loaded (call load_sparse first)");
                  }
@@ -310,9 +311,11 @@ PYBIND11_MODULE(_native, m) {
                  c.max_tokens = max_tokens;
                  c.cluster_size = cluster_size;
                  c.gate_by_ggml = gate_by_ggml;
+                 c.up_by_ggml = up_by_ggml && gate_by_ggml;
                  fm.set_sparse_config(c);
              },
              py::arg("enabled"), py::arg("max_tokens") = 1, py::arg("cluster_size") = 32, py::arg("gate_by_ggml") = true,
+             py::arg("up_by_ggml") = false,
              "Route decode batches of up to max_tokens tokens of layers with a threshold to the sparse lane.")
         .def_property_readonly("sparse_config", [](const FlashModel & fm) {
             const SparseConfig & c = fm.sparse_config();
@@ -321,6 +324,7 @@ PYBIND11_MODULE(_native, m) {
             d["max_tokens"] = c.max_tokens;
             d["cluster_size"] = c.cluster_size;
             d["gate_by_ggml"] = c.gate_by_ggml;
+            d["up_by_ggml"] = c.up_by_ggml;
             return d;
         })
         .def_property("thresholds", &FlashModel::thresholds, &FlashModel::set_thresholds,
