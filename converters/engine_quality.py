@@ -32,7 +32,14 @@ def measurement_sidecar(out: Path, write: Callable[[Path], object]) -> Iterator[
     (``.<out name>.quality-<pid>``), yield the path, and remove it afterwards whatever happens."""
     path = out.with_name(f".{out.name}.quality-{os.getpid()}")
     try:
-        write(path)
+        try:
+            write(path)
+        except ConversionError as exc:  # name the output the user asked for, not the hidden file
+            raise ConversionError(
+                f"{out}: the quality measurement needs a temporary sidecar beside it ({path.name}) and writing "
+                f"it failed ({exc.__cause__ or exc}); nothing was written. Check free disk space (one more "
+                "sidecar's size) and permissions, then retry, or measure with --quality-method emulated."
+            ) from exc
         yield path
     finally:
         path.unlink(missing_ok=True)
