@@ -135,6 +135,8 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None, out: Path | Non
     t0 = time.perf_counter()
     fixed = not isinstance(opts.sparsity, str)
     need_quality = (not fixed) or opts.measure_quality
+    if need_quality and opts.quality == fmt.QUALITY_METHOD_ENGINE and (out is None or write_sidecar is None):
+        raise ValueError("quality='engine' needs the output path and a sidecar writer")
     calib = _calibration_source(opts)
     valid = _validation_source(opts) if need_quality else None
     label = f"{model.path.name} ({model.architecture}, n_embd {model.n_embd})"
@@ -186,7 +188,8 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None, out: Path | Non
             evaluator = QualityEvaluator(runner, model.activation, vchunks, GREEDY_PROMPTS, GREEDY_TOKENS,
                                          tick=bar.update)
             result.validation_tokens = evaluator.n_tokens
-            to_eval = [s for s in levels if s > 0] if not fixed else ([float(opts.sparsity)] if opts.sparsity > 0 else [])
+            to_eval = ([s for s in levels if s > 0] if not fixed
+                       else [float(opts.sparsity)] if opts.sparsity > 0 else [])
             try:
                 bar.add_total(evaluator.steps_per_eval * (1 + len(to_eval)))
                 dense = evaluator.measure_dense()
@@ -329,8 +332,6 @@ def _engine_operating_point(result: CalibrationResult, ev: QualityEvaluator, den
     """:func:`_operating_point` with every level measured by the sparse engine on a measurement
     sidecar (the sidecar being converted, gate-first everywhere, thresholds of all levels; no
     quality record), written beside ``out`` and removed afterwards."""
-    if out is None or write_sidecar is None:
-        raise ValueError("quality='engine' needs the output path and a sidecar writer")
     # Bundle order and down_t type as in the final sidecar (the lane computes gate by ggml for base
     # order, from the bundles for hot order); a hot order is that of the first level evaluated.
     measuring = dataclasses.replace(result, decisions={}, curve=[], notes=[], dense=None, chosen=None,
@@ -340,6 +341,7 @@ def _engine_operating_point(result: CalibrationResult, ev: QualityEvaluator, den
     t = time.perf_counter()
     with measurement_sidecar(out, lambda path: write_sidecar(measuring, path)) as path:
         result.timings["quality_sidecar_s"] = time.perf_counter() - t
+        bar.set_postfix("")
         with EngineRunner(result.model.path, path, result.chunk_len, to_eval[0], threads) as engine:
             def measure(level: float) -> QualityPoint:
                 engine.set_level(level)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llamaflash.errors import ConversionError
+from llamaflash.errors import ConversionError, LlamaflashError
 
 
 @contextmanager
@@ -55,12 +55,17 @@ class EngineRunner:
         from llamaflash.llama import Llama  # loads the native extension only when measuring
 
         self.n_ctx = n_ctx
-        self.llm = Llama(
-            model_path=os.fspath(model_path), sidecar_path=os.fspath(sidecar_path),
-            flash_mode="sparse", flash_sparsity=level, flash_max_sparse_tokens=n_ctx,
-            logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-            n_threads=n_threads, n_threads_batch=n_threads, verbose=False,
-        )
+        try:
+            self.llm = Llama(
+                model_path=os.fspath(model_path), sidecar_path=os.fspath(sidecar_path),
+                flash_mode="sparse", flash_sparsity=level, flash_max_sparse_tokens=n_ctx,
+                logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                n_threads=n_threads, n_threads_batch=n_threads, verbose=False,
+            )
+        except LlamaflashError as exc:
+            raise ConversionError(
+                f"the sparse engine could not run {os.fspath(model_path)} for the quality measurement ({exc}); "
+                "measure with --quality-method emulated instead") from exc
         self.llm.reset_flash_stats()
 
     def set_level(self, level: float) -> None:

@@ -25,6 +25,7 @@ from llamaflash.converters.analysis import AnalysisSettings, analyse_layer
 from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.sparsity import SparsityStage, decide_layer
 from llamaflash.converters.writer import write_sidecar_atomically
+from llamaflash.errors import ConversionError
 from llamaflash.gguf_model import base_identity, read_base_model
 from llamaflash.sidecar import read_sidecar
 
@@ -138,7 +139,7 @@ def test_the_engine_path_refuses_a_measurement_off_the_sparse_lane(tiny_llama_q8
         return real_stats(self)
 
     monkeypatch.setattr(engine_quality.EngineRunner, "active_fraction", dense_too)
-    with pytest.raises(Exception, match="did not run every FFN .* --quality-method emulated"):
+    with pytest.raises(ConversionError, match="did not run every FFN .* --quality-method emulated"):
         convert(tiny_llama_q8_0, tmp_path / "m.flash.gguf", progress=False, **dict(FAST_CONVERT, sparsity=0.5))
     assert list(tmp_path.iterdir()) == []
 
