@@ -74,12 +74,19 @@ class EngineRunner:
         self.llm.reset_flash_stats()
 
     def decode(self, tokens: np.ndarray) -> np.ndarray:
+        """One batch from an empty context, all logits; a view of llama.cpp's output buffer valid until
+        the next call. Goes below ``Llama.eval`` (same context and batch objects, same calls) so the
+        logits are not copied into ``Llama.scores``: for a 262k vocabulary that copy is 1 GiB per
+        512-token chunk, and the pages of ``scores`` stay untouched (not resident)."""
         n = len(tokens)
         if not 0 < n <= self.n_ctx:
             raise ValueError(f"decode: {n} tokens, context holds {self.n_ctx}")
-        self.llm.reset()
-        self.llm.eval([int(t) for t in tokens])
-        return self.llm.scores[:n]
+        llm = self.llm
+        llm.reset()  # Llama's own token count: a later eval() starts from an empty context as well
+        llm._ctx.kv_cache_clear()
+        llm._batch.set_batch([int(t) for t in tokens], n_past=0, logits_all=True)
+        llm._ctx.decode(llm._batch)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n, llm.n_vocab()))
 
     def active_fraction(self) -> float:
         """Measured fraction of neurons computed per token since the last :meth:`set_level` (mean

@@ -214,3 +214,15 @@ def test_operating_point_takes_the_highest_level_within_budget_and_stops_early()
     _operating_point(result, dense, measure, [0.1, 0.2, 0.3, 0.4, 0.5], False, opts, Progress(None, 0, ""))
     assert measured == [0.1, 0.2, 0.3, 0.4]
     assert result.target == 0.2 and result.chosen.ppl == 10.18 and result.dense is dense
+
+
+def test_engine_runner_decode_is_llama_eval_from_an_empty_context(both):
+    model, _, out = both
+    with engine_quality.EngineRunner(model, out["engine"], 64, 0.5, n_threads=1) as engine:
+        tokens = np.array(engine.llm.tokenize(b"The quick brown fox jumps over the lazy dog again and again"))
+        engine.decode(tokens[::-1].copy())                 # something else first: must not leak in
+        ours = engine.decode(tokens).copy()
+        engine.llm.reset()
+        engine.llm.eval(tokens.tolist())
+        np.testing.assert_array_equal(ours, engine.llm.scores[: tokens.size])
+        assert engine.active_fraction() == pytest.approx(0.5, abs=0.1)
