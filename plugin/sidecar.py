@@ -450,26 +450,17 @@ def _layer_layout(
 _F32 = int(gguf.GGMLQuantizationType.F32)
 _F16 = int(gguf.GGMLQuantizationType.F16)
 
+
 def _quality_record(fields: _Fields) -> dict:
     """The quality record of the first method (``fmt.QUALITY_METHODS`` order) with any key in the
     file: its fields by name, plus ``"method"``; {} when the file has none."""
+    readers = ((fmt.QUALITY_FLOAT_FIELDS, fields.real), (fmt.QUALITY_ARRAY_FIELDS, fields.float_array),
+               (fmt.QUALITY_STRING_FIELDS, fields.string), (fmt.QUALITY_UINT_FIELDS, fields.uint))
     for method in fmt.QUALITY_METHODS:
-        quality: dict = {}
-        for name in fmt.QUALITY_FLOAT_FIELDS:
-            if fields.has(fmt.quality_key(method, name)):
-                quality[name] = fields.real(fmt.quality_key(method, name))
-        for name in fmt.QUALITY_ARRAY_FIELDS:
-            if fields.has(fmt.quality_key(method, name)):
-                quality[name] = fields.float_array(fmt.quality_key(method, name))
-        for name in fmt.QUALITY_STRING_FIELDS:
-            if fields.has(fmt.quality_key(method, name)):
-                quality[name] = fields.string(fmt.quality_key(method, name))
-        for name in fmt.QUALITY_UINT_FIELDS:
-            if fields.has(fmt.quality_key(method, name)):
-                quality[name] = fields.uint(fmt.quality_key(method, name))
+        quality = {name: read(fmt.quality_key(method, name))
+                   for names, read in readers for name in names if fields.has(fmt.quality_key(method, name))}
         if quality:
-            quality["method"] = method
-            return quality
+            return {**quality, "method": method}
     return {}
 
 
