@@ -8,9 +8,11 @@ the report shows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -22,6 +24,7 @@ from llamaflash import sidecar_format as fmt
 from llamaflash.converters import texts
 from llamaflash.converters.blas import blas_threads
 from llamaflash.converters.analysis import AnalysisSettings, LayerAnalysis, analyse_layer
+from llamaflash.converters.engine_quality import EngineRunner, measurement_sidecar
 from llamaflash.converters.llama_runner import EmulatedLayer, LlamaRunner, ProfileHook
 from llamaflash.converters.progress import Progress
 from llamaflash.converters.quality import GREEDY_PROMPTS, GREEDY_TOKENS, QualityEvaluator, QualityPoint
@@ -54,6 +57,7 @@ class CalibrationResult:
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     threads: int = 0                     # llama.cpp threads used
+    quality_method: str | None = None    # "engine" | "emulated" | None (quality not measured)
 
     def add_header_keys(self, plan: SidecarPlan) -> None:
         """The file-level v2 keys."""
@@ -71,15 +75,27 @@ class CalibrationResult:
             plan.set_float32_array(fmt.KEY_THRESHOLD_LEVELS, levels)
             plan.set_float32_array(fmt.KEY_THRESHOLD_TABLE, table)
         if self.dense is not None and self.chosen is not None:
-            plan.set_string(fmt.KEY_QUALITY_VALIDATION, self.validation.source)
-            plan.set_uint32(fmt.KEY_QUALITY_VALIDATION_TOKENS, self.validation_tokens)
-            plan.set_float32(fmt.KEY_QUALITY_PPL_DENSE, self.dense.ppl)
-            plan.set_float32(fmt.KEY_QUALITY_PPL, self.chosen.ppl)
-            plan.set_float32(fmt.KEY_QUALITY_GREEDY, self.chosen.greedy_agreement)
+            key = lambda name: fmt.quality_key(self.quality_method, name)  # noqa: E731
+            plan.set_string(key(fmt.QUALITY_VALIDATION), self.validation.source)
+            plan.set_uint32(key(fmt.QUALITY_VALIDATION_TOKENS), self.validation_tokens)
+            plan.set_float32(key(fmt.QUALITY_PPL_DENSE), self.dense.ppl)
+            plan.set_float32(key(fmt.QUALITY_PPL), self.chosen.ppl)
+            plan.set_float32(key(fmt.QUALITY_GREEDY), self.chosen.greedy_agreement)
+            plan.set_float32(key(fmt.QUALITY_ACTIVE_FRACTION), self.chosen.active_fraction)
             if self.curve:
-                plan.set_float32_array(fmt.KEY_CURVE_SPARSITY, [p.target_sparsity for p in self.curve])
-                plan.set_float32_array(fmt.KEY_CURVE_PPL, [p.ppl for p in self.curve])
-                plan.set_float32_array(fmt.KEY_CURVE_GREEDY, [p.greedy_agreement for p in self.curve])
+                plan.set_float32_array(key(fmt.QUALITY_CURVE_SPARSITY), [p.target_sparsity for p in self.curve])
+                plan.set_float32_array(key(fmt.QUALITY_CURVE_PPL), [p.ppl for p in self.curve])
+                plan.set_float32_array(key(fmt.QUALITY_CURVE_GREEDY), [p.greedy_agreement for p in self.curve])
+                plan.set_float32_array(key(fmt.QUALITY_CURVE_ACTIVE_FRACTION),
+                                       [p.active_fraction for p in self.curve])
+
+    def set_decisions(self, target: float, selection: str) -> None:
+        """Per served layer, the :class:`LayerDecision` at ``target`` with ``selection``; and the stage."""
+        opts = self.options
+        self.decisions = {ffn.layer: decide_layer(self.analyses[ffn.layer], ffn, target, selection,
+                                                  opts.min_recall, opts.order, opts.down_t_type)
+                          for ffn in self.model.ffn_layers}
+        self.stage = SparsityStage(self.decisions)
 
     def threshold_table(self) -> tuple[list[float], list[float]]:
         """The analysed levels (> 0) and every layer's threshold at each, layer-major in layer
@@ -105,12 +121,22 @@ class CalibrationResult:
         print_table(self, stream)
 
 
-def calibrate(model: BaseModelInfo, opts, stream: TextIO | None) -> CalibrationResult:
-    """Profile ``model``, analyse every served layer and choose the operating point."""
+#: ``write(result, path)``: write the sidecar ``result`` describes to ``path`` (the pipeline's write path).
+SidecarWriter = Callable[[CalibrationResult, Path], object]
+
+
+def calibrate(model: BaseModelInfo, opts, stream: TextIO | None, out: Path | None = None,
+              write_sidecar: SidecarWriter | None = None) -> CalibrationResult:
+    """Profile ``model``, analyse every served layer and choose the operating point.
+
+    With ``opts.quality == "engine"``, quality is measured on a temporary sidecar beside ``out``
+    written by ``write_sidecar`` (both required then; see :mod:`.engine_quality`)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     fixed = not isinstance(opts.sparsity, str)
     need_quality = (not fixed) or opts.measure_quality
+    if need_quality and opts.quality == fmt.QUALITY_METHOD_ENGINE and (out is None or write_sidecar is None):
+        raise ValueError("quality='engine' needs the output path and a sidecar writer")
     calib = _calibration_source(opts)
     valid = _validation_source(opts) if need_quality else None
     label = f"{model.path.name} ({model.architecture}, n_embd {model.n_embd})"
@@ -157,19 +183,30 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None) -> CalibrationR
         )
         evaluator = None
         if need_quality:
-            bar = Progress(stream, 0, "quality (emulated)", unit="eval")
+            result.quality_method = opts.quality
+            bar = Progress(stream, 0, f"quality ({opts.quality})", unit="eval")
             evaluator = QualityEvaluator(runner, model.activation, vchunks, GREEDY_PROMPTS, GREEDY_TOKENS,
                                          tick=bar.update)
             result.validation_tokens = evaluator.n_tokens
+            to_eval = ([s for s in levels if s > 0] if not fixed
+                       else [float(opts.sparsity)] if opts.sparsity > 0 else [])
             try:
-                _operating_point(result, evaluator, levels, fixed, opts, bar)
+                bar.add_total(evaluator.steps_per_eval * (1 + len(to_eval)))
+                dense = evaluator.measure_dense()
+                if opts.quality == fmt.QUALITY_METHOD_ENGINE and to_eval:
+                    runner.close()  # the stock model is not needed any more: free its context first
+                    _engine_operating_point(result, evaluator, dense, to_eval, fixed, opts, bar, threads,
+                                            out, write_sidecar)
+                else:
+                    emulate = lambda level: evaluator.measure(_gate_layers(result.analyses, level), level)  # noqa: E731
+                    _operating_point(result, dense, emulate, to_eval, fixed, opts, bar)
             finally:
                 bar.close()
-        result.decisions = {ffn.layer: decide_layer(analyses[ffn.layer], ffn, result.target, opts.selection,
-                                                    opts.min_recall, opts.order, opts.down_t_type)
-                            for ffn in model.ffn_layers}
-        if evaluator is not None:
+        result.set_decisions(result.target, opts.selection)
+        if evaluator is not None and opts.quality == fmt.QUALITY_METHOD_EMULATED:
             _check_predictors(result, evaluator, opts, stream)
+        elif evaluator is not None:
+            _note_predictors_run_gate_first(result)
         result.stage = SparsityStage(result.decisions)
         timings["quality_s"] = time.perf_counter() - t
     finally:
@@ -289,15 +326,47 @@ def _gate_layers(analyses: dict[int, LayerAnalysis], level: float) -> dict[int, 
     return {layer: EmulatedLayer(float(an.thresholds[an.level_index(level)])) for layer, an in analyses.items()}
 
 
-def _operating_point(result: CalibrationResult, ev: QualityEvaluator, levels, fixed: bool, opts, bar) -> None:
-    """Dense reference, then (auto) levels in increasing order until perplexity exceeds
-    ``stop_factor`` x budget, choosing the highest level within budget; or (fixed) the one level."""
-    to_eval = [s for s in levels if s > 0] if not fixed else ([float(opts.sparsity)] if opts.sparsity > 0 else [])
-    bar.add_total(ev.steps_per_eval * (1 + len(to_eval)))
-    dense = ev.measure_dense()
+def _engine_operating_point(result: CalibrationResult, ev: QualityEvaluator, dense: QualityPoint, to_eval,
+                            fixed: bool, opts, bar, threads: int, out: Path | None,
+                            write_sidecar: SidecarWriter | None) -> None:
+    """:func:`_operating_point` with every level measured by the sparse engine on a measurement
+    sidecar (the sidecar being converted, gate-first everywhere, thresholds of all levels; no
+    quality record), written beside ``out`` and removed afterwards."""
+    # Bundle order and down_t type as in the final sidecar (the lane computes gate by ggml for base
+    # order, from the bundles for hot order); a hot order is that of the first level evaluated.
+    measuring = dataclasses.replace(result, decisions={}, curve=[], notes=[], dense=None, chosen=None,
+                                    target=to_eval[0])
+    measuring.set_decisions(to_eval[0], fmt.SELECTION_GATE)
+    bar.set_postfix("writing the measurement sidecar")
+    t = time.perf_counter()
+    with measurement_sidecar(out, lambda path: write_sidecar(measuring, path)) as path:
+        result.timings["quality_sidecar_s"] = time.perf_counter() - t
+        bar.set_postfix("")
+        with EngineRunner(result.model.path, path, result.chunk_len, to_eval[0], threads) as engine:
+            def measure(level: float) -> QualityPoint:
+                engine.set_level(level)
+                point = ev.measure_with(engine.decode, level, fmt.SELECTION_GATE, fmt.QUALITY_METHOD_ENGINE)
+                return dataclasses.replace(point, measured_sparsity=1.0 - engine.active_fraction())
+
+            _operating_point(result, dense, measure, to_eval, fixed, opts, bar)
+
+
+def _note_predictors_run_gate_first(result: CalibrationResult) -> None:
+    n = sum(d.selection == fmt.SELECTION_PREDICTOR for d in result.decisions.values())
+    if n:
+        result.notes.append(
+            f"{n} layers are recorded for predictor-first selection (fewer bytes for a flash engine); this "
+            "engine version selects gate-first in every layer, which is what the quality was measured with "
+            "(--quality-method emulated measures predictor-first selection)")
+
+
+def _operating_point(result: CalibrationResult, dense: QualityPoint, measure: Callable[[float], QualityPoint],
+                     to_eval, fixed: bool, opts, bar) -> None:
+    """Given the dense reference, (auto) ``measure`` the levels in increasing order until perplexity
+    exceeds ``stop_factor`` x budget, choosing the highest level within budget; or (fixed) the one level."""
     result.dense = dense
     for level in to_eval:
-        point = ev.measure(_gate_layers(result.analyses, level), level)
+        point = measure(level)
         result.curve.append(point)
         bar.set_postfix(f"s={level:.2f} ppl {point.ppl:.3f} ({100 * point.ppl_delta(dense):+.2f}%)")
         if not fixed and point.ppl_delta(dense) > opts.stop_factor * opts.quality_budget:

@@ -372,6 +372,10 @@ class LlamaRunner:
         return out
 
     def close(self) -> None:
+        """Free the context and the model (again: nothing)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self.batch.close()
         self.ctx.close()
         self.model.close()

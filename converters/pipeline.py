@@ -10,8 +10,10 @@ The pipeline (``docs/SIDECAR.md``, DESIGN.md §4/§5):
 4. **analyse** each layer in NumPy (:mod:`.analysis`): thresholds for every sparsity level,
    held-out sparsity and FFN output error, per-neuron frequency/magnitude, predictors;
 5. choose the **operating point**: a fixed ``sparsity``, or ``"auto"``: the highest level whose
-   (emulated, :mod:`.quality`) perplexity on the validation text stays within
-   ``quality_budget`` of dense; then the per-layer selection mode (:mod:`.sparsity`);
+   perplexity on the validation text stays within ``quality_budget`` of dense (:mod:`.quality`:
+   measured with llamaflash's sparse engine on a temporary measurement sidecar beside the output,
+   :mod:`.engine_quality`, or with ``quality="emulated"`` by the emulation in stock llama.cpp);
+   then the per-layer selection mode (:mod:`.sparsity`);
 6. fill one :class:`~llamaflash.converters.writer.SidecarPlan` (header keys, then each served
    layer through the :class:`~llamaflash.converters.bundle.BundleStage` with the hot-first
    orders and the :class:`~llamaflash.converters.sparsity.SparsityStage`) and write it
@@ -89,6 +91,10 @@ class ConvertOptions:
     min_recall: float = 0.9
     #: measure perplexity/greedy agreement for a fixed sparsity too (always for "auto")
     measure_quality: bool = True
+    #: how sparse settings are measured: "engine" (llamaflash's sparse lane on a temporary
+    #: measurement sidecar) or "emulated" (stock llama.cpp with the skipped activations zeroed;
+    #: also measures predictor-first selection; for architectures the engine cannot run)
+    quality: str = fmt.QUALITY_METHOD_ENGINE
     #: False: write a format-1 sidecar (no profiling, no sparsity content)
     profile: bool = True
     #: write <sidecar>.report.json
@@ -165,10 +171,11 @@ def convert(
 
     from llamaflash.converters.calibrate import calibrate  # imports llama_cpp: only when needed
 
-    result = calibrate(model, opts, stream)
-    stages = [BundleStage(result.stage.orders, down_t=opts.down_t_type), result.stage]
-    plan = plan_sidecar(model, identity, stages)
-    result.add_header_keys(plan)
+    def write_measurement(res, path: Path) -> None:  # the engine's measurement sidecar (no progress lines)
+        write_sidecar_atomically(sidecar_plan(model, identity, res), path, force=True)
+
+    result = calibrate(model, opts, stream, out=out, write_sidecar=write_measurement)
+    plan = sidecar_plan(model, identity, result)
     t_write = time.perf_counter()
     write_sidecar_atomically(plan, out, force=force,
                              progress=_LayerProgress(plan, stream) if stream else None)
@@ -181,6 +188,15 @@ def convert(
     if stream is not None:
         result.print_table(stream)
     return out
+
+
+def sidecar_plan(model: BaseModelInfo, identity: str, result) -> SidecarPlan:
+    """The plan of the format-2 sidecar a :class:`~llamaflash.converters.calibrate.CalibrationResult`
+    describes: bundles and sparsity content in its decisions' orders, then its header keys."""
+    stages = [BundleStage(result.stage.orders, down_t=result.options.down_t_type), result.stage]
+    plan = plan_sidecar(model, identity, stages)
+    result.add_header_keys(plan)
+    return plan
 
 
 def plan_sidecar(model: BaseModelInfo, identity: str, stages: list[ConverterStage]) -> SidecarPlan:
@@ -219,6 +235,8 @@ def _check_options(opts: ConvertOptions) -> None:
         raise ValueError(f"quality_budget must be positive, not {opts.quality_budget}")
     if opts.order not in fmt.BUNDLE_ORDERS:
         raise ValueError(f"order must be one of {sorted(fmt.BUNDLE_ORDERS)}, not {opts.order!r}")
+    if opts.quality not in fmt.QUALITY_METHODS:
+        raise ValueError(f"quality must be one of {', '.join(fmt.QUALITY_METHODS)}, not {opts.quality!r}")
     if opts.selection not in ("auto", fmt.SELECTION_GATE, fmt.SELECTION_PREDICTOR):
         raise ValueError(f"selection must be auto, gate or predictor, not {opts.selection!r}")
     if not all(0.0 < s < 1.0 for s in opts.levels):

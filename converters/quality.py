@@ -1,12 +1,17 @@
 """Quality of a sparsity setting: perplexity on validation text and greedy agreement with stock.
 
-EMULATION ESTIMATE. The native sparse FFN engine does not exist yet, so the sparse model is
-emulated inside stock llama.cpp (:class:`~llamaflash.converters.llama_runner.SparseFfnEmulator`:
-the activations of the neurons the engine would skip are zeroed before the down projection).
-Mathematically this is the sparse FFN; it differs from the engine only in the down weights
-(base ``ffn_down`` here, the sidecar's Q8_0 ``ffn_down_t`` in the engine) and in summation order.
-Every number produced here is labelled "emulated" in the sidecar and the report; the engine's
-own measurement will replace it.
+The dense reference is always stock llama.cpp (:class:`~llamaflash.converters.llama_runner.LlamaRunner`):
+its perplexity and its greedy continuations of the fixed prompts. A sparse setting is measured by
+one of two methods (``ConvertOptions.quality``), both through the same loop
+(:meth:`QualityEvaluator.measure_with`, given a ``decode(tokens) -> logits`` callable):
+
+* ``"engine"`` (default): llamaflash's own sparse lane inside llama.cpp
+  (:mod:`.engine_quality`): every token of every evaluated batch goes through the sparse
+  kernel, with the sidecar's ``ffn_down_t``, exactly as decode computes it.
+* ``"emulated"``: stock llama.cpp with :class:`~llamaflash.converters.llama_runner.SparseFfnEmulator`
+  (the activations of the neurons the engine would skip are zeroed before the down projection):
+  mathematically the sparse FFN, but with the base ``ffn_down`` and stock numerics; it also
+  emulates predictor-first selection, which this engine version does not run.
 
 * Perplexity: every chunk of validation text (BOS first) is evaluated from an empty context;
   each position predicts the next token; ppl = exp(mean negative log-likelihood).
@@ -20,11 +25,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from llamaflash.converters.llama_runner import EmulatedLayer, Hook, LlamaRunner, SparseFfnEmulator
+from llamaflash import sidecar_format as fmt
+from llamaflash.converters.llama_runner import EmulatedLayer, LlamaRunner, SparseFfnEmulator
 
 #: Fixed prompts for greedy agreement (prose, code, question answering, story).
 GREEDY_PROMPTS: tuple[str, ...] = (
@@ -39,16 +45,29 @@ GREEDY_TOKENS = 32
 _ROW_BLOCK = 64
 
 
+#: ``decode(tokens) -> logits``: evaluate ``tokens`` from an empty context, return float32 logits
+#: (len(tokens), n_vocab) (a view valid until the next call is fine).
+Decoder = Callable[[np.ndarray], np.ndarray]
+
+METHOD_STOCK = "stock"   # the dense reference
+
+
 @dataclass(frozen=True)
 class QualityPoint:
-    """One emulated measurement (see the module docstring)."""
+    """One measurement (see the module docstring)."""
 
     target_sparsity: float          # the level whose thresholds were used (0 for dense)
     ppl: float
     nll: float                      # mean negative log-likelihood, nats per token
     greedy_agreement: float
-    measured_sparsity: float        # fraction of (token, neuron) activations zeroed, all served layers
+    measured_sparsity: float        # fraction of (token, neuron) FFN activations skipped, all served layers
     selection: str                  # "dense", "gate" or "mixed" (some layers by predictor)
+    method: str = fmt.QUALITY_METHOD_EMULATED   # "engine", "emulated" or "stock" (dense reference)
+
+    @property
+    def active_fraction(self) -> float:
+        """Measured fraction of FFN neurons computed per token."""
+        return 1.0 - self.measured_sparsity
 
     def ppl_delta(self, dense: "QualityPoint") -> float:
         """Relative perplexity increase over ``dense`` (0.02 = +2%)."""
@@ -57,19 +76,22 @@ class QualityPoint:
     def to_dict(self, dense: "QualityPoint | None" = None) -> dict:
         d = {
             "target_sparsity": self.target_sparsity,
-            "ppl_emulated": self.ppl,
-            "nll_emulated": self.nll,
-            "greedy_agreement_emulated": self.greedy_agreement,
-            "measured_sparsity_emulated": self.measured_sparsity,
+            "method": self.method,
+            "ppl": self.ppl,
+            "nll": self.nll,
+            "greedy_agreement": self.greedy_agreement,
+            "active_fraction": self.active_fraction,
             "selection": self.selection,
         }
         if dense is not None:
-            d["ppl_delta_emulated"] = self.ppl_delta(dense)
+            d["ppl_delta"] = self.ppl_delta(dense)
         return d
 
 
 class QualityEvaluator:
-    """Measures :class:`QualityPoint` s on one :class:`LlamaRunner`."""
+    """Measures :class:`QualityPoint` s: the dense reference on one stock :class:`LlamaRunner`
+    (:meth:`measure_dense`, first), then sparse settings with the emulation on that runner
+    (:meth:`measure`) or with any decoder, e.g. the engine (:meth:`measure_with`)."""
 
     def __init__(
         self,
@@ -105,38 +127,42 @@ class QualityEvaluator:
             n_gen = max(1, min(self._n_gen, runner.n_ctx - prompt.size))
             cont = runner.greedy(prompt, n_gen)
             self._prompts.append((np.concatenate([prompt, np.asarray(cont, dtype=np.int32)]), prompt.size))
-        self.dense = self._measure(Hook(), 0.0, "dense", reference=True)
-        return self.dense
+        dense = self.measure_with(lambda t: runner.decode(t), 0.0, "dense", METHOD_STOCK, _reference=True)
+        self.dense = dense
+        return dense
 
     def measure(self, layers: dict[int, EmulatedLayer], target_sparsity: float) -> QualityPoint:
-        """The emulated sparse model with the given per-layer selection."""
-        if self.dense is None:
-            raise RuntimeError("measure_dense() first")
+        """The emulated sparse model with the given per-layer selection (on the stock runner)."""
         mixed = any(spec.pred_in is not None for spec in layers.values())
         hook = SparseFfnEmulator(self.activation, layers)
-        point = self._measure(hook, target_sparsity, "mixed" if mixed else "gate")
-        return QualityPoint(point.target_sparsity, point.ppl, point.nll, point.greedy_agreement,
-                            hook.measured_sparsity, point.selection)
+        point = self.measure_with(lambda t: self.runner.decode(t, hook), target_sparsity,
+                                  "mixed" if mixed else "gate", fmt.QUALITY_METHOD_EMULATED)
+        return replace(point, measured_sparsity=hook.measured_sparsity)
 
-    def _measure(self, hook: Hook, target: float, selection: str, reference: bool = False) -> QualityPoint:
-        runner = self.runner
+    def measure_with(self, decode: Decoder, target: float, selection: str, method: str,
+                     *, _reference: bool = False) -> QualityPoint:
+        """Perplexity over the validation chunks and greedy agreement over the prompts, with
+        ``decode`` computing the model under test (``measured_sparsity`` is left 0: the caller
+        knows what its decoder skipped)."""
+        if not _reference and self.dense is None:
+            raise RuntimeError("measure_dense() first")
         nll_sum, count = 0.0, 0
         for chunk in self.validation:
-            logits = runner.decode(chunk, hook)
+            logits = decode(chunk)
             nll_sum += _nll_sum(logits[:-1], chunk[1:])
             count += chunk.size - 1
             self.tick()
         agree, total = 0, 0
         for i, (seq, n_prompt) in enumerate(self._prompts):
-            logits = runner.decode(seq[:-1], hook)
+            logits = decode(seq[:-1])
             pred = np.argmax(logits[n_prompt - 1:], axis=1)
-            if reference:
+            if _reference:
                 self._reference.append(pred)
             agree += int(np.count_nonzero(pred == self._reference[i]))
             total += pred.size
             self.tick()
         nll = nll_sum / max(1, count)
-        return QualityPoint(target, math.exp(nll), nll, agree / total if total else 1.0, 0.0, selection)
+        return QualityPoint(target, math.exp(nll), nll, agree / total if total else 1.0, 0.0, selection, method)
 
 
 def _nll_sum(logits: np.ndarray, targets: np.ndarray) -> float:

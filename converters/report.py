@@ -1,9 +1,10 @@
 """The conversion report: ``<sidecar>.report.json`` and a table per layer on stderr.
 
-Quality numbers (perplexity, greedy agreement) come from the sparse-FFN *emulation* in stock
-llama.cpp (:mod:`.quality`) and every such key says ``emulated``. Sparsity, recall, precision
-and FFN output error are measured directly on profiled activations of held-out calibration
-tokens (:mod:`.analysis`).
+Quality numbers (perplexity, greedy agreement, active fraction) are measured by the method the
+report names (``quality.method``): ``engine`` (llamaflash's sparse lane) or ``emulated`` (the
+sparse-FFN emulation in stock llama.cpp), see :mod:`.quality`. Sparsity, recall, precision and FFN
+output error are measured directly on profiled activations of held-out calibration tokens
+(:mod:`.analysis`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,19 @@ from llamaflash.converters.quality import GREEDY_PROMPTS, GREEDY_TOKENS
 
 REPORT_SUFFIX = ".report.json"
 
-EMULATION_NOTE = (
-    "EMULATION ESTIMATE: perplexity and greedy agreement were measured with stock llama.cpp, zeroing the "
-    "activations of the neurons the sparse engine would skip before the down projection (base down "
-    "weights, not the sidecar's Q8_0 down_t). The native sparse engine's own measurement will replace it."
-)
+#: Report format: 2 since the quality method is named (quality.method; field names without "_emulated").
+REPORT_VERSION = 2
+
+QUALITY_NOTES = {
+    fmt.QUALITY_METHOD_ENGINE: (
+        "Measured with llamaflash's sparse engine: every token of every evaluated batch ran through the "
+        "sparse lane inside llama.cpp (gate-first selection in every layer, the sidecar's down_t), as decode "
+        "computes it; the dense reference and the greedy continuations are stock llama.cpp."),
+    fmt.QUALITY_METHOD_EMULATED: (
+        "EMULATION ESTIMATE: perplexity and greedy agreement were measured with stock llama.cpp, zeroing the "
+        "activations of the neurons the sparse engine would skip before the down projection (base down "
+        "weights, not the sidecar's down_t). Measure with --quality-method engine for the engine's own numbers."),
+}
 
 
 def report_path(sidecar: Path) -> Path:
@@ -82,12 +91,13 @@ def build_report(result, sidecar: Path, model_path: Path) -> dict:
     quality = None
     if dense is not None:
         quality = {
-            "note": EMULATION_NOTE,
+            "method": result.quality_method,
+            "note": QUALITY_NOTES[result.quality_method],
             "validation": result.validation.source,
             "validation_tokens": result.validation_tokens,
-            "ppl_dense_emulated": dense.ppl,
-            "curve_emulated": [p.to_dict(dense) for p in result.curve],
-            "chosen_emulated": result.chosen.to_dict(dense) if result.chosen is not None else None,
+            "ppl_dense": dense.ppl,
+            "curve": [p.to_dict(dense) for p in result.curve],
+            "chosen": result.chosen.to_dict(dense) if result.chosen is not None else None,
             "greedy_prompts": list(GREEDY_PROMPTS),
             "greedy_tokens_per_prompt": GREEDY_TOKENS,
         }
@@ -95,7 +105,7 @@ def build_report(result, sidecar: Path, model_path: Path) -> dict:
     n_served = len(result.decisions)
     mean = (lambda xs: float(np.mean(xs)) if xs else None)
     report = {
-        "llamaflash_report": 1,
+        "llamaflash_report": REPORT_VERSION,
         "sidecar": str(sidecar),
         "model": str(model_path),
         "base_architecture": result.model.architecture,
@@ -113,10 +123,12 @@ def build_report(result, sidecar: Path, model_path: Path) -> dict:
             "layers_gate": sum(d.selection == fmt.SELECTION_GATE for d in result.decisions.values()),
             "mean_pred_recall": mean([d.pred_recall for d in result.decisions.values() if d.rank]),
             "mean_pred_precision": mean([d.pred_precision for d in result.decisions.values() if d.rank]),
-            "ppl_dense_emulated": dense.ppl if dense is not None else None,
-            "ppl_emulated": result.chosen.ppl if result.chosen is not None else None,
-            "ppl_delta_emulated": result.chosen.ppl_delta(dense) if result.chosen is not None else None,
-            "greedy_agreement_emulated": result.chosen.greedy_agreement if result.chosen is not None else None,
+            "quality_method": result.quality_method,
+            "ppl_dense": dense.ppl if dense is not None else None,
+            "ppl": result.chosen.ppl if result.chosen is not None else None,
+            "ppl_delta": result.chosen.ppl_delta(dense) if result.chosen is not None else None,
+            "greedy_agreement": result.chosen.greedy_agreement if result.chosen is not None else None,
+            "active_fraction": result.chosen.active_fraction if result.chosen is not None else None,
         },
         "calibration": {
             "source": result.calibration.source,
@@ -163,15 +175,16 @@ def print_table(result, stream: TextIO) -> None:
           f"{d.rank:>5} {rec} {pre} {b:>10.0f}")
     if result.dense is not None:
         dense = result.dense
-        p(f"quality (EMULATED in stock llama.cpp; {result.validation_tokens} tokens of {result.validation.source}):")
+        p(f"quality ({fmt.QUALITY_METHOD_LABELS[result.quality_method]}; {result.validation_tokens} tokens of "
+          f"{result.validation.source}):")
         p(f"  dense ppl {dense.ppl:.4f}")
         for q in result.curve:
             p(f"  sparsity {q.target_sparsity:.2f}: ppl {q.ppl:.4f} ({100 * q.ppl_delta(dense):+.2f}%), "
-              f"greedy agreement {q.greedy_agreement:.3f}, measured sparsity {q.measured_sparsity:.3f}")
+              f"greedy agreement {q.greedy_agreement:.3f}, active fraction {q.active_fraction:.3f}")
         if result.chosen is not None:
             c = result.chosen
             p(f"  chosen ({c.selection}): ppl {c.ppl:.4f} ({100 * c.ppl_delta(dense):+.2f}%), "
-              f"greedy agreement {c.greedy_agreement:.3f}")
+              f"greedy agreement {c.greedy_agreement:.3f}, active fraction {c.active_fraction:.3f}")
     for note in result.notes:
         p(f"note: {note}")
 

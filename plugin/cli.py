@@ -14,6 +14,7 @@ import click
 import gguf
 import numpy as np
 
+from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert as run_convert
 from llamaflash.converters.bundle import DOWN_T_CHOICES
 from llamaflash.errors import LlamaflashError
@@ -84,6 +85,12 @@ class _Sparsity(click.ParamType):
               help="Calibration tokens to profile.")
 @click.option("--valid-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Validation tokens per perplexity measurement.")
+@click.option("--quality-method", "quality_method", type=click.Choice(["engine", "emulated"]), default="engine",
+              show_default=True,
+              help="How perplexity and greedy agreement of a sparse setting are measured: with llamaflash's "
+                   "sparse engine (a temporary sidecar beside the output, every token through the sparse lane) "
+                   "or emulated in stock llama.cpp (skipped activations zeroed; also measures predictor-first "
+                   "selection, and works where the engine cannot run).")
 @click.option("--no-quality", is_flag=True,
               help="With a fixed --sparsity: do not measure perplexity and greedy agreement.")
 @click.option("--no-calibration", is_flag=True,
@@ -93,7 +100,7 @@ class _Sparsity(click.ParamType):
 @click.option("--quiet", "-q", is_flag=True, help="No progress, per-layer lines or report table on stderr.")
 def convert(model: Path, output: Path | None, force: bool, calib: Path | None, valid: Path | None,
             sparsity, quality_budget: float, selection: str, order: str, down_t_type: str, calib_tokens: int,
-            valid_tokens: int,
+            valid_tokens: int, quality_method: str,
             no_quality: bool, no_calibration: bool, no_report: bool, threads: int | None, quiet: bool) -> None:
     """Convert base model MODEL (.gguf) into its llamaflash sidecar.
 
@@ -108,7 +115,7 @@ def convert(model: Path, output: Path | None, force: bool, calib: Path | None, v
         calib_path=calib, valid_path=valid, sparsity=sparsity, quality_budget=quality_budget / 100.0,
         selection=selection, order=order, down_t_type=down_t_type, calib_tokens=calib_tokens,
         valid_tokens=valid_tokens,
-        measure_quality=not no_quality, profile=not no_calibration, report=not no_report, n_threads=threads,
+        measure_quality=not no_quality, quality=quality_method, profile=not no_calibration, report=not no_report, n_threads=threads,
     )
     click.echo(str(out))
 
@@ -172,15 +179,18 @@ def inspect(sidecar: Path) -> None:
         click.echo(f"calibration:      {sp.calibration_tokens} tokens of {sp.calibration_source}")
     q = sp.quality
     if "ppl_dense" in q:
-        click.echo(f"quality (EMULATED in stock llama.cpp, {q.get('validation_tokens')} tokens of "
-                   f"{q.get('validation')}):")
+        click.echo(f"quality method:   {q['method']} ({fmt.QUALITY_METHOD_LABELS[q['method']]}), "
+                   f"{q.get('validation_tokens')} tokens of {q.get('validation')}")
         delta = 100 * (q["ppl"] / q["ppl_dense"] - 1)
+        active = f", active fraction {q['active_fraction']:.3f}" if "active_fraction" in q else ""
         click.echo(f"  ppl dense {q['ppl_dense']:.4f}, at the operating point {q['ppl']:.4f} ({delta:+.2f}%), "
-                   f"greedy agreement {q['greedy_agreement']:.3f}")
-        for s_, p_, g_ in zip(q.get("curve_sparsity", []), q.get("curve_ppl", []),
-                              q.get("curve_greedy_agreement", [])):
+                   f"greedy agreement {q['greedy_agreement']:.3f}{active}")
+        curve = zip(q.get("curve_sparsity", []), q.get("curve_ppl", []), q.get("curve_greedy_agreement", []),
+                    q.get("curve_active_fraction") or [None] * len(q.get("curve_sparsity", [])))
+        for s_, p_, g_, a_ in curve:
+            active = f"  active fraction {a_:.3f}" if a_ is not None else ""
             click.echo(f"  curve: sparsity {s_:.2f}  ppl {p_:.4f} ({100 * (p_ / q['ppl_dense'] - 1):+.2f}%)  "
-                       f"greedy agreement {g_:.3f}")
+                       f"greedy agreement {g_:.3f}{active}")
     click.echo(f"{'layer':>5} {'threshold':>10} {'sparsity':>8} {'ffn_err':>8} {'select':>9} {'rank':>5} "
                f"{'pred_thr':>9} {'recall':>7} {'precis':>7} {'hot>=0.5':>8}")
     for lay in info.layers:

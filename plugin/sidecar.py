@@ -136,10 +136,13 @@ class LayerLayout:
 class SparsityInfo:
     """The file-level sparsity settings and quality record of a v2 sidecar.
 
-    ``quality`` holds the *emulated* quality measurement (keys as in the file without the
-    ``llamaflash.quality.emulated.`` prefix: ``ppl_dense``, ``ppl``, ``greedy_agreement``,
-    ``curve_sparsity``, ``curve_ppl``, ``curve_greedy_agreement``, ``validation``,
-    ``validation_tokens``); empty when the conversion did not measure quality.
+    ``quality`` holds the quality measurement: ``"method"`` (``"engine"``: measured with the
+    sparse lane; ``"emulated"``: the stock-llama.cpp emulation, all files written before the engine
+    measurement existed) and the fields as in the file without the ``llamaflash.quality.<method>.``
+    prefix (``ppl_dense``, ``ppl``, ``greedy_agreement``, ``active_fraction``, ``curve_sparsity``,
+    ``curve_ppl``, ``curve_greedy_agreement``, ``curve_active_fraction``, ``validation``,
+    ``validation_tokens``; newer fields may be absent in older files); empty when the conversion
+    did not measure quality.
     """
 
     criterion: str
@@ -447,7 +450,18 @@ def _layer_layout(
 _F32 = int(gguf.GGMLQuantizationType.F32)
 _F16 = int(gguf.GGMLQuantizationType.F16)
 
-_QUALITY_PREFIX = fmt.KEY_PREFIX + "quality.emulated."
+
+def _quality_record(fields: _Fields) -> dict:
+    """The quality record of the first method (``fmt.QUALITY_METHODS`` order) with any key in the
+    file: its fields by name, plus ``"method"``; {} when the file has none."""
+    readers = ((fmt.QUALITY_FLOAT_FIELDS, fields.real), (fmt.QUALITY_ARRAY_FIELDS, fields.float_array),
+               (fmt.QUALITY_STRING_FIELDS, fields.string), (fmt.QUALITY_UINT_FIELDS, fields.uint))
+    for method in fmt.QUALITY_METHODS:
+        quality = {name: read(fmt.quality_key(method, name))
+                   for names, read in readers for name in names if fields.has(fmt.quality_key(method, name))}
+        if quality:
+            return {**quality, "method": method}
+    return {}
 
 
 def _sparsity_info(fields: _Fields) -> SparsityInfo:
@@ -464,17 +478,7 @@ def _sparsity_info(fields: _Fields) -> SparsityInfo:
         fields.fail(f"unknown bundle order {bundle_order!r}")
     if not 0.0 <= target < 1.0:
         fields.fail(f"sparsity target {target} is not in [0, 1)")
-    quality: dict = {}
-    for key in (fmt.KEY_QUALITY_PPL_DENSE, fmt.KEY_QUALITY_PPL, fmt.KEY_QUALITY_GREEDY):
-        if fields.has(key):
-            quality[key[len(_QUALITY_PREFIX):]] = fields.real(key)
-    for key in (fmt.KEY_CURVE_SPARSITY, fmt.KEY_CURVE_PPL, fmt.KEY_CURVE_GREEDY):
-        if fields.has(key):
-            quality[key[len(_QUALITY_PREFIX):]] = fields.float_array(key)
-    if fields.has(fmt.KEY_QUALITY_VALIDATION):
-        quality["validation"] = fields.string(fmt.KEY_QUALITY_VALIDATION)
-    if fields.has(fmt.KEY_QUALITY_VALIDATION_TOKENS):
-        quality["validation_tokens"] = fields.uint(fmt.KEY_QUALITY_VALIDATION_TOKENS)
+    quality = _quality_record(fields)
     return SparsityInfo(
         criterion=criterion,
         method=method,

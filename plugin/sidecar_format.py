@@ -278,24 +278,65 @@ KEY_CALIB_SOURCE = KEY_PREFIX + "calibration.source"
 #: string: sha256 of the calibration text (UTF-8) actually used.
 KEY_CALIB_SHA256 = KEY_PREFIX + "calibration.sha256"
 
-# Quality record. Until the native sparse engine exists, perplexity and greedy agreement are
-# measured by an *emulation*: stock llama.cpp computes the model and an eval callback zeroes the
-# inactive neurons' activations before the down projection (NumPy masks on the captured
-# activations). Every key says "emulated"; the engine's own measurement will use other keys.
+# Quality record (all optional): perplexity on validation text and greedy agreement with stock,
+# under ``llamaflash.quality.<method>.<field>`` (:func:`quality_key`). The method says what
+# computed the sparse model:
+#   "engine":   llamaflash's own sparse lane inside llama.cpp (``flash_mode="sparse"``, every
+#               token of every evaluated batch through the sparse kernel), i.e. what decode runs;
+#   "emulated": stock llama.cpp with an eval callback zeroing the skipped neurons' activations
+#               before the down projection (base down weights; converters before the engine
+#               existed wrote only these keys).
+# A converter writes one method's keys; a reader takes the first method present in
+# QUALITY_METHODS order.
+
+QUALITY_METHOD_ENGINE = "engine"
+QUALITY_METHOD_EMULATED = "emulated"
+#: Quality methods, in the order a reader prefers them.
+QUALITY_METHODS: tuple[str, ...] = (QUALITY_METHOD_ENGINE, QUALITY_METHOD_EMULATED)
+#: How reports and ``llamaflash inspect`` describe each method.
+QUALITY_METHOD_LABELS: dict[str, str] = {
+    QUALITY_METHOD_ENGINE: "measured with the sparse engine",
+    QUALITY_METHOD_EMULATED: "EMULATED in stock llama.cpp",
+}
+
 #: string: validation text used for perplexity (never the calibration text).
-KEY_QUALITY_VALIDATION = KEY_PREFIX + "quality.emulated.validation"
+QUALITY_VALIDATION = "validation"
 #: uint32: validation tokens scored.
-KEY_QUALITY_VALIDATION_TOKENS = KEY_PREFIX + "quality.emulated.validation_tokens"
+QUALITY_VALIDATION_TOKENS = "validation_tokens"
 #: float32: perplexity of the dense model (stock llama.cpp) on the validation text.
-KEY_QUALITY_PPL_DENSE = KEY_PREFIX + "quality.emulated.ppl_dense"
-#: float32: perplexity at the chosen operating point (with the recorded selection modes).
-KEY_QUALITY_PPL = KEY_PREFIX + "quality.emulated.ppl"
+QUALITY_PPL_DENSE = "ppl_dense"
+#: float32: perplexity at the chosen operating point.
+QUALITY_PPL = "ppl"
 #: float32: teacher-forced greedy agreement with stock at the chosen point (fraction of tokens).
-KEY_QUALITY_GREEDY = KEY_PREFIX + "quality.emulated.greedy_agreement"
+QUALITY_GREEDY = "greedy_agreement"
+#: float32 (optional, converters since the engine measurement): measured fraction of FFN neurons
+#: computed per token at the chosen point (engine: the sparse lane's counters, mean over served
+#: layers; emulated: 1 - fraction of activations zeroed).
+QUALITY_ACTIVE_FRACTION = "active_fraction"
 #: float32 arrays (same length): the sparsity/quality curve (gate-first selection).
-KEY_CURVE_SPARSITY = KEY_PREFIX + "quality.emulated.curve_sparsity"
-KEY_CURVE_PPL = KEY_PREFIX + "quality.emulated.curve_ppl"
-KEY_CURVE_GREEDY = KEY_PREFIX + "quality.emulated.curve_greedy_agreement"
+QUALITY_CURVE_SPARSITY = "curve_sparsity"
+QUALITY_CURVE_PPL = "curve_ppl"
+QUALITY_CURVE_GREEDY = "curve_greedy_agreement"
+#: float32 array (optional, as QUALITY_ACTIVE_FRACTION): measured active fraction at each level.
+QUALITY_CURVE_ACTIVE_FRACTION = "curve_active_fraction"
+
+QUALITY_STRING_FIELDS: tuple[str, ...] = (QUALITY_VALIDATION,)
+QUALITY_UINT_FIELDS: tuple[str, ...] = (QUALITY_VALIDATION_TOKENS,)
+QUALITY_FLOAT_FIELDS: tuple[str, ...] = (QUALITY_PPL_DENSE, QUALITY_PPL, QUALITY_GREEDY, QUALITY_ACTIVE_FRACTION)
+QUALITY_ARRAY_FIELDS: tuple[str, ...] = (
+    QUALITY_CURVE_SPARSITY, QUALITY_CURVE_PPL, QUALITY_CURVE_GREEDY, QUALITY_CURVE_ACTIVE_FRACTION,
+)
+
+
+def quality_key(method: str, name: str) -> str:
+    """The key of quality field ``name`` measured by ``method``, e.g.
+    ``quality_key("engine", "ppl")`` → ``llamaflash.quality.engine.ppl``."""
+    if method not in QUALITY_METHODS:
+        raise ValueError(f"unknown quality method {method!r}; use one of {', '.join(QUALITY_METHODS)}")
+    if name not in QUALITY_STRING_FIELDS + QUALITY_UINT_FIELDS + QUALITY_FLOAT_FIELDS + QUALITY_ARRAY_FIELDS:
+        raise ValueError(f"unknown quality field {name!r}")
+    return f"{KEY_PREFIX}quality.{method}.{name}"
+
 
 #: Keys a version-2 sidecar must have (scalars and per-layer arrays).
 V2_REQUIRED_STRING_KEYS: tuple[str, ...] = (KEY_SPARSITY_CRITERION, KEY_SPARSITY_METHOD, KEY_BUNDLE_ORDER)

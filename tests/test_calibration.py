@@ -328,7 +328,7 @@ def test_format_1_sidecars_are_still_read(tiny_llama_q8_0, tmp_path):
 # --------------------------------------------------------------------------------------
 
 
-def test_convert_records_the_operating_point_and_emulated_quality(tiny_llama_q8_0, tmp_path):
+def test_convert_records_the_operating_point_and_quality(tiny_llama_q8_0, tmp_path):
     out = convert(tiny_llama_q8_0, tmp_path / "a.flash.gguf", progress=False, order="hot", **FAST_CONVERT)
     info = read_sidecar(out)
     sp = info.sparsity
@@ -336,7 +336,9 @@ def test_convert_records_the_operating_point_and_emulated_quality(tiny_llama_q8_
     assert sp.bundle_order == "hot"
     q = sp.quality
     assert set(q) >= {"ppl_dense", "ppl", "greedy_agreement", "curve_sparsity", "curve_ppl",
-                      "curve_greedy_agreement", "validation", "validation_tokens"}
+                      "curve_greedy_agreement", "validation", "validation_tokens", "active_fraction",
+                      "curve_active_fraction", "method"}
+    assert q["method"] == "engine"
     assert q["validation"] == "text given to convert()" and q["validation_tokens"] >= 500
     assert len(q["curve_sparsity"]) == len(q["curve_ppl"]) == len(q["curve_greedy_agreement"]) >= 1
     within = [s for s, p in zip(q["curve_sparsity"], q["curve_ppl"]) if p / q["ppl_dense"] - 1 <= 0.02]
@@ -348,11 +350,14 @@ def test_convert_records_the_operating_point_and_emulated_quality(tiny_llama_q8_
         assert np.mean(v["freq"]) == pytest.approx(1 - sp.target, abs=0.05)
 
 
-def test_forced_predictor_selection_is_measured_as_recorded(tiny_llama_q8_0, tmp_path):
+@pytest.mark.parametrize("method", ["emulated", "engine"])
+def test_forced_predictor_selection_is_recorded_and_measured_as_run(tiny_llama_q8_0, tmp_path, method):
+    """The emulation measures predictor-first selection as recorded ("mixed"); the engine runs every
+    layer gate-first in this version, measures that, and says so in the notes."""
     import json
 
     out = convert(tiny_llama_q8_0, tmp_path / "p.flash.gguf", progress=False,
-                  **dict(FAST_CONVERT, sparsity=0.5, selection="predictor"))
+                  **dict(FAST_CONVERT, sparsity=0.5, selection="predictor", quality=method))
     info = read_sidecar(out)
     assert all(lay.selection == "predictor" and lay.pred_rank > 0 for lay in info.layers)
     report = json.loads((tmp_path / "p.flash.gguf.report.json").read_text())
@@ -360,9 +365,14 @@ def test_forced_predictor_selection_is_measured_as_recorded(tiny_llama_q8_0, tmp
     first, last = report["layers"][0], report["layers"][-1]
     assert first["samples"] >= FAST_CONVERT["calib_tokens"]
     assert last["samples"] == pytest.approx(first["samples"] / 4, rel=0.1)
-    assert report["quality"]["chosen_emulated"]["selection"] == "mixed"
     assert report["operating_point"]["layers_predictor"] == 2
-    assert "EMULATION" in report["quality"]["note"]
+    assert report["quality"]["method"] == info.sparsity.quality["method"] == method
+    if method == "emulated":
+        assert report["quality"]["chosen"]["selection"] == "mixed"
+        assert "EMULATION" in report["quality"]["note"]
+    else:
+        assert report["quality"]["chosen"]["selection"] == "gate"
+        assert any("2 layers are recorded for predictor-first" in n and "gate-first" in n for n in report["notes"])
 
 
 def test_predictor_fit_survives_fewer_samples_than_dimensions():

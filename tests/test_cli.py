@@ -58,12 +58,14 @@ def test_convert_writes_sidecar_and_prints_its_path(tiny_llama_q8_0, tmp_path, t
     out = tmp_path / (model.name[: -len(".gguf")] + ".flash.gguf")
     assert result.stdout.strip() == str(out)
     assert "layer   1 written" in result.stderr
-    assert "operating point: fixed sparsity 0.50" in result.stderr and "EMULATED" in result.stderr
+    assert "operating point: fixed sparsity 0.50" in result.stderr
+    assert "measured with the sparse engine" in result.stderr
     info = validate_pair(model, out)
     assert (info.sparsity.method, info.sparsity.target) == ("fixed", 0.5)
     report = json.loads((tmp_path / (out.name + ".report.json")).read_text())
     assert report["operating_point"]["target_sparsity"] == 0.5
-    assert report["quality"]["chosen_emulated"]["target_sparsity"] == 0.5
+    assert report["quality"]["chosen"]["target_sparsity"] == 0.5
+    assert report["quality"]["method"] == report["quality"]["chosen"]["method"] == "engine"
     assert [entry["layer"] for entry in report["layers"]] == [0, 1]
 
 
@@ -135,7 +137,7 @@ def test_inspect_describes_sparsity_per_layer(tiny_llama_q8_0, tmp_path, texts):
     text = result.stdout
     assert "format version:   2" in text
     assert "sparsity:         fixed, target 0.500, criterion act_gate" in text
-    assert "quality (EMULATED in stock llama.cpp" in text and "curve: sparsity 0.50" in text
+    assert "quality method:   engine (measured with the sparse engine)" in text and "curve: sparsity 0.50" in text
     info = read_sidecar(out)
     rows = [line.split() for line in text.splitlines()
             if line.split()[:1] in (["0"], ["1"]) and len(line.split()) == 10 and line.split()[4] in ("gate", "predictor")]

@@ -164,7 +164,8 @@ def test_progress_prints_one_line_per_layer_to_stderr(tiny_llama_q8_0, tmp_path,
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "layer   0 written (1/2)" in captured.err and "layer   1 written (2/2)" in captured.err
-    for phrase in ("profile", "analyse", "quality (emulated)", "operating point: auto", "EMULATED"):
+    for phrase in ("profile", "analyse", "quality (engine)", "operating point: auto",
+                   "measured with the sparse engine"):
         assert phrase in captured.err, phrase
     convert(tiny_llama_q8_0, tmp_path / "b.flash.gguf", progress=False, **fast_convert)
     assert capsys.readouterr().err == ""
