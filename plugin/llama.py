@@ -66,8 +66,8 @@ def _resolve_mode(flash_mode: Optional[str]) -> str:
 
 #: flash_dense_up=None: up·x for every neuron by ggml while the level's sparsity is below this (measured
 #: on Qwen2.5-1.5B, 2 threads: ggml's repacked GEMV streams the whole up matrix faster than the
-#: kernel's per-row dots of 50-70% of its rows; see README "Sparse lane").
-DENSE_UP_MAX_SPARSITY = 0.6
+#: kernel's per-row dots of 25-70% of its rows; see README "Sparse lane").
+DENSE_UP_MAX_SPARSITY = 0.75
 
 
 def _level_sparsity(info: SidecarInfo, level: Optional[float]) -> float:
