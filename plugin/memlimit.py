@@ -826,15 +826,23 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     return benchkit.write_json(Path(path), payload)
 
 
-def write_plot(path: Path, payload: dict[str, Any]) -> Path | None:
-    """PNG of decode (and prefill) tok/s versus the memory limit, one line per config; OOM cells are
-    marked at the bottom.  Returns None when matplotlib is missing or nothing was limited."""
+def _pyplot():
+    """matplotlib.pyplot with a file-only backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def write_plot(path: Path, payload: dict[str, Any]) -> Path | None:
+    """PNG of decode (and prefill) tok/s versus the memory limit, one line per config; OOM cells are
+    marked at the bottom.  Returns None when matplotlib is missing or nothing was limited."""
+    plt = _pyplot()
+    if plt is None:
         return None
     rows = [r for r in payload["summary"] if r["limit_mb"] is not None]
     if not rows:
