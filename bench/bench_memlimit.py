@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quiet-wait", type=float, default=d.quiet_wait_s,
                    help="before each run, wait up to this long for the cores to be idle (0: don't)")
     p.add_argument("--no-cgroup", action="store_true", help="run without memory limits (cold page cache only)")
+    p.add_argument("--private-copy", default=None, metavar="DIR",
+                   help="benchmark copies of the model/sidecar made in DIR (removed afterwards): use it when other "
+                        "processes may map the same files (their pages cannot be evicted)")
     p.add_argument("--json", type=Path, default=None, help="default bench/results/memlimit-<model>-<timestamp>.json")
     p.add_argument("--png", type=Path, default=None, help="default: the JSON path with .png")
     args = p.parse_args(argv)
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
         model=args.model, limits_mb=args.limits, configs=args.configs, sidecar=args.sidecar, reps=args.reps,
         threads=args.threads, n_prompt=args.prompt_tokens, n_gen=args.n_gen, n_ctx=args.n_ctx,
         n_batch=args.n_batch, max_decode_s=args.max_decode_s, timeout_s=args.timeout,
-        quiet_wait_s=args.quiet_wait, use_cgroup=not args.no_cgroup,
+        quiet_wait_s=args.quiet_wait, use_cgroup=not args.no_cgroup, private_copy_dir=args.private_copy,
     )
     try:
         opts.validate()

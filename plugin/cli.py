@@ -209,13 +209,17 @@ def inspect(sidecar: Path) -> None:
 @click.option("--quiet-wait", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="Before each run, wait up to this long for the cores to be idle.")
 @click.option("--no-cgroup", is_flag=True, help="Run without memory limits (cold page cache only).")
+@click.option("--private-copy", "private_copy", type=click.Path(path_type=Path), default=None,
+              help="Benchmark copies of the model and sidecar made in this directory (removed afterwards): "
+                   "pages another process maps cannot be evicted, and are free to the run.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Where to write every run (default: ./llamaflash-bench-<model>-<time>.json).")
 @click.option("--png", "png_path", type=click.Path(path_type=Path), default=None,
               help="Plot of tok/s versus limit (default: the JSON path with .png; needs matplotlib).")
 def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], configs: str, sidecar: Path | None,
           reps: int, threads: int, prompt_tokens: int, n_gen: int, max_decode_s: float, timeout: float,
-          quiet_wait: float, no_cgroup: bool, json_path: Path | None, png_path: Path | None) -> None:
+          quiet_wait: float, no_cgroup: bool, private_copy: Path | None, json_path: Path | None,
+          png_path: Path | None) -> None:
     """Benchmark MODEL (a .gguf or a registry model name) under memory limits: stock llama.cpp and
     llamaflash, each run in its own process inside a memory cgroup of the limit (process + page
     cache), the files evicted from the page cache first. Needs root and cgroup v1; otherwise it says
@@ -231,7 +235,7 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
         model=model, limits_mb=all_limits, configs=[c.strip() for c in configs.split(",") if c.strip()],
         sidecar=str(sidecar) if sidecar else None, reps=reps, threads=threads, n_prompt=prompt_tokens,
         n_gen=n_gen, n_ctx=max(512, prompt_tokens + n_gen + 1), max_decode_s=max_decode_s, timeout_s=timeout,
-        quiet_wait_s=quiet_wait, use_cgroup=not no_cgroup,
+        quiet_wait_s=quiet_wait, use_cgroup=not no_cgroup, private_copy_dir=str(private_copy) if private_copy else None,
     )
     try:
         opts.validate()

@@ -34,6 +34,7 @@ import ctypes.util
 import itertools
 import mmap
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -129,6 +130,34 @@ def evict_files(paths: Iterable[str | os.PathLike], attempts: int = 3) -> list[d
         out.append({"path": str(p), "bytes": os.path.getsize(p), "resident_before": before,
                     "resident_after": after, "evicted": after <= EVICT_TOLERANCE_BYTES})  # fmt: skip
     return out
+
+
+def private_copies(paths: Sequence[str | os.PathLike], directory: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """Copy each file into ``directory`` (synced, so its clean pages can be evicted), reusing a copy
+    of the same name and size; returns (the copies in order, the ones this call created).
+
+    A copy no other process maps can always be evicted: benchmark the copy when others may be
+    running the same model file."""
+    d = Path(directory).expanduser().resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    copies, created = [], []
+    for p in map(Path, paths):
+        dst = d / p.name
+        if dst.resolve() == p.resolve():
+            copies.append(dst)
+            continue
+        if not (dst.is_file() and dst.stat().st_size == p.stat().st_size):
+            tmp = dst.with_name(dst.name + ".part")
+            shutil.copyfile(p, tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, dst)
+            created.append(dst)
+        copies.append(dst)
+    return copies, created
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,6 +533,7 @@ class BenchOptions:
     timeout_s: float = 300.0  # per run, load included; the process is killed after it
     quiet_wait_s: float = 20.0  # before each run, wait up to this long for the machine to be idle
     use_cgroup: bool = True  # False: run without limits (what happens when cgroups are unavailable)
+    private_copy_dir: str | None = None  # benchmark copies of the files made here (removed afterwards)
 
     def validate(self) -> None:
         if not self.configs:
@@ -601,6 +631,25 @@ def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> di
             f"config(s) {', '.join(flash_configs)} need the sidecar {sidecar}: create it with "
             f"`llamaflash convert {model_path}` (or pass the sidecar path), or run only 'stock'")
 
+    originals = {"model": str(model_path), "sidecar": str(sidecar) if flash_configs else None}
+    created: list[Path] = []
+    if opts.private_copy_dir:
+        echo(f"copying the files to {opts.private_copy_dir} (benchmarked there: no other process maps them)")
+        copies, created = private_copies([model_path] + ([sidecar] if flash_configs else []), opts.private_copy_dir)
+        model_path = copies[0]
+        if flash_configs:
+            sidecar = copies[1]
+    try:
+        payload = _run_all(opts, model_path, model_name, model_sha, sidecar, flash_configs, echo)
+    finally:
+        for c in created:
+            c.unlink(missing_ok=True)
+    payload["files"] = {"originals": originals, "private_copies": opts.private_copy_dir is not None}
+    return payload
+
+
+def _run_all(opts: BenchOptions, model_path: Path, model_name: str, model_sha: str, sidecar: Path,
+             flash_configs: list[str], echo: Callable[[str], None]) -> dict[str, Any]:
     cg_ok, cg_why = memory_cgroup_support() if opts.use_cgroup else (False, "memory cgroups switched off")
     limits: list[int | None] = sorted(set(opts.limits_mb), reverse=True) if cg_ok else [None]
     if not cg_ok:
@@ -816,7 +865,8 @@ def table_notes(rows: list[dict[str, Any]]) -> list[str]:
     if residual:
         notes.append("WARNING: model pages stayed in the page cache after eviction for "
                      + ", ".join(f"{_limit_label(r['limit_mb'])} MB/{r['config']} ({r['evict_residual_mb_max']:.0f} MB)" for r in residual)
-                     + ": another process maps the file; those runs got the pages for free")  # fmt: skip
+                     + ": another process maps the file; those runs got the pages for free (benchmark a private "
+                       "copy: --private-copy DIR)")  # fmt: skip
     if any(r["limit_mb"] is None for r in rows):
         notes.append("limit 'none': memory cgroups were unavailable, measured without any memory limit")
     return notes

@@ -64,6 +64,16 @@ def test_eviction_reports_pages_another_mapping_keeps(tmp_path):
     assert memlimit.resident_bytes(path) <= memlimit.EVICT_TOLERANCE_BYTES  # unmapped: evictable again
 
 
+def test_private_copies_are_evictable_and_reused(tmp_path):
+    src = _cached_file(tmp_path / "model.gguf", 8 * MiB)
+    copies, created = memlimit.private_copies([src], tmp_path / "copies")
+    assert copies == created == [tmp_path / "copies" / "model.gguf"]
+    assert copies[0].read_bytes() == src.read_bytes()
+    assert memlimit.evict_files(copies)[0]["evicted"]  # synced: clean pages, evictable
+    again, created = memlimit.private_copies([src], tmp_path / "copies")
+    assert again == copies and created == []
+
+
 def test_resident_bytes_of_an_empty_file(tmp_path):
     (tmp_path / "empty").write_bytes(b"")
     assert memlimit.resident_bytes(tmp_path / "empty") == 0
@@ -305,8 +315,12 @@ def test_end_to_end_tiny_model(tiny_with_sidecar, tmp_path):
     limits = [256] if _SUPPORT[0] else []
     opts = memlimit.BenchOptions(model=str(tiny_with_sidecar), limits_mb=limits, configs=["stock", "llamaflash"],
                                  reps=1, n_prompt=16, n_gen=4, n_ctx=64, n_batch=64, quiet_wait_s=0,
-                                 timeout_s=120, use_cgroup=_SUPPORT[0])  # fmt: skip
+                                 timeout_s=120, use_cgroup=_SUPPORT[0],
+                                 private_copy_dir=str(tmp_path / "copies"))  # fmt: skip
     payload = memlimit.run_benchmark(opts, echo=lines.append)
+    assert list((tmp_path / "copies").iterdir()) == []  # the copies it made are gone
+    assert payload["files"]["originals"]["model"] == str(tiny_with_sidecar)
+    assert all(str(tmp_path / "copies") in ev["path"] for r in payload["runs"] for ev in r["eviction"])
     runs = payload["runs"]
     assert [r["status"] for r in runs] == ["ok", "ok"], [r.get("error") for r in runs]
     stock, flash = runs
