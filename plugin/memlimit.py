@@ -499,6 +499,10 @@ def run_in_cgroup(
             timed_out = True
             proc.kill()
             out, err = proc.communicate()
+        except BaseException:  # interrupted: leave no process behind (and the group removable)
+            proc.kill()
+            proc.wait()
+            raise
         wall = time.perf_counter() - t0
         stats = mem.stats() if mem is not None else None
         status = classify(proc.returncode, timed_out, stats["oom_kill"] if stats else 0)
@@ -612,6 +616,21 @@ def _read_total_bytes(r: dict[str, Any]) -> int | None:
     return io.get("read_bytes")
 
 
+def _sigterm_as_interrupt() -> Callable[[], None]:
+    """Make SIGTERM raise KeyboardInterrupt (so the worker, its groups and the copies are cleaned up);
+    returns the function that restores the previous handler.  A no-op outside the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
 def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every (rep, limit, config) and return the payload (args, environment, runs, summary).
 
@@ -639,9 +658,11 @@ def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> di
         model_path = copies[0]
         if flash_configs:
             sidecar = copies[1]
+    restore = _sigterm_as_interrupt()
     try:
         payload = _run_all(opts, model_path, model_name, model_sha, sidecar, flash_configs, echo)
     finally:
+        restore()
         for c in created:
             c.unlink(missing_ok=True)
     payload["files"] = {"originals": originals, "private_copies": opts.private_copy_dir is not None}
