@@ -20,6 +20,7 @@ while llamaflash refuses budgets, marked '*' in the table); or a llamaflash flas
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--private-copy", default=None, metavar="DIR",
                    help="benchmark copies of the model/sidecar made in DIR (removed afterwards): use it when other "
                         "processes may map the same files (their pages cannot be evicted)")
+    p.add_argument("--from-json", type=Path, default=None, metavar="JSON",
+                   help="run nothing: summarize the runs of an earlier JSON again and redraw its table and plot")
     p.add_argument("--json", type=Path, default=None, help="default bench/results/memlimit-<model>-<timestamp>.json")
     p.add_argument("--png", type=Path, default=None, help="default: the JSON path with .png")
     args = p.parse_args(argv)
@@ -60,6 +63,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        payload = json.loads(args.from_json.read_text())
+        payload["summary"] = memlimit.summarize(payload["runs"], payload["options"]["configs"], payload["limits_mb"])
+        out = args.json or args.from_json
+        memlimit.report(payload, out, args.png or out.with_suffix(".png"))
+        return 0
     opts = memlimit.BenchOptions(
         model=args.model, limits_mb=args.limits, configs=args.configs, sidecar=args.sidecar, reps=args.reps,
         threads=args.threads, n_prompt=args.prompt_tokens, n_gen=args.n_gen, n_ctx=args.n_ctx,

@@ -208,7 +208,7 @@ def _run(spec: dict) -> dict:
     load_s = time.perf_counter() - t0
     mem_after_load = _proc_status()
     io_load = _proc_io()
-    report("loaded", load_s=load_s)
+    report("loaded", load_s=load_s, **{k: spec[f"_{k}"] for k in ("flash_mode", "ram_budget") if f"_{k}" in spec})
     n_vocab = llm.n_vocab()
 
     def argmax_last() -> int:

@@ -29,6 +29,7 @@ table); any other name is a llamaflash ``flash_mode`` run without a budget (``de
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import itertools
@@ -598,6 +599,10 @@ def run_one(spec: dict[str, Any], limit_mb: int | None, files: Sequence[Path], t
         "notes": oc.notes,
         "progress_last": progress[-1] if progress else None,
     })  # fmt: skip
+    for p in progress:  # what a run that died early had already said about itself
+        for key in ("flash_mode", "ram_budget"):
+            if key in p:
+                r.setdefault(key, p[key])
     if status != "ok":
         r["died_in"] = _phase_of(progress)
         if progress and progress[-1].get("VmHWM_kb"):
@@ -614,6 +619,43 @@ def _read_total_bytes(r: dict[str, Any]) -> int | None:
         return r["blkio_read_bytes"]
     io = r.get("io") or {}
     return io.get("read_bytes")
+
+
+#: One memory-limit benchmark at a time on a machine (two would compete for the cores, the disk and
+#: the page cache and make each other's numbers meaningless).
+LOCK_PATH = Path("/tmp/llamaflash-memlimit-bench.lock")
+
+
+@contextlib.contextmanager
+def bench_lock(path: Path = LOCK_PATH, wait_s: float | None = None, echo: Callable[[str], None] = print):
+    """Hold an exclusive lock on ``path`` for the benchmark; waits for a running one (at most ``wait_s``
+    seconds, then TimeoutError; None: as long as it takes)."""
+    import fcntl
+
+    f = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            echo(f"another memory-limit benchmark holds {path} (pid {holder}): waiting for it to finish")
+            deadline = None if wait_s is None else time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(f"{path} is still held by pid {holder}") from None
+                    time.sleep(0.5)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        f.close()  # releases the lock
 
 
 def _sigterm_as_interrupt() -> Callable[[], None]:
@@ -660,7 +702,8 @@ def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> di
             sidecar = copies[1]
     restore = _sigterm_as_interrupt()
     try:
-        payload = _run_all(opts, model_path, model_name, model_sha, sidecar, flash_configs, echo)
+        with bench_lock(echo=echo):
+            payload = _run_all(opts, model_path, model_name, model_sha, sidecar, flash_configs, echo)
     finally:
         restore()
         for c in created:
@@ -798,9 +841,9 @@ def summarize(runs: list[dict[str, Any]], configs: Sequence[str], limits: Sequen
                 r["read_bytes_phases"]["decode"] / MiB / r["n_gen_done"]
                 for r in good if r.get("read_bytes_phases") and r.get("n_gen_done"))  # fmt: skip
             row["evict_residual_mb_max"] = max((r.get("evict_residual_mb") or 0 for r in rs), default=0)
-            budgets = [r.get("ram_budget") for r in good if r.get("ram_budget")]
+            budgets = [r.get("ram_budget") for r in rs if r.get("ram_budget")]
             row["budget_applied"] = (all(b.get("applied") for b in budgets) if budgets else None)
-            row["flash_mode"] = next((r.get("flash_mode") for r in good if r.get("flash_mode")), None)
+            row["flash_mode"] = next((r.get("flash_mode") for r in rs if r.get("flash_mode")), None)
             if ref is not None and good:
                 agrees = [_prefix_agreement(ref["tokens"], r["tokens"]) for r in good]
                 vals = [a for a, _ in agrees if a is not None]
@@ -925,7 +968,7 @@ def write_plot(path: Path, payload: dict[str, Any]) -> Path | None:
     for ax, key, title in ((axes[0], "decode_tps", "decode"), (axes[1], "prefill_tps", "prefill")):
         for i, cfg in enumerate(configs):
             rs = sorted((r for r in rows if r["config"] == cfg), key=lambda r: r["limit_mb"])
-            label = config_label(rs[0]) if rs else cfg
+            label = cfg + ("*" if any(r.get("budget_applied") is False for r in rs) else "")
             xs = [r["limit_mb"] for r in rs if r.get(key)]
             ys = [r[key] for r in rs if r.get(key)]
             (line,) = ax.plot(xs, ys, marker="o", label=label)

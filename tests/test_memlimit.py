@@ -141,6 +141,26 @@ def test_blkio_counts_reads_and_eviction_happens_before_the_run(tmp_path):
     assert oc.cgroup["max_usage_bytes"] >= 30 * MiB
 
 
+@needs_cgroup
+def test_run_one_reports_an_oom_killed_worker(monkeypatch, tmp_path):
+    from llamaflash import benchkit
+
+    # a stand-in worker: says it loaded (with its budget) and prefilled, then outgrows the limit
+    lines = [{"phase": "loaded", "t": 0.1, "ram_budget": {"requested_mb": 64, "applied": False}, "flash_mode": "dense"},
+             {"phase": "prefilled", "t": 0.2, "VmHWM_kb": 20480}]  # fmt: skip
+    code = ("import json, sys\n"
+            + "".join(f"print({benchkit.PROGRESS_MARK + json.dumps(x)!r}, flush=True)\n" for x in lines)
+            + "b = []\nwhile True: b.append(bytearray(8 << 20))\n")  # fmt: skip
+    monkeypatch.setattr(benchkit, "worker_command", lambda spec: [sys.executable, "-c", code])
+    f = _cached_file(tmp_path / "model.gguf", 1 * MiB)
+    r = memlimit.run_one({"config": "llamaflash", "rep": 0}, 64, [f], timeout=60)
+    assert r["status"] == "OOM" and not r["ok"] and r["signal"] == "SIGKILL"
+    assert r["died_in"] == "decode" and r["vm_hwm_mb"] == 20.0
+    assert r["ram_budget"]["applied"] is False and r["flash_mode"] == "dense"
+    assert r["cgroup"]["oom_kill"] >= 1 and r["limit_mb"] == 64
+    assert "OOM in decode" in memlimit._run_line(r)
+
+
 def test_no_limit_runs_without_a_group():
     oc = memlimit.run_in_cgroup([sys.executable, "-c", "print('hi')"], None, timeout=60)
     assert oc.status == "ok" and oc.cgroup is None and oc.stdout.strip() == "hi"
@@ -190,7 +210,8 @@ def test_summary_table_and_json(tmp_path):
         _run("stock", 1400, 0, decode=28.0), _run("llamaflash", 1400, 0, decode=27.0, budget=False),
         _run("stock", 1400, 1, decode=30.0), _run("llamaflash", 1400, 1, decode=26.0, budget=False),
         _run("stock", 900, 0, decode=1.0, tokens=(1, 2, 3)), _run("llamaflash", 900, 0, decode=0.8, tokens=(1, 2, 9), budget=False),
-        _run("stock", 700, 0, status="OOM", died_in="load"), _run("llamaflash", 700, 0, status="OOM", died_in="decode"),
+        _run("stock", 700, 0, status="OOM", died_in="load"),
+        _run("llamaflash", 700, 0, status="OOM", died_in="decode", ram_budget={"requested_mb": 700, "applied": False}),
         _run("stock", 700, 1, status="OOM", died_in="load"), _run("llamaflash", 700, 1, status="timeout"),
     ]  # fmt: skip
     rows = memlimit.summarize(runs, ["stock", "llamaflash"], [1400, 900, 700])
@@ -205,6 +226,7 @@ def test_summary_table_and_json(tmp_path):
     assert by[700, "stock"]["status"] == "OOM (load)" and by[700, "stock"]["decode_tps"] is None
     assert by[700, "stock"]["counts"]["OOM"] == 2
     assert by[700, "llamaflash"]["status"] == "1 OOM, 1 timeout"
+    assert by[700, "llamaflash"]["budget_applied"] is False  # known from the progress of a run that died
 
     table = memlimit.format_table(rows)
     lines = table.splitlines()
@@ -239,6 +261,19 @@ def test_plot_or_a_clear_message(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     png = memlimit.write_plot(tmp_path / "b.png", payload)
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_benchmark_at_a_time(tmp_path):
+    lock = tmp_path / "bench.lock"
+    lines: list[str] = []
+    with memlimit.bench_lock(lock, echo=lines.append):
+        assert lock.read_text() == str(os.getpid())
+        with pytest.raises(TimeoutError, match="still held"):
+            with memlimit.bench_lock(lock, wait_s=0.2, echo=lines.append):
+                pass  # pragma: no cover
+    assert any("waiting for it to finish" in ln for ln in lines)
+    with memlimit.bench_lock(lock, wait_s=0.2, echo=lines.append):  # released
+        pass
 
 
 def test_options_validation():
