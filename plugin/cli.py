@@ -1,4 +1,5 @@
-"""The ``llamaflash`` command line: ``convert`` a base model, ``inspect`` a sidecar, run the ``demo``.
+"""The ``llamaflash`` command line: ``convert`` a base model, ``inspect`` a sidecar, run the ``demo``,
+``bench`` under memory limits.
 
 Errors llamaflash raises on purpose (:class:`~llamaflash.errors.LlamaflashError`) are
 printed to stderr as ``error: <message>`` and end the command with exit status 2, without
@@ -201,6 +202,67 @@ def inspect(sidecar: Path) -> None:
             f"{lay.selection:>9} {lay.pred_rank:>5} {lay.pred_threshold:>9.4g} {lay.pred_recall:>7.3f} "
             f"{lay.pred_precision:>7.3f} {hot:>8}"
         )
+
+
+@main.command()
+@click.argument("model")
+@click.argument("more_limits", nargs=-1, type=click.IntRange(min=1), metavar="")
+@click.option("--ram-limit-mb", "limits", type=click.IntRange(min=1), multiple=True,
+              help="Memory limit in MB for the whole process plus its page cache; several values may follow "
+                   "one flag: --ram-limit-mb 900 700.")
+@click.option("--configs", default="stock,llamaflash", show_default=True,
+              help="Comma-separated: stock, llamaflash (ram_budget_mb = the limit), or a llamaflash flash_mode.")
+@click.option("--sidecar", type=click.Path(path_type=Path), default=None,
+              help="Sidecar for the llamaflash configs (default: MODEL's .flash.gguf beside it).")
+@click.option("--reps", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=9), default=205, show_default=True)
+@click.option("--n-gen", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens to generate.")
+@click.option("--max-decode-s", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+              help="Stop decoding after this many seconds (tok/s over the tokens done).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="Seconds per run, load included; the run is killed after it.")
+@click.option("--quiet-wait", type=click.FloatRange(min=0), default=20.0, show_default=True,
+              help="Before each run, wait up to this long for the cores to be idle.")
+@click.option("--no-cgroup", is_flag=True, help="Run without memory limits (cold page cache only).")
+@click.option("--private-copy", "private_copy", type=click.Path(path_type=Path), default=None,
+              help="Benchmark copies of the model and sidecar made in this directory (removed afterwards): "
+                   "pages another process maps cannot be evicted, and are free to the run.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Where to write every run (default: ./llamaflash-bench-<model>-<time>.json).")
+@click.option("--png", "png_path", type=click.Path(path_type=Path), default=None,
+              help="Plot of tok/s versus limit (default: the JSON path with .png; needs matplotlib).")
+def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], configs: str, sidecar: Path | None,
+          reps: int, threads: int, prompt_tokens: int, n_gen: int, max_decode_s: float, timeout: float,
+          quiet_wait: float, no_cgroup: bool, private_copy: Path | None, json_path: Path | None,
+          png_path: Path | None) -> None:
+    """Benchmark MODEL (a .gguf or a registry model name) under memory limits: stock llama.cpp and
+    llamaflash, each run in its own process inside a memory cgroup of the limit (process + page
+    cache), the files evicted from the page cache first. Needs root and cgroup v1; otherwise it says
+    so and measures without a limit."""
+    from llamaflash import benchkit, memlimit
+
+    if more_limits and not limits:
+        raise click.UsageError(f"unexpected argument(s) {' '.join(map(str, more_limits))}: limits go after --ram-limit-mb")
+    all_limits = [*limits, *more_limits]
+    if not all_limits and not no_cgroup:
+        raise click.UsageError("give at least one --ram-limit-mb (or --no-cgroup)")
+    opts = memlimit.BenchOptions(
+        model=model, limits_mb=all_limits, configs=[c.strip() for c in configs.split(",") if c.strip()],
+        sidecar=str(sidecar) if sidecar else None, reps=reps, threads=threads, n_prompt=prompt_tokens,
+        n_gen=n_gen, n_ctx=max(512, prompt_tokens + n_gen + 1), max_decode_s=max_decode_s, timeout_s=timeout,
+        quiet_wait_s=quiet_wait, use_cgroup=not no_cgroup, private_copy_dir=str(private_copy) if private_copy else None,
+    )
+    try:
+        opts.validate()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    try:
+        payload = memlimit.run_benchmark(opts, echo=click.echo)
+    except FileNotFoundError as e:
+        raise LlamaflashError(str(e)) from e
+    out = json_path or Path(f"llamaflash-bench-{payload['model']['name']}-{benchkit.timestamp()}.json")
+    memlimit.report(payload, out, png_path or out.with_suffix(".png"), echo=click.echo)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,26 @@
-"""One benchmark run in a fresh process: ``python bench/_bench_worker.py '<json spec>'``.
+"""One benchmark run in a fresh process: ``python <path>/llamaflash/bench_worker.py '<json spec>'``.
+
+Run by file path, never imported as part of a model-running process: a "stock" run must not import
+the ``llamaflash`` package (importing it registers the llamaflash ggml backend).  Module level uses
+the standard library only; ``llamaflash.benchkit`` imports the constants below from here.
 
 Spec keys: ``mode`` ("run" or "tokenize"), ``model`` (path), ``config`` ("stock", "stock2" or a
-llamaflash flash_mode such as "dense"), ``sidecar_path`` (for llamaflash configs), ``prompt_tokens``
-(list of ids, for "run"), ``prompt_text`` and ``n_prompt`` (for "tokenize"), ``n_gen``, ``threads``,
-``n_ctx``, ``n_batch``.
+llamaflash config name), ``sidecar_path`` (for llamaflash configs), ``prompt_tokens`` (list of ids,
+for "run"), ``prompt_text`` and ``n_prompt`` (for "tokenize"), ``n_gen``, ``threads``, ``n_ctx``,
+``n_batch``.  Optional: ``flash_mode`` (default: the config name), ``ram_budget_mb`` (passed to
+``llamaflash.Llama``; when this llamaflash refuses it as not implemented, the run goes on without a
+budget in ``budget_fallback_mode`` and says so under ``ram_budget``), ``max_decode_s`` (stop the
+decode loop after this many seconds: ``n_gen_done`` < ``n_gen``), ``progress`` (print
+:data:`PROGRESS_MARK` lines, so a parent that sees the process killed knows how far it got).
 
-Prints exactly one line starting with ``common.RESULT_MARK`` followed by a JSON object.
+Prints exactly one line starting with :data:`RESULT_MARK` followed by a JSON object.
 
 "run": load the model (timed); warm up with one eval of 8 prompt tokens, then clear the KV cache;
 prefill = one ``llm.eval(prompt_tokens)`` (timed); decode = ``n_gen`` greedy steps, each
 ``llm.eval([tok])`` (timed individually) followed by an argmax of the last logits.  The returned
-``tokens`` are the ``n_gen + 1`` greedy tokens: the first comes from the prefill logits, one more
+``tokens`` are the ``n_gen_done + 1`` greedy tokens: the first comes from the prefill logits, one more
 after every decode eval.  EOS does not stop generation (this is a speed benchmark).
+``ttft_s`` = prefill eval + argmax of the first token (the model already loaded).
 """
 
 from __future__ import annotations
@@ -24,14 +33,36 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULT_MARK, STOCK_CONFIGS, cpu_busy_seconds  # noqa: E402
+if __name__ == "__main__" and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    # run by path from inside the package directory: don't let its modules shadow top-level names
+    sys.path.pop(0)
+
+RESULT_MARK = "@@BENCH_RESULT@@ "
+PROGRESS_MARK = "@@BENCH_PROGRESS@@ "
+
+# Configs that run stock llama-cpp-python.  "stock2" is a second, identical stock config used to
+# check the ratio machinery (it should come out at ~1.0x).  Every other config name is a llamaflash
+# config (by default its name is the flash_mode: "dense", ...).
+STOCK_CONFIGS = ("stock", "stock2")
 
 WARMUP_TOKENS = 8
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-def _emit(obj: dict) -> None:
-    sys.stdout.write(RESULT_MARK + json.dumps(obj, default=repr) + "\n")
+
+def cpu_busy_seconds() -> float:
+    """Machine-wide busy CPU seconds so far (all cores; /proc/stat, excluding idle and iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
+
+
+def _emit(obj: dict, mark: str = RESULT_MARK) -> None:
+    sys.stdout.write(mark + json.dumps(obj, default=repr) + "\n")
     sys.stdout.flush()
 
 
@@ -84,6 +115,8 @@ class _ForeignCpu:
 
 
 def _load(spec: dict):
+    """The Llama for ``spec``; for llamaflash configs also sets ``spec["_ram_budget"]`` (what
+    became of a requested ``ram_budget_mb``) and ``spec["_flash_mode"]`` (the mode used)."""
     config = spec["config"]
     common_kwargs = dict(
         model_path=spec["model"],
@@ -105,19 +138,36 @@ def _load(spec: dict):
         raise RuntimeError(
             f"config {config!r} needs the llamaflash package (pip install -e . in the repo): {e}"
         ) from e
-    mode, level = parse_flash_config(config)
-    extra = {}
-    if mode == "sparse" and spec.get("mode") == "ppl":
+    # the memory-limit harness passes flash_mode explicitly (None: llamaflash's choice); others name it in config
+    flash_mode, level = parse_flash_config(spec["flash_mode"] if "flash_mode" in spec else config)
+    extra = {"flash_sparsity": level}
+    if flash_mode == "sparse" and spec.get("mode") == "ppl":
         # every token of the scored batches through the sparse lane, as in decode
         extra["flash_max_sparse_tokens"] = common_kwargs["n_batch"]
-    return FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=mode, flash_sparsity=level,
-                      **extra)
+    budget = spec.get("ram_budget_mb")
+    spec["_flash_mode"] = flash_mode
+    if budget is None:
+        return FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=flash_mode, **extra)
+    try:
+        llm = FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=flash_mode,
+                         ram_budget_mb=budget, **extra)  # fmt: skip
+        spec["_ram_budget"] = {"requested_mb": budget, "applied": True}
+        return llm
+    except ValueError as e:
+        # This llamaflash has no flash-offload engine yet: it refuses any ram_budget_mb up front,
+        # before llama.cpp loads anything.  Any other error is real and propagates.
+        if "ram_budget_mb" not in str(e) or spec.get("budget_fallback_mode") is None:
+            raise
+        spec["_flash_mode"] = fallback = spec["budget_fallback_mode"]
+        spec["_ram_budget"] = {"requested_mb": budget, "applied": False, "fallback_flash_mode": fallback,
+                               "reason": str(e)}  # fmt: skip
+        return FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=fallback)
 
 
-def parse_flash_config(config: str):
+def parse_flash_config(config: str | None):
     """A llamaflash config: "dense", "sparse" (the sidecar's operating point) or "sparse@LEVEL"
     (a calibrated level, e.g. sparse@0.4); returns (flash_mode, flash_sparsity)."""
-    if "@" in config:
+    if config is not None and "@" in config:
         mode, level = config.split("@", 1)
         return mode, float(level)
     return config, None
@@ -179,6 +229,10 @@ def _tokenize(spec: dict) -> dict:
     }
 
 
+def _io_delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: b.get(k, 0) - a.get(k, 0) for k in ("rchar", "read_bytes", "syscr")}
+
+
 def _run(spec: dict) -> dict:
     import numpy as np
 
@@ -186,12 +240,23 @@ def _run(spec: dict) -> dict:
 
     prompt = [int(t) for t in spec["prompt_tokens"]]
     n_gen = int(spec["n_gen"])
+    max_decode_s = spec.get("max_decode_s")
+    progress = bool(spec.get("progress"))
+    t_start = time.perf_counter()
+
+    def report(phase: str, **kw) -> None:
+        if progress:
+            _emit({"phase": phase, "t": round(time.perf_counter() - t_start, 3), "VmHWM_kb": _proc_status().get("VmHWM"),
+                   **kw}, PROGRESS_MARK)  # fmt: skip
+
     io0, flt0 = _proc_io(), _majflt()
 
     t0 = time.perf_counter()
     llm = _load(spec)
     load_s = time.perf_counter() - t0
     mem_after_load = _proc_status()
+    io_load = _proc_io()
+    report("loaded", load_s=load_s, **{k: spec[f"_{k}"] for k in ("flash_mode", "ram_budget") if f"_{k}" in spec})
     n_vocab = llm.n_vocab()
 
     def argmax_last() -> int:
@@ -202,13 +267,18 @@ def _run(spec: dict) -> dict:
     llm.eval(prompt[:WARMUP_TOKENS])
     llm.reset()
     llm._ctx.kv_cache_clear()
+    io_warm = _proc_io()
+    report("warmed_up")
 
     fc_all = fc = _ForeignCpu()
     t0 = time.perf_counter()
     llm.eval(prompt)
     prefill_s = time.perf_counter() - t0
-    foreign_prefill = fc.fraction()
     tokens = [argmax_last()]
+    ttft_s = time.perf_counter() - t0
+    foreign_prefill = fc.fraction()
+    io_prefill = _proc_io()
+    report("prefilled", prefill_s=prefill_s, ttft_s=ttft_s)
     stats_fn = getattr(llm, "flash_stats", None)
     prefill_stats = stats_fn() if callable(stats_fn) else None
     if prefill_stats is not None:
@@ -217,12 +287,21 @@ def _run(spec: dict) -> dict:
     step_ms = []
     fc = _ForeignCpu()
     t_loop = time.perf_counter()
+    t_report = t_loop
+    capped = False
     for _ in range(n_gen):
+        if max_decode_s is not None and time.perf_counter() - t_loop >= max_decode_s:
+            capped = True
+            break
         t = time.perf_counter()
         llm.eval([tokens[-1]])
         step_ms.append((time.perf_counter() - t) * 1e3)
         tokens.append(argmax_last())
+        if progress and time.perf_counter() - t_report >= 1.0:
+            t_report = time.perf_counter()
+            report("decoding", n_gen_done=len(step_ms), decode_s=sum(step_ms) / 1e3)
     loop_s = time.perf_counter() - t_loop
+    n_done = len(step_ms)
     decode_s = sum(step_ms) / 1e3
     foreign_decode, foreign_all = fc.fraction(), fc_all.fraction()
 
@@ -236,21 +315,32 @@ def _run(spec: dict) -> dict:
         "pid": os.getpid(),
         "n_prompt": len(prompt),
         "n_gen": n_gen,
+        "n_gen_done": n_done,
+        "decode_capped": capped,  # stopped by max_decode_s before n_gen tokens
         "load_s": load_s,
         "prefill_s": prefill_s,
         "prefill_tps": len(prompt) / prefill_s,
+        "ttft_s": ttft_s,
         "decode_s": decode_s,
-        "decode_tps": n_gen / decode_s if n_gen else None,
+        "decode_tps": n_done / decode_s if n_done else None,
         "decode_loop_s": loop_s,  # includes the argmax after every step
         "decode_step_ms": [round(x, 4) for x in step_ms],
         "tokens": tokens,
         "peak_rss_kb": ru.ru_maxrss,
         "peak_rss_mb": ru.ru_maxrss / 1024,
+        "vm_hwm_mb": mem_end.get("VmHWM", 0) / 1024,
         "anon_mb": mem_end.get("RssAnon", 0) / 1024,  # after generation
         "file_mb": mem_end.get("RssFile", 0) / 1024,
         "mem_after_load_kb": mem_after_load,
         "mem_end_kb": mem_end,
-        "io": {k: io1.get(k, 0) - io0.get(k, 0) for k in ("rchar", "read_bytes", "syscr")},
+        "io": _io_delta(io0, io1),
+        # bytes fetched from storage per phase (/proc/self/io read_bytes)
+        "read_bytes_phases": {
+            "load": _io_delta(io0, io_load)["read_bytes"],
+            "warmup": _io_delta(io_load, io_warm)["read_bytes"],
+            "prefill": _io_delta(io_warm, io_prefill)["read_bytes"],
+            "decode": _io_delta(io_prefill, io1)["read_bytes"],
+        },
         "major_faults": flt1 - flt0,
         "foreign_cpu": foreign_all,  # share of all cores other processes used while timed
         "foreign_cpu_prefill": foreign_prefill,
@@ -258,6 +348,10 @@ def _run(spec: dict) -> dict:
         "cpu_user_s": ru.ru_utime,
         "cpu_sys_s": ru.ru_stime,
     }
+    if "_flash_mode" in spec:
+        result["flash_mode"] = spec["_flash_mode"]
+    if "_ram_budget" in spec:
+        result["ram_budget"] = spec["_ram_budget"]
     if callable(stats_fn):
         try:
             result["flash_stats"] = stats_fn()  # decode loop only

@@ -1,0 +1,1010 @@
+"""Benchmark under a memory limit: stock llama.cpp and llamaflash, each run in its own process inside a
+fresh memory cgroup of the same limit (DESIGN.md sections 3 and 8; issue 5, item 5).
+
+The limit covers the whole process *and* the page cache it faults in: a cgroup (v1 memory
+controller) charges a page-cache page to the group whose process first brought it in.  Pages that
+are already cached when the run starts belong to nobody in the group and are free for it, so the
+model (and the sidecar) are evicted from the page cache before every run
+(``posix_fadvise(POSIX_FADV_DONTNEED)``) and the eviction is checked with ``mincore``.  A page that
+another process keeps mapped cannot be evicted; such a run is flagged (``evict_residual_mb``).
+
+Layers:
+- page cache: :func:`resident_bytes`, :func:`evict`, :func:`evict_files`;
+- cgroups: :func:`memory_cgroup_support`, :class:`MemoryCgroup` (v1 memory controller: limit, peak,
+  OOM kills), :class:`BlkioCgroup` (v1 blkio: bytes read from the model's disk, counted even for a
+  process the OOM killer ended);
+- one process in a limit: :func:`run_in_cgroup` (evict, start inside the groups, time out, classify
+  the end: ``ok`` / ``OOM`` / ``timeout`` / ``killed`` / ``error``);
+- the benchmark: :class:`BenchOptions`, :func:`run_benchmark` (runs :mod:`llamaflash.bench_worker`
+  per (rep, limit, config)), :func:`summarize`, :func:`format_table`, :func:`write_plot`.
+
+``llamaflash bench`` (``cli.py``) and ``bench/bench_memlimit.py`` are thin edges over
+:func:`run_benchmark`.  Only the standard library is used (matplotlib, optional, for the PNG).
+
+Configs: ``stock`` (llama_cpp.Llama); ``llamaflash`` (``llamaflash.Llama(ram_budget_mb=<limit>)``; a
+llamaflash without the flash-offload engine refuses any budget, and the run then goes on with
+``flash_mode="dense"`` and no budget, recorded per run under ``ram_budget`` and flagged in the
+table); any other name is a llamaflash ``flash_mode`` run without a budget (``dense``, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import itertools
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from . import benchkit
+
+MiB = 1 << 20
+
+#: The llamaflash config that gets ``ram_budget_mb=<limit>``; refused budgets fall back to this flash_mode.
+BUDGET_CONFIG = "llamaflash"
+BUDGET_FALLBACK_MODE = "dense"
+
+#: After eviction, more than this much of a file still resident flags the run.
+EVICT_TOLERANCE_BYTES = 4 * MiB
+
+STATUSES = ("ok", "OOM", "timeout", "killed", "error")
+
+
+# --------------------------------------------------------------------------------------------
+# page cache
+
+
+_libc = None
+
+
+def _c():
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.munmap.restype = ctypes.c_int
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.mincore.restype = ctypes.c_int
+        _libc = libc
+    return _libc
+
+
+def resident_bytes(path: str | os.PathLike) -> int:
+    """Bytes of ``path`` in the page cache now (``mincore`` over a fresh read-only mapping; the
+    mapping itself faults nothing in)."""
+    libc = _c()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {path} failed: {os.strerror(err)}")
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mincore on {path} failed: {os.strerror(err)}")
+            resident_pages = sum(b & 1 for b in bytes(vec))
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+        return min(size, resident_pages * mmap.PAGESIZE)
+    finally:
+        os.close(fd)
+
+
+def evict(path: str | os.PathLike) -> None:
+    """Drop the clean page-cache pages of ``path`` (pages another process maps stay)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def evict_files(paths: Iterable[str | os.PathLike], attempts: int = 3) -> list[dict[str, Any]]:
+    """Evict every file and measure what stays resident: one dict per file with ``path``,
+    ``bytes``, ``resident_before``, ``resident_after``, ``evicted`` (resident_after within
+    :data:`EVICT_TOLERANCE_BYTES`)."""
+    out = []
+    for p in paths:
+        before = resident_bytes(p)
+        after = before
+        for _ in range(attempts):
+            evict(p)
+            after = resident_bytes(p)
+            if after <= EVICT_TOLERANCE_BYTES:
+                break
+            time.sleep(0.05)
+        out.append({"path": str(p), "bytes": os.path.getsize(p), "resident_before": before,
+                    "resident_after": after, "evicted": after <= EVICT_TOLERANCE_BYTES})  # fmt: skip
+    return out
+
+
+def private_copies(paths: Sequence[str | os.PathLike], directory: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """Copy each file into ``directory`` (synced, so its clean pages can be evicted), reusing a copy
+    of the same name and size; returns (the copies in order, the ones this call created).
+
+    A copy no other process maps can always be evicted: benchmark the copy when others may be
+    running the same model file."""
+    d = Path(directory).expanduser().resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    copies, created = [], []
+    for p in map(Path, paths):
+        dst = d / p.name
+        if dst.resolve() == p.resolve():
+            copies.append(dst)
+            continue
+        if not (dst.is_file() and dst.stat().st_size == p.stat().st_size):
+            tmp = dst.with_name(dst.name + ".part")
+            shutil.copyfile(p, tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, dst)
+            created.append(dst)
+        copies.append(dst)
+    return copies, created
+
+
+# --------------------------------------------------------------------------------------------
+# cgroups (v1)
+
+
+class CgroupError(RuntimeError):
+    """A cgroup could not be created, configured or joined."""
+
+
+def _v1_mount(controller: str, mounts: str = "/proc/self/mounts") -> Path | None:
+    """Mount point of the cgroup v1 hierarchy holding ``controller``, or None."""
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] == "cgroup" and controller in parts[3].split(","):
+            return Path(parts[1])
+    return None
+
+
+def _own_group(controller: str) -> str:
+    """This process's group (path inside the hierarchy) for a v1 ``controller``; "/" if unknown."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, ctrls, path = line.split(":", 2)
+            if controller in ctrls.split(","):
+                return path or "/"
+    except (OSError, ValueError):
+        pass
+    return "/"
+
+
+def _read_kv(path: Path) -> dict[str, int]:
+    out = {}
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            try:
+                out[k] = int(v)
+            except ValueError:
+                pass
+    except OSError:
+        pass
+    return out
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_counter = itertools.count()
+
+
+def _make_child(mount: Path, controller: str, check_file: str, prefix: str) -> Path:
+    """mkdir a fresh child group: under this process's own group first, at the hierarchy root otherwise."""
+    name = f"{prefix}-{os.getpid()}-{next(_counter)}"
+    errors = []
+    own = _own_group(controller).lstrip("/")
+    for parent in dict.fromkeys([mount / own, mount]):
+        if not (parent / check_file).exists():
+            continue
+        path = parent / name
+        try:
+            path.mkdir()
+            return path
+        except OSError as e:
+            errors.append(f"{path}: {e.strerror or e}")
+    raise CgroupError(f"cannot create a {controller} cgroup ({'; '.join(errors) or 'no writable group'})")
+
+
+def _remove_group(path: Path, attempts: int = 50) -> bool:
+    """rmdir a (v1) group once its processes are gone; True when removed."""
+    for _ in range(attempts):
+        try:
+            path.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            time.sleep(0.02)
+    return False
+
+
+class MemoryCgroup:
+    """A fresh cgroup v1 memory group with a limit on memory (+ swap where memsw exists).
+
+    Use as a context manager (removes the group), join a process with :meth:`join` (from the
+    process itself, e.g. in ``preexec_fn``) or :meth:`add_pid`, read :meth:`stats` after the run.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @classmethod
+    def create(cls, limit_bytes: int, prefix: str = "llamaflash-bench") -> "MemoryCgroup":
+        mount = _v1_mount("memory")
+        if mount is None:
+            raise CgroupError("no cgroup v1 memory controller is mounted")
+        cg = cls(_make_child(mount, "memory", "memory.limit_in_bytes", prefix))
+        try:
+            cg.set_limit(limit_bytes)
+        except BaseException:
+            cg.remove()
+            raise
+        return cg
+
+    def set_limit(self, limit_bytes: int) -> None:
+        try:
+            (self.path / "memory.limit_in_bytes").write_text(str(int(limit_bytes)))
+            memsw = self.path / "memory.memsw.limit_in_bytes"
+            if memsw.exists():  # no swapping out of the limit either (memsw >= memory is required)
+                memsw.write_text(str(int(limit_bytes)))
+        except OSError as e:
+            raise CgroupError(f"cannot set the limit of {self.path}: {e}") from e
+        got = _read_int(self.path / "memory.limit_in_bytes")
+        if got is None or abs(got - limit_bytes) > mmap.PAGESIZE:
+            raise CgroupError(f"{self.path}: asked for a limit of {limit_bytes} bytes, the kernel set {got}")
+
+    @property
+    def limit_bytes(self) -> int | None:
+        return _read_int(self.path / "memory.limit_in_bytes")
+
+    def add_pid(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def join(self) -> None:
+        """Move the calling process into the group."""
+        self.add_pid(os.getpid())
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    def oom_kills(self) -> int:
+        return _read_kv(self.path / "memory.oom_control").get("oom_kill", 0)
+
+    def stats(self) -> dict[str, Any]:
+        """Limit, usage, peak (``max_usage``: process memory + page cache), limit hits, OOM kills and
+        a few memory.stat counters."""
+        oom = _read_kv(self.path / "memory.oom_control")
+        stat = _read_kv(self.path / "memory.stat")
+        return {
+            "limit_bytes": self.limit_bytes,
+            "usage_bytes": _read_int(self.path / "memory.usage_in_bytes"),
+            "max_usage_bytes": _read_int(self.path / "memory.max_usage_in_bytes"),
+            "memsw_max_usage_bytes": _read_int(self.path / "memory.memsw.max_usage_in_bytes"),
+            "failcnt": _read_int(self.path / "memory.failcnt"),
+            "oom_kill": oom.get("oom_kill", 0),
+            "under_oom": oom.get("under_oom", 0),
+            "stat": {k: stat[k] for k in ("cache", "rss", "mapped_file", "pgmajfault", "total_cache", "total_rss")
+                     if k in stat},  # fmt: skip
+        }
+
+    def remove(self) -> bool:
+        return _remove_group(self.path)
+
+    def __enter__(self) -> "MemoryCgroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _block_device_of(path: str | os.PathLike) -> str | None:
+    """"major:minor" of the whole disk holding ``path`` (throttle rules take disks, not partitions)."""
+    st = os.stat(path)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    sys_dev = Path("/sys/dev/block") / dev
+    if not sys_dev.exists():
+        return None
+    if (sys_dev / "partition").exists():
+        try:
+            return (sys_dev.resolve().parent / "dev").read_text().strip()
+        except OSError:
+            return None
+    return dev
+
+
+class BlkioCgroup:
+    """A cgroup v1 blkio group that counts the bytes its processes read from one disk.
+
+    The kernel's v1 throttle statistics only count I/O to a device that has a throttle rule, so
+    the group gets a rule that never throttles (1 TiB/s)."""
+
+    NO_LIMIT_BPS = 1 << 40
+
+    def __init__(self, path: Path, device: str):
+        self.path, self.device = path, device
+
+    @classmethod
+    def create(cls, file_on_disk: str | os.PathLike, prefix: str = "llamaflash-bench") -> "BlkioCgroup":
+        mount = _v1_mount("blkio")
+        if mount is None:
+            raise CgroupError("no cgroup v1 blkio controller is mounted")
+        device = _block_device_of(file_on_disk)
+        if device is None:
+            raise CgroupError(f"no block device found for {file_on_disk}")
+        path = _make_child(mount, "blkio", "blkio.throttle.read_bps_device", prefix)
+        try:
+            (path / "blkio.throttle.read_bps_device").write_text(f"{device} {cls.NO_LIMIT_BPS}")
+        except OSError as e:
+            _remove_group(path)
+            raise CgroupError(f"cannot enable blkio accounting on {device}: {e}") from e
+        return cls(path, device)
+
+    def add_pid(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def read_bytes(self) -> int | None:
+        try:
+            for line in (self.path / "blkio.throttle.io_service_bytes").read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 3 and parts[0] == self.device and parts[1] == "Read":
+                    return int(parts[2])
+        except OSError:
+            return None
+        return 0
+
+    def remove(self) -> bool:
+        return _remove_group(self.path)
+
+
+def memory_cgroup_support() -> tuple[bool, str]:
+    """(usable, why): can this process create a cgroup v1 memory group, limit it and remove it?"""
+    if _v1_mount("memory") is None:
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        extra = ""
+        try:
+            if v2.exists() and "memory" in v2.read_text().split():
+                extra = " (a cgroup v2 memory controller exists, but this harness drives cgroup v1 only)"
+        except OSError:
+            pass
+        return False, "no cgroup v1 memory controller is mounted" + extra
+    if hasattr(os, "geteuid") and os.geteuid() != 0:
+        return False, "creating memory cgroups needs root"
+    try:
+        cg = MemoryCgroup.create(64 * MiB, prefix="llamaflash-probe")
+    except (CgroupError, OSError) as e:
+        return False, str(e)
+    where = str(cg.path.parent)
+    if not cg.remove():
+        return False, f"created {cg.path} but could not remove it"
+    return True, f"cgroup v1 memory controller, groups under {where}"
+
+
+# --------------------------------------------------------------------------------------------
+# one process under a limit
+
+
+@dataclass
+class Outcome:
+    """How one process ran under a limit."""
+
+    status: str  # one of STATUSES
+    returncode: int | None
+    wall_s: float
+    stdout: str
+    stderr: str
+    limit_mb: int | None
+    cgroup: dict[str, Any] | None = None  # MemoryCgroup.stats() after the run
+    blkio_read_bytes: int | None = None
+    eviction: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def signal(self) -> str | None:
+        if self.returncode is not None and self.returncode < 0:
+            try:
+                return signal.Signals(-self.returncode).name
+            except ValueError:
+                return str(-self.returncode)
+        return None
+
+
+def classify(returncode: int | None, timed_out: bool, oom_kills: int, failed: bool = False) -> str:
+    """``timeout`` (we killed it), ``OOM`` (SIGKILL and the group's OOM killer fired), ``killed``
+    (another signal, or SIGKILL from elsewhere), ``error`` (exit status != 0 or no result), ``ok``."""
+    if timed_out:
+        return "timeout"
+    if returncode is not None and returncode < 0:
+        return "OOM" if (returncode == -signal.SIGKILL and oom_kills > 0) else "killed"
+    if failed or returncode != 0:
+        return "error"
+    return "ok"
+
+
+def run_in_cgroup(
+    argv: Sequence[str],
+    limit_mb: int | None,
+    *,
+    timeout: float,
+    evict_paths: Sequence[str | os.PathLike] = (),
+    blkio_file: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+) -> Outcome:
+    """Evict ``evict_paths`` from the page cache, then run ``argv`` inside a fresh memory cgroup of
+    ``limit_mb`` (None: no group, no limit) and, when ``blkio_file`` is given and possible, a blkio
+    group counting reads from that file's disk.  The process joins the groups before it executes
+    anything, so all of its memory and the page cache it faults in are charged.  Never raises for
+    what the process does: a limit it overruns comes back as ``status="OOM"``."""
+    notes: list[str] = []
+    mem = MemoryCgroup.create(limit_mb * MiB) if limit_mb is not None else None
+    blk = None
+    try:
+        if blkio_file is not None:
+            try:
+                blk = BlkioCgroup.create(blkio_file)
+            except (CgroupError, OSError) as e:
+                notes.append(f"blkio accounting unavailable: {e}")
+        eviction = evict_files(evict_paths)
+        for ev in eviction:
+            if not ev["evicted"]:
+                notes.append(f"{ev['resident_after'] / MiB:.0f} MB of {ev['path']} stay in the page cache after "
+                             f"eviction (mapped by another process?): the group is not charged for them")  # fmt: skip
+        groups = [g for g in (mem, blk) if g is not None]
+
+        def enter_groups() -> None:  # in the child, between fork and exec
+            for g in groups:
+                g.add_pid(os.getpid())
+
+        full_env = dict(os.environ)
+        if env:
+            full_env.update(env)
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=full_env, preexec_fn=enter_groups if groups else None)  # fmt: skip
+        timed_out = False
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.kill()
+            out, err = proc.communicate()
+        except BaseException:  # interrupted: leave no process behind (and the group removable)
+            proc.kill()
+            proc.wait()
+            raise
+        wall = time.perf_counter() - t0
+        stats = mem.stats() if mem is not None else None
+        status = classify(proc.returncode, timed_out, stats["oom_kill"] if stats else 0)
+        if stats and stats["oom_kill"] and status == "ok":
+            notes.append(f"the OOM killer fired {stats['oom_kill']} time(s) in the group, the process survived")
+        return Outcome(status=status, returncode=proc.returncode, wall_s=wall, stdout=out or "", stderr=err or "",
+                       limit_mb=limit_mb, cgroup=stats, blkio_read_bytes=blk.read_bytes() if blk else None,
+                       eviction=eviction, notes=notes)  # fmt: skip
+    finally:
+        for g in (mem, blk):
+            if g is not None and not g.remove():
+                notes.append(f"could not remove {g.path}")
+
+
+# --------------------------------------------------------------------------------------------
+# the benchmark
+
+
+@dataclass
+class BenchOptions:
+    model: str  # asset name (llamaflash.assets.MODELS) or .gguf path
+    limits_mb: list[int]
+    configs: list[str] = field(default_factory=lambda: ["stock", BUDGET_CONFIG])
+    sidecar: str | None = None  # default <model stem>.flash.gguf beside the model
+    reps: int = 2
+    threads: int = 2
+    n_prompt: int = 205
+    n_gen: int = 64
+    n_ctx: int = 512
+    n_batch: int = 512
+    max_decode_s: float = 20.0  # a collapsing run stops decoding after this long (tok/s over what finished)
+    timeout_s: float = 300.0  # per run, load included; the process is killed after it
+    quiet_wait_s: float = 20.0  # before each run, wait up to this long for the machine to be idle
+    use_cgroup: bool = True  # False: run without limits (what happens when cgroups are unavailable)
+    private_copy_dir: str | None = None  # benchmark copies of the files made here (removed afterwards)
+
+    def validate(self) -> None:
+        if not self.configs:
+            raise ValueError("no configs")
+        if len(set(self.configs)) != len(self.configs):
+            raise ValueError(f"duplicate configs: {self.configs}")
+        if self.use_cgroup and not self.limits_mb:
+            raise ValueError("no memory limits given")
+        if any(x <= 0 for x in self.limits_mb):
+            raise ValueError(f"memory limits must be positive MB: {self.limits_mb}")
+        if self.reps < 1:
+            raise ValueError("reps must be >= 1")
+        if self.n_prompt <= 8:
+            raise ValueError("the prompt must be longer than 8 tokens (the warm-up evaluates 8)")
+        if self.n_prompt + self.n_gen + 1 > self.n_ctx:
+            raise ValueError("prompt tokens + generated tokens must fit in n_ctx")
+
+
+def _config_spec(config: str, limit_mb: int | None) -> dict[str, Any]:
+    """The worker spec keys that make ``config`` what it is."""
+    if config in benchkit.STOCK_CONFIGS:
+        return {}
+    if config == BUDGET_CONFIG:
+        # flash_mode None = llamaflash's best lane; once ram_budget_mb is accepted this is the
+        # flash-offload run, until then the worker falls back to the dense lane without a budget.
+        return {"flash_mode": None, "ram_budget_mb": limit_mb, "budget_fallback_mode": BUDGET_FALLBACK_MODE}
+    return {"flash_mode": config}
+
+
+def _phase_of(progress: list[dict[str, Any]]) -> str:
+    if not progress:
+        return "load"
+    last = progress[-1]
+    return {"loaded": "warm-up", "warmed_up": "prefill", "prefilled": "decode", "decoding": "decode"}.get(last["phase"], last["phase"])
+
+
+def run_one(spec: dict[str, Any], limit_mb: int | None, files: Sequence[Path], timeout: float) -> dict[str, Any]:
+    """One worker run under ``limit_mb``; a result dict (worker fields + limit, status, cgroup figures)."""
+    oc = run_in_cgroup(benchkit.worker_command(spec), limit_mb, timeout=timeout, evict_paths=files,
+                       blkio_file=files[0] if files else None)  # fmt: skip
+    result, progress = benchkit.parse_worker_output(oc.stdout)
+    status = oc.status
+    if status == "ok" and (result is None or not result.get("ok")):
+        status = "error"
+    r: dict[str, Any] = dict(result or {"ok": False, "config": spec["config"], "rep": spec.get("rep")})
+    r["ok"] = status == "ok"
+    r.update({
+        "status": status,
+        "limit_mb": limit_mb,
+        "returncode": oc.returncode,
+        "signal": oc.signal,
+        "wall_s": oc.wall_s,
+        "cgroup": oc.cgroup,
+        "cg_peak_mb": oc.cgroup["max_usage_bytes"] / MiB if oc.cgroup and oc.cgroup.get("max_usage_bytes") else None,
+        "blkio_read_bytes": oc.blkio_read_bytes,
+        "eviction": oc.eviction,
+        "evict_residual_mb": max((e["resident_after"] for e in oc.eviction), default=0) / MiB,
+        "notes": oc.notes,
+        "progress_last": progress[-1] if progress else None,
+    })  # fmt: skip
+    for p in progress:  # what a run that died early had already said about itself
+        for key in ("flash_mode", "ram_budget"):
+            if key in p:
+                r.setdefault(key, p[key])
+    if status != "ok":
+        r["died_in"] = _phase_of(progress)
+        if progress and progress[-1].get("VmHWM_kb"):
+            r.setdefault("vm_hwm_mb", progress[-1]["VmHWM_kb"] / 1024)
+        if status in ("error", "killed") and not r.get("error"):
+            tail = "\n".join(oc.stderr.strip().splitlines()[-15:])
+            r["error"] = f"exit {oc.returncode}{' (' + oc.signal + ')' if oc.signal else ''}: {tail}"
+    return r
+
+
+def _read_total_bytes(r: dict[str, Any]) -> int | None:
+    """Bytes the run read from disk: the blkio group's count, else /proc/<pid>/io read_bytes."""
+    if r.get("blkio_read_bytes") is not None:
+        return r["blkio_read_bytes"]
+    io = r.get("io") or {}
+    return io.get("read_bytes")
+
+
+#: One memory-limit benchmark at a time on a machine (two would compete for the cores, the disk and
+#: the page cache and make each other's numbers meaningless).
+LOCK_PATH = Path("/tmp/llamaflash-memlimit-bench.lock")
+
+
+@contextlib.contextmanager
+def bench_lock(path: Path = LOCK_PATH, wait_s: float | None = None, echo: Callable[[str], None] = print):
+    """Hold an exclusive lock on ``path`` for the benchmark; waits for a running one (at most ``wait_s``
+    seconds, then TimeoutError; None: as long as it takes)."""
+    import fcntl
+
+    f = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            echo(f"another memory-limit benchmark holds {path} (pid {holder}): waiting for it to finish")
+            deadline = None if wait_s is None else time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(f"{path} is still held by pid {holder}") from None
+                    time.sleep(0.5)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        f.close()  # releases the lock
+
+
+def _sigterm_as_interrupt() -> Callable[[], None]:
+    """Make SIGTERM raise KeyboardInterrupt (so the worker, its groups and the copies are cleaned up);
+    returns the function that restores the previous handler.  A no-op outside the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every (rep, limit, config) and return the payload (args, environment, runs, summary).
+
+    Order: reps outermost, then limits from the largest down, configs alternating innermost, so slow
+    drifts of the machine hit every cell."""
+    opts.validate()
+    from . import assets
+
+    if opts.model not in assets.MODELS and not Path(opts.model).expanduser().is_file():
+        raise FileNotFoundError(f"model {opts.model!r} is neither a file nor a registry model "
+                                f"({', '.join(assets.list_models())})")  # fmt: skip
+    model_path, model_name, model_sha = benchkit.resolve_model(opts.model)
+    flash_configs = [c for c in opts.configs if c not in benchkit.STOCK_CONFIGS]
+    sidecar = Path(opts.sidecar).expanduser().resolve() if opts.sidecar else benchkit.sidecar_path_for(model_path)
+    if flash_configs and not sidecar.is_file():
+        raise FileNotFoundError(
+            f"config(s) {', '.join(flash_configs)} need the sidecar {sidecar}: create it with "
+            f"`llamaflash convert {model_path}` (or pass the sidecar path), or run only 'stock'")
+
+    originals = {"model": str(model_path), "sidecar": str(sidecar) if flash_configs else None}
+    created: list[Path] = []
+    if opts.private_copy_dir:
+        echo(f"copying the files to {opts.private_copy_dir} (benchmarked there: no other process maps them)")
+        copies, created = private_copies([model_path] + ([sidecar] if flash_configs else []), opts.private_copy_dir)
+        model_path = copies[0]
+        if flash_configs:
+            sidecar = copies[1]
+    restore = _sigterm_as_interrupt()
+    try:
+        with bench_lock(echo=echo):
+            payload = _run_all(opts, model_path, model_name, model_sha, sidecar, flash_configs, echo)
+    finally:
+        restore()
+        for c in created:
+            c.unlink(missing_ok=True)
+    payload["files"] = {"originals": originals, "private_copies": opts.private_copy_dir is not None}
+    return payload
+
+
+def _run_all(opts: BenchOptions, model_path: Path, model_name: str, model_sha: str, sidecar: Path,
+             flash_configs: list[str], echo: Callable[[str], None]) -> dict[str, Any]:
+    cg_ok, cg_why = memory_cgroup_support() if opts.use_cgroup else (False, "memory cgroups switched off")
+    limits: list[int | None] = sorted(set(opts.limits_mb), reverse=True) if cg_ok else [None]
+    if not cg_ok:
+        echo(f"WARNING: memory cgroups unavailable ({cg_why}). Measuring WITHOUT any memory limit instead: "
+             f"each config runs {opts.reps}x with the model evicted from the page cache first (cold start), "
+             f"limits {opts.limits_mb or '-'} are NOT applied.")  # fmt: skip
+    else:
+        echo(f"memory limits: {cg_why}")
+
+    tok = benchkit.run_worker({"mode": "tokenize", "model": str(model_path), "config": "tokenize",
+                               "prompt_text": benchkit.PROMPT_TEXT, "n_prompt": opts.n_prompt,
+                               "threads": opts.threads}, timeout=opts.timeout_s)  # fmt: skip
+    if not tok.get("ok"):
+        raise RuntimeError(f"tokenisation failed: {tok.get('error')}\n{tok.get('traceback', '')}")
+    prompt_tokens = tok["prompt_tokens"]
+
+    machine = benchkit.machine_info()
+    echo(f"machine : {machine['cpu']}, {machine['cores_usable']}/{machine['cores_online']} cores, "
+         f"{machine['mem_total_mb']} MB; load avg {machine['loadavg']}")  # fmt: skip
+    echo(f"model   : {model_path} ({model_path.stat().st_size / 1e6:.1f} MB)")
+    if flash_configs:
+        echo(f"sidecar : {sidecar} ({sidecar.stat().st_size / 1e6:.1f} MB)")
+    echo(f"run     : {len(prompt_tokens)} prompt tokens, up to {opts.n_gen} generated (decode stops after "
+         f"{opts.max_decode_s:g} s), {opts.threads} threads, {opts.reps} reps of {', '.join(opts.configs)} at "
+         f"{', '.join('no limit' if x is None else f'{x} MB' for x in limits)}")  # fmt: skip
+
+    runs = []
+    for rep in range(opts.reps):
+        for limit in limits:
+            for config in opts.configs:
+                spec = {
+                    "mode": "run", "model": str(model_path), "config": config, "rep": rep,
+                    "sidecar_path": str(sidecar) if config in flash_configs else None,
+                    "prompt_tokens": prompt_tokens, "n_gen": opts.n_gen, "threads": opts.threads,
+                    "n_ctx": opts.n_ctx, "n_batch": opts.n_batch, "max_decode_s": opts.max_decode_s,
+                    "progress": True, **_config_spec(config, limit),
+                }  # fmt: skip
+                files = [model_path] + ([sidecar] if config in flash_configs else [])
+                busy = benchkit.wait_until_quiet(opts.quiet_wait_s) if opts.quiet_wait_s > 0 else None
+                r = run_one(spec, limit, files, opts.timeout_s)
+                r["machine_busy_before"] = busy
+                runs.append(r)
+                echo(_run_line(r))
+
+    rows = summarize(runs, opts.configs, limits)
+    return {
+        "benchmark": "memlimit",
+        "options": asdict(opts),
+        "cgroup": {"available": cg_ok, "detail": cg_why},
+        "limits_mb": limits,
+        "machine": machine,
+        "system_info": tok.get("system_info"),
+        "model": {"name": model_name, "path": str(model_path), "sha256": model_sha,
+                  "bytes": model_path.stat().st_size},  # fmt: skip
+        "sidecar": {"path": str(sidecar), "bytes": sidecar.stat().st_size} if flash_configs else None,
+        "prompt_tokens": prompt_tokens,
+        "summary": rows,
+        "runs": runs,
+    }
+
+
+def _limit_label(limit: int | None) -> str:
+    return "none" if limit is None else str(limit)
+
+
+def _run_line(r: dict[str, Any]) -> str:
+    head = f"  rep {r.get('rep')} {_limit_label(r['limit_mb']):>5} MB {r['config']:<11}"
+    if r["status"] != "ok":
+        extra = f" in {r.get('died_in')}" if r.get("died_in") else ""
+        err = f": {r['error'].splitlines()[0][:160]}" if r["status"] == "error" and r.get("error") else ""
+        return f"{head} {r['status']}{extra} after {r['wall_s']:.1f} s{err}"
+    read = _read_total_bytes(r)
+    line = (f"{head} prefill {r['prefill_tps']:7.1f} tok/s  decode {_fmt(r['decode_tps'], '6.2f')} tok/s "
+            f"({r['n_gen_done']} tok)  ttft {r['ttft_s']:.2f} s  load {r['load_s']:.1f} s  "
+            f"peak {_fmt(r.get('cg_peak_mb'), '.0f')} MB  read {_fmt(read / MiB if read is not None else None, '.0f')} MB")  # fmt: skip
+    budget = r.get("ram_budget")
+    if budget and not budget.get("applied"):
+        line += f"  [no budget: {budget.get('fallback_flash_mode')}]"
+    if r.get("evict_residual_mb", 0) > EVICT_TOLERANCE_BYTES / MiB:
+        line += f"  [NOT EVICTED: {r['evict_residual_mb']:.0f} MB cached]"
+    return line
+
+
+# --------------------------------------------------------------------------------------------
+# summary, table, JSON, plot
+
+
+def _prefix_agreement(ref: Sequence[int], toks: Sequence[int]) -> tuple[float | None, int | None]:
+    """Agreement over the common prefix (decode may stop early under a time cap)."""
+    n = min(len(ref), len(toks))
+    if n == 0:
+        return None, None
+    first = next((i for i, (a, b) in enumerate(zip(ref[:n], toks[:n])) if a != b), None)
+    return sum(1 for a, b in zip(ref[:n], toks[:n]) if a == b) / n, first
+
+
+def summarize(runs: list[dict[str, Any]], configs: Sequence[str], limits: Sequence[int | None]) -> list[dict[str, Any]]:
+    """One row per (limit, config): counts by status, medians over the ok runs, decode ratio versus
+    stock at the same limit, and greedy agreement with the reference tokens (the first ok stock run
+    at the largest limit; over the common prefix)."""
+    ok = [r for r in runs if r.get("ok")]
+    ref = next((r for lim in limits for r in ok if r["config"] == "stock" and r["limit_mb"] == lim), None)
+    rows = []
+    for limit in limits:
+        base_decode = None
+        for config in configs:
+            rs = [r for r in runs if r["config"] == config and r["limit_mb"] == limit]
+            good = [r for r in rs if r.get("ok")]
+            counts = {s: sum(1 for r in rs if r.get("status") == s) for s in STATUSES}
+            row: dict[str, Any] = {"limit_mb": limit, "config": config, "n_runs": len(rs), "counts": counts}
+            row["status"] = _status_text(counts, rs)
+
+            def med(key, rs=good):
+                return benchkit.median(r.get(key) for r in rs)
+
+            for key in ("prefill_tps", "decode_tps", "ttft_s", "load_s", "cg_peak_mb", "vm_hwm_mb", "n_gen_done",
+                        "foreign_cpu", "evict_residual_mb"):
+                row[key] = med(key)
+            row["decode_tps_range"] = ([min(r["decode_tps"] for r in good if r.get("decode_tps") is not None),
+                                        max(r["decode_tps"] for r in good if r.get("decode_tps") is not None)]
+                                       if any(r.get("decode_tps") is not None for r in good) else None)  # fmt: skip
+            reads = [_read_total_bytes(r) for r in good]
+            row["read_mb"] = benchkit.median(x / MiB for x in reads if x is not None)
+            row["decode_read_mb_per_tok"] = benchkit.median(
+                r["read_bytes_phases"]["decode"] / MiB / r["n_gen_done"]
+                for r in good if r.get("read_bytes_phases") and r.get("n_gen_done"))  # fmt: skip
+            row["evict_residual_mb_max"] = max((r.get("evict_residual_mb") or 0 for r in rs), default=0)
+            budgets = [r.get("ram_budget") for r in rs if r.get("ram_budget")]
+            row["budget_applied"] = (all(b.get("applied") for b in budgets) if budgets else None)
+            row["flash_mode"] = next((r.get("flash_mode") for r in rs if r.get("flash_mode")), None)
+            if ref is not None and good:
+                agrees = [_prefix_agreement(ref["tokens"], r["tokens"]) for r in good]
+                vals = [a for a, _ in agrees if a is not None]
+                row["greedy_agree"] = benchkit.median(vals)
+                firsts = [f for _, f in agrees if f is not None]
+                row["first_divergence"] = min(firsts) if firsts else None
+            else:
+                row["greedy_agree"] = row["first_divergence"] = None
+            if config == "stock":
+                base_decode = row["decode_tps"]
+            rows.append(row)
+        for row in rows:
+            if row["limit_mb"] == limit:
+                d = row["decode_tps"]
+                row["decode_x_stock"] = d / base_decode if (d and base_decode) else None
+    return rows
+
+
+def _status_text(counts: dict[str, int], rs: list[dict[str, Any]]) -> str:
+    if not rs:
+        return "-"
+    parts = [(s, n) for s, n in counts.items() if n]
+    if len(parts) == 1:
+        s = parts[0][0]
+        if s == "OOM":
+            phases = sorted({r.get("died_in") or "?" for r in rs})
+            return f"OOM ({'/'.join(phases)})"
+        return s
+    return ", ".join(f"{n} {s}" for s, n in parts)
+
+
+def _fmt(v: Any, spec: str, none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def config_label(row: dict[str, Any]) -> str:
+    """The config name, with a '*' when it asked for a RAM budget that was not applied."""
+    return row["config"] + ("*" if row.get("budget_applied") is False else "")
+
+
+TABLE_COLUMNS = ("limit MB", "config", "status", "prefill tok/s", "decode tok/s", "x stock", "TTFT s", "load s",
+                 "cg peak MB", "VmHWM MB", "read MB", "dec MB/tok", "tokens", "agree", "other load")
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Plain-text table (one line per (limit, config)) plus footnotes."""
+    cells = [TABLE_COLUMNS]
+    for r in rows:
+        agree = _fmt(r.get("greedy_agree"), ".3f")
+        if r.get("first_divergence") is not None:
+            agree += f"@{r['first_divergence']}"
+        cells.append((
+            _limit_label(r["limit_mb"]), config_label(r), r["status"],
+            _fmt(r["prefill_tps"], ".1f"), _fmt(r["decode_tps"], ".2f"), _fmt(r.get("decode_x_stock"), ".2f"),
+            _fmt(r["ttft_s"], ".2f"), _fmt(r["load_s"], ".1f"), _fmt(r["cg_peak_mb"], ".0f"),
+            _fmt(r["vm_hwm_mb"], ".0f"), _fmt(r["read_mb"], ".0f"), _fmt(r["decode_read_mb_per_tok"], ".1f"),
+            _fmt(r["n_gen_done"], ".0f"), agree, _fmt(r.get("foreign_cpu"), ".1%"),
+        ))  # fmt: skip
+    widths = [max(len(str(row[i])) for row in cells) for i in range(len(TABLE_COLUMNS))]
+    lines = []
+    for k, row in enumerate(cells):
+        lines.append("  ".join(str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            lines.append("-" * len(lines[0]))
+    notes = table_notes(rows)
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def table_notes(rows: list[dict[str, Any]]) -> list[str]:
+    notes = [
+        "medians over the ok runs; status counts every run (OOM: killed by the cgroup's OOM killer, in the phase "
+        "named); x stock = decode versus stock at the same limit; TTFT = prefill + first token (model loaded); "
+        "cg peak = cgroup max usage (process + page cache); read MB = bytes read from disk by the whole run "
+        "(blkio, else /proc/pid/io); dec MB/tok = read during decode per token; tokens = decode steps done "
+        "(fewer than asked: the decode time cap); agree = greedy tokens equal to stock's at the largest limit "
+        "(@ first difference)",
+    ]
+    if any(r.get("budget_applied") is False for r in rows):
+        mode = next((r.get("flash_mode") for r in rows if r.get("budget_applied") is False), None)
+        notes.append(f"* ram_budget_mb is not implemented in this llamaflash yet: this config ran flash_mode="
+                     f"{mode!r} WITHOUT a RAM budget (only the cgroup limit applied)")  # fmt: skip
+    residual = [r for r in rows if (r.get("evict_residual_mb_max") or 0) > EVICT_TOLERANCE_BYTES / MiB]
+    if residual:
+        notes.append("WARNING: model pages stayed in the page cache after eviction for "
+                     + ", ".join(f"{_limit_label(r['limit_mb'])} MB/{r['config']} ({r['evict_residual_mb_max']:.0f} MB)" for r in residual)
+                     + ": another process maps the file; those runs got the pages for free (benchmark a private "
+                       "copy: --private-copy DIR)")  # fmt: skip
+    if any(r["limit_mb"] is None for r in rows):
+        notes.append("limit 'none': memory cgroups were unavailable, measured without any memory limit")
+    return notes
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    return benchkit.write_json(Path(path), payload)
+
+
+def _pyplot():
+    """matplotlib.pyplot with a file-only backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def write_plot(path: Path, payload: dict[str, Any]) -> Path | None:
+    """PNG of decode (and prefill) tok/s versus the memory limit, one line per config; OOM cells are
+    marked at the bottom.  Returns None when matplotlib is missing or nothing was limited."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    rows = [r for r in payload["summary"] if r["limit_mb"] is not None]
+    if not rows:
+        return None
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    all_vals = [r[k] for r in rows for k in ("decode_tps", "prefill_tps") if r.get(k)]
+    floor = min(all_vals) / 3 if all_vals else 0.1
+    for ax, key, title in ((axes[0], "decode_tps", "decode"), (axes[1], "prefill_tps", "prefill")):
+        for i, cfg in enumerate(configs):
+            rs = sorted((r for r in rows if r["config"] == cfg), key=lambda r: r["limit_mb"])
+            label = cfg + ("*" if any(r.get("budget_applied") is False for r in rs) else "")
+            xs = [r["limit_mb"] for r in rs if r.get(key)]
+            ys = [r[key] for r in rs if r.get(key)]
+            (line,) = ax.plot(xs, ys, marker="o", label=label)
+            for r in rs:
+                if not r.get(key) and r["n_runs"]:
+                    ax.plot([r["limit_mb"]], [floor], marker="x", markersize=10, color=line.get_color())
+                    ax.annotate(r["status"].split(" (")[0], (r["limit_mb"], floor), textcoords="offset points",
+                                xytext=(0, 8 + 10 * i), ha="center", fontsize=8, color=line.get_color())  # fmt: skip
+        ax.set_yscale("log")
+        ax.set_xlabel("memory limit, MB (process + page cache)")
+        ax.set_ylabel(f"{title} tok/s (median)")
+        ax.set_title(f"{title} speed under a memory limit")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    model = payload.get("model", {}).get("name", "")
+    fig.suptitle(f"{model}, {payload['options']['threads']} threads"
+                 + ("   (* no RAM budget applied)" if any(r.get("budget_applied") is False for r in rows) else ""))
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(payload: dict[str, Any], json_path: Path, png_path: Path | None, echo: Callable[[str], None] = print) -> None:
+    """Print the table, write the JSON and the PNG (saying so when matplotlib is missing)."""
+    echo("")
+    echo(format_table(payload["summary"]))
+    echo(f"wrote {write_json(json_path, payload)}")
+    if png_path is not None:
+        png = write_plot(png_path, payload)
+        if png is not None:
+            echo(f"wrote {png}")
+        elif not any(r["limit_mb"] is not None for r in payload["summary"]):
+            echo("no plot: nothing ran under a memory limit")
+        else:
+            echo("no plot: matplotlib is not installed (pip install 'llamaflash[bench]'); the table and the JSON "
+                 "have every number")  # fmt: skip
