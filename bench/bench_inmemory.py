@@ -118,11 +118,12 @@ def report_bound(model_path: Path, sidecar: Path | None, runs: list[dict], args,
                 if f is not None:
                     fractions.setdefault(int(layer), []).append(f)
         frac = {layer: statistics.median(v) for layer, v in fractions.items()}
-        b = decode_bytes(model_path, info, frac or None)
+        dense_up = any((st.get("sparse_config") or {}).get("up_by_ggml") for st in stats)
+        b = decode_bytes(model_path, info, frac or None, dense_up=dense_up)
         per_token = b.sparse if b.sparse is not None else b.stock
         ms = 1e3 / decode_tps
         ffn_ms = statistics.median(st.get("compute_seconds", 0.0) for st in stats) * 1e3 / args.n_gen if any(stats) else None
-        row = {"bytes_per_token": per_token, "bound_tps": bw / per_token, "decode_tps": decode_tps,
+        row = {"bytes_per_token": per_token, "dense_up": dense_up, "bound_tps": bw / per_token, "decode_tps": decode_tps,
                "of_bound": decode_tps / (bw / per_token), "ms_per_token": ms, "ffn_ms_per_token": ffn_ms,
                "mean_active_fraction": statistics.median(frac.values()) if frac else None}
         out[config] = row

@@ -5,7 +5,8 @@ which it reads one row (unless the output projection is tied to it: then lm_head
 The KV cache and activations are small next to the weights at these context lengths and are left
 out (stated in the output). For the sparse lane, a served layer reads its gate matrix (all
 neurons: gate-first selection by ggml's GEMV), then per active neuron one up row and one down_t
-row of the sidecar's type, instead of the whole up and down matrices.
+row of the sidecar's type, instead of the whole up and down matrices (with the dense-up variant:
+the whole up matrix and the active down_t rows).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ class DecodeBytes:
 
 
 def decode_bytes(model_path: str | os.PathLike[str], sidecar: SidecarInfo | None = None,
-                 active_fraction: dict[int, float] | None = None) -> DecodeBytes:
+                 active_fraction: dict[int, float] | None = None, dense_up: bool = False) -> DecodeBytes:
     """Weight bytes read per decoded token (see the module docstring); ``active_fraction``: per
-    served layer, the fraction of neurons the sparse lane computed (``flash_stats()``)."""
+    served layer, the fraction of neurons the sparse lane computed (``flash_stats()``);
+    ``dense_up``: the lane computed u for every neuron with ggml's GEMV (the whole up matrix)."""
     header = read_gguf_header(model_path)
     names = {t.name for t in header.tensors}
     tied = "output.weight" not in names
@@ -56,7 +58,7 @@ def decode_bytes(model_path: str | os.PathLike[str], sidecar: SidecarInfo | None
             if frac is None:
                 continue
             b = ffn_bytes[layer]
-            sparse -= b["ffn_up"] + b["ffn_down"]
-            sparse += int(frac * spec.n_ff * (spec.up_row_bytes + spec.down_t_row_bytes))
+            sparse -= b["ffn_down"] + (0 if dense_up else b["ffn_up"])
+            sparse += int(frac * spec.n_ff * ((0 if dense_up else spec.up_row_bytes) + spec.down_t_row_bytes))
         out.sparse = sparse
     return out

@@ -139,8 +139,8 @@ def _load(spec: dict):
             f"config {config!r} needs the llamaflash package (pip install -e . in the repo): {e}"
         ) from e
     # the memory-limit harness passes flash_mode explicitly (None: llamaflash's choice); others name it in config
-    flash_mode, level = parse_flash_config(spec["flash_mode"] if "flash_mode" in spec else config)
-    extra = {"flash_sparsity": level}
+    flash_mode, level, dense_up = parse_flash_config(spec["flash_mode"] if "flash_mode" in spec else config)
+    extra = {"flash_sparsity": level, "flash_dense_up": dense_up}
     if flash_mode == "sparse" and spec.get("mode") == "ppl":
         # every token of the scored batches through the sparse lane, as in decode
         extra["flash_max_sparse_tokens"] = common_kwargs["n_batch"]
@@ -166,11 +166,18 @@ def _load(spec: dict):
 
 def parse_flash_config(config: str | None):
     """A llamaflash config: "dense", "sparse" (the sidecar's operating point) or "sparse@LEVEL"
-    (a calibrated level, e.g. sparse@0.4); returns (flash_mode, flash_sparsity)."""
+    (a calibrated level, e.g. sparse@0.4), optionally with "/kup" (up rows in the kernel) or "/dup"
+    (dense up GEMV); returns (flash_mode, flash_sparsity, flash_dense_up)."""
+    dense_up = None
+    if config is not None and "/" in config:
+        config, variant = config.split("/", 1)
+        if variant not in ("kup", "dup"):
+            raise ValueError(f"config variant {variant!r}: use /kup or /dup")
+        dense_up = variant == "dup"
     if config is not None and "@" in config:
         mode, level = config.split("@", 1)
-        return mode, float(level)
-    return config, None
+        return mode, float(level), dense_up
+    return config, None, dense_up
 
 
 def _ppl(spec: dict) -> dict:
