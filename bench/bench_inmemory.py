@@ -177,10 +177,7 @@ def main(argv=None) -> int:
     prompt_tokens = tok["prompt_tokens"]
 
     machine = common.machine_info()
-    from llamaflash import _native
 
-    common.wait_until_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
-    bandwidth = _native.measure_read_bandwidth(1 << 30, args.threads, 5)
     print(f"machine : {machine['cpu']}, {machine['cores_usable']}/{machine['cores_online']} cores, "
           f"{machine['mem_total_mb']} MB, SIMD {','.join(machine['simd']) or '?'}; load avg {machine['loadavg']}")  # fmt: skip
     print(f"software: llama-cpp-python {machine['llama_cpp_python']}, llamaflash {machine['llamaflash']}, "
@@ -251,6 +248,12 @@ def main(argv=None) -> int:
             frac = (q.get("flash_stats") or {}).get("mean_active_fraction")
             print(f"  {config:<12} ppl {q['ppl']:8.3f}  vs {baseline} {delta:>8}  "
                   f"active neurons {'' if frac is None else f'{frac:.1%}'}  ({q['seconds']:.0f} s)")
+    # Measured last: the probe's 1 GiB buffer would raise the peak RSS of every worker started after it
+    # (Linux keeps ru_maxrss across fork + exec).
+    from llamaflash import _native
+
+    common.wait_until_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+    bandwidth = _native.measure_read_bandwidth(1 << 30, args.threads, 5)
     bound = report_bound(model_path, sidecar if flash_configs else None, runs, args, bandwidth)
     noisy = [r for r in runs if r.get("ok") and r.get("foreign_cpu", 0) > args.max_other_load]
     if noisy:
