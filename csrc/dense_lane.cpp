@@ -197,10 +197,17 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
     // The sparse lane, when the split is a plain GLU FFN of a layer with a threshold and the batch
     // is decode-sized (sparse_lane.h); everything else runs dense below.
     bool sparse = false;
+    bool tuned = false;  // an eligible decode split: its time goes into the lane choice
     GluFfnPattern ffn;
     if (match_glu_ffn(split, registry, ffn)) {
         const SparseLayerView * view = ffn.model->sparse_layer(ffn.layer);
         const SparseConfig & config = ffn.model->sparse_config();
+        if (view != nullptr && ffn.x->ne[1] <= config.max_tokens) {
+            tuned = true;
+        }
+        if (tuned && !ffn.model->choose_sparse(ffn.layer)) {
+            view = nullptr;  // measured (or being measured) on the dense lane
+        }
         if (view != nullptr && ffn.x->ne[1] <= config.max_tokens) {
             model = ffn.model;
             ggml_tensor * x_leaf = map_src(ffn.x);
@@ -252,6 +259,9 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (sparse) {
         sparse_.account(seconds);
+    }
+    if (tuned) {
+        ffn.model->record_lane_time(ffn.layer, sparse, seconds);
     }
     if (model != nullptr) {
         if (!sparse) {

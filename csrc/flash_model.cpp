@@ -6,6 +6,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -338,6 +339,59 @@ void FlashModel::load_sparse(const std::string & activation) {
     layer_sparse_tokens_.reset(new std::atomic<uint64_t>[layers_.size()]());
     layer_active_.reset(new std::atomic<uint64_t>[layers_.size()]());
     sparse_ = std::move(views);
+}
+
+void FlashModel::set_sparse_config(const SparseConfig & config) {
+    std::lock_guard<std::mutex> lock(tuning_mutex_);
+    sparse_config_ = config;
+    tuning_.assign(layers_.size(), LaneTuning{});  // a new configuration is measured afresh
+}
+
+bool FlashModel::choose_sparse(int layer) {
+    if (!sparse_config_.autotune) {
+        return true;
+    }
+    auto it = index_.find(layer);
+    std::lock_guard<std::mutex> lock(tuning_mutex_);
+    if (it == index_.end() || it->second >= tuning_.size()) {
+        return true;
+    }
+    const LaneTuning & t = tuning_[it->second];
+    if (t.decided >= 0) {
+        return t.decided == 1;
+    }
+    return t.n[1] <= t.n[0];  // alternate, sparse first
+}
+
+void FlashModel::record_lane_time(int layer, bool sparse, double seconds) {
+    if (!sparse_config_.autotune) {
+        return;
+    }
+    auto it = index_.find(layer);
+    std::lock_guard<std::mutex> lock(tuning_mutex_);
+    if (it == index_.end() || it->second >= tuning_.size()) {
+        return;
+    }
+    LaneTuning & t = tuning_[it->second];
+    if (t.decided >= 0) {
+        return;
+    }
+    if (!t.warmed[sparse]) {  // the first split of each lane warms caches and allocations: not counted
+        t.warmed[sparse] = true;
+        return;
+    }
+    t.n[sparse] += 1;
+    t.seconds[sparse] += seconds;
+    const int steps = std::max(1, sparse_config_.autotune_steps);
+    if (t.n[0] >= steps && t.n[1] >= steps) {
+        const double dense = t.seconds[0] / t.n[0], sp = t.seconds[1] / t.n[1];
+        t.decided = sp < 0.97 * dense ? 1 : 0;
+    }
+}
+
+std::vector<LaneTuning> FlashModel::lane_tuning() const {
+    std::lock_guard<std::mutex> lock(tuning_mutex_);
+    return tuning_;
 }
 
 void FlashModel::set_thresholds(const std::vector<float> & thresholds) {

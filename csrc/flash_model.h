@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,19 @@ struct SparseConfig {
     // reads only the selected neurons' down_t rows. Faster while many neurons are active (ggml
     // streams a whole matrix faster than the kernel's per-row dots), slower at high sparsity.
     bool up_by_ggml = false;
+    // Lane choice by measured cost: the first `autotune_steps` decode splits of each layer alternate
+    // between the sparse and the dense lane, each timed; from then on the layer runs on the faster
+    // (sparse only if it beats dense by 3%). false: every eligible split runs sparse.
+    bool autotune = false;
+    int autotune_steps = 8;
+};
+
+// Per-layer state of the lane choice (see SparseConfig::autotune).
+struct LaneTuning {
+    bool warmed[2] = {false, false};
+    int n[2] = {0, 0};          // timed splits: [0] dense, [1] sparse
+    double seconds[2] = {0, 0};
+    int decided = -1;           // -1 measuring, 0 dense, 1 sparse
 };
 
 // One layer as the sparse lane sees it: views into the sidecar mapping.
@@ -125,7 +139,7 @@ public:
     // std::invalid_argument / IoError.
     void load_sparse(const std::string & activation);
     bool sparse_loaded() const { return !sparse_.empty(); }
-    void set_sparse_config(const SparseConfig & config) { sparse_config_ = config; }
+    void set_sparse_config(const SparseConfig & config);
     const SparseConfig & sparse_config() const { return sparse_config_; }
     // Replaces the thresholds (one per served layer, in layers() order; < 0 = that layer dense).
     void set_thresholds(const std::vector<float> & thresholds);
@@ -133,6 +147,14 @@ public:
     // The layer's sparse view when the sparse lane is enabled and the layer has a threshold; else nullptr.
     const SparseLayerView * sparse_layer(int layer) const;
     FfnActivation activation() const { return activation_; }
+
+    // Lane choice for an eligible decode split of `layer` (true = sparse), and its timing. Called by
+    // the backend thread that computes the split (splits run one at a time per context); the state
+    // is per model, so contexts sharing a model share the measurement.
+    bool choose_sparse(int layer);
+    void record_lane_time(int layer, bool sparse, double seconds);
+    // per served layer (layers() order): -1 still measuring, 0 dense, 1 sparse; mean seconds per split
+    std::vector<LaneTuning> lane_tuning() const;
 
     // statistics (updated by the backend; relaxed atomics: counters, not synchronisation)
     void count_split(double compute_seconds, double prepare_seconds);
@@ -162,6 +184,8 @@ private:
     const uint8_t * map_region(int file, uint64_t offset, uint64_t length);
     std::vector<SparseLayerView> sparse_;  // 1 per layer once load_sparse ran
     SparseConfig sparse_config_;
+    std::vector<LaneTuning> tuning_;  // 1 per layer (see choose_sparse)
+    mutable std::mutex tuning_mutex_;
     FfnActivation activation_ = FfnActivation::silu;
     std::unique_ptr<std::atomic<uint64_t>[]> layer_sparse_tokens_, layer_active_;
     std::atomic<uint64_t> sparse_calls_{0}, sparse_fallbacks_{0}, sparse_ns_{0};

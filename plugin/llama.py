@@ -8,8 +8,10 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  no sidecar the model runs exactly as stock llama-cpp-python (said once, as a warning).
   flash_mode     "dense": the exact dense lane (bit-identical to stock); "sparse": decode batches
                  (up to `flash_max_sparse_tokens` tokens) of layers with a threshold run on the sparse
-                 lane, prefill on the dense lane; None / "auto": "sparse" when the sidecar carries
-                 sparsity thresholds (format 2, target > 0, or a ReLU model), else "dense".
+                 lane, prefill on the dense lane; None / "auto": when the sidecar carries sparsity
+                 thresholds (format 2, target > 0, or a ReLU model), each layer's first decode steps
+                 alternate between the sparse and the dense lane, timed, and the layer keeps the faster
+                 (`flash_stats()["lane_choice"]`); without thresholds "dense".
   flash_sparsity None: the converter's operating point (the sidecar's thresholds); a level the
                  converter analysed (e.g. 0.3): that level's per-layer thresholds; 0: no sparsity
                  (sparse mode then skips only exact zeros of the activation).
@@ -143,10 +145,10 @@ class Llama(llama_cpp.Llama):
 
         # Everything that can be wrong with the files is found here, before llama.cpp starts.
         info = validate_pair(model_path, sidecar)
-        if self._flash_mode == "auto":
-            self._flash_mode = "sparse" if _has_sparsity(info) else "dense"
+        if self._flash_mode == "auto" and not _has_sparsity(info):
+            self._flash_mode = "dense"
         thresholds = None
-        if self._flash_mode == "sparse":
+        if self._flash_mode in ("sparse", "auto"):
             thresholds = sparsity_thresholds(info, flash_sparsity)
         flash = _native.FlashModel([layer.to_dict() for layer in info.layers], str(sidecar), os.fspath(model_path))
         flash.load_dense_weights()
@@ -179,7 +181,7 @@ class Llama(llama_cpp.Llama):
         if dense_up is None:
             dense_up = _level_sparsity(self._flash_info, level) < DENSE_UP_MAX_SPARSITY
         self._flash.set_sparse_config(True, max_tokens=self._flash_args["flash_max_sparse_tokens"],
-                                      up_by_ggml=bool(dense_up))
+                                      up_by_ggml=bool(dense_up), autotune=self._flash_mode == "auto")
 
     @staticmethod
     def _find_sidecar(model_path: str, sidecar_path: Optional[str]) -> Optional[Path]:
@@ -204,14 +206,16 @@ class Llama(llama_cpp.Llama):
 
     @property
     def flash_mode(self) -> str:
-        """The lane in use: "sparse", "dense", or "stock" when no sidecar is loaded."""
+        """The lane in use: "auto" (sparse or dense per layer, by measured speed), "sparse", "dense",
+        or "stock" when no sidecar is loaded."""
         return self._flash_mode
 
     def set_flash_sparsity(self, level: Optional[float]) -> None:
         """Switches the sparse lane to another calibrated level (see `flash_sparsity`) without
         reloading; only in "sparse" mode."""
-        if self._flash is None or self._flash_mode != "sparse":
-            raise ValueError(f"set_flash_sparsity needs flash_mode='sparse' (this model runs {self._flash_mode!r})")
+        if self._flash is None or self._flash_mode not in ("sparse", "auto"):
+            raise ValueError(f"set_flash_sparsity needs flash_mode='sparse' or 'auto' with a format-2 sidecar "
+                             f"(this model runs {self._flash_mode!r})")
         self._flash.thresholds = sparsity_thresholds(self._flash_info, level)
         self._configure_sparse(level)
 
@@ -237,6 +241,9 @@ class Llama(llama_cpp.Llama):
             stats.update(native)
             stats["layers_served"] = len(self._flash.served_layers)
             stats["sparse_config"] = self._flash.sparse_config
+            choice = self._flash.lane_choice
+            stats["lane_choice"] = choice
+            stats["sparse_layers"] = sum(1 for c in choice.values() if c["lane"] == "sparse")
             stats["resident_ffn_bytes"] = self._flash.resident_bytes
             n_ff = {layer.layer: layer.n_ff for layer in self._flash_info.layers}
             # per layer: fraction of neurons the sparse lane computed, over the tokens it ran

@@ -45,7 +45,8 @@ def test_auto_mode_picks_the_lane_from_the_sidecar(converted):
     model, sidecar, v1 = converted
     assert read_sidecar(sidecar).sparsity.threshold_levels == pytest.approx((0.25, 0.5, 0.75))
     llm = llamaflash.Llama(model_path=str(model), **KW)
-    assert llm.flash_mode == "sparse"
+    assert llm.flash_mode == "auto"
+    assert llm._flash.sparse_config["autotune"]
     llm.close()
     llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(v1), **KW)
     assert llm.flash_mode == "dense"
@@ -136,7 +137,7 @@ def test_switching_levels_and_errors(converted):
     with pytest.raises(ValueError, match="flash_max_sparse_tokens"):
         llamaflash.Llama(model_path=str(model), flash_max_sparse_tokens=0, **KW)
     dense = llamaflash.Llama(model_path=str(model), flash_mode="dense", **KW)
-    with pytest.raises(ValueError, match="flash_mode='sparse'"):
+    with pytest.raises(ValueError, match="flash_mode='sparse' or 'auto'"):
         dense.set_flash_sparsity(0.5)
     dense.close()
 
@@ -156,3 +157,29 @@ def test_up_by_ggml_matches_kernel_up(converted):
     assert out[True][0].generated == out[False][0].generated
     assert rel_max_diff(out[False][1], out[True][1]) < 1e-3
     assert out[True][2] == pytest.approx(out[False][2])
+
+
+def test_auto_mode_measures_both_lanes_and_keeps_the_faster(converted):
+    """flash_mode auto: each layer's first decode splits alternate sparse/dense (the first of each
+    lane is a warm-up), then the layer is decided; the decided lane is the one that measured faster
+    (sparse only when more than 3% faster) and every later decode split of the layer runs on it."""
+    model, _, _ = converted
+    llm = llamaflash.Llama(model_path=str(model), **KW)
+    llm._flash.set_sparse_config(True, max_tokens=1, autotune=True, autotune_steps=3)
+    run_model(llm, n_gen=4)
+    assert all(c["lane"] is None for c in llm.flash_stats()["lane_choice"].values())  # 4 steps: measuring
+    run_model(llm, n_gen=12)
+    choice = llm.flash_stats()["lane_choice"]
+    assert set(choice) == {0, 1}
+    for c in choice.values():
+        assert c["lane"] in ("sparse", "dense")
+        assert (c["lane"] == "sparse") == (c["sparse_ms"] < 0.97 * c["dense_ms"])
+    before = llm.flash_stats()
+    llm.reset_flash_stats()
+    run_model(llm, n_gen=5)
+    st = llm.flash_stats()
+    n_sparse = sum(1 for c in choice.values() if c["lane"] == "sparse")
+    assert st["sparse_lane_calls"] == 5 * n_sparse
+    assert st["dense_lane_calls"] == 2 + 5 * (2 - n_sparse)  # the prompt batch (2 layers), then decode
+    assert before["sparse_layers"] == n_sparse
+    llm.close()

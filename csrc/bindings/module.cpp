@@ -13,6 +13,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -299,7 +300,7 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("sparse_loaded", &FlashModel::sparse_loaded)
         .def("set_sparse_config",
              [](FlashModel & fm, bool enabled, int64_t max_tokens, int cluster_size, bool gate_by_ggml,
-                bool up_by_ggml) {
+                bool up_by_ggml, bool autotune, int autotune_steps) {
                  if (enabled && !fm.sparse_loaded()) {
                      throw py::value_error("the sparse lane is not loaded (call load_sparse first)");
                  }
@@ -312,10 +313,12 @@ PYBIND11_MODULE(_native, m) {
                  c.cluster_size = cluster_size;
                  c.gate_by_ggml = gate_by_ggml;
                  c.up_by_ggml = up_by_ggml && gate_by_ggml;
+                 c.autotune = autotune;
+                 c.autotune_steps = std::max(1, autotune_steps);
                  fm.set_sparse_config(c);
              },
              py::arg("enabled"), py::arg("max_tokens") = 1, py::arg("cluster_size") = 32, py::arg("gate_by_ggml") = true,
-             py::arg("up_by_ggml") = false,
+             py::arg("up_by_ggml") = false, py::arg("autotune") = false, py::arg("autotune_steps") = 8,
              "Route decode batches of up to max_tokens tokens of layers with a threshold to the sparse lane.")
         .def_property_readonly("sparse_config", [](const FlashModel & fm) {
             const SparseConfig & c = fm.sparse_config();
@@ -325,7 +328,23 @@ PYBIND11_MODULE(_native, m) {
             d["cluster_size"] = c.cluster_size;
             d["gate_by_ggml"] = c.gate_by_ggml;
             d["up_by_ggml"] = c.up_by_ggml;
+            d["autotune"] = c.autotune;
+            d["autotune_steps"] = c.autotune_steps;
             return d;
+        })
+        .def_property_readonly("lane_choice", [](const FlashModel & fm) {
+            // per served layer: None while measuring, else "sparse"/"dense" with the mean split times
+            py::dict out;
+            const std::vector<LaneTuning> tuning = fm.lane_tuning();
+            for (size_t i = 0; i < tuning.size() && i < fm.layers().size(); ++i) {
+                const LaneTuning & t = tuning[i];
+                py::dict d;
+                d["lane"] = t.decided < 0 ? py::object(py::none()) : py::object(py::str(t.decided ? "sparse" : "dense"));
+                d["dense_ms"] = t.n[0] ? py::object(py::float_(1e3 * t.seconds[0] / t.n[0])) : py::object(py::none());
+                d["sparse_ms"] = t.n[1] ? py::object(py::float_(1e3 * t.seconds[1] / t.n[1])) : py::object(py::none());
+                out[py::int_(fm.layers()[i].layer)] = d;
+            }
+            return out;
         })
         .def_property("thresholds", &FlashModel::thresholds, &FlashModel::set_thresholds,
                       "Per served layer (in served_layers order): skip neuron k when |act(gate_k·x)| <= "
