@@ -451,8 +451,7 @@ void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n
     xq_gate_bytes_ = gate_bytes;
     xq_up_bytes_ = up_bytes;
     xq_token_bytes_ = token_bytes;
-    if (n_tokens <= cap_tokens_ && n_threads <= cap_threads_ && L.n_embd <= cap_embd_ && token_bytes <= cap_xq_token_bytes_ &&
-        L.n_ff <= cap_ff_) {
+    if (n_tokens <= cap_tokens_ && n_threads <= cap_threads_ && L.n_embd <= cap_embd_ && token_bytes <= cap_xq_token_bytes_) {
         return;  // the carve-up for the larger capacity still fits
     }
     cap_tokens_ = std::max(cap_tokens_, n_tokens);
@@ -465,18 +464,12 @@ void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n
     const size_t partial = static_cast<size_t>(cap_tokens_) * cap_threads_ * row;
     const size_t tmp = static_cast<size_t>(cap_threads_) * row;
     const size_t counts = round_up(static_cast<size_t>(cap_tokens_) * sizeof(int32_t), kAlign);
-    cap_ff_ = std::max(cap_ff_, L.n_ff);
-    const size_t sel = round_up(static_cast<size_t>(cap_tokens_) * cap_ff_ * sizeof(int32_t), kAlign);
-    const size_t sel_counts = round_up(static_cast<size_t>(cap_tokens_) * cap_threads_ * sizeof(int32_t), kAlign);
-    buf_.assign(xq + partial + tmp + counts + 2 * sel + sel_counts + kAlign, 0);
+    buf_.assign(xq + partial + tmp + counts + kAlign, 0);
     uint8_t * p = reinterpret_cast<uint8_t *>(round_up(reinterpret_cast<uintptr_t>(buf_.data()), kAlign));
     xq_ = p;
     partial_ = reinterpret_cast<float *>(p += xq);
     row_tmp_ = reinterpret_cast<float *>(p += partial);
     counts_ = reinterpret_cast<int32_t *>(p += tmp);
-    sel_ids_ = reinterpret_cast<int32_t *>(p += counts);
-    sel_act_ = reinterpret_cast<float *>(p += sel);
-    sel_counts_ = reinterpret_cast<int32_t *>(p += sel);
 }
 
 // Accessor for the phases (friend of SparseFfnScratch).
@@ -484,8 +477,6 @@ struct SparseFfnImpl {
     static void begin(const SparseFfnLayer & L, const SparseFfnParams & P, const SparseFfnIo & io, SparseFfnScratch & S);
     static void quantize(SparseFfnScratch & S, int ith, int nth);
     static void accumulate(SparseFfnScratch & S, int ith, int nth);
-    static void select(SparseFfnScratch & S, int ith, int nth);
-    static void accumulate_selected(SparseFfnScratch & S, int ith, int nth);
     static void reduce(SparseFfnScratch & S, int ith, int nth);
     static float * partial(SparseFfnScratch & S, int64_t t, int th) {
         return S.partial_ + (static_cast<size_t>(t) * S.cap_threads_ + th) * S.embd_pad_;
@@ -530,7 +521,6 @@ void SparseFfnImpl::begin(const SparseFfnLayer & L, const SparseFfnParams & P, c
     if (S.io_.active_counts == nullptr) S.io_.active_counts = S.counts_;
     S.isa_ = isa;
     S.g_lo_ = prefilter_bound(L.activation, P.threshold);
-    S.preselect_ = P.gate_values != nullptr && P.active == nullptr;
     std::fill(S.io_.active_counts, S.io_.active_counts + io.n_tokens, 0);
     if (io.active_mask != nullptr) std::memset(io.active_mask, 0, static_cast<size_t>(io.n_tokens) * L.n_ff);
 }
@@ -545,112 +535,9 @@ void SparseFfnImpl::quantize(SparseFfnScratch & S, int ith, int nth) {
         gate_q(xt, q, L.n_embd);
         if (S.xq_up_bytes_ != 0) up_q(xt, q + S.xq_gate_bytes_, L.n_embd);
     }
-    if (S.preselect_) select(S, ith, nth);
-}
-
-// Thread ith's neuron range of every token: the neurons with |act(g)| > threshold, in order, with
-// act(g), into its slice of sel_ids_/sel_act_ (see the scratch).
-void SparseFfnImpl::select(SparseFfnScratch & S, int ith, int nth) {
-    const SparseFfnLayer & L = S.layer_;
-    const SparseFfnParams & P = S.params_;
-    const float thr = P.threshold, g_lo = S.g_lo_;
-    const int64_t b = L.n_ff * ith / nth, e = L.n_ff * (ith + 1) / nth;
-    const size_t stride = P.gate_values_stride != 0 ? P.gate_values_stride : static_cast<size_t>(L.n_ff);
-    for (int64_t t = 0; t < S.io_.n_tokens; ++t) {
-        const float * gv = P.gate_values + t * stride;
-        int32_t * ids = S.sel_ids_ + static_cast<size_t>(t) * S.cap_ff_ + b;
-        float * act = S.sel_act_ + static_cast<size_t>(t) * S.cap_ff_ + b;
-        int32_t n = 0;
-        for (int64_t i = b; i < e; ++i) {
-            const float g = gv[i];
-            if (g < g_lo) continue;
-            const float a = ffn_activation(L.activation, g);
-            if (thr >= 0.0f && !(std::fabs(a) > thr)) continue;
-            ids[n] = static_cast<int32_t>(i);
-            act[n] = a;
-            ++n;
-        }
-        S.sel_counts_[static_cast<size_t>(t) * S.cap_threads_ + ith] = n;
-    }
-}
-
-// The selected neurons of every token (select's per-thread lists, concatenated in thread order =
-// neuron order) split into nth equal slices: thread ith computes slice ith. Balanced whatever the
-// activity of each part of the layer, and deterministic for a given nth.
-void SparseFfnImpl::accumulate_selected(SparseFfnScratch & S, int ith, int nth) {
-    const SparseFfnLayer & L = S.layer_;
-    const SparseFfnParams & P = S.params_;
-    const SparseFfnIo & io = S.io_;
-    const ggml_vec_dot_t up_dot = ggml_get_type_traits_cpu(L.up_type)->vec_dot;
-    const AxpyFn axpy = pick_axpy(L.down_t_type, S.isa_);
-    const ggml_to_float_t down_to_float = ggml_get_type_traits(L.down_t_type)->to_float;
-    const int n_embd = static_cast<int>(L.n_embd);
-    const int cs = P.cluster_size;
-    float * tmp = S.row_tmp_ + static_cast<size_t>(ith) * S.embd_pad_;
-    const uint8_t * const up_base = L.up_rows != nullptr ? L.up_rows : L.bundles + L.gate_row_bytes;
-    const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
-    float hs[kMaxCluster];
-    const uint8_t * rows[kMaxCluster];
-
-    for (int64_t t = 0; t < io.n_tokens; ++t) {
-        const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
-        const uint8_t * xq_up = S.xq_up_bytes_ == 0 ? xq_gate : xq_gate + S.xq_gate_bytes_;
-        const float * uv = P.up_values != nullptr
-                               ? P.up_values + t * (P.up_values_stride != 0 ? P.up_values_stride : L.n_ff)
-                               : nullptr;
-        const int32_t * counts = S.sel_counts_ + static_cast<size_t>(t) * S.cap_threads_;
-        int64_t total = 0;
-        for (int th = 0; th < nth; ++th) total += counts[th];
-        const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
-        float * acc = partial(S, t, ith);
-        std::memset(acc, 0, L.n_embd * sizeof(float));
-        uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
-        int64_t pos = 0;  // logical index of the first entry of region th
-        for (int th = 0; th < nth && pos < hi; pos += counts[th], ++th) {
-            const int64_t j0 = std::max(lo, pos), j1 = std::min(hi, pos + counts[th]);
-            const size_t region = static_cast<size_t>(t) * S.cap_ff_ + static_cast<size_t>(L.n_ff * th / nth);
-            const int32_t * ids = S.sel_ids_ + region - pos;
-            const float * act = S.sel_act_ + region - pos;
-            for (int64_t k0 = j0; k0 < j1; k0 += cs) {
-                const int n = static_cast<int>(std::min<int64_t>(cs, j1 - k0));
-                if (P.prefetch) {
-                    for (int r = 0; r < n; ++r) {
-                        const int32_t i = ids[k0 + r];
-                        if (uv == nullptr) prefetch_l2(up_base + static_cast<size_t>(i) * up_stride, L.up_row_bytes);
-                        prefetch_l2(L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes, L.down_t_row_bytes);
-                    }
-                }
-                for (int r = 0; r < n; ++r) {
-                    const int32_t i = ids[k0 + r];
-                    float u;
-                    if (uv != nullptr) {
-                        u = uv[i];
-                    } else {
-                        up_dot(n_embd, &u, 0, up_base + static_cast<size_t>(i) * up_stride, 0, xq_up, 0, 1);
-                    }
-                    hs[r] = act[k0 + r] * u;
-                    rows[r] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
-                    if (mask != nullptr) mask[i] = 1;
-                }
-                if (axpy != nullptr) {
-                    axpy(acc, rows, hs, n, n_embd);
-                } else {
-                    for (int r = 0; r < n; ++r) {
-                        down_to_float(rows[r], tmp, n_embd);
-                        for (int j = 0; j < n_embd; ++j) acc[j] += hs[r] * tmp[j];
-                    }
-                }
-            }
-        }
-        if (hi > lo) __atomic_fetch_add(io.active_counts + t, static_cast<int32_t>(hi - lo), __ATOMIC_RELAXED);
-    }
 }
 
 void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
-    if (S.preselect_) {
-        accumulate_selected(S, ith, nth);
-        return;
-    }
     const SparseFfnLayer & L = S.layer_;
     const SparseFfnParams & P = S.params_;
     const SparseFfnIo & io = S.io_;

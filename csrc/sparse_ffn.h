@@ -158,13 +158,6 @@ private:
     float * partial_ = nullptr;     // [n_tokens][cap_threads][embd_pad] per-thread partial y
     float * row_tmp_ = nullptr;     // [cap_threads][embd_pad] dequantized down_t row (generic path)
     int32_t * counts_ = nullptr;    // [n_tokens] when the caller wants no counts
-    // preselection (with gate_values): per token, thread th's selected neurons and their act(g) in
-    // the slice of [cap_ff] starting at its neuron range, and how many
-    int32_t * sel_ids_ = nullptr;   // [n_tokens][cap_ff]
-    float * sel_act_ = nullptr;     // [n_tokens][cap_ff]
-    int32_t * sel_counts_ = nullptr;  // [n_tokens][cap_threads]
-    int64_t cap_ff_ = 0;
-    bool preselect_ = false;
     size_t embd_pad_ = 0;
     int64_t cap_tokens_ = 0;
     int cap_threads_ = 0;
@@ -191,13 +184,9 @@ void sparse_ffn_forward(const SparseFfnLayer & layer, const SparseFfnParams & pa
 //                          for params.n_threads, zeroes the outputs, records the plan in `scratch`
 //                          (layer, params and io must stay valid until the last phase returns);
 //   then every thread ith in [0, nth), nth <= params.n_threads, the same nth throughout:
-//   sparse_ffn_quantize    x → activations in vec_dot types (tokens split over threads); with
-//                          gate_values (and no explicit list) also the selection: thread ith scans
-//                          neuron range ith of every token
+//   sparse_ffn_quantize    x → activations in vec_dot types (tokens split over threads)
 //   -- barrier --
-//   sparse_ffn_accumulate  share ith of nth of every token's work into thread ith's partial y: with
-//                          gate_values, slice ith of the selected neurons (equal counts per thread,
-//                          in neuron order); otherwise range ith of the candidates
+//   sparse_ffn_accumulate  range ith of nth of every token's candidates into thread ith's partial y
 //   -- barrier --
 //   sparse_ffn_reduce      y = Σ partials (chunks of n_embd split over threads)
 // The phases never throw and never allocate.
