@@ -266,9 +266,7 @@ def main(argv=None) -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": machine,
         "system_info": tok.get("system_info"),
-        "model": {"name": model_name, "path": str(model_path), "sha256": model_sha,
-                  "bytes": model_path.stat().st_size},  # fmt: skip
-        "sidecar": {"path": str(sidecar), "bytes": sidecar.stat().st_size} if flash_configs else None,
+        **common.files_record(model_path, model_name, model_sha, sidecar if flash_configs else None),
         "conversion": conversion,
         "prompt_tokens": prompt_tokens,
         "summary": rows,

@@ -22,6 +22,7 @@ from llamaflash.benchkit import (  # noqa: F401  (re-exported for the bench scri
     WORKER,
     WorkerError,
     cpu_busy_seconds,
+    files_record,
     greedy_agreement,
     machine_busy_fraction,
     machine_info,

@@ -178,13 +178,15 @@ def print_table(result, stream: TextIO) -> None:
         p(f"quality ({fmt.QUALITY_METHOD_LABELS[result.quality_method]}; {result.validation_tokens} tokens of "
           f"{result.validation.source}):")
         p(f"  dense ppl {dense.ppl:.4f}")
-        for q in result.curve:
-            p(f"  sparsity {q.target_sparsity:.2f}: ppl {q.ppl:.4f} ({100 * q.ppl_delta(dense):+.2f}%), "
+
+        def point(label, q):
+            p(f"  {label}: ppl {q.ppl:.4f} ({100 * q.ppl_delta(dense):+.2f}%), "
               f"greedy agreement {q.greedy_agreement:.3f}, active fraction {q.active_fraction:.3f}")
+
+        for q in result.curve:
+            point(f"sparsity {q.target_sparsity:.2f}", q)
         if result.chosen is not None:
-            c = result.chosen
-            p(f"  chosen ({c.selection}): ppl {c.ppl:.4f} ({100 * c.ppl_delta(dense):+.2f}%), "
-              f"greedy agreement {c.greedy_agreement:.3f}, active fraction {c.active_fraction:.3f}")
+            point(f"chosen ({result.chosen.selection})", result.chosen)
     for note in result.notes:
         p(f"note: {note}")
 

@@ -144,14 +144,7 @@ def calibration_chunks(
         starts = np.arange(0, total, per_chunk)
     else:
         starts = np.linspace(0, total - per_chunk, n_chunks).astype(np.int64)
-    chunks = []
-    for start in starts:
-        piece = tokens[start:start + per_chunk]
-        if bos is not None:
-            piece = np.concatenate([[bos], piece])
-        if piece.size >= 2:
-            chunks.append(piece.astype(np.int32))
-    return chunks
+    return _chunks(tokens, starts, per_chunk, bos)
 
 
 def validation_chunks(
@@ -167,8 +160,14 @@ def validation_chunks(
         )
     tokens = tokens[:n_tokens]
     per_chunk = chunk_len - (1 if bos is not None else 0)
+    return _chunks(tokens, range(0, tokens.size, per_chunk), per_chunk, bos)
+
+
+def _chunks(tokens: np.ndarray, starts, per_chunk: int, bos: int | None) -> list[np.ndarray]:
+    """int32 windows tokens[start:start + per_chunk], BOS first when given; windows of fewer than
+    2 tokens (nothing to predict) are dropped."""
     chunks = []
-    for start in range(0, tokens.size, per_chunk):
+    for start in starts:
         piece = tokens[start:start + per_chunk]
         if bos is not None:
             piece = np.concatenate([[bos], piece])

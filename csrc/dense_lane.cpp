@@ -202,13 +202,9 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
     if (match_glu_ffn(split, registry, ffn)) {
         const SparseLayerView * view = ffn.model->sparse_layer(ffn.layer);
         const SparseConfig & config = ffn.model->sparse_config();
-        if (view != nullptr && ffn.x->ne[1] <= config.max_tokens) {
-            tuned = true;
-        }
-        if (tuned && !ffn.model->choose_sparse(ffn.layer)) {
-            view = nullptr;  // measured (or being measured) on the dense lane
-        }
-        if (view != nullptr && ffn.x->ne[1] <= config.max_tokens) {
+        tuned = view != nullptr && ffn.x->ne[1] <= config.max_tokens;
+        // an eligible split runs sparse unless the lane choice (measured or measuring) says dense
+        if (tuned && ffn.model->choose_sparse(ffn.layer)) {
             model = ffn.model;
             ggml_tensor * x_leaf = map_src(ffn.x);
             ggml_tensor * gate = nullptr;
@@ -228,7 +224,7 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
             }
             sparse = true;
         }
-    } else if (n_nodes > 0) {
+    } else {
         for (int i = 0; i < n_nodes; ++i) {
             const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
             const BoundWeight * b = node->op == GGML_OP_MUL_MAT ? registry.lookup(node->src[0]) : nullptr;

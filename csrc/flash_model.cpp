@@ -323,7 +323,6 @@ void FlashModel::load_sparse(const std::string & activation) {
         k.down_t_row_bytes = s.down_t_row_bytes;
         k.activation = activation_;
         sparse_ffn_validate(k);
-        v.threshold = s.threshold;
         std::vector<int32_t> order(static_cast<size_t>(s.n_ff));
         sidecar.read_exact(order.data(), order.size() * sizeof(int32_t), s.order_offset);
         for (size_t i = 0; i < order.size() && v.base_order; ++i) {
@@ -401,10 +400,12 @@ void FlashModel::set_thresholds(const std::vector<float> & thresholds) {
     }
     for (size_t li = 0; li < layers_.size(); ++li) {
         layers_[li].threshold = thresholds[li];
-        if (li < sparse_.size()) {
-            sparse_[li].threshold = thresholds[li];
-        }
     }
+}
+
+float FlashModel::threshold(int layer) const {
+    auto it = index_.find(layer);
+    return it == index_.end() ? -1.0f : layers_[it->second].threshold;
 }
 
 std::vector<float> FlashModel::thresholds() const {
@@ -420,7 +421,7 @@ const SparseLayerView * FlashModel::sparse_layer(int layer) const {
         return nullptr;
     }
     auto it = index_.find(layer);
-    if (it == index_.end() || sparse_[it->second].threshold < 0.0f) {
+    if (it == index_.end() || layers_[it->second].threshold < 0.0f) {
         return nullptr;
     }
     return &sparse_[it->second];

@@ -101,7 +101,6 @@ struct LaneTuning {
 // One layer as the sparse lane sees it: views into the sidecar mapping.
 struct SparseLayerView {
     SparseFfnLayer kernel;           // bundles + down_t, bundle order
-    float threshold = -1.0f;         // < 0: dense
     bool base_order = true;          // bundle k holds base neuron k (gate values from ggml usable)
 };
 
@@ -144,6 +143,8 @@ public:
     // Replaces the thresholds (one per served layer, in layers() order; < 0 = that layer dense).
     void set_thresholds(const std::vector<float> & thresholds);
     std::vector<float> thresholds() const;
+    // The layer's threshold (< 0: no sparsity; -1 for a layer not served).
+    float threshold(int layer) const;
     // The layer's sparse view when the sparse lane is enabled and the layer has a threshold; else nullptr.
     const SparseLayerView * sparse_layer(int layer) const;
     FfnActivation activation() const { return activation_; }

@@ -127,7 +127,7 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     const int64_t n_tokens = ffn.x->ne[1];
     layer_ = view.kernel;
     params_ = SparseFfnParams{};
-    params_.threshold = view.threshold;
+    params_.threshold = ffn.model->threshold(ffn.layer);
     params_.n_threads = n_threads;
     params_.cluster_size = cluster_size;
     if (gate != nullptr) {

@@ -125,6 +125,15 @@ def _pkg_version(name: str) -> str | None:
         return None
 
 
+def files_record(model_path: Path, model_name: str, model_sha: str, sidecar: Path | None) -> dict[str, Any]:
+    """The ``model`` and ``sidecar`` entries of a benchmark's JSON (sidecar None: no llamaflash config)."""
+    return {
+        "model": {"name": model_name, "path": str(model_path), "sha256": model_sha,
+                  "bytes": model_path.stat().st_size},  # fmt: skip
+        "sidecar": {"path": str(sidecar), "bytes": sidecar.stat().st_size} if sidecar is not None else None,
+    }
+
+
 def machine_info() -> dict[str, Any]:
     cpu = None
     flags: list[str] = []

@@ -296,9 +296,7 @@ def _run_all(opts: BenchOptions, model_path: Path, model_name: str, model_sha: s
         "limits_mb": limits,
         "machine": machine,
         "system_info": tok.get("system_info"),
-        "model": {"name": model_name, "path": str(model_path), "sha256": model_sha,
-                  "bytes": model_path.stat().st_size},  # fmt: skip
-        "sidecar": {"path": str(sidecar), "bytes": sidecar.stat().st_size} if flash_configs else None,
+        **benchkit.files_record(model_path, model_name, model_sha, sidecar if flash_configs else None),
         "prompt_tokens": prompt_tokens,
         "summary": rows,
         "runs": runs,
