@@ -209,10 +209,11 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
             ggml_tensor * x_leaf = map_src(ffn.x);
             ggml_tensor * gate = nullptr;
             ggml_tensor * up = nullptr;
-            if (config.gate_by_ggml && view->base_order) {
+            const bool offload = ffn.model->neuron_cache() != nullptr;  // gate by ggml, up from the cache
+            if ((config.gate_by_ggml || offload) && view->base_order) {
                 gate = mirror_node(ffn.gate);
                 ggml_build_forward_expand(graph, gate);
-                if (config.up_by_ggml) {
+                if (config.up_by_ggml && !offload) {
                     up = mirror_node(ffn.up);
                     ggml_build_forward_expand(graph, up);
                 }
@@ -251,10 +252,25 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
     }
 
     const auto t0 = std::chrono::steady_clock::now();
-    const ggml_status status = ggml_backend_graph_compute(cpu_, graph);
+    ggml_status status = ggml_backend_graph_compute(cpu_, graph);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (sparse) {
         sparse_.account(seconds);
+        const std::string failure = sparse_.take_failure();
+        if (!failure.empty()) {  // an I/O error in the offload lane: the split's result is not valid
+            ffn.model->set_error(failure);
+            status = GGML_STATUS_FAILED;
+        }
+    } else {
+        // offload layout: a dense (prefill) split streamed its layer's up/down pages; let them go
+        for (int i = 0; i < n_nodes; ++i) {
+            const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
+            const BoundWeight * b = node->op == GGML_OP_MUL_MAT ? registry.lookup(node->src[0]) : nullptr;
+            if (b != nullptr && b->model->offload_layout()) {
+                b->model->release_streamed(b->layer);
+                break;
+            }
+        }
     }
     if (tuned) {
         ffn.model->record_lane_time(ffn.layer, sparse, seconds);

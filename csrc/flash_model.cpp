@@ -125,6 +125,9 @@ void FlashModel::load_dense_weights() {
         }
         sidecar.check_range(s.bundle_offset, n_ff * s.bundle_stride);
         base.check_range(s.base_down_offset, static_cast<uint64_t>(s.n_embd) * s.base_down_row_bytes);
+        if (offload_layout_) {
+            base.check_range(s.base_up_offset, n_ff * s.up_row_bytes);
+        }
     }
 
     ggml_init_params params = {ggml_tensor_overhead() * (4 * layers_.size() + 1), nullptr, true};
@@ -145,7 +148,13 @@ void FlashModel::load_dense_weights() {
             ggml_tensor * t = kind == 0 ? gate : kind == 1 ? up : down;
             weights_.push_back(t);
             ggml_backend_buffer_type_t buft = pick_cpu_weight_buft(t);
-            if (buft != plain) {
+            if (offload_layout_) {  // gate resident, up and down streamed from the base file
+                if (kind == 0) {
+                    copies[buft].push_back(t);
+                } else {
+                    views_base.emplace_back(t, kind == 1 ? s.base_up_offset : s.base_down_offset);
+                }
+            } else if (buft != plain) {
                 copies[buft].push_back(t);
             } else if (kind == 2) {
                 views_base.emplace_back(t, s.base_down_offset);
@@ -312,13 +321,22 @@ void FlashModel::load_sparse(const std::string & activation) {
         sidecar.check_range(s.down_t_offset, static_cast<uint64_t>(s.n_ff) * s.down_t_row_bytes);
         k.n_embd = s.n_embd;
         k.n_ff = s.n_ff;
-        k.bundles = map_region(0, s.bundle_offset, static_cast<uint64_t>(s.n_ff) * s.bundle_stride);
+        // offload layout: no mappings; the lane points the kernel at the neuron cache's slots per
+        // call (the placeholder only satisfies validation until then)
+        static const uint8_t * const kNoSlots[1] = {nullptr};
+        if (offload_layout_) {
+            k.up_slots = k.down_t_slots = kNoSlots;
+        } else {
+            k.bundles = map_region(0, s.bundle_offset, static_cast<uint64_t>(s.n_ff) * s.bundle_stride);
+        }
         k.bundle_stride = s.bundle_stride;
         k.gate_type = s.gate_type;
         k.up_type = s.up_type;
         k.gate_row_bytes = s.gate_row_bytes;
         k.up_row_bytes = s.up_row_bytes;
-        k.down_t = map_region(0, s.down_t_offset, static_cast<uint64_t>(s.n_ff) * s.down_t_row_bytes);
+        if (!offload_layout_) {
+            k.down_t = map_region(0, s.down_t_offset, static_cast<uint64_t>(s.n_ff) * s.down_t_row_bytes);
+        }
         k.down_t_type = s.down_t_type;
         k.down_t_row_bytes = s.down_t_row_bytes;
         k.activation = activation_;
@@ -328,7 +346,7 @@ void FlashModel::load_sparse(const std::string & activation) {
         for (size_t i = 0; i < order.size() && v.base_order; ++i) {
             v.base_order = order[i] == static_cast<int32_t>(i);
         }
-        if (v.base_order) {
+        if (v.base_order && !offload_layout_) {
             // the base file's up rows: contiguous, so a thread's run of active neurons is one stream
             // (the bundles interleave gate rows, which the gate-by-ggml path never needs)
             k.up_rows = map_region(1, s.base_up_offset, static_cast<uint64_t>(s.n_ff) * s.up_row_bytes);

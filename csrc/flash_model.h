@@ -16,6 +16,7 @@
 
 #include "file_reader.h"
 #include "ggml-backend.h"
+#include "neuron_cache.h"
 #include "sparse_ffn.h"
 #include "ggml.h"
 
@@ -111,6 +112,27 @@ public:
     FlashModel(const FlashModel &) = delete;
     FlashModel & operator=(const FlashModel &) = delete;
 
+    // Flash offload (issue 5; flash_model_offload.cpp). set_offload_layout(true) before
+    // load_dense_weights() places the dense weights for a RAM budget: gate as resident anonymous
+    // memory (repacked when the CPU backend repacks it, else a plain copy: gate-first selection needs
+    // every gate row every token), up and down as views into the base file (page cache, only touched
+    // by prefill, released after each dense split by release_streamed()). enable_offload() then opens
+    // the neuron cache (neuron_cache.h) that serves the sparse lane's up and down_t rows; it needs a
+    // sidecar in base neuron order. Throws std::invalid_argument / IoError.
+    void set_offload_layout(bool offload);
+    bool offload_layout() const { return offload_layout_; }
+    void enable_offload(std::vector<CacheLayerSource> sources, const NeuronCacheConfig & config);
+    NeuronCache * neuron_cache() const { return cache_.get(); }
+    void load_hot();                       // the cache's pinned clusters (blocking reads)
+    int layer_position(int layer) const;   // index in layers(), -1 if not served
+    // After a dense split of `layer` in offload layout: drop its up/down pages (MADV_DONTNEED on the
+    // mappings, POSIX_FADV_DONTNEED on the file range) so prefill streams instead of accumulating.
+    void release_streamed(int layer);
+    // A failure inside a graph compute (an I/O error in the sparse lane): kept until taken, so the
+    // Python layer can raise it after llama_decode reports the failed compute.
+    void set_error(const std::string & message);
+    std::string take_error();
+
     // Reads every served layer's weights into ggml CPU buffers (repacked buffer types where the CPU
     // backend offers one for the weight, as stock llama.cpp does). Throws IoError / std::runtime_error.
     void load_dense_weights();
@@ -192,6 +214,16 @@ private:
     std::atomic<uint64_t> sparse_calls_{0}, sparse_fallbacks_{0}, sparse_ns_{0};
     size_t copied_bytes_ = 0;
     bool dense_loaded_ = false;
+    bool offload_layout_ = false;
+    std::unique_ptr<NeuronCache> cache_;
+    struct StreamedRegion {
+        MappedFile * map;
+        uint64_t offset, length;  // in the base file
+    };
+    std::map<int, std::vector<StreamedRegion>> streamed_;  // layer -> its up/down views (offload layout)
+    std::unique_ptr<FileReader> base_file_;                // for dropping streamed pages
+    std::mutex error_mutex_;
+    std::string error_;
 
     std::atomic<uint64_t> splits_{0}, ffn_evals_{0}, tokens_{0}, dense_calls_{0};
     std::atomic<uint64_t> compute_ns_{0}, prepare_ns_{0};

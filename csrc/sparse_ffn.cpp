@@ -418,7 +418,8 @@ const char * sparse_isa_name(SparseIsa isa) {
 void sparse_ffn_validate(const SparseFfnLayer & L) {
     auto fail = [](const std::string & msg) { throw std::invalid_argument("sparse_ffn: " + msg); };
     if (L.n_embd <= 0 || L.n_ff <= 0) fail("empty layer shape");
-    if (L.bundles == nullptr || L.down_t == nullptr) fail("null weight view");
+    if ((L.up_slots == nullptr) != (L.down_t_slots == nullptr)) fail("up_slots and down_t_slots go together");
+    if (L.up_slots == nullptr && (L.bundles == nullptr || L.down_t == nullptr)) fail("null weight view");
     for (ggml_type t : {L.gate_type, L.up_type, L.down_t_type}) {
         if (t < 0 || t >= GGML_TYPE_COUNT || ggml_blck_size(t) <= 0) fail("unknown ggml type " + std::to_string(int(t)));
     }
@@ -478,6 +479,8 @@ struct SparseFfnImpl {
     static void quantize(SparseFfnScratch & S, int ith, int nth);
     static void accumulate(SparseFfnScratch & S, int ith, int nth);
     static void reduce(SparseFfnScratch & S, int ith, int nth);
+    static void accumulate_clusters(SparseFfnScratch & S, int ith, int nth, const int32_t * clusters, int64_t n);
+    static void needed_clusters(const SparseFfnScratch & S, uint8_t * needed);
     static float * partial(SparseFfnScratch & S, int64_t t, int th) {
         return S.partial_ + (static_cast<size_t>(t) * S.cap_threads_ + th) * S.embd_pad_;
     }
@@ -521,6 +524,12 @@ void SparseFfnImpl::begin(const SparseFfnLayer & L, const SparseFfnParams & P, c
     if (S.io_.active_counts == nullptr) S.io_.active_counts = S.counts_;
     S.isa_ = isa;
     S.g_lo_ = prefilter_bound(L.activation, P.threshold);
+    if (L.up_slots != nullptr && (P.gate_values == nullptr || P.active != nullptr)) {
+        fail("rows by cluster need caller gate values and no explicit active list");
+    }
+    for (int64_t t = 0; t < io.n_tokens; ++t) {
+        for (int th = 0; th < P.n_threads; ++th) std::memset(partial(S, t, th), 0, L.n_embd * sizeof(float));
+    }
     std::fill(S.io_.active_counts, S.io_.active_counts + io.n_tokens, 0);
     if (io.active_mask != nullptr) std::memset(io.active_mask, 0, static_cast<size_t>(io.n_tokens) * L.n_ff);
 }
@@ -573,8 +582,7 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
                                : nullptr;
         const bool prefetch_gate = P.prefetch && gv == nullptr;
         uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
-        float * acc = partial(S, t, ith);
-        std::memset(acc, 0, L.n_embd * sizeof(float));
+        float * acc = partial(S, t, ith);  // zeroed by begin
         int32_t local = 0;
         const int64_t range_begin = n_cand * ith / nth, range_end = n_cand * (ith + 1) / nth;
         for (int64_t k0 = range_begin; k0 < range_end; k0 += cs) {
@@ -633,6 +641,111 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
     }
 }
 
+// Same selection and arithmetic as accumulate() (gate values from the caller), over whole clusters
+// of the given list; rows from the cluster slots when the layer has them.
+void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, const int32_t * clusters, int64_t n) {
+    const SparseFfnLayer & L = S.layer_;
+    const SparseFfnParams & P = S.params_;
+    const SparseFfnIo & io = S.io_;
+    const ggml_vec_dot_t up_dot = ggml_get_type_traits_cpu(L.up_type)->vec_dot;
+    const AxpyFn axpy = pick_axpy(L.down_t_type, S.isa_);
+    const ggml_to_float_t down_to_float = ggml_get_type_traits(L.down_t_type)->to_float;
+    const int n_embd = static_cast<int>(L.n_embd);
+    const float thr = P.threshold, g_lo = S.g_lo_;
+    const int64_t cs = P.cluster_size;
+    float * tmp = S.row_tmp_ + static_cast<size_t>(ith) * S.embd_pad_;
+    int32_t ids[kMaxCluster];
+    float hs[kMaxCluster];
+    const uint8_t * rows[kMaxCluster];
+    const uint8_t * up_rows[kMaxCluster];
+    const bool slotted = L.up_slots != nullptr;
+    const uint8_t * const up_base = L.up_rows != nullptr ? L.up_rows : L.bundles + L.gate_row_bytes;
+    const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
+    const int64_t part_begin = n * ith / nth, part_end = n * (ith + 1) / nth;
+
+    for (int64_t t = 0; t < io.n_tokens; ++t) {
+        const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
+        const uint8_t * xq_up = S.xq_up_bytes_ == 0 ? xq_gate : xq_gate + S.xq_gate_bytes_;
+        const float * gv = P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff);
+        const float * uv = P.up_values != nullptr
+                               ? P.up_values + t * (P.up_values_stride != 0 ? P.up_values_stride : L.n_ff)
+                               : nullptr;
+        uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
+        float * acc = partial(S, t, ith);
+        int32_t local = 0;
+        for (int64_t k = part_begin; k < part_end; ++k) {
+            const int64_t c = clusters[k];
+            const int64_t i0 = c * cs, i1 = std::min<int64_t>(i0 + cs, L.n_ff);
+            int m = 0;
+            for (int64_t i = i0; i < i1; ++i) {
+                const float g = gv[i];
+                if (g < g_lo) continue;
+                const float a = ffn_activation(L.activation, g);
+                if (thr >= 0.0f && !(std::fabs(a) > thr)) continue;
+                ids[m] = static_cast<int32_t>(i);
+                hs[m] = a;
+                if (slotted) {
+                    rows[m] = L.down_t_slots[c] + static_cast<size_t>(i - i0) * L.down_t_row_bytes;
+                    up_rows[m] = L.up_slots[c] + static_cast<size_t>(i - i0) * L.up_row_bytes;
+                } else {
+                    rows[m] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
+                    up_rows[m] = up_base + static_cast<size_t>(i) * up_stride;
+                }
+                if (P.prefetch) {
+                    if (uv == nullptr) prefetch_l2(up_rows[m], L.up_row_bytes);
+                    prefetch_l2(rows[m], L.down_t_row_bytes);
+                }
+                ++m;
+            }
+            for (int r = 0; r < m; ++r) {
+                float u;
+                if (uv != nullptr) {
+                    u = uv[ids[r]];
+                } else {
+                    up_dot(n_embd, &u, 0, up_rows[r], 0, xq_up, 0, 1);
+                }
+                hs[r] *= u;
+            }
+            if (axpy != nullptr) {
+                axpy(acc, rows, hs, m, n_embd);
+            } else {
+                for (int r = 0; r < m; ++r) {
+                    down_to_float(rows[r], tmp, n_embd);
+                    for (int j = 0; j < n_embd; ++j) acc[j] += hs[r] * tmp[j];
+                }
+            }
+            if (mask != nullptr) {
+                for (int r = 0; r < m; ++r) mask[ids[r]] = 1;
+            }
+            local += m;
+        }
+        if (local != 0) __atomic_fetch_add(io.active_counts + t, local, __ATOMIC_RELAXED);
+    }
+}
+
+void SparseFfnImpl::needed_clusters(const SparseFfnScratch & S, uint8_t * needed) {
+    const SparseFfnLayer & L = S.layer_;
+    const SparseFfnParams & P = S.params_;
+    const int64_t cs = P.cluster_size, nc = (L.n_ff + cs - 1) / cs;
+    const float thr = P.threshold, g_lo = S.g_lo_;
+    std::memset(needed, 0, static_cast<size_t>(nc));
+    for (int64_t t = 0; t < S.io_.n_tokens; ++t) {
+        const float * gv = P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff);
+        for (int64_t c = 0; c < nc; ++c) {
+            if (needed[c]) continue;
+            const int64_t i1 = std::min<int64_t>((c + 1) * cs, L.n_ff);
+            for (int64_t i = c * cs; i < i1; ++i) {
+                const float g = gv[i];
+                if (g < g_lo) continue;
+                if (thr < 0.0f || std::fabs(ffn_activation(L.activation, g)) > thr) {
+                    needed[c] = 1;
+                    break;
+                }
+            }
+        }
+    }
+}
+
 void SparseFfnImpl::reduce(SparseFfnScratch & S, int ith, int nth) {
     constexpr int64_t kChunk = 64;
     const int64_t n_embd = S.layer_.n_embd;
@@ -664,6 +777,15 @@ void sparse_ffn_accumulate(SparseFfnScratch & scratch, int ith, int nth) {
 
 void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth) {
     SparseFfnImpl::reduce(scratch, ith, nth);
+}
+
+void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, int nth, const int32_t * clusters,
+                                    int64_t n_clusters) {
+    SparseFfnImpl::accumulate_clusters(scratch, ith, nth, clusters, n_clusters);
+}
+
+void sparse_ffn_needed_clusters(const SparseFfnScratch & scratch, uint8_t * needed) {
+    SparseFfnImpl::needed_clusters(scratch, needed);
 }
 
 void sparse_ffn_forward(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,

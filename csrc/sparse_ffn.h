@@ -94,6 +94,13 @@ struct SparseFfnLayer {
     ggml_type down_t_type = GGML_TYPE_COUNT;
     size_t down_t_row_bytes = 0;  // == ggml_row_size(down_t_type, n_embd)
     FfnActivation activation = FfnActivation::silu;
+    // (optional) rows by cluster, e.g. the neuron cache's slots (neuron_cache.h): with cluster size
+    // C = SparseFfnParams::cluster_size, neuron i's up row is at up_slots[i / C] + (i % C)·up_row_bytes
+    // and its down_t row at down_t_slots[i / C] + (i % C)·down_t_row_bytes. Only the cluster phase
+    // (sparse_ffn_accumulate_clusters) reads them, and only for the clusters it is given; the
+    // bundles, up_rows and down_t views may then be null (gate values must come from the caller).
+    const uint8_t * const * up_slots = nullptr;
+    const uint8_t * const * down_t_slots = nullptr;
 };
 
 // Throws std::invalid_argument naming the problem (null views, row sizes that do not match the
@@ -190,11 +197,26 @@ void sparse_ffn_forward(const SparseFfnLayer & layer, const SparseFfnParams & pa
 //   -- barrier --
 //   sparse_ffn_reduce      y = Σ partials (chunks of n_embd split over threads)
 // The phases never throw and never allocate.
+//
+// Cluster phase (flash offload, where a layer's rows arrive in several parts): in place of
+// sparse_ffn_accumulate, any number of
+//   sparse_ffn_accumulate_clusters(scratch, ith, nth, clusters, n)
+// calls (barriers between them), each adding the candidates of the listed clusters (cluster c =
+// neurons [c·C, min((c+1)·C, n_ff)), C = params.cluster_size; the list split into nth contiguous
+// parts, one per thread) to the partial y; the union of the lists must cover every cluster holding
+// an active neuron, and no cluster may be listed twice. Needs params.gate_values and no explicit
+// active list; rows come from layer.up_slots / down_t_slots when set, else from the flat views.
 void sparse_ffn_begin(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
                       SparseFfnScratch & scratch);
 void sparse_ffn_quantize(SparseFfnScratch & scratch, int ith, int nth);
 void sparse_ffn_accumulate(SparseFfnScratch & scratch, int ith, int nth);
 void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth);
+void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, int nth, const int32_t * clusters,
+                                    int64_t n_clusters);
+// For the cluster phase: needed[c] = 1 when cluster c holds a neuron that the kernel's selection rule
+// makes active for at least one token of the call, else 0 (ceil(n_ff / C) entries). One thread, after
+// sparse_ffn_begin, once the gate values are final.
+void sparse_ffn_needed_clusters(const SparseFfnScratch & scratch, uint8_t * needed);
 
 
 }  // namespace llamaflash

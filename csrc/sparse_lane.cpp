@@ -4,6 +4,7 @@
 #include "weight_registry.h"
 
 #include <cstring>
+#include <stdexcept>
 
 namespace llamaflash {
 
@@ -43,6 +44,60 @@ void phase_reduce(ggml_tensor *, int ith, int nth, void * userdata) {
 }
 
 }  // namespace
+
+// The offload phase nodes (userdata: the lane). Thread 0 talks to the cache; the graph's barriers
+// between nodes order that with the other threads' work.
+struct OffloadPhases {
+    static void quantize_plan(ggml_tensor *, int ith, int nth, void * userdata) {
+        SparseLane & lane = *static_cast<SparseLane *>(userdata);
+        sparse_ffn_quantize(lane.scratch_, ith, nth);
+        if (ith != 0) return;
+        try {
+            sparse_ffn_needed_clusters(lane.scratch_, lane.needed_.data());
+            lane.cache_->plan(lane.cache_layer_, lane.needed_.data(), lane.plan_);
+        } catch (const std::exception & e) {
+            lane.fail(e.what());
+        }
+    }
+    static void accumulate_ready(ggml_tensor *, int ith, int nth, void * userdata) {
+        SparseLane & lane = *static_cast<SparseLane *>(userdata);
+        if (lane.failed_.load(std::memory_order_acquire)) return;
+        sparse_ffn_accumulate_clusters(lane.scratch_, ith, nth, lane.plan_.ready.data(),
+                                       static_cast<int64_t>(lane.plan_.ready.size()));
+    }
+    static void wait_reads(ggml_tensor *, int ith, int, void * userdata) {
+        SparseLane & lane = *static_cast<SparseLane *>(userdata);
+        if (ith != 0 || lane.failed_.load(std::memory_order_acquire)) return;
+        try {
+            lane.cache_->wait(lane.cache_layer_);
+        } catch (const std::exception & e) {
+            lane.fail(e.what());
+        }
+    }
+    static void accumulate_pending(ggml_tensor *, int ith, int nth, void * userdata) {
+        SparseLane & lane = *static_cast<SparseLane *>(userdata);
+        if (lane.failed_.load(std::memory_order_acquire)) return;
+        sparse_ffn_accumulate_clusters(lane.scratch_, ith, nth, lane.plan_.pending.data(),
+                                       static_cast<int64_t>(lane.plan_.pending.size()));
+    }
+    static void reduce(ggml_tensor *, int ith, int nth, void * userdata) {
+        sparse_ffn_reduce(static_cast<SparseLane *>(userdata)->scratch_, ith, nth);
+    }
+};
+
+void SparseLane::fail(const std::string & message) {
+    if (!failed_.exchange(true)) {
+        failure_ = message;
+    }
+}
+
+std::string SparseLane::take_failure() {
+    std::string out;
+    if (failed_.exchange(false)) {
+        out.swap(failure_);
+    }
+    return out;
+}
 
 bool match_glu_ffn(const ggml_cgraph * split, const WeightRegistry & registry, GluFfnPattern & out) {
     ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
@@ -146,9 +201,29 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     io_.n_tokens = n_tokens;
     counts_.assign(static_cast<size_t>(n_tokens), 0);
     io_.active_counts = counts_.data();
+    cache_ = ffn.model->neuron_cache();
+    if (cache_ != nullptr) {
+        if (gate == nullptr || up != nullptr) {
+            throw std::invalid_argument("flash offload needs the gate values from ggml and the up rows from the cache");
+        }
+        cache_layer_ = ffn.model->layer_position(ffn.layer);
+        const size_t nc = static_cast<size_t>(cache_->n_clusters(cache_layer_));
+        if (params_.cluster_size != cache_->cluster_size()) {
+            throw std::invalid_argument("kernel cluster size differs from the neuron cache's");
+        }
+        plan_.up.assign(nc, nullptr);  // plan() refills them in place: the kernel keeps these pointers
+        plan_.down_t.assign(nc, nullptr);
+        needed_.assign(nc, 0);
+        layer_.up_slots = plan_.up.data();
+        layer_.down_t_slots = plan_.down_t.data();
+    }
     sparse_ffn_begin(layer_, params_, io_, scratch_);
     model_ = ffn.model;
     layer_id_ = ffn.layer;
+    if (cache_ != nullptr) {
+        append_offload(ctx, graph, ffn, x_leaf, gate);
+        return;
+    }
 
     // each phase node depends on the previous one, so the graph keeps them in order; the first
     // depends on x (and g), so it runs after them
@@ -169,6 +244,34 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     ggml_tensor * args_r[1] = {acc};
     ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn.down->ne[0], ffn.down->ne[1], 1, 1, args_r, 1,
                                      phase_reduce, GGML_N_TASKS_MAX, &scratch_);
+    y->data = ffn.down->data;
+    y->buffer = ffn.down->buffer;
+    std::memcpy(y->nb, ffn.down->nb, sizeof(y->nb));
+    std::memcpy(y->name, ffn.down->name, sizeof(y->name));
+    ggml_build_forward_expand(graph, y);
+}
+
+void SparseLane::append_offload(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
+                                ggml_tensor * x_leaf, ggml_tensor * gate) {
+    using Phase = void (*)(ggml_tensor *, int, int, void *);
+    const Phase phases[4] = {OffloadPhases::accumulate_ready, OffloadPhases::wait_reads,
+                             OffloadPhases::accumulate_pending, nullptr};
+    const char * names[4] = {"accumulate-ready", "wait", "accumulate-pending", nullptr};
+    ggml_tensor * args_q[2] = {x_leaf, gate};
+    ggml_tensor * prev = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args_q, 2, OffloadPhases::quantize_plan,
+                                        GGML_N_TASKS_MAX, this);
+    prev->data = sink_;
+    ggml_format_name(prev, "llamaflash.offload.quantize-plan-%d", ffn.layer);
+    for (int k = 0; phases[k] != nullptr; ++k) {
+        ggml_tensor * args[1] = {prev};
+        ggml_tensor * node = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 1, phases[k], GGML_N_TASKS_MAX, this);
+        node->data = sink_ + 4 + 2 * k;
+        ggml_format_name(node, "llamaflash.offload.%s-%d", names[k], ffn.layer);
+        prev = node;
+    }
+    ggml_tensor * args_r[1] = {prev};
+    ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn.down->ne[0], ffn.down->ne[1], 1, 1, args_r, 1,
+                                     OffloadPhases::reduce, GGML_N_TASKS_MAX, this);
     y->data = ffn.down->data;
     y->buffer = ffn.down->buffer;
     std::memcpy(y->nb, ffn.down->nb, sizeof(y->nb));

@@ -18,6 +18,17 @@
 // ggml's graph executor puts a barrier between consecutive nodes, which is exactly what the kernel's
 // phase API needs (sparse_ffn.h); the phases run on the context's threads, no extra fork/join.
 //
+// Flash offload (the model has a neuron cache, neuron_cache.h): the kernel's rows are the cache's
+// slots, and the accumulate phase is cut where the flash reads are waited for:
+//   g    = MUL_MAT(resident gate, x)   as above (required)
+//   q    = CUSTOM(x, g)                phase 1, then (thread 0) the clusters holding an active neuron
+//                                      are planned: resident ones ready, missing ones read (async)
+//   a1   = CUSTOM(q)                   accumulate the ready clusters while the reads run
+//   w    = CUSTOM(a1)                  thread 0 waits for the layer's reads
+//   a2   = CUSTOM(w)                   accumulate the clusters that just arrived
+//   y'   = CUSTOM(a2)                  phase 3 as above
+// A failed read fails the compute (failure() says why); no cluster is computed from a failed read.
+//
 // Anything else (another op in the split, a fused gate_up weight, GEGLU_ERF, bias adds, batches
 // over max_tokens) is left to the dense lane, which stays bit-identical to stock llama.cpp.
 #pragma once
@@ -26,7 +37,9 @@
 #include "ggml.h"
 #include "sparse_ffn.h"
 
+#include <atomic>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace llamaflash {
@@ -61,8 +74,14 @@ public:
 
     // After the graph computed: per-layer statistics into the model.
     void account(double seconds);
+    // After the graph computed: the error that failed it (empty: none), cleared by the call.
+    std::string take_failure();
 
 private:
+    void append_offload(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn, ggml_tensor * x_leaf,
+                        ggml_tensor * gate);
+    void fail(const std::string & message);
+
     SparseFfnScratch scratch_;
     SparseFfnLayer layer_;
     SparseFfnParams params_;
@@ -71,6 +90,14 @@ private:
     FlashModel * model_ = nullptr;
     int layer_id_ = -1;
     float sink_[16] = {};  // memory of the phase nodes' (unused) outputs
+    // flash offload
+    friend struct OffloadPhases;
+    NeuronCache * cache_ = nullptr;
+    int cache_layer_ = -1;  // position of the layer in the cache
+    NeuronCache::LayerPlan plan_;
+    std::vector<uint8_t> needed_;
+    std::atomic<bool> failed_{false};
+    std::string failure_;
 };
 
 }  // namespace llamaflash

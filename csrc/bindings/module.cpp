@@ -25,6 +25,7 @@ namespace py = pybind11;
 using namespace llamaflash;
 
 void bind_flash_io(py::module_ & m);  // bindings/flash_io.cpp
+void bind_offload(py::module_ & m);   // bindings/offload.cpp (after FlashModel is bound)
 
 namespace {
 
@@ -350,6 +351,7 @@ PYBIND11_MODULE(_native, m) {
                       "Per served layer (in served_layers order): skip neuron k when |act(gate_k·x)| <= "
                       "threshold; a negative threshold runs that layer dense.")
         .def("reset_stats", &FlashModel::reset_stats);
+    bind_offload(m);
 
     m.def("begin_model_load", [](std::shared_ptr<FlashModel> model) {
         WeightRegistry::instance().set_pending(std::move(model));

@@ -1,0 +1,155 @@
+// neuron_cache.h — the flash-offload neuron cache (issue 5): the up and down_t rows of the served
+// layers live on flash and come into fixed-size RAM slots by direct I/O, one neuron *cluster* per slot.
+//
+// Units. A cluster is C consecutive neurons of one layer (cluster c = neurons [c·C, min((c+1)·C, n_ff))),
+// in the sidecar's bundle order. A slot holds one cluster's
+//     up rows     : C rows of up_row_bytes, row-major, read from the up source (the base model's ffn_up)
+//     down_t rows : C rows of down_t_row_bytes, read from the sidecar's down_t tensor
+//     slot_bytes = round_up(C·max up_row_bytes, 4096) + round_up(C·max down_t_row_bytes, 4096)
+// so within a slot neuron i's up row is at up_ptr(cluster) + (i − c·C)·up_row_bytes, likewise down_t.
+// A cluster is therefore two contiguous file ranges: one read each (direct I/O, see flash_io.h).
+//
+// Regions (PowerInfer-2's segmented cache, sized by the planner, plugin/planner.py):
+//   hot  : clusters pinned for the model's lifetime (the most frequently needed, chosen by the planner
+//          from the sidecar's neuron frequencies), read once by load_hot();
+//   cold : slots filled on demand and by read-ahead, replaced least-recently-used. A slot that the
+//          layer being computed uses, or that a read is filling, is never replaced.
+// Memory: (hot + cold) · slot_bytes of aligned anonymous memory, allocated once by the constructor.
+//
+// Per token and served layer (the sparse lane's nodes, sparse_lane.h, call these in this order):
+//   plan(L, needed)  one thread: for every cluster with needed[c] != 0: resident → `ready`; being read
+//                    (by an earlier read-ahead) → `pending`; else a cold slot is taken (LRU) and its
+//                    two reads are submitted → `pending`. Then read-ahead: for each of the next
+//                    `prefetch_layers` served layers (cyclically: after the last layer comes the first,
+//                    for the next token), clusters with cluster_prob ≥ prefetch_min_prob that are
+//                    neither resident nor being read are submitted too, while free-able cold slots
+//                    remain (a layer's own demand always has room: the constructor checks the cold
+//                    region holds (1 + prefetch_layers) layers' clusters). Never blocks on I/O.
+//   — the caller computes the `ready` clusters while the reads run —
+//   wait(L)          one thread: blocks until every read holding a cluster of L is complete. Throws
+//                    IoError (file, offset, cause) on a failed read: the slots involved are dropped,
+//                    nothing wrong is ever served from them.
+//   — the caller computes the `pending` clusters —
+// Slot addresses stay valid until the next plan() of any layer. Not thread-safe: one plan/wait
+// sequence at a time (the backend computes splits one at a time per model).
+#pragma once
+
+#include "flash_io.h"
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace llamaflash {
+
+// One served layer as the cache reads it (absolute file offsets).
+struct CacheLayerSource {
+    int layer = -1;
+    int64_t n_ff = 0;
+    uint64_t up_offset = 0;        // row 0 of up in the up file (row k at + k·up_row_bytes)
+    uint64_t up_row_bytes = 0;
+    uint64_t down_t_offset = 0;    // row 0 of down_t in the sidecar
+    uint64_t down_t_row_bytes = 0;
+    std::vector<float> cluster_prob;  // P(cluster needed) per cluster (read-ahead); empty = all 1
+    std::vector<int32_t> hot;         // clusters to pin (from the planner)
+};
+
+struct NeuronCacheConfig {
+    int cluster_size = 32;          // neurons per cluster (= the kernel's cluster size)
+    int64_t cold_slots = 0;         // >= (1 + prefetch_layers) · max clusters per layer
+    int prefetch_layers = 1;        // read-ahead depth in served layers (0 = demand reads only)
+    float prefetch_min_prob = 0.5f; // read ahead clusters at least this likely to be needed
+    FlashReaderOptions io;          // both files are read with these options
+};
+
+struct NeuronCacheStats {
+    uint64_t plans = 0;             // plan() calls (layer-tokens)
+    uint64_t clusters_needed = 0;   // Σ needed clusters
+    uint64_t hits_hot = 0;          // needed and pinned
+    uint64_t hits_cold = 0;         // needed and already in a cold slot (reuse across tokens)
+    uint64_t hits_prefetch = 0;     // needed and read ahead (complete or still in flight)
+    uint64_t misses = 0;            // needed and read on demand
+    uint64_t prefetched = 0;        // clusters read ahead
+    uint64_t prefetch_unused = 0;   // read-ahead clusters replaced or re-planned without being needed
+    uint64_t bytes_read = 0;        // bytes requested from both files (slot payloads)
+    uint64_t hot_bytes_loaded = 0;  // by load_hot()
+    double io_wait_seconds = 0;     // time blocked in wait()
+    double plan_seconds = 0;        // time in plan()
+    int64_t hot_slots = 0, cold_slots = 0;
+    size_t slot_bytes = 0;
+    std::string engine;             // "io_uring" / "pool"
+    bool direct = false;
+    std::string fallback_reason;    // why direct I/O is off, when it was asked for
+};
+
+class NeuronCache {
+public:
+    // Opens both files (FlashReader each), allocates hot + cold slots. Throws std::invalid_argument
+    // (bad sizes, a cold region too small, hot indices out of range) or IoError (files).
+    NeuronCache(const std::string & sidecar_path, const std::string & up_path, std::vector<CacheLayerSource> layers,
+                const NeuronCacheConfig & config);
+    ~NeuronCache();
+    NeuronCache(const NeuronCache &) = delete;
+    NeuronCache & operator=(const NeuronCache &) = delete;
+
+    // Reads every pinned cluster (blocking). Throws IoError.
+    void load_hot();
+
+    struct LayerPlan {
+        std::vector<const uint8_t *> up;      // per cluster of the layer: slot address of its up rows (nullptr: not needed)
+        std::vector<const uint8_t *> down_t;  // likewise down_t rows
+        std::vector<int32_t> ready;           // needed clusters resident now
+        std::vector<int32_t> pending;         // needed clusters resident after wait()
+    };
+    // li: position of the layer in the constructor's list; needed: n_clusters(li) bytes.
+    void plan(int li, const uint8_t * needed, LayerPlan & out);
+    void wait(int li);
+
+    int cluster_size() const { return config_.cluster_size; }
+    int64_t n_clusters(int li) const;
+    size_t slot_bytes() const { return slot_bytes_; }
+    size_t memory_bytes() const;
+    NeuronCacheStats stats() const;
+    void reset_stats();
+    // Throws IoError when either file changed on disk since it was opened (FlashReader::verify).
+    void verify() const;
+
+private:
+    struct Slot {
+        int32_t layer = -1;     // position in layers_, -1 free
+        int32_t cluster = -1;
+        bool hot = false;
+        bool loading = false;   // reads submitted, not yet waited for
+        bool prefetched = false;  // filled by read-ahead and not yet needed
+        uint64_t last_use = 0;  // plan counter of the last use (LRU)
+        uint64_t locked = 0;    // plan counter of the plan that uses it (not replaceable then)
+    };
+    struct Batch {              // one layer's outstanding reads
+        FlashReader::Ticket up = 0, down = 0;
+        bool has_up = false, has_down = false;
+        std::vector<int64_t> slots;
+    };
+
+    uint8_t * slot_data(int64_t s) const { return pool_.data() + static_cast<size_t>(s) * slot_bytes_; }
+    int64_t take_cold_slot(bool for_prefetch);
+    void submit(int li, const std::vector<int32_t> & clusters, const std::vector<int64_t> & slots, bool prefetch);
+    void finish(int li);  // wait for li's batches; throws IoError after dropping the slots
+
+    std::vector<CacheLayerSource> layers_;
+    NeuronCacheConfig config_;
+    std::unique_ptr<FlashReader> sidecar_, up_file_;
+    size_t up_part_ = 0, slot_bytes_ = 0;
+    AlignedBuffer pool_;
+    std::vector<Slot> slots_;
+    int64_t hot_slots_ = 0;
+    std::vector<std::vector<int64_t>> where_;  // [layer][cluster] -> slot or -1
+    std::vector<std::vector<Batch>> batches_;  // [layer] outstanding batches
+    std::vector<int64_t> lru_;                 // cold slot ids (scan order for replacement)
+    uint64_t clock_ = 0;
+    NeuronCacheStats stats_;
+};
+
+}  // namespace llamaflash
