@@ -20,7 +20,15 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  kernel reads only the active neurons' down_t rows); False = up rows of the active
                  neurons only, in the kernel; None = chosen from the level's sparsity (dense up below
                  DENSE_UP_MAX_SPARSITY, where streaming the whole matrix measured faster).
-  ram_budget_mb  reserved for the flash-offload engine; must be None in this version.
+  ram_budget_mb  flash offload: the whole process (llama.cpp's weights, KV cache and buffers, Python,
+                 and everything llamaflash allocates) is planned to fit in this many MiB
+                 (plugin/planner.py; `llamaflash plan MODEL --ram-budget-mb N` shows the plan). The up
+                 and down_t rows of the FFN stay on flash and come through a neuron cache by direct I/O;
+                 decode runs on the sparse lane (the converter's operating point, or flash_sparsity).
+                 Needs a format-2 sidecar in base neuron order. A budget below the minimum raises
+                 RamBudgetError naming the minimum; n_batch/n_ubatch default to the plan's.
+  flash_io_engine  offload only: "auto" (io_uring when the kernel allows it, else a pread pool),
+                 "io_uring" or "pool".
 """
 from __future__ import annotations
 
@@ -33,10 +41,12 @@ import llama_cpp
 
 from . import _native
 from . import gguf_model
-from .errors import LlamaflashError, SidecarNotFoundError
+from . import offload
+from .errors import FlashIoError, LlamaflashError, SidecarNotFoundError
 from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
 
 FLASH_MODES = ("auto", "dense", "sparse")
+OFFLOAD_MODE = "offload"  # flash_mode reported when ram_budget_mb is set
 
 
 class LlamaflashWarning(UserWarning):
@@ -120,24 +130,33 @@ class Llama(llama_cpp.Llama):
         flash_max_sparse_tokens: int = 1,
         flash_dense_up: Optional[bool] = None,
         ram_budget_mb: Optional[int] = None,
+        flash_io_engine: str = "auto",
         **kwargs: Any,
     ) -> None:
         self._flash: Optional[_native.FlashModel] = None
         self._flash_info: Optional[SidecarInfo] = None
         self._flash_sidecar: Optional[Path] = None
+        self._flash_plan = None
         self._flash_mode = _resolve_mode(flash_mode)
         self._flash_args = {"sidecar_path": sidecar_path, "flash_mode": flash_mode, "flash_sparsity": flash_sparsity,
                             "flash_max_sparse_tokens": flash_max_sparse_tokens, "flash_dense_up": flash_dense_up,
-                            "ram_budget_mb": ram_budget_mb}
+                            "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine}
         if flash_max_sparse_tokens < 1:
             raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens} must be >= 1")
         if ram_budget_mb is not None:
-            raise ValueError(
-                "ram_budget_mb needs the flash-offload engine, which this llamaflash version does not have yet; "
-                "pass ram_budget_mb=None (the whole model is kept in memory)"
-            )
+            if self._flash_mode == "dense":
+                raise ValueError(
+                    "ram_budget_mb needs the sparse lane (flash offload reads only the active neurons' rows); "
+                    "use flash_mode='sparse' or leave flash_mode unset, or drop ram_budget_mb for the dense lane")
+            if ram_budget_mb <= 0:
+                raise ValueError(f"ram_budget_mb={ram_budget_mb} must be a positive number of MiB")
+            self._flash_mode = OFFLOAD_MODE
 
         sidecar = self._find_sidecar(os.fspath(model_path), sidecar_path)
+        if sidecar is None and ram_budget_mb is not None:
+            raise SidecarNotFoundError(
+                f"ram_budget_mb needs a sidecar for '{model_path}' (none at "
+                f"'{default_sidecar_path(model_path)}'); create it with `llamaflash convert {model_path}`")
         if sidecar is None:
             self._flash_mode = "stock"
             super().__init__(model_path, *args, **kwargs)
@@ -148,13 +167,24 @@ class Llama(llama_cpp.Llama):
         if self._flash_mode == "auto" and not _has_sparsity(info):
             self._flash_mode = "dense"
         thresholds = None
-        if self._flash_mode in ("sparse", "auto"):
+        if self._flash_mode in ("sparse", "auto", OFFLOAD_MODE):
             thresholds = sparsity_thresholds(info, flash_sparsity)
         flash = _native.FlashModel([layer.to_dict() for layer in info.layers], str(sidecar), os.fspath(model_path))
-        flash.load_dense_weights()
-        if thresholds is not None:
-            flash.load_sparse(info.activation)
-            flash.thresholds = thresholds
+        if self._flash_mode == OFFLOAD_MODE:
+            from . import planner  # numpy-heavy; only offload needs it
+
+            plan = planner.plan_offload(os.fspath(model_path), str(sidecar), ram_budget_mb,
+                                        n_ctx=int(kwargs.get("n_ctx", 512)),
+                                        n_ubatch=kwargs.get("n_ubatch"))
+            kwargs.setdefault("n_batch", plan.n_batch)
+            kwargs.setdefault("n_ubatch", plan.n_ubatch)
+            offload.prepare(flash, plan, info.activation, thresholds, flash_max_sparse_tokens, engine=flash_io_engine)
+            self._flash_plan = plan
+        else:
+            flash.load_dense_weights()
+            if thresholds is not None:
+                flash.load_sparse(info.activation)
+                flash.thresholds = thresholds
 
         _native.begin_model_load(flash)
         try:
@@ -173,8 +203,19 @@ class Llama(llama_cpp.Llama):
         self._flash = flash
         self._flash_info = info
         self._flash_sidecar = Path(sidecar)
-        if thresholds is not None:
+        if thresholds is not None and self._flash_mode != OFFLOAD_MODE:
             self._configure_sparse(flash_sparsity)
+
+    def eval(self, tokens) -> None:
+        """`llama_cpp.Llama.eval`; an I/O error inside the offload lane (which fails llama_decode)
+        is raised as FlashIoError naming the file and the cause, instead of a bare RuntimeError."""
+        try:
+            super().eval(tokens)
+        except RuntimeError as e:
+            message = self._flash.take_error() if self._flash is not None else ""
+            if message:
+                raise FlashIoError(f"llamaflash: reading FFN weights from flash failed: {message}") from e
+            raise
 
     def _configure_sparse(self, level: Optional[float]) -> None:
         dense_up = self._flash_args["flash_dense_up"]
@@ -207,17 +248,24 @@ class Llama(llama_cpp.Llama):
     @property
     def flash_mode(self) -> str:
         """The lane in use: "auto" (sparse or dense per layer, by measured speed), "sparse", "dense",
-        or "stock" when no sidecar is loaded."""
+        "offload" (ram_budget_mb: sparse lane over the flash neuron cache), or "stock" when no sidecar
+        is loaded."""
         return self._flash_mode
+
+    @property
+    def flash_plan(self):
+        """The `planner.OffloadPlan` in use (ram_budget_mb), else None."""
+        return self._flash_plan
 
     def set_flash_sparsity(self, level: Optional[float]) -> None:
         """Switches the sparse lane to another calibrated level (see `flash_sparsity`) without
         reloading; only in "sparse" mode."""
-        if self._flash is None or self._flash_mode not in ("sparse", "auto"):
+        if self._flash is None or self._flash_mode not in ("sparse", "auto", OFFLOAD_MODE):
             raise ValueError(f"set_flash_sparsity needs flash_mode='sparse' or 'auto' with a format-2 sidecar "
                              f"(this model runs {self._flash_mode!r})")
         self._flash.thresholds = sparsity_thresholds(self._flash_info, level)
-        self._configure_sparse(level)
+        if self._flash_mode != OFFLOAD_MODE:
+            self._configure_sparse(level)
 
     def flash_stats(self) -> Dict[str, Any]:
         """Counters since load (or the last reset): layers served, FFN evaluations, tokens, time."""
@@ -251,11 +299,13 @@ class Llama(llama_cpp.Llama):
                 layer: (a / (t * n_ff[layer]) if t else None) for layer, t, a in zip(layer_ids, tokens, active)}
             fractions = [f for f in stats["active_fraction"].values() if f is not None]
             stats["mean_active_fraction"] = sum(fractions) / len(fractions) if fractions else None
+            stats["offload"] = offload.stats(self._flash, self._flash_plan)
         return stats
 
     def reset_flash_stats(self) -> None:
         if self._flash is not None:
             self._flash.reset_stats()
+            self._flash.reset_cache_stats()
 
     # -- lifetime and pickling ------------------------------------------------------------------
 

@@ -1,0 +1,64 @@
+"""Flash offload glue for `llamaflash.Llama` (issue 5): a planner's `OffloadPlan` applied to the native
+model, and the per-token statistics it reports.
+
+Order of operations (what `Llama(..., ram_budget_mb=N)` does):
+  1. `planner.plan_offload` sizes everything for the budget (or raises `RamBudgetError` naming the
+     minimum);
+  2. `prepare(flash, ...)` before llama.cpp loads the model: offload layout (gate resident; up and down
+     streamed from the base file for prefill), the sparse lane, the neuron cache with the planner's
+     pinned clusters, which are read now;
+  3. llama.cpp loads the rest with the plan's batch sizes; decode runs on the sparse lane, whose up and
+     down_t rows come from the cache (csrc/neuron_cache.h).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence
+
+from . import _native
+
+
+def prepare(flash: "_native.FlashModel", plan: Any, activation: str, thresholds: Sequence[float],
+            max_tokens: int, engine: str = "auto", direct: bool = True) -> None:
+    """Puts `flash` (fresh, nothing loaded) into the offload layout described by `plan`."""
+    flash.set_offload_layout(True)
+    flash.load_dense_weights()
+    flash.load_sparse(activation)
+    flash.thresholds = list(thresholds)
+    flash.enable_offload(
+        hot=list(plan.hot_clusters), cluster_prob=list(plan.cluster_prob), cluster_size=int(plan.cluster_size),
+        cold_slots=int(plan.cold_slots), prefetch_layers=int(plan.prefetch_layers),
+        prefetch_min_prob=float(plan.prefetch_min_prob), queue_depth=int(plan.queue_depth), direct=direct,
+        engine=engine)
+    flash.load_hot()
+    # every decode split of a layer with a threshold runs on the sparse lane (the dense lane would
+    # stream the whole layer from flash); larger batches (prefill) stream on the dense lane
+    flash.set_sparse_config(True, max_tokens=max_tokens, cluster_size=int(plan.cluster_size), up_by_ggml=False,
+                            autotune=False)
+
+
+def stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
+    """The cache's counters since load (or the last reset) with per-token figures.
+
+    hit_rate: needed clusters that were resident without any read for this token (pinned, or still
+    in a cold slot from an earlier token); prefetch_coverage: needed clusters whose read had been
+    started ahead by read-ahead (the I/O overlapped with earlier layers' compute); miss_rate: read on
+    demand; bytes_read_per_token / io_wait_per_token: flash traffic and time blocked on it."""
+    raw = flash.cache_stats()
+    if raw is None:
+        return None
+    needed = raw["clusters_needed"] or 0
+    tokens = raw["plans"] / max(1, len(flash.served_layers))  # decode tokens through the cache
+    per = (lambda v: v / tokens) if tokens else (lambda v: None)
+    out = dict(raw)
+    out.update(
+        tokens=tokens,
+        hit_rate=(raw["hits_hot"] + raw["hits_cold"]) / needed if needed else None,
+        prefetch_coverage=raw["hits_prefetch"] / needed if needed else None,
+        miss_rate=raw["misses"] / needed if needed else None,
+        bytes_read_per_token=per(raw["bytes_read"]),
+        io_wait_per_token=per(raw["io_wait_seconds"]),
+        budget_mb=plan.budget_bytes / 2**20 if plan is not None else None,
+        plan=plan.to_dict() if plan is not None else None,
+    )
+    return out

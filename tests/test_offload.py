@@ -1,0 +1,151 @@
+"""Flash offload (csrc/neuron_cache.*, the offload nodes of the sparse lane, plugin/offload.py): the
+up and down_t rows come from flash through the neuron cache, and the results are those of the
+in-memory sparse lane (same neurons, same bytes; only the split of the summation over threads
+differs), whatever the cache holds: everything pinned, nothing pinned (every cluster read every
+token), read-ahead on or off. Cache statistics add up; I/O errors become FlashIoError, never a
+hang or wrong tokens.
+
+The cache configuration is forced here through a hand-made plan (the planner's sizing is tested in
+test_planner.py); `make_plan` mirrors the fields of planner.OffloadPlan the engine reads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import llamaflash
+from conftest import FAST_CONVERT
+from llamaflash.converters import convert
+from llamaflash.errors import FlashIoError
+from llamaflash.sidecar import read_layer_vectors, read_sidecar
+from llama_helpers import rel_max_diff, run_model
+
+KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0)
+N_GEN = 10
+C = 32  # cluster size: n_ff 192 → 6 clusters per layer
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_model_factory, tmp_path_factory):
+    src = tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192)
+    d = tmp_path_factory.mktemp("offload")
+    model = d / "m.gguf"
+    shutil.copy(src, model)
+    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
+    return model, sidecar
+
+
+def make_plan(sidecar, hot_per_layer: int, prefetch_layers: int = 1, extra_cold: int = 0):
+    info = read_sidecar(sidecar)
+    probs, hot = [], []
+    for layer in info.layers:
+        f = read_layer_vectors(info, layer)["freq"].astype(np.float64)
+        nc = -(-len(f) // C)
+        padded = np.zeros(nc * C)
+        padded[: len(f)] = f
+        probs.append((1 - np.prod(1 - padded.reshape(nc, C), axis=1)).astype(np.float32))
+        hot.append(np.argsort(-padded.reshape(nc, C).sum(1))[:hot_per_layer].astype(np.int32))
+    n_clusters = max(len(p) for p in probs)
+    plan = types.SimpleNamespace(
+        hot_clusters=hot, cluster_prob=probs, cluster_size=C,
+        cold_slots=(1 + prefetch_layers) * n_clusters + extra_cold, prefetch_layers=prefetch_layers,
+        prefetch_min_prob=0.5, queue_depth=8, n_batch=64, n_ubatch=64, budget_bytes=64 << 20)
+    plan.to_dict = lambda: {"cluster_size": C, "hot": [len(h) for h in hot]}
+    return plan
+
+
+@pytest.fixture
+def forced_plan(monkeypatch):
+    """forced_plan(plan): Llama(ram_budget_mb=...) uses `plan` instead of the planner's."""
+    def use(plan):
+        fake = types.ModuleType("llamaflash.planner")
+        fake.plan_offload = lambda *a, **k: plan
+        monkeypatch.setitem(sys.modules, "llamaflash.planner", fake)
+        monkeypatch.setattr(llamaflash, "planner", fake, raising=False)
+    return use
+
+
+def _steps(llm, n_gen=N_GEN):
+    run = run_model(llm, n_gen=n_gen)
+    n_prompt = len(run.prompt_logits)
+    return run, np.array(llm.scores[n_prompt: llm.n_tokens], dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def in_memory(converted):
+    model, _ = converted
+    llm = llamaflash.Llama(model_path=str(model), flash_mode="sparse", flash_dense_up=False, **KW)
+    run, steps = _steps(llm)
+    llm.close()
+    return run, steps
+
+
+@pytest.mark.parametrize("hot_per_layer,prefetch", [(6, 1), (0, 0), (0, 1), (3, 1), (2, 2)])
+def test_offload_matches_the_in_memory_sparse_lane(converted, in_memory, forced_plan, hot_per_layer, prefetch):
+    model, sidecar = converted
+    forced_plan(make_plan(sidecar, hot_per_layer, prefetch))
+    llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, **KW)
+    assert llm.flash_mode == "offload"
+    run, steps = _steps(llm)
+    ref_run, ref_steps = in_memory
+    # prefill: the dense lane over the streamed base-file views, bit-identical
+    assert np.array_equal(run.prompt_logits, ref_run.prompt_logits)
+    assert run.generated == ref_run.generated
+    assert rel_max_diff(ref_steps, steps) < 1e-4
+    off = run.stats["offload"]
+    assert off["plans"] == 2 * N_GEN
+    assert off["clusters_needed"] == off["hits_hot"] + off["hits_cold"] + off["hits_prefetch"] + off["misses"]
+    assert run.stats["sparse_lane_calls"] == 2 * N_GEN and run.stats["sparse_fallbacks"] == 0
+    if hot_per_layer == 6:  # everything pinned: no flash traffic at decode
+        assert off["bytes_read"] == 0 and off["hit_rate"] == 1.0
+    else:
+        assert off["bytes_read"] > 0
+    if prefetch == 0:
+        assert off["prefetched"] == 0 and off["hits_prefetch"] == 0
+    llm.close()
+
+
+def test_cold_slots_are_reused_across_tokens(converted, forced_plan):
+    """With room for every cluster in the cold region and no pinning, the first token reads what it
+    needs and later tokens find it there (LRU never has to replace anything)."""
+    model, sidecar = converted
+    forced_plan(make_plan(sidecar, 0, prefetch_layers=0, extra_cold=6))
+    llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, **KW)
+    run = run_model(llm, n_gen=N_GEN)
+    off = run.stats["offload"]
+    assert off["misses"] <= 12  # 2 layers x 6 clusters, each read once
+    assert off["hits_cold"] == off["clusters_needed"] - off["misses"]
+    llm.close()
+
+
+def test_io_error_raises_flash_io_error(converted, forced_plan, tmp_path):
+    """The sidecar truncated under a running model: the next decode step's reads come back short;
+    eval raises FlashIoError naming the file (no hang, no token produced from bad bytes)."""
+    model, sidecar = converted
+    local = tmp_path / "m.flash.gguf"
+    shutil.copy(sidecar, local)
+    forced_plan(make_plan(local, 0, prefetch_layers=0))
+    llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(local), ram_budget_mb=64, **KW)
+    tokens = llm.tokenize(b"hello there")
+    llm.eval(tokens)
+    os.truncate(local, 4096)
+    with pytest.raises(FlashIoError, match="m.flash.gguf"):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    llm.close()
+
+
+def test_offload_refuses_what_it_cannot_do(converted, tmp_path):
+    model, _ = converted
+    with pytest.raises(ValueError, match="sparse lane"):
+        llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_mode="dense", **KW)
+    with pytest.raises(ValueError, match="positive"):
+        llamaflash.Llama(model_path=str(model), ram_budget_mb=0, **KW)
+    bare = tmp_path / "bare.gguf"
+    shutil.copy(model, bare)
+    with pytest.raises(llamaflash.errors.SidecarNotFoundError, match="llamaflash convert"):
+        llamaflash.Llama(model_path=str(bare), ram_budget_mb=64, **KW)
