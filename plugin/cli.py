@@ -1,5 +1,5 @@
 """The ``llamaflash`` command line: ``convert`` a base model, ``inspect`` a sidecar, run the ``demo``,
-``bench`` under memory limits.
+``bench`` under memory limits, ``plan`` the flash-offload engine's RAM.
 
 Errors llamaflash raises on purpose (:class:`~llamaflash.errors.LlamaflashError`) are
 printed to stderr as ``error: <message>`` and end the command with exit status 2, without
@@ -263,6 +263,59 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
         raise LlamaflashError(str(e)) from e
     out = json_path or Path(f"llamaflash-bench-{payload['model']['name']}-{benchkit.timestamp()}.json")
     memlimit.report(payload, out, png_path or out.with_suffix(".png"), echo=click.echo)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--ram-budget-mb", "budget_mb", type=click.FloatRange(min=0, min_open=True), required=True,
+              help="RAM for the whole process, in MiB (as `llamaflash bench --ram-limit-mb`).")
+@click.option("--sidecar", type=click.Path(path_type=Path), default=None,
+              help="Format-2 sidecar (default: MODEL's .flash.gguf beside it).")
+@click.option("--n-ctx", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--n-ubatch", type=click.IntRange(min=1), default=None,
+              help="llama.cpp's physical batch (default: the largest of 512..32 whose compute buffers take at "
+                   "most 10% of the budget).")
+@click.option("--cluster-size", type=click.IntRange(min=1), default=None,
+              help="Neurons per cache slot (default: the size with the best predicted tok/s).")
+@click.option("--prefetch-layers", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Layers read ahead.")
+@click.option("--runtime-mb", type=click.FloatRange(min=0), default=None,
+              help="RSS of the process before the model loads, in MiB (default: this process's RSS).")
+@click.option("--probe-disk", is_flag=True,
+              help="Measure the disk first (a few seconds: a 256 MB scratch file in --probe-dir, deleted after).")
+@click.option("--probe-dir", type=click.Path(path_type=Path), default=None,
+              help="Where --probe-disk writes its scratch file (default: the sidecar's directory).")
+@click.option("--disk-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A saved disk probe result (JSON from llamaflash.disk_probe.probe_disk / bench/bench_disk.py).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of the table.")
+@click.option("--json-arrays", is_flag=True, help="With --json: include hot_clusters and cluster_prob per layer.")
+def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatch: int | None,
+         cluster_size: int | None, prefetch_layers: int, runtime_mb: float | None, probe_disk: bool,
+         probe_dir: Path | None, disk_profile: Path | None, as_json: bool, json_arrays: bool) -> None:
+    """Plan the RAM of the flash-offload engine for MODEL (a .gguf, or a registry model name) under
+    --ram-budget-mb: every part of the budget and why, the minimum, the cluster size, the clusters to
+    pin, and the predicted hit rate and I/O-bound decode speed. Exit status 2 if the budget is too small."""
+    import json
+
+    from llamaflash import assets, disk_probe
+    from llamaflash.planner import plan_offload
+    from llamaflash.sidecar import default_sidecar_path
+
+    model_path = Path(model)
+    if not model_path.exists() and model in assets.list_models():
+        model_path = assets.fetch_model(model, progress=True)
+    sidecar_path = sidecar or default_sidecar_path(model_path)
+    disk = None
+    if disk_profile is not None:
+        disk = json.loads(disk_profile.read_text())
+    if probe_disk:
+        disk = disk_probe.probe_disk(probe_dir or disk_probe.default_directory(sidecar_path), seconds=0.25,
+                                     file_mb=256)
+        click.echo(disk_probe.format_table(disk), err=True)
+    result = plan_offload(model_path, sidecar_path, budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch, disk=disk,
+                          runtime_rss_bytes=None if runtime_mb is None else int(runtime_mb * (1 << 20)),
+                          cluster_size=cluster_size, prefetch_layers=prefetch_layers)
+    click.echo(json.dumps(result.to_dict(arrays=json_arrays), indent=1) if as_json else result.explain())
 
 
 if __name__ == "__main__":

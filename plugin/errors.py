@@ -85,3 +85,14 @@ class FlashIoError(LlamaflashError, OSError):
     """Reading FFN bundles from flash failed: the file cannot be opened or is not a file, the
     device reported an error (EIO, ...), or the file was truncated, rewritten or replaced while
     in use. The message names the file, the byte range and the cause."""
+
+
+# --------------------------------------------------------------------------------------
+# Planning problems
+# --------------------------------------------------------------------------------------
+
+
+class RamBudgetError(LlamaflashError, ValueError):
+    """A RAM budget is too small for the flash-offload engine: below the minimum the planner
+    computed (llama.cpp's share, the resident gate rows, the smallest cold cache). The message names
+    the minimum in MiB and the way out (a larger budget, a smaller n_ctx)."""

@@ -1,0 +1,440 @@
+"""RAM-budget planner for the flash-offload engine: how a process's RAM budget is split, which neuron
+clusters to pin, and what decode speed the disk allows (``llamaflash plan``; docs/PLANNER.md).
+
+Every size is in bytes; "MiB" is 2**20 bytes, the unit of ``ram_budget_mb`` (as ``llamaflash bench
+--ram-limit-mb``). The budget covers the whole process: Python and its libraries, llama.cpp's own share
+(vocabulary tables, non-FFN weights, KV cache, compute buffers), the working set of dense prefill, the
+resident gate rows, and the neuron cache. The cache holds fixed-size *slots*; a slot is one *cluster*
+of ``C`` consecutive neurons (base neuron order) of one layer: its up rows (base GGUF ``ffn_up``) and
+down_t rows (sidecar), each read by O_DIRECT as one page-aligned span. Hot slots are pinned (chosen
+here); cold slots are an LRU for on-demand reads and read-ahead. Neuron activation frequencies ``f_i``
+come from the sidecar (format 2, at its operating point); with independent neurons a cluster is
+needed for a token with probability ``1 - prod(1 - f_i)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import sidecar_format as fmt
+from .errors import RamBudgetError, SidecarError
+from .gguf_header import GGUFHeader, read_gguf_header
+from .sidecar import SidecarInfo, default_sidecar_path, read_layer_vectors, validate_pair
+
+MiB = 1 << 20
+PAGE = 4096
+#: Cluster sizes (neurons per slot) the planner tries.
+CLUSTER_SIZES = (4, 8, 16, 32, 64, 128)
+#: n_ubatch candidates, largest first: the largest whose compute buffers take at most
+#: UBATCH_BUDGET_SHARE of the budget is chosen (dense prefill streams the offloaded FFN weights once
+#: per ubatch, so larger is faster), else the smallest.
+UBATCH_CHOICES = (512, 256, 128, 64, 32)
+UBATCH_BUDGET_SHARE = 0.10
+#: Read-ahead thresholds tried (P(needed) >= it); 1.01 means no read-ahead.
+PREFETCH_MIN_PROBS = (0.25, 0.5, 0.75, 0.9, 1.01)
+#: RSS of a fresh ``python -c "import llamaflash, llama_cpp"`` (measured: 45.7-46.2 MiB, bench/planner_constants.py).
+RUNTIME_RSS_BYTES = 46 * MiB
+#: llama.cpp's tokenizer tables: bytes per vocabulary entry (tokens + BPE merges) + fixed (measured
+#: with vocab_only loads: SmolLM2 17.7, Gemma-3 43.4, Qwen2.5 47.5 MiB; the formula gives 18.5, 46.0, 52.9).
+VOCAB_BYTES_PER_ENTRY = 176
+VOCAB_FIXED_BYTES = 2 * MiB
+#: Safety factor on the compute-buffer formula (it matched llama.cpp's log within 1% on three models).
+COMPUTE_SAFETY = 1.05
+#: Margin: fixed + a fraction of everything else (allocator slack, thread stacks, page tables, I/O
+#: rings, the engine's per-slot bookkeeping); not yet measured against the engine.
+MARGIN_FIXED_BYTES = 16 * MiB
+MARGIN_FRACTION = 0.03
+
+
+def default_disk() -> dict[str, Any]:
+    """A conservative built-in disk profile, in :func:`~llamaflash.disk_probe.probe_disk`'s format (not
+    measured): 150 us per request plus 400 MB/s transfer, at most 25k IOPS and 400 MB/s; about half
+    of what the development VM's disk measured (docs/PLANNER.md)."""
+    points = []
+    for kib in (4, 16, 32, 64, 256):
+        for depth in (1, 4, 16, 32):
+            size = kib * 1024
+            iops = min(depth / (150e-6 + size / 400e6), 25_000.0, 400e6 / size)
+            points.append({"request_kib": kib, "depth": depth, "iops": round(iops, 1),
+                           "mb_s": round(iops * size / 1e6, 1)})
+    return {"source": "built-in default (not measured)", "direct": True, "points": points}
+
+
+class _Disk:
+    """Device time per request from a probe result: 1/IOPS at the measured sizes and depths,
+    interpolated linearly in depth and size; beyond the largest size, bandwidth-bound."""
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        pts = result.get("points") or []
+        self.sizes = np.array(sorted({p["request_kib"] * 1024 for p in pts}), dtype=float)
+        self.depths = np.array(sorted({p["depth"] for p in pts}), dtype=float)
+        if not len(self.sizes):
+            raise ValueError("the disk profile has no measured points")
+        iops = {(p["request_kib"] * 1024, p["depth"]): float(p["iops"]) for p in pts}
+        try:
+            self.iops = np.array([[iops[(s, d)] for d in self.depths] for s in self.sizes])
+        except KeyError as e:
+            raise ValueError(f"the disk profile lacks the point {e.args[0]} (size, depth)") from None
+
+    def seconds(self, nbytes: np.ndarray, depth: float) -> np.ndarray:
+        """Device seconds per request of ``nbytes`` with ``depth`` requests in flight."""
+        t = 1.0 / np.array([np.interp(depth, self.depths, row) for row in self.iops])
+        out = np.interp(nbytes, self.sizes, t)
+        big = nbytes > self.sizes[-1]
+        out[big] = t[-1] * nbytes[big] / self.sizes[-1]
+        return out
+
+
+def _meta(header: GGUFHeader, key: str, default: Any = None) -> Any:
+    v = header.metadata.get(key)
+    if v is None:
+        return default
+    return v.count if v.value is None else v.value
+
+
+def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
+    """llama.cpp's memory in offload mode (bytes): ``llama_vocab``, ``llama_weights`` (every tensor
+    but the served layers' ffn_gate/up/down: mmapped or repacked, resident either way), ``kv_cache``
+    (f16 K and V for every layer and cell; n_ctx rounded up to 256), ``compute_buffers`` (CPU:
+    n_ubatch x 4 x max(n_vocab + 3 n_embd, (n_head + 2) n_ctx + 6 n_embd), fitted to llama.cpp's log;
+    LLAMAFLASH device: n_ubatch x 3 n_ff x 4; logits output: n_vocab x 4; all x COMPUTE_SAFETY),
+    ``prefill_window`` (one served layer's base up + down bytes, page cache during dense prefill).
+    ``header``: the base model's (:func:`~llamaflash.gguf_header.read_gguf_header`)."""
+    h = header
+    arch = _meta(h, "general.architecture", "")
+    n_layer, n_embd = int(_meta(h, f"{arch}.block_count")), int(_meta(h, f"{arch}.embedding_length"))
+    n_head = int(np.max(_meta(h, f"{arch}.attention.head_count", 1)))
+    kv_heads = np.broadcast_to(np.asarray(_meta(h, f"{arch}.attention.head_count_kv", n_head)), (n_layer,))
+    k_len = int(_meta(h, f"{arch}.attention.key_length", n_embd // n_head))
+    v_len = int(_meta(h, f"{arch}.attention.value_length", k_len))
+    n_vocab = int(_meta(h, "tokenizer.ggml.tokens", 0) or _meta(h, f"{arch}.vocab_size", 0))
+    entries = n_vocab + int(_meta(h, "tokenizer.ggml.merges", 0))
+    served = {fmt.base_ffn_gate_name(lay.layer) for lay in info.layers}
+    served |= {fmt.base_ffn_up_name(lay.layer) for lay in info.layers}
+    served |= {fmt.base_ffn_down_name(lay.layer) for lay in info.layers}
+    size = {t.name: t.nbytes for t in h.tensors}
+    cells = -(-n_ctx // 256) * 256
+    n_ff = max(lay.n_ff for lay in info.layers)
+    cpu = n_ubatch * 4 * max(n_vocab + 3 * n_embd, (n_head + 2) * cells + 6 * n_embd)
+    return {
+        "llama_vocab": VOCAB_FIXED_BYTES + VOCAB_BYTES_PER_ENTRY * entries,
+        "llama_weights": sum(b for name, b in size.items() if name not in served),
+        "kv_cache": int(kv_heads.sum()) * cells * (k_len + v_len) * 2,
+        "compute_buffers": int(COMPUTE_SAFETY * (cpu + n_ubatch * 3 * n_ff * 4 + n_vocab * 4)),
+        "prefill_window": max(size[fmt.base_ffn_up_name(lay.layer)] + size[fmt.base_ffn_down_name(lay.layer)]
+                              for lay in info.layers),
+    }
+
+
+def _span(start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Bytes of the page-aligned range covering [start, start + length)."""
+    return -(-(start + length) // PAGE) * PAGE - start // PAGE * PAGE
+
+
+@dataclass
+class _Clusters:
+    """Per served layer, for one cluster size: P(needed), sum of f, bytes of the two reads."""
+
+    size: int
+    prob: list[np.ndarray]
+    sumf: list[np.ndarray]
+    up: list[np.ndarray]
+    down_t: list[np.ndarray]
+    slot_bytes: int = 0
+
+
+def _clusters(info: SidecarInfo, freqs: list[np.ndarray], size: int) -> _Clusters:
+    cl = _Clusters(size, [], [], [], [])
+    for lay, f in zip(info.layers, freqs):
+        k = -(-lay.n_ff // size)
+        m = np.zeros(k * size)
+        m[:lay.n_ff] = np.clip(f, 0.0, 1.0)
+        m = m.reshape(k, size)
+        with np.errstate(divide="ignore"):
+            cl.prob.append((-np.expm1(np.log1p(-m).sum(axis=1))).astype(np.float32))
+        cl.sumf.append(m.sum(axis=1))
+        first = np.arange(k, dtype=np.int64) * size
+        count = np.minimum(size, lay.n_ff - first)
+        cl.up.append(_span(lay.base_up_offset + first * lay.up_row_bytes, count * lay.up_row_bytes))
+        cl.down_t.append(_span(lay.down_t_offset + first * lay.down_t_row_bytes, count * lay.down_t_row_bytes))
+        cl.slot_bytes = max(cl.slot_bytes, int((cl.up[-1] + cl.down_t[-1]).max()))
+    return cl
+
+
+def _hot(cl: _Clusters, n_slots: int) -> list[np.ndarray]:
+    """Boolean pin masks: the n_slots clusters of highest P(needed), then highest sum of f, over all layers."""
+    prob, sumf = np.concatenate(cl.prob), np.concatenate(cl.sumf)
+    chosen = np.zeros(len(prob), dtype=bool)
+    chosen[np.lexsort((-sumf, -prob))[:n_slots]] = True
+    return np.split(chosen, np.cumsum([len(p) for p in cl.prob])[:-1])
+
+
+def _io(cl: _Clusters, hot: list[np.ndarray], disk: _Disk, pmin: float, depth: int,
+        prefetch_layers: int) -> tuple[float, float, float]:
+    """(flash bytes per token, device seconds per token, demand-stall seconds per token). Unpinned
+    clusters with P >= pmin are read ahead (always read); the others on demand (read with probability
+    P) after the layer's gate. Time = max(device busy time at the queue depth the reads can fill, sum
+    of per-layer demand stalls)."""
+    n, total_bytes, stall = len(cl.prob), 0.0, 0.0
+    weights, sizes, spec_req, demand_req = [], [], np.zeros(n), np.zeros(n)
+    for i in range(n):
+        miss = ~hot[i]
+        p, up, dt = cl.prob[i][miss].astype(float), cl.up[i][miss], cl.down_t[i][miss]
+        spec = p >= pmin if prefetch_layers else np.zeros(len(p), dtype=bool)
+        w = np.where(spec, 1.0, p)
+        total_bytes += float((w * (up + dt)).sum())
+        spec_req[i], demand_req[i] = 2 * spec.sum(), 2 * p[~spec].sum()
+        d = min(max(demand_req[i], 1.0), depth)
+        stall += float((p[~spec] * (disk.seconds(up[~spec], d) + disk.seconds(dt[~spec], d))).sum())
+        weights.append(np.concatenate([w, w]))
+        sizes.append(np.concatenate([up, dt]))
+    window = np.mean([demand_req[i] + sum(spec_req[(i + j) % n] for j in range(1, prefetch_layers + 1))
+                      for i in range(n)])
+    w, s = np.concatenate(weights), np.concatenate(sizes)
+    busy = float((w * disk.seconds(s, min(max(window, 1.0), depth))).sum()) if len(s) else 0.0
+    return total_bytes, max(busy, stall), stall
+
+
+@dataclass
+class OffloadPlan:
+    """A RAM plan for the flash-offload engine; sizes in bytes. ``parts`` (name → bytes, in order)
+    sums to ``budget_bytes``; ``reasons`` says why each part has its size. ``minimum_bytes`` is every
+    part but ``hot_slots`` with the cold region at its minimum. ``hot_clusters[i]`` / ``cluster_prob[i]``
+    belong to ``layers[i]`` (the sidecar's layer order). ``hit_rate``: share of the cluster reads a
+    token needs that the hot slots serve; ``neuron_hit_rate``: the same weighted by active neurons;
+    ``flash_bytes_per_token``: expected bytes read per decoded token (read-ahead included);
+    ``io_bound_tok_s``: decode speed if only the disk limited it (None: nothing is read)."""
+
+    model_path: str
+    sidecar_path: str
+    budget_bytes: int
+    minimum_bytes: int
+    parts: dict[str, int]
+    reasons: dict[str, str]
+    cluster_size: int
+    slot_bytes: int
+    hot_slots: int
+    cold_slots: int
+    total_clusters: int
+    queue_depth: int
+    prefetch_layers: int
+    prefetch_min_prob: float
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    layers: list[int]
+    hot_clusters: list[np.ndarray]
+    cluster_prob: list[np.ndarray]
+    hit_rate: float
+    neuron_hit_rate: float
+    flash_bytes_per_token: float
+    io_bound_tok_s: float | None
+    disk_source: str
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self, arrays: bool = True) -> dict[str, Any]:
+        """Plain JSON-able dict; ``arrays=False`` replaces the per-layer arrays by per-layer pin counts."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("hot_clusters", "cluster_prob")}
+        out["hot_per_layer"] = [int(len(h)) for h in self.hot_clusters]
+        if arrays:
+            out["hot_clusters"] = [h.tolist() for h in self.hot_clusters]
+            out["cluster_prob"] = [np.round(p.astype(float), 6).tolist() for p in self.cluster_prob]
+        return out
+
+    def explain(self) -> str:
+        """A human-readable table: every part and why, the minimum, the choices, the predictions."""
+        mib = lambda b: f"{b / MiB:9.1f}"  # noqa: E731
+        lines = [f"llamaflash offload plan: {self.model_path}", f"  sidecar {self.sidecar_path}",
+                 f"  RAM budget {self.budget_bytes / MiB:.0f} MiB, n_ctx {self.n_ctx}, n_batch {self.n_batch}, "
+                 f"n_ubatch {self.n_ubatch}", "", f"  {'part':<16}{'MiB':>9}  why"]
+        lines += [f"  {name:<16}{mib(b)}  {self.reasons[name]}" for name, b in self.parts.items()]
+        lines += [f"  {'total':<16}{mib(sum(self.parts.values()))}  = the budget",
+                  f"  {'minimum':<16}{mib(self.minimum_bytes)}  every part but hot_slots, cold region at its "
+                  "minimum", "",
+                  f"cluster size {self.cluster_size} neurons, slot {self.slot_bytes / 1024:.0f} KiB; "
+                  f"{self.hot_slots} of {self.total_clusters} clusters pinned, {self.cold_slots} cold slots; "
+                  f"queue depth {self.queue_depth}; read-ahead: "
+                  + (f"next {self.prefetch_layers} layer(s), clusters with P(needed) >= {self.prefetch_min_prob:g}"
+                     if self.prefetch_min_prob <= 1 else "off"),
+                  f"disk: {self.disk_source}", "candidates (the best predicted tok/s is chosen):",
+                  f"  {'C':>4} {'slot KiB':>8} {'min MiB':>8} {'hot':>7} {'hit':>6} {'MB/token':>9} {'tok/s':>7}"]
+        for c in self.candidates:
+            if c.get("hot_slots") is None:
+                lines.append(f"  {c['cluster_size']:>4} {c['slot_bytes'] / 1024:>8.0f} "
+                             f"{c['minimum_bytes'] / MiB:>8.0f}  (budget below its minimum)")
+                continue
+            tok = "inf" if c["io_bound_tok_s"] is None else f"{c['io_bound_tok_s']:.1f}"
+            lines.append(f"  {c['cluster_size']:>4} {c['slot_bytes'] / 1024:>8.0f} {c['minimum_bytes'] / MiB:>8.0f} "
+                         f"{c['hot_slots']:>7} {c['hit_rate']:>6.3f} {c['flash_bytes_per_token'] / 1e6:>9.1f} "
+                         f"{tok:>7}")
+        tok = "unbounded (nothing read)" if self.io_bound_tok_s is None else f"{self.io_bound_tok_s:.1f} tok/s"
+        lines += ["", f"predicted: hit rate {self.hit_rate:.3f} (neuron-weighted {self.neuron_hit_rate:.3f}), "
+                      f"{self.flash_bytes_per_token / 1e6:.1f} MB read from flash per token, I/O-bound decode {tok}"]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _disk_source(disk: dict[str, Any] | None) -> str:
+    if disk is None:
+        return default_disk()["source"]
+    if disk.get("source"):
+        return str(disk["source"])
+    return (f"probed {disk.get('directory')} ({disk.get('filesystem')}, {disk.get('engine')}, "
+            f"{'direct I/O' if disk.get('direct') else 'page cache: not direct I/O'})")
+
+
+def _process_rss() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike | None, ram_budget_mb: float, *,
+                 n_ctx: int = 512, n_ubatch: int | None = None, disk: dict[str, Any] | None = None,
+                 runtime_rss_bytes: int | None = None, cluster_size: int | None = None,
+                 prefetch_layers: int = 1) -> OffloadPlan:
+    """Plan the RAM of the flash-offload engine for ``model_path`` + its format-2 sidecar under
+    ``ram_budget_mb`` MiB (see the module docstring and :class:`OffloadPlan`).
+
+    ``n_ubatch`` None: the largest of UBATCH_CHOICES whose compute buffers fit UBATCH_BUDGET_SHARE of
+    the budget; ``disk`` None: :func:`default_disk`; ``runtime_rss_bytes`` None: this process's RSS now;
+    ``cluster_size`` None: the CLUSTER_SIZES entry with the best predicted tok/s. Raises
+    :class:`RamBudgetError` below the minimum, :class:`SidecarError` for a sidecar without neuron
+    statistics, and what :func:`~llamaflash.sidecar.validate_pair` raises for a bad pair."""
+    if n_ctx < 1 or prefetch_layers < 0 or (cluster_size is not None and cluster_size < 1) or (
+            n_ubatch is not None and n_ubatch < 1):
+        raise ValueError(f"n_ctx {n_ctx}, n_ubatch {n_ubatch} and cluster_size {cluster_size} must be positive, "
+                         f"prefetch_layers {prefetch_layers} non-negative")
+    sidecar = Path(sidecar_path) if sidecar_path is not None else default_sidecar_path(model_path)
+    info = validate_pair(model_path, sidecar)
+    if info.sparsity is None:
+        raise SidecarError(f"{sidecar}: format-{info.format_version} sidecar without neuron statistics; the planner "
+                           f"needs per-neuron activation frequencies. Re-create it with `llamaflash convert "
+                           f"{model_path} --force` (without --no-calibration).")
+    budget = int(ram_budget_mb * MiB)
+    measured = _process_rss() if runtime_rss_bytes is None else None
+    runtime = runtime_rss_bytes if runtime_rss_bytes is not None else (measured or RUNTIME_RSS_BYTES)
+    freqs = []
+    for lay in info.layers:
+        v = read_layer_vectors(info, lay)
+        base = np.empty(lay.n_ff, dtype=np.float64)
+        base[v["order"]] = v["freq"]  # bundle position k holds base neuron order[k]
+        freqs.append(base)
+    sizes = [c for c in CLUSTER_SIZES if c <= max(lay.n_ff for lay in info.layers)] or [CLUSTER_SIZES[0]]
+    tables = [_clusters(info, freqs, c) for c in ([cluster_size] if cluster_size else sizes)]
+    gate = sum(lay.n_ff * lay.gate_row_bytes for lay in info.layers)
+    header = read_gguf_header(model_path)
+
+    def fixed_parts(u: int) -> dict[str, int]:
+        return {"runtime": int(runtime), **llama_share(header, info, n_ctx, u), "gate_rows": gate}
+
+    def cold_bytes(cl: _Clusters) -> int:
+        return (1 + prefetch_layers) * max(len(p) for p in cl.prob) * cl.slot_bytes
+
+    def minimum(fixed: dict[str, int], cl: _Clusters) -> int:
+        rest = sum(fixed.values()) + cold_bytes(cl)
+        return rest + MARGIN_FIXED_BYTES + int(MARGIN_FRACTION * rest)
+
+    ubatches = [u for u in UBATCH_CHOICES if u <= n_ctx] or [n_ctx] if n_ubatch is None else [min(n_ubatch, n_ctx)]
+    for u in ubatches:
+        fixed = fixed_parts(u)
+        if min(minimum(fixed, cl) for cl in tables) <= budget and (
+                fixed["compute_buffers"] <= UBATCH_BUDGET_SHARE * budget or u == ubatches[-1]):
+            break
+    least = min(minimum(fixed, cl) for cl in tables)
+    if budget < least:
+        need = math.ceil(least / MiB)
+        big = ", ".join(f"{k} {v / MiB:.0f}" for k, v in sorted(fixed.items(), key=lambda kv: -kv[1])[:4])
+        raise RamBudgetError(
+            f"RAM budget {ram_budget_mb:g} MiB is below the minimum of {need} MiB that the flash-offload engine "
+            f"needs for {Path(model_path).name} at n_ctx {n_ctx} (n_ubatch {u}; largest parts in MiB: {big}). "
+            f"Raise the budget to at least {need} MiB (--ram-budget-mb {need}), or use a smaller n_ctx "
+            f"(the KV cache takes {fixed['kv_cache'] / MiB:.1f} MiB at n_ctx {n_ctx}).")
+    d = _Disk(disk if disk is not None else default_disk())
+    best, candidates = None, []
+    for cl in tables:
+        low = minimum(fixed, cl)
+        row: dict[str, Any] = {"cluster_size": cl.size, "slot_bytes": cl.slot_bytes, "minimum_bytes": low}
+        candidates.append(row)
+        if low > budget:
+            row["hot_slots"] = None
+            continue
+        n_total = sum(len(p) for p in cl.prob)
+        n_hot = min(n_total, (budget - low) // cl.slot_bytes)
+        hot = _hot(cl, n_hot)
+        options = []
+        for pmin in (PREFETCH_MIN_PROBS if prefetch_layers else (1.01,)):
+            for depth in d.depths.astype(int):
+                nbytes, secs, stall = _io(cl, hot, d, pmin, int(depth), prefetch_layers)
+                tok_s = 1.0 / secs if secs > 0 else math.inf
+                # ties: fewer bytes, then less demand stall (read-ahead that costs nothing hides latency
+                # behind compute, which this I/O bound leaves out), then less read-ahead, shallower queue
+                key = (round(tok_s, 2), -round(nbytes), -round(stall, 6), pmin, -depth)
+                options.append((key, nbytes, tok_s, pmin, int(depth)))
+        key, nbytes, tok_s, pmin, depth = max(options, key=lambda o: o[0])
+        needed = sum(float(p.sum()) for p in cl.prob)
+        mass = sum(float(s.sum()) for s in cl.sumf)
+        hit = sum(float(p[h].sum()) for p, h in zip(cl.prob, hot))
+        hit_mass = sum(float(s[h].sum()) for s, h in zip(cl.sumf, hot))
+        row.update(hot_slots=int(n_hot), hit_rate=hit / needed if needed else 1.0,
+                   neuron_hit_rate=hit_mass / mass if mass else 1.0,
+                   flash_bytes_per_token=nbytes, io_bound_tok_s=None if math.isinf(tok_s) else tok_s,
+                   prefetch_min_prob=pmin, queue_depth=depth)
+        if best is None or (key, -low) > best[0]:
+            best = ((key, -low), cl, hot, row)
+    _, cl, hot, row = best
+    cold = cold_bytes(cl)
+    parts = {**fixed, "cold_slots": cold, "hot_slots": row["hot_slots"] * cl.slot_bytes}
+    parts["margin"] = budget - sum(parts.values())
+    spare = parts["margin"] - (minimum(fixed, cl) - sum(fixed.values()) - cold)
+    max_clusters = max(len(p) for p in cl.prob)
+    lay0 = info.layers[0]
+    reasons = {
+        "runtime": ("Python + llama-cpp-python + llamaflash, this process's RSS now" if measured else
+                    "given by the caller" if runtime_rss_bytes is not None else
+                    "Python + libraries, measured constant (import llamaflash, llama_cpp)"),
+        "llama_vocab": f"llama.cpp tokenizer tables, {VOCAB_BYTES_PER_ENTRY} B per token/merge + 2 MiB (measured)",
+        "llama_weights": "non-FFN tensors (attention, norms, token_embd, output) + unserved FFNs, mmapped/repacked",
+        "kv_cache": f"f16 K+V, every layer, n_ctx {n_ctx} rounded up to 256 cells",
+        "compute_buffers": f"llama.cpp CPU + LLAMAFLASH compute at n_ubatch {u}, logits output; +5% (fit, measured)",
+        "prefill_window": "one layer's base up + down, mmapped page cache during dense prefill",
+        "gate_rows": f"resident gate matrices, {len(info.layers)} layers x {lay0.n_ff} x {lay0.gate_row_bytes} B",
+        "cold_slots": f"{1 + prefetch_layers} layers x {max_clusters} clusters: current layer + read-ahead",
+        "hot_slots": f"{row['hot_slots']} pinned clusters x {cl.slot_bytes // 1024} KiB, by P(needed) then sum f",
+        "margin": f"{MARGIN_FIXED_BYTES // MiB} MiB + {MARGIN_FRACTION:.0%} of the rest, + {spare / MiB:.1f} MiB "
+                  "left over (slot rounding, or more than all clusters need)",
+    }
+    notes = [] if disk is not None else ["no disk profile given: built-in conservative default; pass "
+                                         "--probe-disk (or disk=probe_disk(...)) for this machine's numbers"]
+    if info.sparsity.bundle_order != fmt.BUNDLE_ORDER_BASE:
+        notes.append(f"bundle order '{info.sparsity.bundle_order}': a cluster's down_t rows are not contiguous "
+                     "in the sidecar; convert with --order base for one read per cluster")
+    if "output.weight" in {t.name for t in header.tensors}:
+        notes.append("token_embd is read by rows (get_rows): only rows of tokens in use must stay resident; "
+                     "it is counted whole in llama_weights (conservative)")
+    notes.append("cluster probabilities assume independent neurons at the sidecar's operating point "
+                 f"(sparsity target {info.sparsity.target:g}); the I/O bound ignores compute and cross-token reuse")
+    return OffloadPlan(
+        model_path=str(model_path), sidecar_path=str(sidecar), budget_bytes=budget,
+        minimum_bytes=minimum(fixed, cl), parts=parts, reasons=reasons, cluster_size=cl.size,
+        slot_bytes=cl.slot_bytes, hot_slots=row["hot_slots"], cold_slots=(1 + prefetch_layers) * max_clusters,
+        total_clusters=sum(len(p) for p in cl.prob), queue_depth=row["queue_depth"],
+        prefetch_layers=prefetch_layers, prefetch_min_prob=row["prefetch_min_prob"], n_ctx=n_ctx, n_batch=u,
+        n_ubatch=u, layers=[lay.layer for lay in info.layers],
+        hot_clusters=[np.flatnonzero(h).astype(np.int32) for h in hot], cluster_prob=cl.prob,
+        hit_rate=row["hit_rate"], neuron_hit_rate=row["neuron_hit_rate"],
+        flash_bytes_per_token=row["flash_bytes_per_token"], io_bound_tok_s=row["io_bound_tok_s"],
+        disk_source=_disk_source(disk),
+        candidates=candidates, notes=notes)

@@ -1,0 +1,296 @@
+"""The RAM-budget planner (``llamaflash.planner``) and ``llamaflash plan``: accounting, minimum,
+cluster probabilities, pin choice, monotonicity, errors and the command line. Synthetic sidecars
+with hand-set neuron frequencies; the real SmolLM2 converted sidecar when it is cached."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llamaflash import sidecar_format as fmt
+from llamaflash.cli import EXIT_LLAMAFLASH_ERROR, main
+from llamaflash.converters.bundle import BundleStage
+from llamaflash.converters.pipeline import plan_sidecar
+from llamaflash.converters.sparsity import LayerDecision, SparsityStage
+from llamaflash.converters.writer import write_sidecar_atomically
+from llamaflash.errors import LlamaflashError, RamBudgetError, SidecarError
+from llamaflash.gguf_model import base_identity, read_base_model
+from llamaflash.planner import MiB, default_disk, plan_offload
+
+N_LAYER, N_FF = 3, 256
+PARTS = ("runtime", "llama_vocab", "llama_weights", "kv_cache", "compute_buffers", "prefill_window",
+         "gate_rows", "cold_slots", "hot_slots", "margin")
+RUNTIME = 40 * MiB
+
+
+def write_v2_sidecar(model: Path, out: Path, freqs: dict[int, np.ndarray],
+                     orders: dict[int, np.ndarray] | None = None) -> Path:
+    """A format-2 sidecar of ``model`` whose neuron frequencies are ``freqs[layer]`` (base neuron order),
+    bundles in ``orders[layer]`` (default identity)."""
+    info = read_base_model(model)
+    decisions = {}
+    for ffn in info.ffn_layers:
+        order = (orders or {}).get(ffn.layer, np.arange(ffn.n_ff)).astype(np.int32)
+        f = np.asarray(freqs[ffn.layer], dtype=np.float32)
+        decisions[ffn.layer] = LayerDecision(
+            layer=ffn.layer, level=0.5, threshold=0.1, sparsity=float(1 - f.mean()), ffn_rel_error=0.0,
+            order=order, freq=f[order], mag=np.ones(ffn.n_ff, dtype=np.float32), selection=fmt.SELECTION_GATE)
+    stage = SparsityStage(decisions)
+    plan = plan_sidecar(info, base_identity(model, info), [BundleStage(stage.orders), stage])
+    plan.set_string(fmt.KEY_SPARSITY_CRITERION, fmt.CRITERION_ACT_GATE)
+    plan.set_string(fmt.KEY_SPARSITY_METHOD, fmt.SPARSITY_METHOD_FIXED)
+    plan.set_string(fmt.KEY_BUNDLE_ORDER, fmt.BUNDLE_ORDER_BASE if orders is None else fmt.BUNDLE_ORDER_HOT)
+    plan.set_float32(fmt.KEY_SPARSITY_TARGET, 0.5)
+    return write_sidecar_atomically(plan, out)
+
+
+def random_freqs(seed: int = 0) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {i: rng.beta(0.3, 1.5, N_FF).astype(np.float32) for i in range(N_LAYER)}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory) -> Path:
+    return tiny_model_factory(n_layer=N_LAYER, n_embd=64, n_ff=N_FF, weight_type="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def pair(model, tmp_path_factory) -> tuple[Path, Path]:
+    return model, write_v2_sidecar(model, tmp_path_factory.mktemp("planner") / "m.flash.gguf", random_freqs())
+
+
+def plan(pair, budget_mb, **kw):
+    kw.setdefault("runtime_rss_bytes", RUNTIME)
+    return plan_offload(*pair, budget_mb, **kw)
+
+
+def minimum_mb(pair, **kw) -> float:
+    return plan(pair, 10_000, **kw).minimum_bytes / MiB
+
+
+def test_parts_sum_to_the_budget_and_are_explained(pair):
+    p = plan(pair, minimum_mb(pair, cluster_size=8, n_ubatch=64) + 0.3, cluster_size=8, n_ubatch=64)
+    assert tuple(p.parts) == PARTS
+    assert sum(p.parts.values()) == p.budget_bytes
+    assert all(v >= 0 for v in p.parts.values())
+    assert p.parts["runtime"] == RUNTIME and p.n_ubatch == p.n_batch == 64
+    assert p.hot_slots > 0 and p.parts["hot_slots"] == p.hot_slots * p.slot_bytes
+    assert p.parts["cold_slots"] == p.cold_slots * p.slot_bytes == 2 * (N_FF // 8) * p.slot_bytes
+    assert p.slot_bytes % 4096 == 0 and p.slot_bytes >= 2 * 4096
+    assert p.minimum_bytes <= p.budget_bytes - p.parts["hot_slots"] < p.minimum_bytes + p.slot_bytes
+    assert p.parts["margin"] >= 16 * MiB
+    assert sum(len(h) for h in p.hot_clusters) == p.hot_slots
+    text = p.explain()
+    for name in PARTS + ("minimum", "predicted", "cluster size 8", "built-in default"):
+        assert name in text
+    d = json.loads(json.dumps(p.to_dict()))
+    assert d["parts"] == p.parts and len(d["hot_clusters"]) == N_LAYER and d["hot_per_layer"] == [
+        len(h) for h in p.hot_clusters]
+    assert "hot_clusters" not in p.to_dict(arrays=False)
+
+
+def test_budget_at_the_minimum_pins_nothing_and_below_it_is_refused(pair):
+    low = minimum_mb(pair, cluster_size=16, n_ubatch=32)
+    p = plan(pair, low, cluster_size=16, n_ubatch=32)
+    assert p.hot_slots == 0 and p.parts["hot_slots"] == 0 and p.minimum_bytes == p.budget_bytes
+    with pytest.raises(RamBudgetError) as e:
+        plan(pair, low - 0.5, cluster_size=16, n_ubatch=32)
+    assert isinstance(e.value, LlamaflashError) and isinstance(e.value, ValueError)
+    msg = str(e.value)
+    assert f"minimum of {math.ceil(low)} MiB" in msg and f"--ram-budget-mb {math.ceil(low)}" in msg
+    assert "n_ctx" in msg
+
+
+def test_more_budget_pins_more_and_hits_more(pair):
+    low = minimum_mb(pair, cluster_size=8, n_ubatch=32)
+    plans = [plan(pair, low + extra, cluster_size=8, n_ubatch=32) for extra in (0, 0.05, 0.2, 0.5, 1, 3)]
+    hot = [p.hot_slots for p in plans]
+    hit = [p.hit_rate for p in plans]
+    assert hot == sorted(hot) and hot[0] == 0 and hot[-1] == N_LAYER * N_FF // 8  # everything pinned at the end
+    assert len(set(hot)) == len(hot)
+    assert hit == sorted(hit) and hit[0] == 0 and hit[-1] == pytest.approx(1.0)
+    # without read-ahead (whose speculative bytes may buy speed) fewer bytes come from flash
+    flash = [plan(pair, low + extra, cluster_size=8, n_ubatch=32, prefetch_layers=0).flash_bytes_per_token
+             for extra in (0, 0.05, 0.2, 0.5, 1, 3)]
+    assert flash == sorted(flash, reverse=True) and flash[-1] == 0
+    assert plans[-1].io_bound_tok_s is None and plans[-1].flash_bytes_per_token == 0
+    assert all(sum(p.parts.values()) == p.budget_bytes for p in plans)
+    # with the cluster size chosen, more budget never predicts a slower decode
+    speeds = [plan(pair, low + extra, n_ubatch=32).io_bound_tok_s or math.inf for extra in (0.1, 0.4, 1.0)]
+    assert speeds == sorted(speeds)
+
+
+def test_cluster_probability_and_pin_order_on_a_hand_example(model, tmp_path):
+    freqs = {i: np.zeros(N_FF, dtype=np.float32) for i in range(N_LAYER)}
+    freqs[0][:4] = [0.5, 0.5, 0.1, 0.0]      # clusters of 2: P = 0.75, 0.1
+    freqs[1][10:12] = [0.9, 0.2]              # cluster 5: P = 0.92
+    freqs[2][20:22] = [0.75, 0.0]             # cluster 10: P = 0.75, sum f 0.75 < layer 0's 1.0
+    # bundles stored hot-first (a permutation): probabilities must still be in base neuron order
+    orders = {i: np.argsort(-freqs[i], kind="stable").astype(np.int32) for i in range(N_LAYER)}
+    pair = (model, write_v2_sidecar(model, tmp_path / "hand.flash.gguf", freqs, orders))
+    low = minimum_mb(pair, cluster_size=2, n_ubatch=32)
+    p0 = plan(pair, low, cluster_size=2, n_ubatch=32)
+    slot_mb = p0.slot_bytes / MiB
+    p = plan(pair, low + 3.5 * slot_mb, cluster_size=2, n_ubatch=32)  # 3 slots
+    assert p.layers == [0, 1, 2] and p.cluster_size == 2
+    np.testing.assert_allclose(p.cluster_prob[0][:3], [0.75, 0.1, 0.0], atol=1e-6)
+    assert p.cluster_prob[1][5] == pytest.approx(1 - 0.1 * 0.8)
+    assert p.cluster_prob[2][10] == pytest.approx(0.75)
+    for i in range(N_LAYER):
+        f = np.asarray(freqs[i], dtype=np.float64).reshape(-1, 2)
+        np.testing.assert_allclose(p.cluster_prob[i], 1 - np.prod(1 - f, axis=1), atol=1e-6)
+    assert p.hot_slots == 3
+    assert [h.tolist() for h in p.hot_clusters] == [[0], [5], [10]] and p.hot_clusters[0].dtype == np.int32
+    p4 = plan(pair, low + 4.5 * slot_mb, cluster_size=2, n_ubatch=32)
+    assert [h.tolist() for h in p4.hot_clusters] == [[0, 1], [5], [10]]
+    assert p4.hit_rate == pytest.approx(1.0)
+    assert any("bundle order 'hot'" in n for n in p.notes)
+
+
+def test_choices_are_explained_and_bounded(pair):
+    p = plan(pair, minimum_mb(pair) + 2, n_ctx=256)
+    assert p.cluster_size in (4, 8, 16, 32, 64, 128)
+    assert [c["cluster_size"] for c in p.candidates] == [4, 8, 16, 32, 64, 128]
+    assert p.n_ubatch <= 256 and p.queue_depth in (1, 4, 16, 32)
+    assert 0.0 <= p.hit_rate <= 1.0 and 0.0 <= p.prefetch_min_prob <= 1.01
+    assert "no disk profile given" in " ".join(p.notes)
+    # a measured profile replaces the default; a faster disk predicts a faster decode
+    fast = default_disk()
+    for point in fast["points"]:
+        point["iops"] *= 4
+    fast["source"] = "test disk"
+    q = plan(pair, minimum_mb(pair) + 2, n_ctx=256, disk=fast, cluster_size=p.cluster_size, n_ubatch=p.n_ubatch)
+    assert q.disk_source == "test disk" and not any("no disk profile" in n for n in q.notes)
+    if p.io_bound_tok_s is not None:
+        assert q.io_bound_tok_s > p.io_bound_tok_s
+    # a larger context costs KV cache
+    assert plan(pair, 10_000, n_ctx=1024, n_ubatch=32, cluster_size=8).parts["kv_cache"] == \
+        2 * plan(pair, 10_000, n_ctx=512, n_ubatch=32, cluster_size=8).parts["kv_cache"]
+    # no read-ahead: one layer of cold slots
+    r = plan(pair, 10_000, prefetch_layers=0, cluster_size=8, n_ubatch=32)
+    assert r.cold_slots == N_FF // 8 and r.prefetch_min_prob > 1
+
+
+def test_n_ubatch_follows_the_budget(pair):
+    small = plan(pair, minimum_mb(pair, n_ubatch=32) + 0.5)
+    large = plan(pair, 10_000)
+    assert small.n_ubatch < 512 and large.n_ubatch == 512
+    assert large.parts["compute_buffers"] > small.parts["compute_buffers"]
+
+
+def test_format_1_sidecar_is_refused_naming_convert(model, tmp_path):
+    info = read_base_model(model)
+    v1 = write_sidecar_atomically(plan_sidecar(info, base_identity(model, info), [BundleStage()]),
+                                  tmp_path / "v1.flash.gguf")
+    with pytest.raises(SidecarError, match="llamaflash convert"):
+        plan_offload(model, v1, 1000, runtime_rss_bytes=RUNTIME)
+
+
+def test_runtime_defaults_to_this_process(pair):
+    p = plan_offload(*pair, 10_000, cluster_size=8, n_ubatch=32)
+    assert 10 * MiB < p.parts["runtime"] < 4096 * MiB and "RSS" in p.reasons["runtime"]
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_cli_plan_prints_the_table_and_json(pair):
+    model, sidecar = pair
+    ok = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 200, "--runtime-mb", 40)
+    assert ok.exit_code == 0, ok.output
+    assert "hot_slots" in ok.stdout and "minimum" in ok.stdout
+    js = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 200, "--runtime-mb", 40, "--json",
+                 "--cluster-size", 8, "--n-ctx", 256)
+    assert js.exit_code == 0, js.output
+    d = json.loads(js.stdout)
+    assert sum(d["parts"].values()) == d["budget_bytes"] == 200 * MiB
+    assert d["cluster_size"] == 8 and d["n_ctx"] == 256 and "hot_clusters" not in d
+    arrays = json.loads(run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 200, "--json",
+                                "--json-arrays").stdout)
+    assert len(arrays["cluster_prob"]) == N_LAYER
+
+
+def test_cli_plan_too_small_budget_exits_2_naming_the_minimum(pair, tmp_path):
+    model, sidecar = pair
+    r = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 20, "--runtime-mb", 40)
+    assert r.exit_code == EXIT_LLAMAFLASH_ERROR == 2
+    assert r.stderr.startswith("error: RAM budget 20 MiB is below the minimum of ")
+    assert "Traceback" not in r.output
+    profile = tmp_path / "disk.json"
+    profile.write_text(json.dumps(default_disk()))
+    ok = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--disk-profile", profile)
+    assert ok.exit_code == 0 and "built-in default" in ok.stdout
+    missing = run_cli("plan", model, "--sidecar", tmp_path / "nope.flash.gguf", "--ram-budget-mb", 300)
+    assert missing.exit_code == 2 and "no such sidecar" in missing.stderr
+
+
+# --------------------------------------------------------------------------------------
+# the real SmolLM2 sidecar converted by `llamaflash convert` (skipped when not cached)
+# --------------------------------------------------------------------------------------
+
+CACHE = Path.home() / ".cache" / "llamaflash"
+SMOL = (CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
+        CACHE / "converted" / "SmolLM2-135M-Instruct.Q4_1.flash.gguf")
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not all(p.exists() for p in SMOL), reason="SmolLM2 and its converted sidecar are not cached")
+def test_real_smollm2_plan():
+    low = plan(SMOL, 10_000, cluster_size=64, n_ubatch=64).minimum_bytes / MiB
+    assert 120 < low < 260
+    with pytest.raises(RamBudgetError, match=f"minimum of {math.ceil(low)} MiB"):
+        plan(SMOL, low - 1, cluster_size=64, n_ubatch=64)
+    plans = [plan(SMOL, low + extra, cluster_size=64, n_ubatch=64) for extra in (0, 10, 25, 50)]
+    assert all(sum(p.parts.values()) == p.budget_bytes for p in plans)
+    assert [p.hot_slots for p in plans] == sorted(p.hot_slots for p in plans)
+    assert [p.hit_rate for p in plans] == sorted(p.hit_rate for p in plans)
+    assert plans[0].hot_slots == 0 and plans[-1].hot_slots > 0 and len(plans[-1].layers) == 30
+    # llama.cpp's non-FFN share of SmolLM2 (token_embd Q8_0 + attention): about 45 MiB
+    assert 40 * MiB < plans[0].parts["llama_weights"] < 50 * MiB
+    auto = plan(SMOL, low + 25)
+    assert auto.cluster_size in (4, 8, 16, 32, 64, 128) and sum(auto.parts.values()) == auto.budget_bytes
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not all(p.exists() for p in SMOL), reason="SmolLM2 and its converted sidecar are not cached")
+def test_real_smollm2_llama_buffers_match_llama_cpp_log():
+    """The KV cache and compute-buffer formulas against what llama.cpp logs when llamaflash.Llama loads
+    SmolLM2 with its sidecar (bench/planner_constants.py, one fresh process)."""
+    import subprocess
+    import sys
+
+    from llamaflash.gguf_header import read_gguf_header
+    from llamaflash.planner import llama_share
+    from llamaflash.sidecar import validate_pair
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "planner_constants.py"
+    out = subprocess.run([sys.executable, str(script), "--child", "smollm2-135m,llamaflash,128,512",
+                          "--sidecar-dir", str(SMOL[1].parent)], capture_output=True, text=True, check=True)
+    logged = json.loads(out.stdout.strip().splitlines()[-1])["buffers_mib"]
+    share = llama_share(read_gguf_header(SMOL[0]), validate_pair(*SMOL), 512, 128)
+    assert share["kv_cache"] / MiB == pytest.approx(logged["CPU KV"], abs=0.01)
+    compute = logged["CPU compute"] + logged["LLAMAFLASH compute"] + logged["CPU output"]
+    assert compute <= share["compute_buffers"] / MiB <= 1.1 * compute
+
+
+def test_cli_probe_disk_measures_beside_the_sidecar(pair, monkeypatch):
+    from llamaflash import disk_probe
+
+    calls = []
+
+    def fake_probe(directory, **kw):
+        calls.append((Path(directory), kw))
+        return {**default_disk(), "source": "fake probe"}
+
+    monkeypatch.setattr(disk_probe, "probe_disk", fake_probe)
+    model, sidecar = pair
+    r = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--probe-disk")
+    assert r.exit_code == 0, r.output
+    assert calls and calls[0][0] == sidecar.resolve().parent and calls[0][1]["seconds"] <= 0.5
+    assert "disk: fake probe" in r.stdout and "| request |" in r.stderr
