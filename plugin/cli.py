@@ -277,7 +277,7 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
                    "most 10% of the budget).")
 @click.option("--cluster-size", type=click.IntRange(min=1), default=None,
               help="Neurons per cache slot (default: the size with the best predicted tok/s).")
-@click.option("--prefetch-layers", type=click.IntRange(min=0), default=1, show_default=True,
+@click.option("--prefetch-layers", type=click.IntRange(min=0), default=2, show_default=True,
               help="Layers read ahead.")
 @click.option("--runtime-mb", type=click.FloatRange(min=0), default=None,
               help="RSS of the process before the model loads, in MiB (default: this process's RSS).")

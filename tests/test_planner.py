@@ -80,7 +80,7 @@ def test_parts_sum_to_the_budget_and_are_explained(pair):
     assert all(v >= 0 for v in p.parts.values())
     assert p.parts["runtime"] == RUNTIME and p.n_ubatch == p.n_batch == 64
     assert p.hot_slots > 0 and p.parts["hot_slots"] == p.hot_slots * p.slot_bytes
-    assert p.parts["cold_slots"] == p.cold_slots * p.slot_bytes == 2 * (N_FF // 8) * p.slot_bytes
+    assert p.parts["cold_slots"] == p.cold_slots * p.slot_bytes == 3 * (N_FF // 8) * p.slot_bytes  # 1 + 2 read-ahead layers
     assert p.slot_bytes % 4096 == 0 and p.slot_bytes >= 2 * 4096
     assert p.minimum_bytes <= p.budget_bytes - p.parts["hot_slots"] < p.minimum_bytes + p.slot_bytes
     assert p.parts["margin"] >= 16 * MiB
