@@ -8,8 +8,8 @@ Spec keys: ``mode`` ("run" or "tokenize"), ``model`` (path), ``config`` ("stock"
 llamaflash config name), ``sidecar_path`` (for llamaflash configs), ``prompt_tokens`` (list of ids,
 for "run"), ``prompt_text`` and ``n_prompt`` (for "tokenize"), ``n_gen``, ``threads``, ``n_ctx``,
 ``n_batch``.  Optional: ``flash_mode`` (default: the config name), ``ram_budget_mb`` (passed to
-``llamaflash.Llama``; when this llamaflash refuses it as not implemented, the run goes on without a
-budget in ``budget_fallback_mode`` and says so under ``ram_budget``), ``max_decode_s`` (stop the
+``llamaflash.Llama``: flash offload; the plan is recorded under ``ram_budget``, and a budget below
+the planner's minimum fails the run with RamBudgetError), ``max_decode_s`` (stop the
 decode loop after this many seconds: ``n_gen_done`` < ``n_gen``), ``progress`` (print
 :data:`PROGRESS_MARK` lines, so a parent that sees the process killed knows how far it got).
 
@@ -148,20 +148,12 @@ def _load(spec: dict):
     spec["_flash_mode"] = flash_mode
     if budget is None:
         return FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=flash_mode, **extra)
-    try:
-        llm = FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=flash_mode,
-                         ram_budget_mb=budget, **extra)  # fmt: skip
-        spec["_ram_budget"] = {"requested_mb": budget, "applied": True}
-        return llm
-    except ValueError as e:
-        # This llamaflash has no flash-offload engine yet: it refuses any ram_budget_mb up front,
-        # before llama.cpp loads anything.  Any other error is real and propagates.
-        if "ram_budget_mb" not in str(e) or spec.get("budget_fallback_mode") is None:
-            raise
-        spec["_flash_mode"] = fallback = spec["budget_fallback_mode"]
-        spec["_ram_budget"] = {"requested_mb": budget, "applied": False, "fallback_flash_mode": fallback,
-                               "reason": str(e)}  # fmt: skip
-        return FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=fallback)
+    # flash offload; a budget below the planner's minimum raises RamBudgetError (reported as "refused")
+    llm = FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=flash_mode,
+                     ram_budget_mb=budget, **extra)  # fmt: skip
+    spec["_ram_budget"] = {"requested_mb": budget, "applied": True,
+                           "plan": llm.flash_plan.to_dict(arrays=False) if llm.flash_plan else None}
+    return llm
 
 
 def parse_flash_config(config: str | None):

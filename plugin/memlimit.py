@@ -21,10 +21,10 @@ Layers (one module each, re-exported here):
 ``llamaflash bench`` (``cli.py``) and ``bench/bench_memlimit.py`` are thin edges over
 :func:`run_benchmark`.  Only the standard library is used (matplotlib, optional, for the PNG).
 
-Configs: ``stock`` (llama_cpp.Llama); ``llamaflash`` (``llamaflash.Llama(ram_budget_mb=<limit>)``; a
-llamaflash without the flash-offload engine refuses any budget, and the run then goes on with
-``flash_mode="dense"`` and no budget, recorded per run under ``ram_budget`` and flagged in the
-table); any other name is a llamaflash ``flash_mode`` run without a budget (``dense``, ...).
+Configs: ``stock`` (llama_cpp.Llama); ``llamaflash`` (``llamaflash.Llama(ram_budget_mb=<limit>)``:
+flash offload planned for the limit; a limit below the planner's minimum is status ``refused``, with
+the minimum in the error); any other name is a llamaflash ``flash_mode`` run without a budget
+(``dense``, ...).
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ from .cgroups import (  # noqa: F401
 )
 from .pagecache import EVICT_TOLERANCE_BYTES, MiB, evict, evict_files, private_copies, resident_bytes  # noqa: F401
 
-#: The llamaflash config that gets ``ram_budget_mb=<limit>``; refused budgets fall back to this flash_mode.
+#: The llamaflash config that gets ``ram_budget_mb=<limit>`` (flash offload).
 BUDGET_CONFIG = "llamaflash"
-BUDGET_FALLBACK_MODE = "dense"
 
 # --------------------------------------------------------------------------------------------
 # the benchmark
@@ -92,9 +91,7 @@ def _config_spec(config: str, limit_mb: int | None) -> dict[str, Any]:
     if config in benchkit.STOCK_CONFIGS:
         return {}
     if config == BUDGET_CONFIG:
-        # flash_mode None = llamaflash's best lane; once ram_budget_mb is accepted this is the
-        # flash-offload run, until then the worker falls back to the dense lane without a budget.
-        return {"flash_mode": None, "ram_budget_mb": limit_mb, "budget_fallback_mode": BUDGET_FALLBACK_MODE}
+        return {"flash_mode": None, "ram_budget_mb": limit_mb}
     return {"flash_mode": config}
 
 
@@ -112,7 +109,8 @@ def run_one(spec: dict[str, Any], limit_mb: int | None, files: Sequence[Path], t
     result, progress = benchkit.parse_worker_output(oc.stdout)
     status = oc.status
     if status == "ok" and (result is None or not result.get("ok")):
-        status = "error"
+        # the planner refusing a budget below its minimum is an answer, not a crash
+        status = "refused" if str((result or {}).get("error", "")).startswith("RamBudgetError") else "error"
     r: dict[str, Any] = dict(result or {"ok": False, "config": spec["config"], "rep": spec.get("rep")})
     r["ok"] = status == "ok"
     r.update({
@@ -137,7 +135,7 @@ def run_one(spec: dict[str, Any], limit_mb: int | None, files: Sequence[Path], t
         r["died_in"] = _phase_of(progress)
         if progress and progress[-1].get("VmHWM_kb"):
             r.setdefault("vm_hwm_mb", progress[-1]["VmHWM_kb"] / 1024)
-        if status in ("error", "killed") and not r.get("error"):
+        if status in ("error", "killed", "refused") and not r.get("error"):
             tail = "\n".join(oc.stderr.strip().splitlines()[-15:])
             r["error"] = f"exit {oc.returncode}{' (' + oc.signal + ')' if oc.signal else ''}: {tail}"
     return r
@@ -311,7 +309,8 @@ def _run_line(r: dict[str, Any]) -> str:
     head = f"  rep {r.get('rep')} {_limit_label(r['limit_mb']):>5} MB {r['config']:<11}"
     if r["status"] != "ok":
         extra = f" in {r.get('died_in')}" if r.get("died_in") else ""
-        err = f": {r['error'].splitlines()[0][:160]}" if r["status"] == "error" and r.get("error") else ""
+        err = (f": {r['error'].splitlines()[0][:160]}" if r["status"] in ("error", "refused") and r.get("error")
+               else "")
         return f"{head} {r['status']}{extra} after {r['wall_s']:.1f} s{err}"
     read = _read_total_bytes(r)
     line = (f"{head} prefill {r['prefill_tps']:7.1f} tok/s  decode {_fmt(r['decode_tps'], '6.2f')} tok/s "

@@ -243,7 +243,7 @@ SMOL = (CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
 @pytest.mark.skipif(not all(p.exists() for p in SMOL), reason="SmolLM2 and its converted sidecar are not cached")
 def test_real_smollm2_plan():
     low = plan(SMOL, 10_000, cluster_size=64, n_ubatch=64).minimum_bytes / MiB
-    assert 120 < low < 260
+    assert 200 < low < 360  # includes the 112 MiB page-cache headroom
     with pytest.raises(RamBudgetError, match=f"minimum of {math.ceil(low)} MiB"):
         plan(SMOL, low - 1, cluster_size=64, n_ubatch=64)
     plans = [plan(SMOL, low + extra, cluster_size=64, n_ubatch=64) for extra in (0, 10, 25, 50)]
