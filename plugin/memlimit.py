@@ -109,8 +109,9 @@ def run_one(spec: dict[str, Any], limit_mb: int | None, files: Sequence[Path], t
     result, progress = benchkit.parse_worker_output(oc.stdout)
     status = oc.status
     if status == "ok" and (result is None or not result.get("ok")):
-        # the planner refusing a budget below its minimum is an answer, not a crash
-        status = "refused" if str((result or {}).get("error", "")).startswith("RamBudgetError") else "error"
+        status = "error"
+    if status == "error" and str((result or {}).get("error", "")).startswith("RamBudgetError"):
+        status = "refused"  # the planner refusing a budget below its minimum is an answer, not a crash
     r: dict[str, Any] = dict(result or {"ok": False, "config": spec["config"], "rep": spec.get("rep")})
     r["ok"] = status == "ok"
     r.update({
