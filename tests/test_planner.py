@@ -202,17 +202,17 @@ def run_cli(*args):
 
 def test_cli_plan_prints_the_table_and_json(pair):
     model, sidecar = pair
-    ok = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 200, "--runtime-mb", 40)
+    ok = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--runtime-mb", 40)
     assert ok.exit_code == 0, ok.output
     assert "hot_slots" in ok.stdout and "minimum" in ok.stdout
-    js = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 200, "--runtime-mb", 40, "--json",
+    js = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--runtime-mb", 40, "--json",
                  "--cluster-size", 8, "--n-ctx", 256)
     assert js.exit_code == 0, js.output
     d = json.loads(js.stdout)
-    assert sum(d["parts"].values()) == d["budget_bytes"] == 200 * MiB
+    assert sum(d["parts"].values()) == d["budget_bytes"] == 300 * MiB
     assert d["cluster_size"] == 8 and d["n_ctx"] == 256 and "hot_clusters" not in d
-    arrays = json.loads(run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 200, "--json",
-                                "--json-arrays").stdout)
+    arrays = json.loads(run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--runtime-mb", 40,
+                                "--json", "--json-arrays").stdout)
     assert len(arrays["cluster_prob"]) == N_LAYER
 
 
@@ -224,7 +224,7 @@ def test_cli_plan_too_small_budget_exits_2_naming_the_minimum(pair, tmp_path):
     assert "Traceback" not in r.output
     profile = tmp_path / "disk.json"
     profile.write_text(json.dumps(default_disk()))
-    ok = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--disk-profile", profile)
+    ok = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 400, "--runtime-mb", 40, "--disk-profile", profile)
     assert ok.exit_code == 0 and "built-in default" in ok.stdout
     missing = run_cli("plan", model, "--sidecar", tmp_path / "nope.flash.gguf", "--ram-budget-mb", 300)
     assert missing.exit_code == 2 and "no such sidecar" in missing.stderr
@@ -290,7 +290,7 @@ def test_cli_probe_disk_measures_beside_the_sidecar(pair, monkeypatch):
 
     monkeypatch.setattr(disk_probe, "probe_disk", fake_probe)
     model, sidecar = pair
-    r = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--probe-disk")
+    r = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 400, "--runtime-mb", 40, "--probe-disk")
     assert r.exit_code == 0, r.output
     assert calls and calls[0][0] == sidecar.resolve().parent and calls[0][1]["seconds"] <= 0.5
     assert "disk: fake probe" in r.stdout and "| request |" in r.stderr
