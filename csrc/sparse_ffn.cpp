@@ -13,6 +13,7 @@
 //   4. reduce: y_t = Σ_threads partial (chunks of n_embd over threads, fixed thread order).
 #include "sparse_ffn.h"
 
+
 #include "ggml-cpu.h"
 
 #include <omp.h>
@@ -23,17 +24,11 @@
 #include <mutex>
 #include <stdexcept>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define LLAMAFLASH_X86 1
-#endif
-
 namespace llamaflash {
 
 namespace {
 
 constexpr int kMaxCluster = 256;
-constexpr int kRowsPerPass = 4;
 constexpr int kGateAhead = 4;  // gate rows prefetched this many candidates ahead
 constexpr size_t kAlign = 64;
 
@@ -47,270 +42,6 @@ inline void prefetch_l2(const uint8_t * p, size_t bytes) {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// fused "dequantize a down_t row × h, accumulate into acc": acc[0..n_embd) += Σ_r h[r] · row_r
-
-// Q8_0 block: f16 scale d, then 32 int8 quants; value = d · q.
-constexpr size_t kQ8_0Bytes = 34;
-
-inline uint16_t load_u16(const uint8_t * p) {
-    uint16_t v;
-    std::memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-void axpy_q8_0_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
-    for (int r = 0; r < n; ++r) {
-        const uint8_t * row = rows[r];
-        for (int64_t b = 0; b < n_embd / 32; ++b) {
-            const uint8_t * blk = row + b * kQ8_0Bytes;
-            const float d = ggml_fp16_to_fp32(load_u16(blk)) * h[r];
-            const int8_t * q = reinterpret_cast<const int8_t *>(blk + 2);
-            float * a = acc + b * 32;
-            for (int j = 0; j < 32; ++j) {
-                a[j] += d * static_cast<float>(q[j]);
-            }
-        }
-    }
-}
-
-void axpy_f16_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
-    for (int r = 0; r < n; ++r) {
-        const uint16_t * row = reinterpret_cast<const uint16_t *>(rows[r]);
-        for (int64_t j = 0; j < n_embd; ++j) {
-            acc[j] += h[r] * ggml_fp16_to_fp32(row[j]);
-        }
-    }
-}
-
-// Q4_0 block (18 bytes): f16 d, 16 bytes of nibbles; value j (< 16) = d·((qs[j] & 15) − 8), value
-// 16 + j = d·((qs[j] >> 4) − 8). Q4_1 block (20 bytes): f16 d, f16 m, nibbles; value = d·q + m.
-constexpr size_t kQ4_0Bytes = 18;
-constexpr size_t kQ4_1Bytes = 20;
-
-template <bool kMin>
-void axpy_q4_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
-    const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
-    for (int r = 0; r < n; ++r) {
-        for (int64_t b = 0; b < n_embd / 32; ++b) {
-            const uint8_t * blk = rows[r] + b * bytes;
-            const float d = ggml_fp16_to_fp32(load_u16(blk)) * h[r];
-            const float m = kMin ? ggml_fp16_to_fp32(load_u16(blk + 2)) * h[r] : -8.0f * d;
-            const uint8_t * qs = blk + (kMin ? 4 : 2);
-            float * a = acc + b * 32;
-            for (int j = 0; j < 16; ++j) {
-                a[j] += d * static_cast<float>(qs[j] & 15) + m;
-                a[j + 16] += d * static_cast<float>(qs[j] >> 4) + m;
-            }
-        }
-    }
-}
-
-void axpy_f32(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
-    for (int r = 0; r < n; ++r) {
-        const float * row = reinterpret_cast<const float *>(rows[r]);
-        for (int64_t j = 0; j < n_embd; ++j) {
-            acc[j] += h[r] * row[j];
-        }
-    }
-}
-
-#if LLAMAFLASH_X86
-// GCC 12 reports its own AVX-512 intrinsics' `__m512 __Y = __Y;` as maybe-uninitialized in
-// target("avx512f") functions (GCC bug 105593): silence that false positive for this section only.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
-// R rows (1..4) in one pass over acc.
-template <int R>
-__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q8_0_pass_avx512(float * acc, const uint8_t * const * rows,
-                                                                            const float * h, int64_t nb) {
-    for (int64_t b = 0; b < nb; ++b) {
-        __m512 y0 = _mm512_loadu_ps(acc + 32 * b);
-        __m512 y1 = _mm512_loadu_ps(acc + 32 * b + 16);
-        for (int r = 0; r < R; ++r) {
-            const uint8_t * blk = rows[r] + b * kQ8_0Bytes;
-            const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r]);
-            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 2));
-            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-            y0 = _mm512_fmadd_ps(q0, d, y0);
-            y1 = _mm512_fmadd_ps(q1, d, y1);
-        }
-        _mm512_storeu_ps(acc + 32 * b, y0);
-        _mm512_storeu_ps(acc + 32 * b + 16, y1);
-    }
-}
-
-template <int R>
-__attribute__((target("avx2,f16c,fma"))) void q8_0_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
-                                                              int64_t nb) {
-    for (int64_t b = 0; b < nb; ++b) {
-        __m256 y[4];
-        for (int k = 0; k < 4; ++k) {
-            y[k] = _mm256_loadu_ps(acc + 32 * b + 8 * k);
-        }
-        for (int r = 0; r < R; ++r) {
-            const uint8_t * blk = rows[r] + b * kQ8_0Bytes;
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r]);
-            for (int k = 0; k < 4; ++k) {
-                const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(blk + 2 + 8 * k));
-                y[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d, y[k]);
-            }
-        }
-        for (int k = 0; k < 4; ++k) {
-            _mm256_storeu_ps(acc + 32 * b + 8 * k, y[k]);
-        }
-    }
-}
-
-// R rows (1..4) of Q4_0 (kMin false) or Q4_1 (true) in one pass over acc.
-template <bool kMin, int R>
-__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_pass_avx512(float * acc, const uint8_t * const * rows,
-                                                                          const float * h, int64_t nb) {
-    const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
-    const __m128i low = _mm_set1_epi8(15);
-    for (int64_t b = 0; b < nb; ++b) {
-        __m512 y0 = _mm512_loadu_ps(acc + 32 * b);
-        __m512 y1 = _mm512_loadu_ps(acc + 32 * b + 16);
-        for (int r = 0; r < R; ++r) {
-            const uint8_t * blk = rows[r] + b * bytes;
-            const float d = _cvtsh_ss(load_u16(blk)) * h[r];
-            const __m512 vd = _mm512_set1_ps(d);
-            const __m512 vm = _mm512_set1_ps(kMin ? _cvtsh_ss(load_u16(blk + 2)) * h[r] : -8.0f * d);
-            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + (kMin ? 4 : 2)));
-            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
-            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
-            y0 = _mm512_add_ps(_mm512_fmadd_ps(q0, vd, vm), y0);
-            y1 = _mm512_add_ps(_mm512_fmadd_ps(q1, vd, vm), y1);
-        }
-        _mm512_storeu_ps(acc + 32 * b, y0);
-        _mm512_storeu_ps(acc + 32 * b + 16, y1);
-    }
-}
-
-template <bool kMin, int R>
-__attribute__((target("avx2,f16c,fma"))) void q4_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
-                                                            int64_t nb) {
-    const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
-    const __m128i low = _mm_set1_epi8(15);
-    for (int64_t b = 0; b < nb; ++b) {
-        __m256 y[4];
-        for (int k = 0; k < 4; ++k) {
-            y[k] = _mm256_loadu_ps(acc + 32 * b + 8 * k);
-        }
-        for (int r = 0; r < R; ++r) {
-            const uint8_t * blk = rows[r] + b * bytes;
-            const float d = _cvtsh_ss(load_u16(blk)) * h[r];
-            const __m256 vd = _mm256_set1_ps(d);
-            const __m256 vm = _mm256_set1_ps(kMin ? _cvtsh_ss(load_u16(blk + 2)) * h[r] : -8.0f * d);
-            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + (kMin ? 4 : 2)));
-            const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            for (int k = 0; k < 4; ++k) {
-                const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]));
-                y[k] = _mm256_add_ps(_mm256_fmadd_ps(v, vd, vm), y[k]);
-            }
-        }
-        for (int k = 0; k < 4; ++k) {
-            _mm256_storeu_ps(acc + 32 * b + 8 * k, y[k]);
-        }
-    }
-}
-template <int R> void q4_0_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx512<false, R>(a, rw, h, nb); }
-template <int R> void q4_1_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx512<true, R>(a, rw, h, nb); }
-template <int R> void q4_0_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx2<false, R>(a, rw, h, nb); }
-template <int R> void q4_1_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx2<true, R>(a, rw, h, nb); }
-
-template <int R>
-__attribute__((target("avx512f,f16c,fma"))) void f16_pass_avx512(float * acc, const uint8_t * const * rows,
-                                                                 const float * h, int64_t n_embd) {
-    int64_t j = 0;
-    for (; j + 16 <= n_embd; j += 16) {
-        __m512 y = _mm512_loadu_ps(acc + j);
-        for (int r = 0; r < R; ++r) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(rows[r] + 2 * j));
-            y = _mm512_fmadd_ps(_mm512_cvtph_ps(v), _mm512_set1_ps(h[r]), y);
-        }
-        _mm512_storeu_ps(acc + j, y);
-    }
-    for (; j < n_embd; ++j) {
-        for (int r = 0; r < R; ++r) {
-            acc[j] += h[r] * _cvtsh_ss(load_u16(rows[r] + 2 * j));
-        }
-    }
-}
-
-template <int R>
-__attribute__((target("avx2,f16c,fma"))) void f16_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
-                                                             int64_t n_embd) {
-    int64_t j = 0;
-    for (; j + 8 <= n_embd; j += 8) {
-        __m256 y = _mm256_loadu_ps(acc + j);
-        for (int r = 0; r < R; ++r) {
-            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(rows[r] + 2 * j));
-            y = _mm256_fmadd_ps(_mm256_cvtph_ps(v), _mm256_set1_ps(h[r]), y);
-        }
-        _mm256_storeu_ps(acc + j, y);
-    }
-    for (; j < n_embd; ++j) {
-        for (int r = 0; r < R; ++r) {
-            acc[j] += h[r] * _cvtsh_ss(load_u16(rows[r] + 2 * j));
-        }
-    }
-}
-
-// n rows in passes of 4, then the remainder: PASS<R>(acc, rows, h, arg)
-#define LLAMAFLASH_DEFINE_AXPY(name, pass, arg_expr)                                                  \
-    void name(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {      \
-        const int64_t arg = (arg_expr);                                                                \
-        int r = 0;                                                                                     \
-        for (; r + kRowsPerPass <= n; r += kRowsPerPass) pass<4>(acc, rows + r, h + r, arg);           \
-        switch (n - r) {                                                                               \
-            case 3: pass<3>(acc, rows + r, h + r, arg); break;                                         \
-            case 2: pass<2>(acc, rows + r, h + r, arg); break;                                         \
-            case 1: pass<1>(acc, rows + r, h + r, arg); break;                                         \
-            default: break;                                                                            \
-        }                                                                                              \
-    }
-LLAMAFLASH_DEFINE_AXPY(axpy_q8_0_avx512, q8_0_pass_avx512, n_embd / 32)
-LLAMAFLASH_DEFINE_AXPY(axpy_q8_0_avx2, q8_0_pass_avx2, n_embd / 32)
-LLAMAFLASH_DEFINE_AXPY(axpy_f16_avx512, f16_pass_avx512, n_embd)
-LLAMAFLASH_DEFINE_AXPY(axpy_f16_avx2, f16_pass_avx2, n_embd)
-LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx512, q4_0_pass_avx512, n_embd / 32)
-LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx512, q4_1_pass_avx512, n_embd / 32)
-LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx2, q4_0_pass_avx2, n_embd / 32)
-LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx2, q4_1_pass_avx2, n_embd / 32)
-#undef LLAMAFLASH_DEFINE_AXPY
-
-#pragma GCC diagnostic pop
-#endif  // LLAMAFLASH_X86
-
-using AxpyFn = void (*)(float *, const uint8_t * const *, const float *, int, int64_t);
-
-AxpyFn pick_axpy(ggml_type type, SparseIsa isa) {
-    if (type == GGML_TYPE_F32) return axpy_f32;  // (compiler-vectorized; not a production down_t type)
-#if LLAMAFLASH_X86
-    if (type == GGML_TYPE_Q8_0) {
-        return isa == SparseIsa::avx512 ? axpy_q8_0_avx512 : isa == SparseIsa::avx2 ? axpy_q8_0_avx2 : axpy_q8_0_scalar;
-    }
-    if (type == GGML_TYPE_F16) {
-        return isa == SparseIsa::avx512 ? axpy_f16_avx512 : isa == SparseIsa::avx2 ? axpy_f16_avx2 : axpy_f16_scalar;
-    }
-    if (type == GGML_TYPE_Q4_0) {
-        return isa == SparseIsa::avx512 ? axpy_q4_0_avx512 : isa == SparseIsa::avx2 ? axpy_q4_0_avx2 : axpy_q4_scalar<false>;
-    }
-    if (type == GGML_TYPE_Q4_1) {
-        return isa == SparseIsa::avx512 ? axpy_q4_1_avx512 : isa == SparseIsa::avx2 ? axpy_q4_1_avx2 : axpy_q4_scalar<true>;
-    }
-#else
-    if (type == GGML_TYPE_Q4_0) return axpy_q4_scalar<false>;
-    if (type == GGML_TYPE_Q4_1) return axpy_q4_scalar<true>;
-    if (type == GGML_TYPE_Q8_0) return axpy_q8_0_scalar;
-    if (type == GGML_TYPE_F16) return axpy_f16_scalar;
-#endif
-    return nullptr;  // generic path: to_float into a row buffer, then axpy
-}
 
 // Selection prefilter (exact). silu and gelu are increasing for g >= 0 and bounded in magnitude by
 // a small peak for g < 0 (silu: 0.2785 at g = -1.278; gelu: 0.1700 at g = -0.752). For a threshold
@@ -390,31 +121,6 @@ float ffn_activation(FfnActivation act, float g) {
     return 0.0f;
 }
 
-SparseIsa sparse_ffn_best_isa() {
-#if LLAMAFLASH_X86
-    static const SparseIsa best = [] {
-        __builtin_cpu_init();
-        const bool base = __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-        if (base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return SparseIsa::avx512;
-        if (base && __builtin_cpu_supports("avx2")) return SparseIsa::avx2;
-        return SparseIsa::scalar;
-    }();
-    return best;
-#else
-    return SparseIsa::scalar;
-#endif
-}
-
-const char * sparse_isa_name(SparseIsa isa) {
-    switch (isa) {
-        case SparseIsa::auto_: return "auto";
-        case SparseIsa::scalar: return "scalar";
-        case SparseIsa::avx2: return "avx2";
-        case SparseIsa::avx512: return "avx512";
-    }
-    return "?";
-}
-
 void sparse_ffn_validate(const SparseFfnLayer & L) {
     auto fail = [](const std::string & msg) { throw std::invalid_argument("sparse_ffn: " + msg); };
     if (L.n_embd <= 0 || L.n_ff <= 0) fail("empty layer shape");
@@ -471,6 +177,45 @@ void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n
     partial_ = reinterpret_cast<float *>(p += xq);
     row_tmp_ = reinterpret_cast<float *>(p += partial);
     counts_ = reinterpret_cast<int32_t *>(p += tmp);
+}
+
+// What the two accumulate phases share: pass 2 of a work unit of m selected neurons, h_r = act_r ·
+// u_r (u_r from the caller's up values, else vec_dot of up row r against xq_up), then
+// acc += Σ_r h_r · down_t row r (fused, or dequantized into tmp first), and the neurons marked in mask.
+struct UnitPass {
+    ggml_vec_dot_t up_dot;
+    AxpyFn axpy;
+    ggml_to_float_t down_to_float;
+    int n_embd;
+
+    void run(float * acc, float * tmp, const int32_t * ids, float * hs, const uint8_t * const * rows,
+             const uint8_t * const * up_rows, int m, const float * uv, const uint8_t * xq_up, uint8_t * mask) const {
+        for (int r = 0; r < m; ++r) {
+            float u;
+            if (uv != nullptr) {
+                u = uv[ids[r]];
+            } else {
+                up_dot(n_embd, &u, 0, up_rows[r], 0, xq_up, 0, 1);
+            }
+            hs[r] *= u;
+        }
+        if (axpy != nullptr) {
+            axpy(acc, rows, hs, m, n_embd);
+        } else {
+            for (int r = 0; r < m; ++r) {
+                down_to_float(rows[r], tmp, n_embd);
+                for (int j = 0; j < n_embd; ++j) acc[j] += hs[r] * tmp[j];
+            }
+        }
+        if (mask != nullptr) {
+            for (int r = 0; r < m; ++r) mask[ids[r]] = 1;
+        }
+    }
+};
+
+UnitPass unit_pass(const SparseFfnLayer & L, SparseIsa isa) {
+    return {ggml_get_type_traits_cpu(L.up_type)->vec_dot, pick_axpy(L.down_t_type, isa),
+            ggml_get_type_traits(L.down_t_type)->to_float, static_cast<int>(L.n_embd)};
 }
 
 // Accessor for the phases (friend of SparseFfnScratch).
@@ -551,9 +296,7 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
     const SparseFfnParams & P = S.params_;
     const SparseFfnIo & io = S.io_;
     const ggml_vec_dot_t gate_dot = ggml_get_type_traits_cpu(L.gate_type)->vec_dot;
-    const ggml_vec_dot_t up_dot = ggml_get_type_traits_cpu(L.up_type)->vec_dot;
-    const AxpyFn axpy = pick_axpy(L.down_t_type, S.isa_);
-    const ggml_to_float_t down_to_float = ggml_get_type_traits(L.down_t_type)->to_float;
+    const UnitPass pass2 = unit_pass(L, S.isa_);
     const int n_embd = static_cast<int>(L.n_embd);
     const float thr = P.threshold, g_lo = S.g_lo_;
     const int cs = P.cluster_size;
@@ -561,6 +304,7 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
     int32_t ids[kMaxCluster];
     float hs[kMaxCluster];
     const uint8_t * rows[kMaxCluster];
+    const uint8_t * up_rows[kMaxCluster];
     const uint8_t * const up_base = L.up_rows != nullptr ? L.up_rows : L.bundles + L.gate_row_bytes;
     const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
 
@@ -608,33 +352,15 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
                 ids[n] = i;
                 hs[n] = a;
                 rows[n] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
+                up_rows[n] = up_base + static_cast<size_t>(i) * up_stride;
                 if (P.prefetch) {
-                    if (uv == nullptr) prefetch_l2(up_base + static_cast<size_t>(i) * up_stride, L.up_row_bytes);
+                    if (uv == nullptr) prefetch_l2(up_rows[n], L.up_row_bytes);
                     prefetch_l2(rows[n], L.down_t_row_bytes);
                 }
                 ++n;
             }
-            // pass 2: h_i = act(g_i) · (up_i · x)
-            for (int r = 0; r < n; ++r) {
-                float u;
-                if (uv != nullptr) {
-                    u = uv[ids[r]];
-                } else {
-                    up_dot(n_embd, &u, 0, up_base + static_cast<size_t>(ids[r]) * up_stride, 0, xq_up, 0, 1);
-                }
-                hs[r] *= u;
-            }
-            if (axpy != nullptr) {
-                axpy(acc, rows, hs, n, n_embd);
-            } else {
-                for (int r = 0; r < n; ++r) {
-                    down_to_float(rows[r], tmp, n_embd);
-                    for (int j = 0; j < n_embd; ++j) acc[j] += hs[r] * tmp[j];
-                }
-            }
-            if (mask != nullptr) {
-                for (int r = 0; r < n; ++r) mask[ids[r]] = 1;
-            }
+            // pass 2: h_i = act(g_i) · (up_i · x), then the down_t rows
+            pass2.run(acc, tmp, ids, hs, rows, up_rows, n, uv, xq_up, mask);
             local += n;
         }
         if (local != 0) __atomic_fetch_add(io.active_counts + t, local, __ATOMIC_RELAXED);
@@ -647,10 +373,7 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, 
     const SparseFfnLayer & L = S.layer_;
     const SparseFfnParams & P = S.params_;
     const SparseFfnIo & io = S.io_;
-    const ggml_vec_dot_t up_dot = ggml_get_type_traits_cpu(L.up_type)->vec_dot;
-    const AxpyFn axpy = pick_axpy(L.down_t_type, S.isa_);
-    const ggml_to_float_t down_to_float = ggml_get_type_traits(L.down_t_type)->to_float;
-    const int n_embd = static_cast<int>(L.n_embd);
+    const UnitPass pass2 = unit_pass(L, S.isa_);
     const float thr = P.threshold, g_lo = S.g_lo_;
     const int64_t cs = P.cluster_size;
     float * tmp = S.row_tmp_ + static_cast<size_t>(ith) * S.embd_pad_;
@@ -697,26 +420,7 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, 
                 }
                 ++m;
             }
-            for (int r = 0; r < m; ++r) {
-                float u;
-                if (uv != nullptr) {
-                    u = uv[ids[r]];
-                } else {
-                    up_dot(n_embd, &u, 0, up_rows[r], 0, xq_up, 0, 1);
-                }
-                hs[r] *= u;
-            }
-            if (axpy != nullptr) {
-                axpy(acc, rows, hs, m, n_embd);
-            } else {
-                for (int r = 0; r < m; ++r) {
-                    down_to_float(rows[r], tmp, n_embd);
-                    for (int j = 0; j < n_embd; ++j) acc[j] += hs[r] * tmp[j];
-                }
-            }
-            if (mask != nullptr) {
-                for (int r = 0; r < m; ++r) mask[ids[r]] = 1;
-            }
+            pass2.run(acc, tmp, ids, hs, rows, up_rows, m, uv, xq_up, mask);
             local += m;
         }
         if (local != 0) __atomic_fetch_add(io.active_counts + t, local, __ATOMIC_RELAXED);

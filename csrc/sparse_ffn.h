@@ -47,6 +47,7 @@
 #pragma once
 
 #include "ggml.h"
+#include "sparse_axpy.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -65,10 +66,7 @@ const char * ffn_activation_name(FfnActivation act);
 // The activation exactly as the kernel applies it to g (see Numerics above).
 float ffn_activation(FfnActivation act, float g);
 
-// Instruction set of the fused down_t accumulation. auto_ = the best this CPU supports.
-enum class SparseIsa : int { auto_ = -1, scalar = 0, avx2 = 1, avx512 = 2 };
-SparseIsa sparse_ffn_best_isa();       // avx512 (F+BW+F16C+FMA) > avx2 (+F16C+FMA) > scalar
-const char * sparse_isa_name(SparseIsa isa);
+// SparseIsa, sparse_ffn_best_isa(), sparse_isa_name(): see sparse_axpy.h.
 
 // One served layer, as views into caller-owned memory, in sidecar bundle order.
 struct SparseFfnLayer {
