@@ -49,6 +49,18 @@ void deinterleave_gate_up(ggml_tensor * dst, int ith, int nth, void * userdata) 
     }
 }
 
+// The llamaflash weight of the split's first MUL_MAT over one (its layer and model), or nullptr.
+const BoundWeight * first_bound_weight(const ggml_cgraph * split, const WeightRegistry & registry) {
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+        const ggml_tensor * node = ggml_graph_node(g, i);
+        if (const BoundWeight * b = node->op == GGML_OP_MUL_MAT ? registry.lookup(node->src[0]) : nullptr) {
+            return b;
+        }
+    }
+    return nullptr;
+}
+
 }  // namespace
 
 DenseLane::DenseLane() {
@@ -225,16 +237,9 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
             }
             sparse = true;
         }
-    } else {
-        for (int i = 0; i < n_nodes; ++i) {
-            const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
-            const BoundWeight * b = node->op == GGML_OP_MUL_MAT ? registry.lookup(node->src[0]) : nullptr;
-            if (b != nullptr) {
-                if (b->model->sparse_layer(b->layer) != nullptr) {
-                    b->model->count_sparse_fallback();
-                }
-                break;
-            }
+    } else if (const BoundWeight * b = first_bound_weight(split, registry)) {
+        if (b->model->sparse_layer(b->layer) != nullptr) {
+            b->model->count_sparse_fallback();
         }
     }
 
@@ -261,16 +266,8 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
             ffn.model->set_error(failure);
             status = GGML_STATUS_FAILED;
         }
-    } else {
-        // offload layout: a dense (prefill) split streamed its layer's up/down pages; let them go
-        for (int i = 0; i < n_nodes; ++i) {
-            const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
-            const BoundWeight * b = node->op == GGML_OP_MUL_MAT ? registry.lookup(node->src[0]) : nullptr;
-            if (b != nullptr && b->model->offload_layout()) {
-                b->model->release_streamed(b->layer);
-                break;
-            }
-        }
+    } else if (const BoundWeight * b = first_bound_weight(split, registry); b != nullptr && b->model->offload_layout()) {
+        b->model->release_streamed(b->layer);  // a dense (prefill) split streamed its layer's up/down pages
     }
     if (tuned) {
         ffn.model->record_lane_time(ffn.layer, sparse, seconds);

@@ -104,11 +104,8 @@ void NeuronCache::load_hot() {
             slots.push_back(where_[li][c]);
         }
         if (clusters.empty()) continue;
-        const uint64_t before = stats_.bytes_read;
-        submit(static_cast<int>(li), clusters, slots, false);
+        stats_.hot_bytes_loaded += submit(static_cast<int>(li), clusters, slots, false);
         finish(static_cast<int>(li));
-        stats_.hot_bytes_loaded += stats_.bytes_read - before;
-        stats_.bytes_read = before;  // per-token I/O statistics count decode reads only
     }
 }
 
@@ -132,14 +129,15 @@ int64_t NeuronCache::take_cold_slot(bool for_prefetch) {
     return -1;
 }
 
-void NeuronCache::submit(int li, const std::vector<int32_t> & clusters, const std::vector<int64_t> & slots,
-                         bool prefetch) {
+uint64_t NeuronCache::submit(int li, const std::vector<int32_t> & clusters, const std::vector<int64_t> & slots,
+                             bool prefetch) {
     const CacheLayerSource & L = layers_[static_cast<size_t>(li)];
     const int64_t C = config_.cluster_size;
     std::vector<ReadRequest> up_reqs, down_reqs;
     up_reqs.reserve(clusters.size());
     down_reqs.reserve(clusters.size());
     Batch batch;
+    uint64_t bytes = 0;
     for (size_t k = 0; k < clusters.size(); ++k) {
         const int64_t c = clusters[k], s = slots[k];
         const uint64_t first = static_cast<uint64_t>(c * C);
@@ -147,7 +145,7 @@ void NeuronCache::submit(int li, const std::vector<int32_t> & clusters, const st
         uint8_t * dst = slot_data(s);
         up_reqs.push_back({L.up_offset + first * L.up_row_bytes, n * L.up_row_bytes, dst});
         down_reqs.push_back({L.down_t_offset + first * L.down_t_row_bytes, n * L.down_t_row_bytes, dst + up_part_});
-        stats_.bytes_read += n * (L.up_row_bytes + L.down_t_row_bytes);
+        bytes += n * (L.up_row_bytes + L.down_t_row_bytes);
         Slot & slot = slots_[s];
         slot.layer = li;
         slot.cluster = static_cast<int32_t>(c);
@@ -157,18 +155,21 @@ void NeuronCache::submit(int li, const std::vector<int32_t> & clusters, const st
         where_[li][c] = s;
         batch.slots.push_back(s);
     }
-    if (up_reqs.empty()) return;
+    if (up_reqs.empty()) return 0;
     batch.up = up_file_->submit(up_reqs);
     batch.has_up = true;
     try {
         batch.down = sidecar_->submit(down_reqs);
         batch.has_down = true;
     } catch (...) {
+        // the up reads are in flight into these slots: wait for them and drop the slots (finish
+        // throws a read failure of its own first), then report the failed submission
         batches_[li].push_back(std::move(batch));
-        finish(li);  // waits the up reads, drops the slots, rethrows the first failure (or...)
-        throw;       // ...the submit failure itself
+        finish(li);
+        throw;
     }
     batches_[li].push_back(std::move(batch));
+    return bytes;
 }
 
 void NeuronCache::finish(int li) {
@@ -234,7 +235,7 @@ void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {
         out.pending.push_back(c);
     }
     stats_.misses += missing.size();
-    submit(li, missing, slots, false);
+    stats_.bytes_read += submit(li, missing, slots, false);
     for (int64_t c = 0; c < nc; ++c) {
         const int64_t s = where_[li][c];
         if (needed[c] && s >= 0) {
@@ -259,7 +260,7 @@ void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {
             ahead_slots.push_back(s);
         }
         stats_.prefetched += ahead.size();
-        submit(lj, ahead, ahead_slots, true);
+        stats_.bytes_read += submit(lj, ahead, ahead_slots, true);
     }
     stats_.plan_seconds += seconds_since(t0);
 }

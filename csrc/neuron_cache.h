@@ -135,7 +135,8 @@ private:
 
     uint8_t * slot_data(int64_t s) const { return pool_.data() + static_cast<size_t>(s) * slot_bytes_; }
     int64_t take_cold_slot(bool for_prefetch);
-    void submit(int li, const std::vector<int32_t> & clusters, const std::vector<int64_t> & slots, bool prefetch);
+    // starts the reads of `clusters` of layer li into `slots`; returns the payload bytes requested
+    uint64_t submit(int li, const std::vector<int32_t> & clusters, const std::vector<int64_t> & slots, bool prefetch);
     void finish(int li);  // wait for li's batches; throws IoError after dropping the slots
 
     std::vector<CacheLayerSource> layers_;

@@ -3,6 +3,7 @@
 // buffer is kept alive by the reader until its ticket is waited for or the reader is closed. The GIL
 // is released while waiting. IoError becomes llamaflash.errors.FlashIoError.
 #include "../flash_io.h"
+#include "flash_io_py.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -16,21 +17,10 @@
 
 namespace py = pybind11;
 using namespace llamaflash;
+using llamaflash_py::engine_kind;
+using llamaflash_py::raise_flash_io_error;
 
 namespace {
-
-[[noreturn]] void raise_flash_io_error(const std::string & msg) {
-    py::object cls = py::module_::import("llamaflash.errors").attr("FlashIoError");
-    PyErr_SetString(cls.ptr(), msg.c_str());
-    throw py::error_already_set();
-}
-
-IoEngineKind engine_kind(const std::string & name) {
-    if (name == "auto") return IoEngineKind::Auto;
-    if (name == "io_uring") return IoEngineKind::IoUring;
-    if (name == "pool") return IoEngineKind::Pool;
-    throw py::value_error("engine must be 'auto', 'io_uring' or 'pool', got '" + name + "'");
-}
 
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 

@@ -2,6 +2,7 @@
 // neuron_cache.h). IoError becomes llamaflash.errors.FlashIoError; the GIL is released while reading.
 #include "../flash_model.h"
 #include "../neuron_cache.h"
+#include "flash_io_py.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -12,23 +13,12 @@
 
 namespace py = pybind11;
 using namespace llamaflash;
+using llamaflash_py::engine_kind;
+using llamaflash_py::raise_flash_io_error;
 
 namespace {
 
 using FlashModelClass = py::class_<FlashModel, std::shared_ptr<FlashModel>>;
-
-[[noreturn]] void raise_flash_io_error(const std::string & msg) {
-    py::object cls = py::module_::import("llamaflash.errors").attr("FlashIoError");
-    PyErr_SetString(cls.ptr(), msg.c_str());
-    throw py::error_already_set();
-}
-
-IoEngineKind engine_kind(const std::string & name) {
-    if (name == "auto") return IoEngineKind::Auto;
-    if (name == "io_uring") return IoEngineKind::IoUring;
-    if (name == "pool") return IoEngineKind::Pool;
-    throw py::value_error("engine must be 'auto', 'io_uring' or 'pool', got '" + name + "'");
-}
 
 template <typename T>
 std::vector<T> to_vector(const py::handle & obj) {

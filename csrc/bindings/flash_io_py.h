@@ -1,0 +1,28 @@
+// bindings/flash_io_py.h — what the bindings that read flash share: IoError as Python's
+// llamaflash.errors.FlashIoError, and the engine names of FlashReaderOptions.
+#pragma once
+
+#include "../flash_io.h"
+
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+namespace llamaflash_py {
+
+// Raises llamaflash.errors.FlashIoError(msg) in Python (throws py::error_already_set).
+[[noreturn]] inline void raise_flash_io_error(const std::string & msg) {
+    pybind11::object cls = pybind11::module_::import("llamaflash.errors").attr("FlashIoError");
+    PyErr_SetString(cls.ptr(), msg.c_str());
+    throw pybind11::error_already_set();
+}
+
+// "auto" | "io_uring" | "pool"; ValueError otherwise.
+inline llamaflash::IoEngineKind engine_kind(const std::string & name) {
+    if (name == "auto") return llamaflash::IoEngineKind::Auto;
+    if (name == "io_uring") return llamaflash::IoEngineKind::IoUring;
+    if (name == "pool") return llamaflash::IoEngineKind::Pool;
+    throw pybind11::value_error("engine must be 'auto', 'io_uring' or 'pool', got '" + name + "'");
+}
+
+}  // namespace llamaflash_py
