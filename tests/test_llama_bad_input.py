@@ -86,8 +86,13 @@ def test_bad_arguments(pair, llama_must_not_start):
     model, _ = pair
     with pytest.raises(ValueError, match="flash_mode"):
         llamaflash.Llama(model_path=str(model), flash_mode="turbo")
+    # flash offload: budgets it cannot honour are refused before llama.cpp starts
     with pytest.raises(ValueError, match="ram_budget_mb"):
-        llamaflash.Llama(model_path=str(model), ram_budget_mb=700)
+        llamaflash.Llama(model_path=str(model), ram_budget_mb=0)
+    with pytest.raises(ValueError, match="ram_budget_mb needs the sparse lane"):
+        llamaflash.Llama(model_path=str(model), ram_budget_mb=700, flash_mode="dense")
+    with pytest.raises(llamaflash.errors.RamBudgetError, match=r"below the minimum of \d+ MiB"):
+        llamaflash.Llama(model_path=str(model), ram_budget_mb=1)
 
 
 def test_architecture_without_classic_ffn_passes_through(tmp_path):
