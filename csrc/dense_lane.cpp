@@ -209,14 +209,14 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
     // The sparse lane, when the split is a plain GLU FFN of a layer with a threshold and the batch
     // is decode-sized (sparse_lane.h); everything else runs dense below.
     bool sparse = false;
-    bool tuned = false;  // an eligible decode split: its time goes into the lane choice
+    bool tuned = false;  // an eligible split: its time goes into the lane choice (per batch size)
     GluFfnPattern ffn;
     if (match_glu_ffn(split, registry, ffn)) {
         const SparseLayerView * view = ffn.model->sparse_layer(ffn.layer);
         const SparseConfig & config = ffn.model->sparse_config();
         tuned = view != nullptr && ffn.x->ne[1] <= config.max_tokens;
         // an eligible split runs sparse unless the lane choice (measured or measuring) says dense
-        if (tuned && ffn.model->choose_sparse(ffn.layer)) {
+        if (tuned && ffn.model->choose_sparse(ffn.layer, ffn.x->ne[1])) {
             model = ffn.model;
             ggml_tensor * x_leaf = map_src(ffn.x);
             ggml_tensor * gate = nullptr;
@@ -270,7 +270,7 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
         b->model->release_streamed(b->layer);  // a dense (prefill) split streamed its layer's up/down pages
     }
     if (tuned) {
-        ffn.model->record_lane_time(ffn.layer, sparse, seconds);
+        ffn.model->record_lane_time(ffn.layer, ffn.x->ne[1], sparse, seconds);
     }
     if (model != nullptr) {
         if (!sparse) {

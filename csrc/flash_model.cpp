@@ -361,35 +361,51 @@ void FlashModel::load_sparse(const std::string & activation) {
 void FlashModel::set_sparse_config(const SparseConfig & config) {
     std::lock_guard<std::mutex> lock(tuning_mutex_);
     sparse_config_ = config;
-    tuning_.assign(layers_.size(), LaneTuning{});  // a new configuration is measured afresh
+    tuning_.assign(layers_.size() * kBatchBuckets, LaneTuning{});  // a new configuration is measured afresh
 }
 
-bool FlashModel::choose_sparse(int layer) {
+int batch_bucket(int64_t n_tokens) {
+    int b = 0;
+    for (int64_t cap = 1; n_tokens > cap && b < kBatchBuckets - 1; cap *= 2) ++b;
+    return b;
+}
+
+std::string batch_bucket_name(int bucket) {
+    if (bucket <= 0) return "1";
+    if (bucket == 1) return "2";
+    const int64_t lo = (int64_t{1} << (bucket - 1)) + 1, hi = int64_t{1} << bucket;
+    if (bucket >= kBatchBuckets - 1) return std::to_string(lo) + "+";
+    return std::to_string(lo) + "-" + std::to_string(hi);
+}
+
+bool FlashModel::choose_sparse(int layer, int64_t n_tokens) {
     if (!sparse_config_.autotune) {
         return true;
     }
     auto it = index_.find(layer);
     std::lock_guard<std::mutex> lock(tuning_mutex_);
-    if (it == index_.end() || it->second >= tuning_.size()) {
+    const size_t slot = it == index_.end() ? tuning_.size() : it->second * kBatchBuckets + batch_bucket(n_tokens);
+    if (slot >= tuning_.size()) {
         return true;
     }
-    const LaneTuning & t = tuning_[it->second];
+    const LaneTuning & t = tuning_[slot];
     if (t.decided >= 0) {
         return t.decided == 1;
     }
     return t.n[1] <= t.n[0];  // alternate, sparse first
 }
 
-void FlashModel::record_lane_time(int layer, bool sparse, double seconds) {
+void FlashModel::record_lane_time(int layer, int64_t n_tokens, bool sparse, double seconds) {
     if (!sparse_config_.autotune) {
         return;
     }
     auto it = index_.find(layer);
     std::lock_guard<std::mutex> lock(tuning_mutex_);
-    if (it == index_.end() || it->second >= tuning_.size()) {
+    const size_t slot = it == index_.end() ? tuning_.size() : it->second * kBatchBuckets + batch_bucket(n_tokens);
+    if (slot >= tuning_.size()) {
         return;
     }
-    LaneTuning & t = tuning_[it->second];
+    LaneTuning & t = tuning_[slot];
     if (t.decided >= 0) {
         return;
     }

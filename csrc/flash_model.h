@@ -84,14 +84,21 @@ struct SparseConfig {
     // reads only the selected neurons' down_t rows. Faster while many neurons are active (ggml
     // streams a whole matrix faster than the kernel's per-row dots), slower at high sparsity.
     bool up_by_ggml = false;
-    // Lane choice by measured cost: the first `autotune_steps` decode splits of each layer alternate
-    // between the sparse and the dense lane, each timed; from then on the layer runs on the faster
-    // (sparse only if it beats dense by 3%). false: every eligible split runs sparse.
+    // Lane choice by measured cost, per layer and batch size (bucketed: 1, 2, 3-4, 5-8, ... tokens;
+    // see batch_bucket): the first `autotune_steps` eligible splits of each (layer, bucket) alternate
+    // between the sparse and the dense lane, each timed; from then on that (layer, bucket) runs on the
+    // faster (sparse only if it beats dense by 3%). false: every eligible split runs sparse.
     bool autotune = false;
     int autotune_steps = 8;
 };
 
-// Per-layer state of the lane choice (see SparseConfig::autotune).
+// Batch sizes the lane choice measures apart: bucket 0 = 1 token, 1 = 2, 2 = 3-4, 3 = 5-8, ...,
+// kBatchBuckets - 1 = the rest. batch_bucket_name: "1", "2", "3-4", ..., "65+".
+constexpr int kBatchBuckets = 8;
+int batch_bucket(int64_t n_tokens);
+std::string batch_bucket_name(int bucket);
+
+// Per-(layer, batch bucket) state of the lane choice (see SparseConfig::autotune).
 struct LaneTuning {
     bool warmed[2] = {false, false};
     int n[2] = {0, 0};          // timed splits: [0] dense, [1] sparse
@@ -171,12 +178,13 @@ public:
     const SparseLayerView * sparse_layer(int layer) const;
     FfnActivation activation() const { return activation_; }
 
-    // Lane choice for an eligible decode split of `layer` (true = sparse), and its timing. Called by
-    // the backend thread that computes the split (splits run one at a time per context); the state
-    // is per model, so contexts sharing a model share the measurement.
-    bool choose_sparse(int layer);
-    void record_lane_time(int layer, bool sparse, double seconds);
-    // per served layer (layers() order): -1 still measuring, 0 dense, 1 sparse; mean seconds per split
+    // Lane choice for an eligible split of `layer` over n_tokens tokens (true = sparse), and its
+    // timing. Called by the backend thread that computes the split (splits run one at a time per
+    // context); the state is per model, so contexts sharing a model share the measurement.
+    bool choose_sparse(int layer, int64_t n_tokens);
+    void record_lane_time(int layer, int64_t n_tokens, bool sparse, double seconds);
+    // [served layer (layers() order) · kBatchBuckets + bucket]: -1 still measuring, 0 dense, 1 sparse;
+    // mean seconds per split
     std::vector<LaneTuning> lane_tuning() const;
 
     // statistics (updated by the backend; relaxed atomics: counters, not synchronisation)
@@ -207,7 +215,7 @@ private:
     const uint8_t * map_region(int file, uint64_t offset, uint64_t length);
     std::vector<SparseLayerView> sparse_;  // 1 per layer once load_sparse ran
     SparseConfig sparse_config_;
-    std::vector<LaneTuning> tuning_;  // 1 per layer (see choose_sparse)
+    std::vector<LaneTuning> tuning_;  // kBatchBuckets per layer (see choose_sparse)
     mutable std::mutex tuning_mutex_;
     FfnActivation activation_ = FfnActivation::silu;
     std::unique_ptr<std::atomic<uint64_t>[]> layer_sparse_tokens_, layer_active_;

@@ -2,9 +2,11 @@
 //
 // Work decomposition (three phases, barriers between them; see the phase API in the header):
 //   1. quantize: x_t → xq_gate_t, xq_up_t with ggml-cpu's from_float (tokens over threads);
-//   2. accumulate, for every token: the candidate neurons (all n_ff, or the explicit list) are cut
-//      into nth contiguous ranges (thread ith streams range ith: sequential reads per thread), each
-//      processed in clusters of `cluster_size` (deterministic);
+//   2. accumulate: the candidate neurons (all n_ff, or the explicit list) are cut into nth
+//      contiguous ranges (thread ith streams range ith: sequential reads per thread), each processed
+//      in clusters of `cluster_size` (deterministic); a batch runs every token through a cluster
+//      before the next cluster, so each row of the union of the tokens' active sets is read from
+//      memory once (per-token explicit lists: token by token);
 //   3. per cluster: for each candidate i, g = vec_dot(gate_i, xq_gate) (gate rows prefetched a few
 //      candidates ahead: in a bundle run they are strided), a = act(g); if selected, its up and
 //      down_t rows are prefetched; then u = vec_dot(up_i, xq_up), h_i = a·u for the selected; then
@@ -307,17 +309,15 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
     const uint8_t * up_rows[kMaxCluster];
     const uint8_t * const up_base = L.up_rows != nullptr ? L.up_rows : L.bundles + L.gate_row_bytes;
     const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
+    const bool per_token_lists = P.active != nullptr && P.active_offsets != nullptr;
 
-    for (int64_t t = 0; t < io.n_tokens; ++t) {
+    // Candidates [k0, k1) of token t's candidate list (all n_ff neurons, or the explicit list):
+    // pass 1, gate and selection, prefetching the selected neurons' up and down_t rows so they arrive
+    // while the rest of the cluster's gates are computed; pass 2, h_i = act(g_i) · (up_i · x), then
+    // the down_t rows.
+    auto cluster = [&](int64_t t, const int32_t * list, int64_t n_cand, int64_t k0, int64_t k1) {
         const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
         const uint8_t * xq_up = S.xq_up_bytes_ == 0 ? xq_gate : xq_gate + S.xq_gate_bytes_;
-        const int32_t * list = nullptr;
-        int64_t n_cand = L.n_ff;
-        if (P.active != nullptr) {
-            const int64_t begin = P.active_offsets != nullptr ? P.active_offsets[t] : 0;
-            list = P.active + begin;
-            n_cand = P.active_offsets != nullptr ? P.active_offsets[t + 1] - begin : P.n_active;
-        }
         const float * gv = P.gate_values != nullptr
                                ? P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff)
                                : nullptr;
@@ -326,44 +326,54 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
                                : nullptr;
         const bool prefetch_gate = P.prefetch && gv == nullptr;
         uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
-        float * acc = partial(S, t, ith);  // zeroed by begin
-        int32_t local = 0;
-        const int64_t range_begin = n_cand * ith / nth, range_end = n_cand * (ith + 1) / nth;
-        for (int64_t k0 = range_begin; k0 < range_end; k0 += cs) {
-            const int64_t k1 = std::min<int64_t>(k0 + cs, range_end);
-            // pass 1: gate and selection; the selected neurons' up and down_t rows are prefetched so
-            // they arrive while the rest of the cluster's gates are computed
-            int n = 0;
-            for (int64_t k = k0; k < k1; ++k) {
-                const int32_t i = list != nullptr ? list[k] : static_cast<int32_t>(k);
-                float g;
-                if (gv != nullptr) {
-                    g = gv[i];
-                } else {
-                    if (prefetch_gate && k + kGateAhead < n_cand) {  // gate rows are strided (bundles)
-                        const int64_t ahead = list != nullptr ? list[k + kGateAhead] : k + kGateAhead;
-                        prefetch_l2(L.bundles + static_cast<size_t>(ahead) * L.bundle_stride, L.gate_row_bytes);
-                    }
-                    gate_dot(n_embd, &g, 0, L.bundles + static_cast<size_t>(i) * L.bundle_stride, 0, xq_gate, 0, 1);
+        int n = 0;
+        for (int64_t k = k0; k < k1; ++k) {
+            const int32_t i = list != nullptr ? list[k] : static_cast<int32_t>(k);
+            float g;
+            if (gv != nullptr) {
+                g = gv[i];
+            } else {
+                if (prefetch_gate && k + kGateAhead < n_cand) {  // gate rows are strided (bundles)
+                    const int64_t ahead = list != nullptr ? list[k + kGateAhead] : k + kGateAhead;
+                    prefetch_l2(L.bundles + static_cast<size_t>(ahead) * L.bundle_stride, L.gate_row_bytes);
                 }
-                if (g < g_lo) continue;  // |act(g)| <= thr for sure
-                const float a = ffn_activation(L.activation, g);
-                if (thr >= 0.0f && !(std::fabs(a) > thr)) continue;  // thr < 0 keeps every neuron
-                ids[n] = i;
-                hs[n] = a;
-                rows[n] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
-                up_rows[n] = up_base + static_cast<size_t>(i) * up_stride;
-                if (P.prefetch) {
-                    if (uv == nullptr) prefetch_l2(up_rows[n], L.up_row_bytes);
-                    prefetch_l2(rows[n], L.down_t_row_bytes);
-                }
-                ++n;
+                gate_dot(n_embd, &g, 0, L.bundles + static_cast<size_t>(i) * L.bundle_stride, 0, xq_gate, 0, 1);
             }
-            // pass 2: h_i = act(g_i) · (up_i · x), then the down_t rows
-            pass2.run(acc, tmp, ids, hs, rows, up_rows, n, uv, xq_up, mask);
-            local += n;
+            if (g < g_lo) continue;  // |act(g)| <= thr for sure
+            const float a = ffn_activation(L.activation, g);
+            if (thr >= 0.0f && !(std::fabs(a) > thr)) continue;  // thr < 0 keeps every neuron
+            ids[n] = i;
+            hs[n] = a;
+            rows[n] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
+            up_rows[n] = up_base + static_cast<size_t>(i) * up_stride;
+            if (P.prefetch) {
+                if (uv == nullptr) prefetch_l2(up_rows[n], L.up_row_bytes);
+                prefetch_l2(rows[n], L.down_t_row_bytes);
+            }
+            ++n;
         }
-        if (local != 0) __atomic_fetch_add(io.active_counts + t, local, __ATOMIC_RELAXED);
+        pass2.run(partial(S, t, ith), tmp, ids, hs, rows, up_rows, n, uv, xq_up, mask);  // partial zeroed by begin
+        if (n != 0) __atomic_fetch_add(io.active_counts + t, n, __ATOMIC_RELAXED);
+    };
+
+    if (per_token_lists) {  // every token its own candidates: token by token
+        for (int64_t t = 0; t < io.n_tokens; ++t) {
+            const int64_t begin = P.active_offsets[t], n_cand = P.active_offsets[t + 1] - begin;
+            const int64_t range_begin = n_cand * ith / nth, range_end = n_cand * (ith + 1) / nth;
+            for (int64_t k0 = range_begin; k0 < range_end; k0 += cs) {
+                cluster(t, P.active + begin, n_cand, k0, std::min<int64_t>(k0 + cs, range_end));
+            }
+        }
+        return;
+    }
+    // Shared candidates: cluster by cluster, every token of the batch in turn, so a batch reads each
+    // row of the union of its active sets from memory once (the later tokens find it in cache). Each
+    // token's summation order is the same as for that token alone.
+    const int64_t n_cand = P.active != nullptr ? P.n_active : L.n_ff;
+    const int64_t range_begin = n_cand * ith / nth, range_end = n_cand * (ith + 1) / nth;
+    for (int64_t k0 = range_begin; k0 < range_end; k0 += cs) {
+        const int64_t k1 = std::min<int64_t>(k0 + cs, range_end);
+        for (int64_t t = 0; t < io.n_tokens; ++t) cluster(t, P.active, n_cand, k0, k1);
     }
 }
 
@@ -386,19 +396,18 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, 
     const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
     const int64_t part_begin = n * ith / nth, part_end = n * (ith + 1) / nth;
 
-    for (int64_t t = 0; t < io.n_tokens; ++t) {
-        const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
-        const uint8_t * xq_up = S.xq_up_bytes_ == 0 ? xq_gate : xq_gate + S.xq_gate_bytes_;
-        const float * gv = P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff);
-        const float * uv = P.up_values != nullptr
-                               ? P.up_values + t * (P.up_values_stride != 0 ? P.up_values_stride : L.n_ff)
-                               : nullptr;
-        uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
-        float * acc = partial(S, t, ith);
-        int32_t local = 0;
-        for (int64_t k = part_begin; k < part_end; ++k) {
-            const int64_t c = clusters[k];
-            const int64_t i0 = c * cs, i1 = std::min<int64_t>(i0 + cs, L.n_ff);
+    // as in accumulate(): cluster by cluster, the batch's tokens in turn (one read of each row)
+    for (int64_t k = part_begin; k < part_end; ++k) {
+        const int64_t c = clusters[k];
+        const int64_t i0 = c * cs, i1 = std::min<int64_t>(i0 + cs, L.n_ff);
+        for (int64_t t = 0; t < io.n_tokens; ++t) {
+            const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
+            const uint8_t * xq_up = S.xq_up_bytes_ == 0 ? xq_gate : xq_gate + S.xq_gate_bytes_;
+            const float * gv = P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff);
+            const float * uv = P.up_values != nullptr
+                                   ? P.up_values + t * (P.up_values_stride != 0 ? P.up_values_stride : L.n_ff)
+                                   : nullptr;
+            uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
             int m = 0;
             for (int64_t i = i0; i < i1; ++i) {
                 const float g = gv[i];
@@ -420,10 +429,9 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, 
                 }
                 ++m;
             }
-            pass2.run(acc, tmp, ids, hs, rows, up_rows, m, uv, xq_up, mask);
-            local += m;
+            pass2.run(partial(S, t, ith), tmp, ids, hs, rows, up_rows, m, uv, xq_up, mask);
+            if (m != 0) __atomic_fetch_add(io.active_counts + t, m, __ATOMIC_RELAXED);
         }
-        if (local != 0) __atomic_fetch_add(io.active_counts + t, local, __ATOMIC_RELAXED);
     }
 }
 

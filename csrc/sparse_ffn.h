@@ -33,8 +33,11 @@
 //     deterministic for a given thread count and differ between thread counts only by float
 //     rounding.
 //
-// Batches: n_tokens > 1 is a loop over tokens inside one OpenMP region (every weight row is read
-// once per token; fine for decode, the dense lane is the path for prefill).
+// Batches: n_tokens > 1 runs every token through a cluster before the next cluster (one OpenMP
+// region), so a row in the union of the tokens' active sets is read from memory once per batch and
+// computed once per token that selects it; each token's result is the same as computed alone. With
+// per-token explicit lists (active_offsets) the tokens run one after the other. Whether a batch is
+// cheaper here or on the dense lane is measured per batch size (SparseConfig::autotune).
 //
 // Threads: sparse_ffn_forward runs `#pragma omp parallel num_threads(n_threads)`, i.e. on the same
 // OpenMP runtime (and worker threads) that llama.cpp's ggml-cpu uses (DESIGN 2.8); call it from

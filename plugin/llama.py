@@ -15,7 +15,10 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
   flash_sparsity None: the converter's operating point (the sidecar's thresholds); a level the
                  converter analysed (e.g. 0.3): that level's per-layer thresholds; 0: no sparsity
                  (sparse mode then skips only exact zeros of the activation).
-  flash_max_sparse_tokens  batches up to this many tokens use the sparse lane (default 1: decode).
+  flash_max_sparse_tokens  batches up to this many tokens are eligible for the sparse lane; in "auto"
+                 mode each batch size (1, 2, 3-4, 5-8 tokens, ...) is measured on both lanes apart.
+                 Default: AUTO_MAX_SPARSE_TOKENS (8) in "auto" mode, 1 (decode only) in "sparse" mode
+                 and with ram_budget_mb.
   flash_dense_up  sparse lane only: True = u = up·x for every neuron by ggml's dense GEMV (then the
                  kernel reads only the active neurons' down_t rows); False = up rows of the active
                  neurons only, in the kernel; None = chosen from the level's sparsity (dense up below
@@ -81,6 +84,10 @@ def _resolve_mode(flash_mode: Optional[str]) -> str:
 #: kernel's per-row dots of 25-70% of its rows; see README "Sparse lane").
 DENSE_UP_MAX_SPARSITY = 0.75
 
+#: flash_max_sparse_tokens=None in "auto" mode: batches up to this many tokens are measured on both
+#: lanes (per batch-size bucket, see csrc/flash_model.h batch_bucket); larger ones (prefill) run dense.
+AUTO_MAX_SPARSE_TOKENS = 8
+
 
 def _level_sparsity(info: SidecarInfo, level: Optional[float]) -> float:
     if level is not None:
@@ -127,7 +134,7 @@ class Llama(llama_cpp.Llama):
         sidecar_path: Optional[str] = None,
         flash_mode: Optional[str] = None,
         flash_sparsity: Optional[float] = None,
-        flash_max_sparse_tokens: int = 1,
+        flash_max_sparse_tokens: Optional[int] = None,
         flash_dense_up: Optional[bool] = None,
         ram_budget_mb: Optional[int] = None,
         flash_io_engine: str = "auto",
@@ -138,6 +145,9 @@ class Llama(llama_cpp.Llama):
         self._flash_sidecar: Optional[Path] = None
         self._flash_plan = None
         self._flash_mode = _resolve_mode(flash_mode)
+        if flash_max_sparse_tokens is None:
+            measured = self._flash_mode == "auto" and ram_budget_mb is None
+            flash_max_sparse_tokens = AUTO_MAX_SPARSE_TOKENS if measured else 1
         self._flash_args = {"sidecar_path": sidecar_path, "flash_mode": flash_mode, "flash_sparsity": flash_sparsity,
                             "flash_max_sparse_tokens": flash_max_sparse_tokens, "flash_dense_up": flash_dense_up,
                             "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine}

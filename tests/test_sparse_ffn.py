@@ -359,13 +359,17 @@ def test_phase_api_equals_openmp_driver():
             np.testing.assert_array_equal(m_ph, m_omp)
 
 
-def test_batch_equals_token_by_token():
+@pytest.mark.parametrize("shared_list", [False, True])
+def test_batch_equals_token_by_token(shared_list):
+    """A batch runs cluster by cluster with every token in turn (one read of each row of the union);
+    each token's result is bit-identical to that token computed alone."""
     rng = np.random.default_rng(6)
     layer = random_layer(rng, 64, 128, T.Q8_0, T.Q8_0, T.Q8_0, "silu")
     x = rng.standard_normal((5, 64)).astype(np.float32)
-    y, counts = layer.run(x, 0.05, n_threads=2)
+    active = np.sort(rng.choice(128, 70, replace=False)).astype(np.int32) if shared_list else None
+    y, counts = layer.run(x, 0.05, active=active, n_threads=2, cluster_size=8)
     for t in range(5):
-        yt, ct = layer.run(x[t : t + 1], 0.05, n_threads=2)
+        yt, ct = layer.run(x[t : t + 1], 0.05, active=active, n_threads=2, cluster_size=8)
         np.testing.assert_array_equal(yt[0], y[t])
         assert ct[0] == counts[t]
 

@@ -183,3 +183,32 @@ def test_auto_mode_measures_both_lanes_and_keeps_the_faster(converted):
     assert st["dense_lane_calls"] == 2 + 5 * (2 - n_sparse)  # the prompt batch (2 layers), then decode
     assert before["sparse_layers"] == n_sparse
     llm.close()
+
+
+def test_auto_mode_measures_each_batch_size_apart(converted):
+    """Batches of more than one token (up to flash_max_sparse_tokens; 8 by default in auto mode) are
+    measured on both lanes per batch-size bucket, apart from single-token decode: the bucket of 2
+    tokens and that of 3-4 tokens each get their own warm-up, timings and decision."""
+    model, _, _ = converted
+    llm = llamaflash.Llama(model_path=str(model), **KW)
+    assert llm._flash.sparse_config["max_tokens"] == llamaflash.llama.AUTO_MAX_SPARSE_TOKENS == 8
+    llm._flash.set_sparse_config(True, max_tokens=4, autotune=True, autotune_steps=2)
+    tokens = llm.tokenize(PROMPT.encode())
+    for size in (2, 3):
+        for _ in range(6):  # warm-up of each lane, then 2 timed splits of each: decided after 6
+            llm.reset()
+            llm.eval(tokens[:size])
+    llm.reset()
+    llm.eval(tokens[:6])  # over max_tokens: dense, and not measured
+    choice = llm.flash_stats()["lane_choice"]
+    assert set(choice) == {0, 1}
+    for c in choice.values():
+        assert c["lane"] is None  # no single-token split ran
+        assert set(c["by_batch"]) == {"2", "3-4"}
+        for bucket in c["by_batch"].values():
+            assert bucket["lane"] in ("sparse", "dense")
+            assert (bucket["lane"] == "sparse") == (bucket["sparse_ms"] < 0.97 * bucket["dense_ms"])
+    llm.close()
+    llm = llamaflash.Llama(model_path=str(model), flash_mode="sparse", **KW)
+    assert llm._flash.sparse_config["max_tokens"] == 1  # forced sparse: decode only unless asked
+    llm.close()

@@ -334,15 +334,26 @@ PYBIND11_MODULE(_native, m) {
             return d;
         })
         .def_property_readonly("lane_choice", [](const FlashModel & fm) {
-            // per served layer: None while measuring, else "sparse"/"dense" with the mean split times
-            py::dict out;
-            const std::vector<LaneTuning> tuning = fm.lane_tuning();
-            for (size_t i = 0; i < tuning.size() && i < fm.layers().size(); ++i) {
-                const LaneTuning & t = tuning[i];
+            // per served layer: the choice for single-token batches (None while measuring, else
+            // "sparse"/"dense", with the mean split times), and under "by_batch" every batch-size
+            // bucket that has run ("1", "2", "3-4", ...)
+            auto entry = [](const LaneTuning & t) {
                 py::dict d;
                 d["lane"] = t.decided < 0 ? py::object(py::none()) : py::object(py::str(t.decided ? "sparse" : "dense"));
                 d["dense_ms"] = t.n[0] ? py::object(py::float_(1e3 * t.seconds[0] / t.n[0])) : py::object(py::none());
                 d["sparse_ms"] = t.n[1] ? py::object(py::float_(1e3 * t.seconds[1] / t.n[1])) : py::object(py::none());
+                return d;
+            };
+            py::dict out;
+            const std::vector<LaneTuning> tuning = fm.lane_tuning();
+            for (size_t i = 0; i < fm.layers().size() && (i + 1) * kBatchBuckets <= tuning.size(); ++i) {
+                py::dict d = entry(tuning[i * kBatchBuckets]);
+                py::dict by_batch;
+                for (int b = 0; b < kBatchBuckets; ++b) {
+                    const LaneTuning & t = tuning[i * kBatchBuckets + b];
+                    if (t.warmed[0] || t.warmed[1]) by_batch[py::str(batch_bucket_name(b))] = entry(t);
+                }
+                d["by_batch"] = by_batch;
                 out[py::int_(fm.layers()[i].layer)] = d;
             }
             return out;
