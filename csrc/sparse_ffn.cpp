@@ -181,6 +181,37 @@ void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n
     counts_ = reinterpret_cast<int32_t *>(p += tmp);
 }
 
+// The selection rule (see sparse_ffn.h): true when neuron with gate value g is active, with a =
+// act(g). g_lo is the exact prefilter bound (prefilter_bound); thr < 0 keeps every neuron.
+inline bool selected(FfnActivation act, float g, float g_lo, float thr, float & a) {
+    if (g < g_lo) return false;  // |act(g)| <= thr for sure
+    a = ffn_activation(act, g);
+    return thr < 0.0f || std::fabs(a) > thr;
+}
+
+// One work unit's selected neurons, handed from pass 1 to pass 2 (UnitPass::run).
+struct UnitSelection {
+    int n = 0;
+    int32_t ids[kMaxCluster];
+    float hs[kMaxCluster];                 // act(g_i); pass 2 multiplies in u_i
+    const uint8_t * rows[kMaxCluster];     // down_t rows
+    const uint8_t * up_rows[kMaxCluster];
+
+    // Appends neuron i; prefetches its down_t row (and its up row when pass 2 dots it).
+    void add(int32_t i, float a, const uint8_t * down_t_row, size_t down_t_bytes, const uint8_t * up_row,
+             size_t up_bytes, bool prefetch, bool prefetch_up) {
+        ids[n] = i;
+        hs[n] = a;
+        rows[n] = down_t_row;
+        up_rows[n] = up_row;
+        if (prefetch) {
+            if (prefetch_up) prefetch_l2(up_row, up_bytes);
+            prefetch_l2(down_t_row, down_t_bytes);
+        }
+        ++n;
+    }
+};
+
 // What the two accumulate phases share: pass 2 of a work unit of m selected neurons, h_r = act_r ·
 // u_r (u_r from the caller's up values, else vec_dot of up row r against xq_up), then
 // acc += Σ_r h_r · down_t row r (fused, or dequantized into tmp first), and the neurons marked in mask.
@@ -190,27 +221,28 @@ struct UnitPass {
     ggml_to_float_t down_to_float;
     int n_embd;
 
-    void run(float * acc, float * tmp, const int32_t * ids, float * hs, const uint8_t * const * rows,
-             const uint8_t * const * up_rows, int m, const float * uv, const uint8_t * xq_up, uint8_t * mask) const {
+    void run(float * acc, float * tmp, UnitSelection & sel, const float * uv, const uint8_t * xq_up,
+             uint8_t * mask) const {
+        const int m = sel.n;
         for (int r = 0; r < m; ++r) {
             float u;
             if (uv != nullptr) {
-                u = uv[ids[r]];
+                u = uv[sel.ids[r]];
             } else {
-                up_dot(n_embd, &u, 0, up_rows[r], 0, xq_up, 0, 1);
+                up_dot(n_embd, &u, 0, sel.up_rows[r], 0, xq_up, 0, 1);
             }
-            hs[r] *= u;
+            sel.hs[r] *= u;
         }
         if (axpy != nullptr) {
-            axpy(acc, rows, hs, m, n_embd);
+            axpy(acc, sel.rows, sel.hs, m, n_embd);
         } else {
             for (int r = 0; r < m; ++r) {
-                down_to_float(rows[r], tmp, n_embd);
-                for (int j = 0; j < n_embd; ++j) acc[j] += hs[r] * tmp[j];
+                down_to_float(sel.rows[r], tmp, n_embd);
+                for (int j = 0; j < n_embd; ++j) acc[j] += sel.hs[r] * tmp[j];
             }
         }
         if (mask != nullptr) {
-            for (int r = 0; r < m; ++r) mask[ids[r]] = 1;
+            for (int r = 0; r < m; ++r) mask[sel.ids[r]] = 1;
         }
     }
 };
@@ -230,6 +262,25 @@ struct SparseFfnImpl {
     static void needed_clusters(const SparseFfnScratch & S, uint8_t * needed);
     static float * partial(SparseFfnScratch & S, int64_t t, int th) {
         return S.partial_ + (static_cast<size_t>(t) * S.cap_threads_ + th) * S.embd_pad_;
+    }
+    // Token t's inputs and outputs as the accumulate phases read them.
+    struct TokenView {
+        const uint8_t * xq_gate;
+        const uint8_t * xq_up;
+        const float * gv;  // caller's gate values, or nullptr
+        const float * uv;  // caller's up values, or nullptr
+        uint8_t * mask;    // io.active_mask row, or nullptr
+    };
+    static TokenView token(const SparseFfnScratch & S, int64_t t) {
+        const SparseFfnLayer & L = S.layer_;
+        const SparseFfnParams & P = S.params_;
+        const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
+        return {xq_gate, S.xq_up_bytes_ == 0 ? xq_gate : xq_gate + S.xq_gate_bytes_,
+                P.gate_values != nullptr ? P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff)
+                                         : nullptr,
+                P.up_values != nullptr ? P.up_values + t * (P.up_values_stride != 0 ? P.up_values_stride : L.n_ff)
+                                       : nullptr,
+                S.io_.active_mask != nullptr ? S.io_.active_mask + t * L.n_ff : nullptr};
     }
 };
 
@@ -303,60 +354,39 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
     const float thr = P.threshold, g_lo = S.g_lo_;
     const int cs = P.cluster_size;
     float * tmp = S.row_tmp_ + static_cast<size_t>(ith) * S.embd_pad_;
-    int32_t ids[kMaxCluster];
-    float hs[kMaxCluster];
-    const uint8_t * rows[kMaxCluster];
-    const uint8_t * up_rows[kMaxCluster];
+    UnitSelection sel;
     const uint8_t * const up_base = L.up_rows != nullptr ? L.up_rows : L.bundles + L.gate_row_bytes;
     const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
-    const bool per_token_lists = P.active != nullptr && P.active_offsets != nullptr;
 
     // Candidates [k0, k1) of token t's candidate list (all n_ff neurons, or the explicit list):
     // pass 1, gate and selection, prefetching the selected neurons' up and down_t rows so they arrive
     // while the rest of the cluster's gates are computed; pass 2, h_i = act(g_i) · (up_i · x), then
     // the down_t rows.
     auto cluster = [&](int64_t t, const int32_t * list, int64_t n_cand, int64_t k0, int64_t k1) {
-        const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
-        const uint8_t * xq_up = S.xq_up_bytes_ == 0 ? xq_gate : xq_gate + S.xq_gate_bytes_;
-        const float * gv = P.gate_values != nullptr
-                               ? P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff)
-                               : nullptr;
-        const float * uv = P.up_values != nullptr
-                               ? P.up_values + t * (P.up_values_stride != 0 ? P.up_values_stride : L.n_ff)
-                               : nullptr;
-        const bool prefetch_gate = P.prefetch && gv == nullptr;
-        uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
-        int n = 0;
+        const TokenView tv = token(S, t);
+        const bool prefetch_gate = P.prefetch && tv.gv == nullptr;
+        sel.n = 0;
         for (int64_t k = k0; k < k1; ++k) {
             const int32_t i = list != nullptr ? list[k] : static_cast<int32_t>(k);
-            float g;
-            if (gv != nullptr) {
-                g = gv[i];
+            float g, a;
+            if (tv.gv != nullptr) {
+                g = tv.gv[i];
             } else {
                 if (prefetch_gate && k + kGateAhead < n_cand) {  // gate rows are strided (bundles)
                     const int64_t ahead = list != nullptr ? list[k + kGateAhead] : k + kGateAhead;
                     prefetch_l2(L.bundles + static_cast<size_t>(ahead) * L.bundle_stride, L.gate_row_bytes);
                 }
-                gate_dot(n_embd, &g, 0, L.bundles + static_cast<size_t>(i) * L.bundle_stride, 0, xq_gate, 0, 1);
+                gate_dot(n_embd, &g, 0, L.bundles + static_cast<size_t>(i) * L.bundle_stride, 0, tv.xq_gate, 0, 1);
             }
-            if (g < g_lo) continue;  // |act(g)| <= thr for sure
-            const float a = ffn_activation(L.activation, g);
-            if (thr >= 0.0f && !(std::fabs(a) > thr)) continue;  // thr < 0 keeps every neuron
-            ids[n] = i;
-            hs[n] = a;
-            rows[n] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
-            up_rows[n] = up_base + static_cast<size_t>(i) * up_stride;
-            if (P.prefetch) {
-                if (uv == nullptr) prefetch_l2(up_rows[n], L.up_row_bytes);
-                prefetch_l2(rows[n], L.down_t_row_bytes);
-            }
-            ++n;
+            if (!selected(L.activation, g, g_lo, thr, a)) continue;
+            sel.add(i, a, L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes, L.down_t_row_bytes,
+                    up_base + static_cast<size_t>(i) * up_stride, L.up_row_bytes, P.prefetch, tv.uv == nullptr);
         }
-        pass2.run(partial(S, t, ith), tmp, ids, hs, rows, up_rows, n, uv, xq_up, mask);  // partial zeroed by begin
-        if (n != 0) __atomic_fetch_add(io.active_counts + t, n, __ATOMIC_RELAXED);
+        pass2.run(partial(S, t, ith), tmp, sel, tv.uv, tv.xq_up, tv.mask);  // partial zeroed by begin
+        if (sel.n != 0) __atomic_fetch_add(io.active_counts + t, sel.n, __ATOMIC_RELAXED);
     };
 
-    if (per_token_lists) {  // every token its own candidates: token by token
+    if (P.active != nullptr && P.active_offsets != nullptr) {  // every token its own candidates: token by token
         for (int64_t t = 0; t < io.n_tokens; ++t) {
             const int64_t begin = P.active_offsets[t], n_cand = P.active_offsets[t + 1] - begin;
             const int64_t range_begin = n_cand * ith / nth, range_end = n_cand * (ith + 1) / nth;
@@ -387,10 +417,7 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, 
     const float thr = P.threshold, g_lo = S.g_lo_;
     const int64_t cs = P.cluster_size;
     float * tmp = S.row_tmp_ + static_cast<size_t>(ith) * S.embd_pad_;
-    int32_t ids[kMaxCluster];
-    float hs[kMaxCluster];
-    const uint8_t * rows[kMaxCluster];
-    const uint8_t * up_rows[kMaxCluster];
+    UnitSelection sel;
     const bool slotted = L.up_slots != nullptr;
     const uint8_t * const up_base = L.up_rows != nullptr ? L.up_rows : L.bundles + L.gate_row_bytes;
     const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
@@ -401,36 +428,19 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, 
         const int64_t c = clusters[k];
         const int64_t i0 = c * cs, i1 = std::min<int64_t>(i0 + cs, L.n_ff);
         for (int64_t t = 0; t < io.n_tokens; ++t) {
-            const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
-            const uint8_t * xq_up = S.xq_up_bytes_ == 0 ? xq_gate : xq_gate + S.xq_gate_bytes_;
-            const float * gv = P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff);
-            const float * uv = P.up_values != nullptr
-                                   ? P.up_values + t * (P.up_values_stride != 0 ? P.up_values_stride : L.n_ff)
-                                   : nullptr;
-            uint8_t * mask = io.active_mask != nullptr ? io.active_mask + t * L.n_ff : nullptr;
-            int m = 0;
+            const TokenView tv = token(S, t);
+            sel.n = 0;
             for (int64_t i = i0; i < i1; ++i) {
-                const float g = gv[i];
-                if (g < g_lo) continue;
-                const float a = ffn_activation(L.activation, g);
-                if (thr >= 0.0f && !(std::fabs(a) > thr)) continue;
-                ids[m] = static_cast<int32_t>(i);
-                hs[m] = a;
-                if (slotted) {
-                    rows[m] = L.down_t_slots[c] + static_cast<size_t>(i - i0) * L.down_t_row_bytes;
-                    up_rows[m] = L.up_slots[c] + static_cast<size_t>(i - i0) * L.up_row_bytes;
-                } else {
-                    rows[m] = L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes;
-                    up_rows[m] = up_base + static_cast<size_t>(i) * up_stride;
-                }
-                if (P.prefetch) {
-                    if (uv == nullptr) prefetch_l2(up_rows[m], L.up_row_bytes);
-                    prefetch_l2(rows[m], L.down_t_row_bytes);
-                }
-                ++m;
+                float a;
+                if (!selected(L.activation, tv.gv[i], g_lo, thr, a)) continue;
+                const size_t r = static_cast<size_t>(slotted ? i - i0 : i);  // row within its view
+                sel.add(static_cast<int32_t>(i), a,
+                        (slotted ? L.down_t_slots[c] : L.down_t) + r * L.down_t_row_bytes, L.down_t_row_bytes,
+                        slotted ? L.up_slots[c] + r * L.up_row_bytes : up_base + r * up_stride, L.up_row_bytes,
+                        P.prefetch, tv.uv == nullptr);
             }
-            pass2.run(partial(S, t, ith), tmp, ids, hs, rows, up_rows, m, uv, xq_up, mask);
-            if (m != 0) __atomic_fetch_add(io.active_counts + t, m, __ATOMIC_RELAXED);
+            pass2.run(partial(S, t, ith), tmp, sel, tv.uv, tv.xq_up, tv.mask);
+            if (sel.n != 0) __atomic_fetch_add(io.active_counts + t, sel.n, __ATOMIC_RELAXED);
         }
     }
 }
@@ -447,9 +457,8 @@ void SparseFfnImpl::needed_clusters(const SparseFfnScratch & S, uint8_t * needed
             if (needed[c]) continue;
             const int64_t i1 = std::min<int64_t>((c + 1) * cs, L.n_ff);
             for (int64_t i = c * cs; i < i1; ++i) {
-                const float g = gv[i];
-                if (g < g_lo) continue;
-                if (thr < 0.0f || std::fabs(ffn_activation(L.activation, g)) > thr) {
+                float a;
+                if (selected(L.activation, gv[i], g_lo, thr, a)) {
                     needed[c] = 1;
                     break;
                 }
