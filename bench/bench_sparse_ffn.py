@@ -52,9 +52,12 @@ from llamaflash.errors import LlamaflashError  # noqa: E402
 from llamaflash.sidecar import validate_pair  # noqa: E402
 
 
-def find_sidecar(model: Path, convert_dir: Path):
-    """(sidecar path, SidecarInfo): the sidecar beside the model, else one converted into convert_dir."""
+def find_sidecar(model: Path, convert_dir: Path, down_t_type: str | None = None):
+    """(sidecar path, SidecarInfo): the sidecar beside the model, else one converted into convert_dir;
+    with ``down_t_type``, a bundle-only sidecar of that down_t type in convert_dir (converted once)."""
     candidates = [common.sidecar_path_for(model), convert_dir / (model.stem + ".flash.gguf")]
+    if down_t_type is not None:
+        candidates = [convert_dir / f"{model.stem}.down_t-{down_t_type}.flash.gguf"]
     for path in candidates:
         if path.exists():
             try:
@@ -63,9 +66,10 @@ def find_sidecar(model: Path, convert_dir: Path):
                 print(f"[bench] {path}: {type(e).__name__}; trying the next candidate", file=sys.stderr)
     from llamaflash.converters import convert
 
-    out = candidates[1]
+    out = candidates[-1]
     print(f"[bench] converting {model.name} -> {out}", file=sys.stderr)
-    convert(model, out, force=True, progress=False, profile=False)  # bundle-only: what the kernel reads
+    convert(model, out, force=True, progress=False, profile=False,  # bundle-only: what the kernel reads
+            down_t_type=down_t_type or "q8_0")
     return out, validate_pair(model, out)
 
 
@@ -144,12 +148,15 @@ def main() -> int:
     ap.add_argument("--fractions", default="1.0,0.5,0.3,0.1")
     ap.add_argument("--no-prefetch", action="store_true", help="also time the sparse kernel without prefetch")
     ap.add_argument("--convert-dir", default="/tmp")
+    ap.add_argument("--down-t-type", default=None,
+                    help="time a bundle-only sidecar with this down_t type (converter --down-t-type), converted "
+                         "into --convert-dir once, instead of the model's sidecar")
     ap.add_argument("--quiet-wait", type=float, default=120.0,
                     help="seconds to wait for other processes to go quiet before timing")
     args = ap.parse_args()
 
     model, name, _ = common.resolve_model(args.model)
-    sidecar, info = find_sidecar(model, Path(args.convert_dir))
+    sidecar, info = find_sidecar(model, Path(args.convert_dir), args.down_t_type)
     by_layer = {lay.layer: lay for lay in info.layers}
     if args.layer not in by_layer:
         raise SystemExit(f"layer {args.layer} is not served by {sidecar}")

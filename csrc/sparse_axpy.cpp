@@ -70,6 +70,80 @@ void axpy_q4_scalar(float * acc, const uint8_t * const * rows, const float * h, 
     }
 }
 
+// K-quant super-blocks of 256 values (ggml-common.h block_q4_K / block_q6_K):
+//   Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes packing 8 six-bit scales sc[k] and mins m[k], then
+//     128 bytes of nibbles. Sub-block k (32 values) of the 64-value chunk c = k/2 reads qs[32c..32c+32):
+//     low nibbles for even k, high nibbles for odd k; value = d·sc[k]·q − dmin·m[k].
+//   Q6_K (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16], f16 d. Half n (128
+//     values) reads ql[64n..), qh[32n..), scales[8n..); for l < 32, with sc = scales + 8n:
+//       v[l]    = d·sc[l/16]    ·((ql[l]    & 15) | ((qh[l]      & 3) << 4)) − 32)
+//       v[l+32] = d·sc[2 + l/16]·((ql[l+32] & 15) | ((qh[l] >> 2 & 3) << 4)) − 32)
+//       v[l+64] = d·sc[4 + l/16]·((ql[l]    >> 4) | ((qh[l] >> 4 & 3) << 4)) − 32)
+//       v[l+96] = d·sc[6 + l/16]·((ql[l+32] >> 4) | ((qh[l] >> 6 & 3) << 4)) − 32)
+constexpr int64_t kQK = 256;
+constexpr size_t kQ4_KBytes = 144;
+constexpr size_t kQ6_KBytes = 210;
+
+// The 8 scales (out[0..8)) and 8 mins (out[8..16)) of a Q4_K block's 12 packed bytes.
+inline void q4_k_scales_mins(const uint8_t * packed, uint8_t * out) {
+    uint32_t u[4];
+    std::memcpy(u, packed, 12);
+    constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+    u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
+    const uint32_t mins_lo = u[1] & kLow6;
+    u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
+    u[2] = mins_lo;
+    u[0] &= kLow6;
+    std::memcpy(out, u, 16);
+}
+
+void axpy_q4_k_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < n_embd / kQK; ++b) {
+            const uint8_t * blk = rows[r] + b * kQ4_KBytes;
+            const float d = ggml_fp16_to_fp32(load_u16(blk)) * h[r];
+            const float dmin = ggml_fp16_to_fp32(load_u16(blk + 2)) * h[r];
+            uint8_t sm[16];
+            q4_k_scales_mins(blk + 4, sm);
+            const uint8_t * qs = blk + 16;
+            float * a = acc + b * kQK;
+            for (int c = 0; c < 4; ++c) {
+                const float d0 = d * sm[2 * c], m0 = dmin * sm[8 + 2 * c];
+                const float d1 = d * sm[2 * c + 1], m1 = dmin * sm[8 + 2 * c + 1];
+                for (int l = 0; l < 32; ++l) {
+                    a[64 * c + l] += d0 * static_cast<float>(qs[32 * c + l] & 15) - m0;
+                    a[64 * c + 32 + l] += d1 * static_cast<float>(qs[32 * c + l] >> 4) - m1;
+                }
+            }
+        }
+    }
+}
+
+void axpy_q6_k_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < n_embd / kQK; ++b) {
+            const uint8_t * blk = rows[r] + b * kQ6_KBytes;
+            const float d = ggml_fp16_to_fp32(load_u16(blk + 208)) * h[r];
+            for (int half = 0; half < 2; ++half) {
+                const uint8_t * ql = blk + 64 * half;
+                const uint8_t * qh = blk + 128 + 32 * half;
+                const int8_t * sc = reinterpret_cast<const int8_t *>(blk + 192) + 8 * half;
+                float * a = acc + b * kQK + 128 * half;
+                for (int l = 0; l < 32; ++l) {
+                    const int q1 = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+                    const int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    a[l] += d * sc[l / 16] * static_cast<float>(q1);
+                    a[l + 32] += d * sc[2 + l / 16] * static_cast<float>(q2);
+                    a[l + 64] += d * sc[4 + l / 16] * static_cast<float>(q3);
+                    a[l + 96] += d * sc[6 + l / 16] * static_cast<float>(q4);
+                }
+            }
+        }
+    }
+}
+
 void axpy_f32(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
     for (int r = 0; r < n; ++r) {
         const float * row = reinterpret_cast<const float *>(rows[r]);
@@ -181,6 +255,97 @@ __attribute__((target("avx2,f16c,fma"))) void q4_pass_avx2(float * acc, const ui
         }
     }
 }
+// R rows (1..4) of Q4_K in one pass over acc, one 256-value super-block at a time (16 zmm of acc).
+// The min terms are summed over the R rows per sub-block first and subtracted once per pass.
+template <int R>
+__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_pass_avx512(float * acc, const uint8_t * const * rows,
+                                                                            const float * h, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        float * a = acc + b * kQK;
+        __m512 y[16];
+        for (int k = 0; k < 16; ++k) {
+            y[k] = _mm512_loadu_ps(a + 16 * k);
+        }
+        __m256 min_sum = _mm256_setzero_ps();  // Σ_r dmin_r·h_r·m_r[k], k = sub-block
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ4_KBytes;
+            uint8_t sm[16];
+            q4_k_scales_mins(blk + 4, sm);
+            const __m128i sm8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(sm));
+            const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8)),
+                                            _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r]));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
+            min_sum = _mm256_fmadd_ps(mn, _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)) * h[r]), min_sum);
+            alignas(32) float scale[8];
+            _mm256_store_ps(scale, sc);
+            for (int c = 0; c < 4; ++c) {
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 16 + 32 * c));
+                const __m256i lo = _mm256_and_si256(q, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                const __m512 d0 = _mm512_set1_ps(scale[2 * c]), d1 = _mm512_set1_ps(scale[2 * c + 1]);
+                y[4 * c + 0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))), d0, y[4 * c + 0]);
+                y[4 * c + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))), d0, y[4 * c + 1]);
+                y[4 * c + 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))), d1, y[4 * c + 2]);
+                y[4 * c + 3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))), d1, y[4 * c + 3]);
+            }
+        }
+        alignas(32) float mins[8];
+        _mm256_store_ps(mins, min_sum);
+        for (int k = 0; k < 16; ++k) {
+            _mm512_storeu_ps(a + 16 * k, _mm512_sub_ps(y[k], _mm512_set1_ps(mins[k / 2])));
+        }
+    }
+}
+
+// R rows (1..4) of Q6_K in one pass over acc, one 256-value super-block at a time (16 zmm of acc).
+template <int R>
+__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q6_k_pass_avx512(float * acc, const uint8_t * const * rows,
+                                                                            const float * h, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    for (int64_t b = 0; b < nb; ++b) {
+        float * a = acc + b * kQK;
+        __m512 y[16];
+        for (int k = 0; k < 16; ++k) {
+            y[k] = _mm512_loadu_ps(a + 16 * k);
+        }
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ6_KBytes;
+            const __m512 sc = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + 192)))),
+                _mm512_set1_ps(_cvtsh_ss(load_u16(blk + 208)) * h[r]));
+            alignas(64) float scale[16];
+            _mm512_store_ps(scale, sc);
+            for (int half = 0; half < 2; ++half) {
+                const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * half));
+                const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * half + 32));
+                const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 128 + 32 * half));
+                // q_j: the 32 values l + 32j of this half, as int8 in −32..31
+                const __m256i q[4] = {
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql0, low),
+                                                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), two_bits)), bias),
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql1, low),
+                                                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), two_bits)), bias),
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
+                                                    _mm256_and_si256(qh, two_bits)), bias),
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), two_bits)), bias),
+                };
+                for (int j = 0; j < 4; ++j) {
+                    const int k = 8 * half + 2 * j;  // zmm index of values l + 32j, l < 16; scale index likewise
+                    y[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q[j]))),
+                                           _mm512_set1_ps(scale[k]), y[k]);
+                    y[k + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q[j], 1))),
+                                               _mm512_set1_ps(scale[k + 1]), y[k + 1]);
+                }
+            }
+        }
+        for (int k = 0; k < 16; ++k) {
+            _mm512_storeu_ps(a + 16 * k, y[k]);
+        }
+    }
+}
+
 template <int R> void q4_0_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx512<false, R>(a, rw, h, nb); }
 template <int R> void q4_1_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx512<true, R>(a, rw, h, nb); }
 template <int R> void q4_0_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx2<false, R>(a, rw, h, nb); }
@@ -245,6 +410,8 @@ LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx512, q4_0_pass_avx512, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx512, q4_1_pass_avx512, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx2, q4_0_pass_avx2, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx2, q4_1_pass_avx2, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_k_avx512, q4_k_pass_avx512, n_embd / kQK)
+LLAMAFLASH_DEFINE_AXPY(axpy_q6_k_avx512, q6_k_pass_avx512, n_embd / kQK)
 #undef LLAMAFLASH_DEFINE_AXPY
 
 #pragma GCC diagnostic pop
@@ -267,7 +434,12 @@ AxpyFn pick_axpy(ggml_type type, SparseIsa isa) {
     if (type == GGML_TYPE_Q4_1) {
         return isa == SparseIsa::avx512 ? axpy_q4_1_avx512 : isa == SparseIsa::avx2 ? axpy_q4_1_avx2 : axpy_q4_scalar<true>;
     }
+    // K-quants: AVX-512 or the fused scalar loop (no AVX2 pass)
+    if (type == GGML_TYPE_Q4_K) return isa == SparseIsa::avx512 ? axpy_q4_k_avx512 : axpy_q4_k_scalar;
+    if (type == GGML_TYPE_Q6_K) return isa == SparseIsa::avx512 ? axpy_q6_k_avx512 : axpy_q6_k_scalar;
 #else
+    if (type == GGML_TYPE_Q4_K) return axpy_q4_k_scalar;
+    if (type == GGML_TYPE_Q6_K) return axpy_q6_k_scalar;
     if (type == GGML_TYPE_Q4_0) return axpy_q4_scalar<false>;
     if (type == GGML_TYPE_Q4_1) return axpy_q4_scalar<true>;
     if (type == GGML_TYPE_Q8_0) return axpy_q8_0_scalar;

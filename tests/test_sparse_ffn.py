@@ -42,7 +42,10 @@ def _row_bytes(t: T, n: int) -> int:
 
 
 def _q(a, t: T) -> np.ndarray:
-    """float32 [rows, n] -> uint8 [rows, row_bytes] in ggml type t."""
+    """float32 [rows, n] -> uint8 [rows, row_bytes] in ggml type t (K-quants by ggml's quantizer:
+    gguf-py has none for them)."""
+    if t in (T.Q4_K, T.Q5_K, T.Q6_K):
+        return np.ascontiguousarray(N.quantize_rows(int(t), np.ascontiguousarray(a, np.float32))).view(np.uint8)
     return np.ascontiguousarray(quantize(a, t)).view(np.uint8)
 
 
@@ -179,6 +182,8 @@ VARIANTS = [
     (T.F32, T.F32, T.F16, "silu", 100, 70),
     (T.Q8_0, T.Q8_0, T.Q4_0, "silu", 64, 96),    # 4-bit down_t (converter --down-t-type q4_0/q4_1)
     (T.Q4_1, T.Q4_1, T.Q4_1, "gelu", 96, 64),
+    (T.Q8_0, T.Q8_0, T.Q4_K, "silu", 256, 96),   # K-quant down_t (--down-t-type q4_k / base)
+    (T.Q4_0, T.Q4_0, T.Q6_K, "silu", 512, 64),
 ]
 
 
@@ -286,7 +291,7 @@ def test_explicit_active_list():
     assert not y.any() and counts.tolist() == [0, 0, 0]
 
 
-@pytest.mark.parametrize("down_t_type", [T.Q8_0, T.F16, T.Q4_0, T.Q4_1])
+@pytest.mark.parametrize("down_t_type", [T.Q8_0, T.F16, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K])
 def test_threads_isas_and_clusters_agree(down_t_type):
     rng = np.random.default_rng(5)
     layer = random_layer(rng, 256, 1000, T.Q4_0, T.Q4_0, down_t_type, "silu")
