@@ -123,11 +123,17 @@ def report_bound(model_path: Path, sidecar: Path | None, runs: list[dict], args,
         per_token = b.sparse if b.sparse is not None else b.stock
         ms = 1e3 / decode_tps
         ffn_ms = statistics.median(st.get("compute_seconds", 0.0) for st in stats) * 1e3 / args.n_gen if any(stats) else None
+        # the rest's weights (attention, output, embedding row) at the bandwidth bound; what the rest
+        # takes beyond that is compute above the bound plus llama.cpp / Python / sampling overhead
+        rest_weights_ms = (b.stock - b.ffn) / bw * 1e3
         row = {"bytes_per_token": per_token, "dense_up": dense_up, "bound_tps": bw / per_token, "decode_tps": decode_tps,
                "of_bound": decode_tps / (bw / per_token), "ms_per_token": ms, "ffn_ms_per_token": ffn_ms,
+               "rest_weights_bound_ms": rest_weights_ms,
                "mean_active_fraction": statistics.median(frac.values()) if frac else None}
         out[config] = row
-        split = "" if ffn_ms is None else f"  per token {ms:.1f} ms = FFN splits {ffn_ms:.1f} + rest {ms - ffn_ms:.1f}"
+        split = "" if ffn_ms is None else (
+            f"  per token {ms:.1f} ms = FFN splits {ffn_ms:.1f} + rest {ms - ffn_ms:.1f} (its weights at the bound "
+            f"{rest_weights_ms:.1f}, overhead {ms - ffn_ms - rest_weights_ms:.1f})")
         print(f"  {config:<12} {per_token / 1e6:7.1f} MB/token  bound {row['bound_tps']:6.1f} tok/s  "
               f"decode {decode_tps:6.1f} = {row['of_bound']:.0%} of bound{split}")
     return out
@@ -154,6 +160,14 @@ def measure_quality(args, model_path: Path, sidecar: Path, flash_configs: list[s
         if q.get("ok"):
             print(f"  quality {config:<12} ppl {q['ppl']:.3f} ({q['seconds']:.0f} s)", flush=True)
     return out
+
+
+def top1_agreement(q: dict, base_q: dict) -> float | None:
+    """Share of the scored positions where config ``q`` and the baseline pick the same top-1 token."""
+    a, b = q.get("argmax"), (base_q or {}).get("argmax")
+    if not a or not b or len(a) != len(b):
+        return None
+    return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
 def main(argv=None) -> int:
@@ -229,6 +243,7 @@ def main(argv=None) -> int:
             row["ppl"] = q["ppl"]
             base_q = quality.get(baseline, {})
             row["ppl_delta"] = q["ppl"] / base_q["ppl"] - 1 if base_q.get("ok") else None
+            row["top1_agreement"] = top1_agreement(q, base_q)
     print()
     print(common.format_table(rows))
     print(f"medians over reps; x = ratio to {baseline}; greedy agree = fraction of the {args.n_gen + 1} greedy "
@@ -237,7 +252,9 @@ def main(argv=None) -> int:
     print(common.format_spread(rows))
     if quality:
         print(f"quality: perplexity on {args.ppl_tokens} tokens of held-out text (sparse configs: every token "
-              f"through the sparse lane)")
+              f"through the sparse lane); top-1 = share of the scored positions whose most likely next token "
+              f"equals {baseline}'s (teacher-forced greedy agreement: unlike the free-running greedy agreement "
+              f"above, one near tie does not decide it)")
         for config in args.configs:
             q = quality.get(config, {})
             if not q.get("ok"):
@@ -246,7 +263,9 @@ def main(argv=None) -> int:
             base_q = quality.get(baseline, {})
             delta = f"{q['ppl'] / base_q['ppl'] - 1:+.2%}" if base_q.get("ok") else "?"
             frac = (q.get("flash_stats") or {}).get("mean_active_fraction")
+            agree = top1_agreement(q, base_q)
             print(f"  {config:<12} ppl {q['ppl']:8.3f}  vs {baseline} {delta:>8}  "
+                  f"top-1 {'?' if agree is None else f'{agree:.1%}'}  "
                   f"active neurons {'' if frac is None else f'{frac:.1%}'}  ({q['seconds']:.0f} s)")
     # Measured last: the probe's 1 GiB buffer would raise the peak RSS of every worker started after it
     # (Linux keeps ru_maxrss across fork + exec).

@@ -174,7 +174,8 @@ def parse_flash_config(config: str | None):
 
 def _ppl(spec: dict) -> dict:
     """Perplexity of spec["ppl_tokens"] in windows of n_ctx tokens, scoring the second half of each
-    window (as llama.cpp's perplexity tool does), and the time it took."""
+    window (as llama.cpp's perplexity tool does), the top-1 token at every scored position ("argmax":
+    teacher-forced greedy choices, to compare between configs), and the time it took."""
     import numpy as np
 
     toks = [int(t) for t in spec["ppl_tokens"]]
@@ -182,7 +183,7 @@ def _ppl(spec: dict) -> dict:
     spec = dict(spec, n_batch=n_ctx)
     t0 = time.perf_counter()
     llm = _load(dict(spec, logits_all=True))
-    nll, n = 0.0, 0
+    nll, n, top1 = 0.0, 0, []
     for start in range(0, len(toks) - n_ctx + 1, n_ctx):
         window = toks[start:start + n_ctx]
         llm.reset()
@@ -195,9 +196,10 @@ def _ppl(spec: dict) -> dict:
         logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
         target = np.array(window[first + 1:])
         nll -= float(logp[np.arange(len(target)), target].sum())
+        top1 += [int(t) for t in z.argmax(axis=1)]
         n += len(target)
     result = {"ok": True, "config": spec["config"], "ppl": float(np.exp(nll / n)) if n else None,
-              "scored_tokens": n, "seconds": time.perf_counter() - t0}
+              "scored_tokens": n, "argmax": top1, "seconds": time.perf_counter() - t0}
     stats = getattr(llm, "flash_stats", None)
     if callable(stats):
         result["flash_stats"] = stats()
