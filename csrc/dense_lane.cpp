@@ -236,6 +236,8 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
                 GGML_ABORT("llamaflash: sparse lane for layer %d: %s", ffn.layer, e.what());
             }
             sparse = true;
+            // a streamed gate (offload): the next layer's is read while this split computes
+            ffn.model->stream_gate_ahead(ffn.model->next_layer(ffn.layer));
         }
     } else if (const BoundWeight * b = first_bound_weight(split, registry)) {
         if (b->model->sparse_layer(b->layer) != nullptr) {
@@ -260,6 +262,7 @@ ggml_status DenseLane::compute(const ggml_cgraph * split) {
     ggml_status status = ggml_backend_graph_compute(cpu_, graph);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (sparse) {
+        ffn.model->release_gate(ffn.layer);
         sparse_.account(seconds);
         const std::string failure = sparse_.take_failure();
         if (!failure.empty()) {  // an I/O error in the offload lane: the split's result is not valid

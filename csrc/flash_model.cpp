@@ -128,6 +128,9 @@ void FlashModel::load_dense_weights() {
         if (offload_layout_) {
             base.check_range(s.base_up_offset, n_ff * s.up_row_bytes);
         }
+        if (stream_gate_) {
+            base.check_range(s.base_gate_offset, n_ff * s.gate_row_bytes);
+        }
     }
 
     ggml_init_params params = {ggml_tensor_overhead() * (4 * layers_.size() + 1), nullptr, true};
@@ -148,11 +151,12 @@ void FlashModel::load_dense_weights() {
             ggml_tensor * t = kind == 0 ? gate : kind == 1 ? up : down;
             weights_.push_back(t);
             ggml_backend_buffer_type_t buft = pick_cpu_weight_buft(t);
-            if (offload_layout_) {  // gate resident, up and down streamed from the base file
-                if (kind == 0) {
+            if (offload_layout_) {  // gate resident (or streamed), up and down streamed from the base file
+                if (kind == 0 && !stream_gate_) {
                     copies[buft].push_back(t);
                 } else {
-                    views_base.emplace_back(t, kind == 1 ? s.base_up_offset : s.base_down_offset);
+                    views_base.emplace_back(t, kind == 0 ? s.base_gate_offset : kind == 1 ? s.base_up_offset
+                                                                                          : s.base_down_offset);
                 }
             } else if (buft != plain) {
                 copies[buft].push_back(t);

@@ -52,6 +52,7 @@ struct LayerSpec {
     uint64_t base_down_offset = 0;
     uint64_t base_down_row_bytes = 0;
     uint64_t base_up_offset = 0;   // the base model's row-major ffn_up (n_ff rows of up_row_bytes)
+    uint64_t base_gate_offset = 0; // the base model's row-major ffn_gate (n_ff rows of gate_row_bytes)
     // sparsity (sidecar format 2): neuron k is skipped for input x when |act(gate_k·x)| <= threshold;
     // threshold < 0 (format 1, or no threshold) = the layer always runs dense
     float threshold = -1.0f;
@@ -126,8 +127,17 @@ public:
     // by prefill, released after each dense split by release_streamed()). enable_offload() then opens
     // the neuron cache (neuron_cache.h) that serves the sparse lane's up and down_t rows; it needs a
     // sidecar in base neuron order. Throws std::invalid_argument / IoError.
-    void set_offload_layout(bool offload);
+    // stream_gate (needs offload): the gate too is a view into the base file instead of resident
+    // memory (plain, not repacked: ggml's vec_dot GEMV reads it in place). Decode then reads every
+    // gate row from flash each token; stream_gate_ahead() starts the kernel's read-ahead of a layer's
+    // gate (MADV_WILLNEED: asynchronous), release_gate() drops its pages after its split, so about
+    // two layers' gates are in the page cache at a time instead of all of them.
+    void set_offload_layout(bool offload, bool stream_gate = false);
     bool offload_layout() const { return offload_layout_; }
+    bool stream_gate() const { return stream_gate_; }
+    void stream_gate_ahead(int layer);  // no-op unless the gate is streamed (or the layer is not served)
+    void release_gate(int layer);       // likewise
+    int next_layer(int layer) const;    // the served layer after `layer`, cyclic (the first after the last)
     void enable_offload(std::vector<CacheLayerSource> sources, const NeuronCacheConfig & config);
     NeuronCache * neuron_cache() const { return cache_.get(); }
     void load_hot();                       // the cache's pinned clusters (blocking reads)
@@ -229,6 +239,8 @@ private:
         uint64_t offset, length;  // in the base file
     };
     std::map<int, std::vector<StreamedRegion>> streamed_;  // layer -> its up/down views (offload layout)
+    std::map<int, StreamedRegion> gate_streamed_;          // layer -> its gate view (stream_gate)
+    bool stream_gate_ = false;
     std::unique_ptr<FileReader> base_file_;                // for dropping streamed pages
     std::mutex error_mutex_;
     std::string error_;

@@ -8,11 +8,38 @@
 
 namespace llamaflash {
 
-void FlashModel::set_offload_layout(bool offload) {
-    if (dense_loaded_ && offload != offload_layout_) {
+void FlashModel::set_offload_layout(bool offload, bool stream_gate) {
+    if (dense_loaded_ && (offload != offload_layout_ || stream_gate != stream_gate_)) {
         throw std::logic_error("llamaflash: the offload layout must be chosen before load_dense_weights()");
     }
+    if (stream_gate && !offload) {
+        throw std::invalid_argument("llamaflash: stream_gate needs the offload layout");
+    }
     offload_layout_ = offload;
+    stream_gate_ = stream_gate;
+}
+
+int FlashModel::next_layer(int layer) const {
+    auto it = index_.upper_bound(layer);
+    if (it == index_.end()) {
+        it = index_.begin();
+    }
+    return it == index_.end() ? -1 : it->first;
+}
+
+void FlashModel::stream_gate_ahead(int layer) {
+    auto it = gate_streamed_.find(layer);
+    if (it != gate_streamed_.end()) {
+        (void) madvise(it->second.map->mapping(), it->second.map->mapping_size(), MADV_WILLNEED);
+    }
+}
+
+void FlashModel::release_gate(int layer) {
+    auto it = gate_streamed_.find(layer);
+    if (it != gate_streamed_.end()) {
+        (void) madvise(it->second.map->mapping(), it->second.map->mapping_size(), MADV_DONTNEED);
+        base_file_->drop_cache(it->second.offset, it->second.length);
+    }
 }
 
 int FlashModel::layer_position(int layer) const {
@@ -45,15 +72,22 @@ void FlashModel::enable_offload(std::vector<CacheLayerSource> sources, const Neu
         src.down_t_row_bytes = s.down_t_row_bytes;
     }
     std::unique_ptr<NeuronCache> cache = std::make_unique<NeuronCache>(sidecar_path_, base_path_, std::move(sources), config);
-    // the prefill views of up and down, released after every dense split of their layer
+    // the prefill views of up and down (and gate when streamed), released after every dense split of
+    // their layer; a streamed gate is also released after each decode split (release_gate)
     streamed_.clear();
+    gate_streamed_.clear();
     for (const LayerSpec & s : layers_) {
         const uint64_t up_bytes = static_cast<uint64_t>(s.n_ff) * s.up_row_bytes;
         const uint64_t down_bytes = static_cast<uint64_t>(s.n_embd) * s.base_down_row_bytes;
-        for (auto [offset, length] : {std::make_pair(s.base_up_offset, up_bytes), std::make_pair(s.base_down_offset, down_bytes)}) {
+        const uint64_t gate_bytes = static_cast<uint64_t>(s.n_ff) * s.gate_row_bytes;
+        for (auto [offset, length] : {std::make_pair(s.base_up_offset, up_bytes), std::make_pair(s.base_down_offset, down_bytes),
+                                      std::make_pair(stream_gate_ ? s.base_gate_offset : UINT64_MAX, gate_bytes)}) {
             auto it = regions_.find({1, offset});
             if (it != regions_.end()) {
                 streamed_[s.layer].push_back({it->second, offset, length});
+                if (offset == s.base_gate_offset) {
+                    gate_streamed_[s.layer] = {it->second, offset, length};
+                }
             }
         }
     }

@@ -279,6 +279,9 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
               help="Neurons per cache slot (default: the size with the best predicted tok/s).")
 @click.option("--prefetch-layers", type=click.IntRange(min=0), default=2, show_default=True,
               help="Layers read ahead.")
+@click.option("--gate", "gate", type=click.Choice(["auto", "resident", "streamed"]), default="auto", show_default=True,
+              help="Gate matrices: resident, or read from flash every token one layer ahead (streamed); auto: "
+                   "resident when they fit the budget.")
 @click.option("--runtime-mb", type=click.FloatRange(min=0), default=None,
               help="RSS of the process before the model loads, in MiB (default: this process's RSS).")
 @click.option("--probe-disk", is_flag=True,
@@ -290,7 +293,7 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of the table.")
 @click.option("--json-arrays", is_flag=True, help="With --json: include hot_clusters and cluster_prob per layer.")
 def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatch: int | None,
-         cluster_size: int | None, prefetch_layers: int, runtime_mb: float | None, probe_disk: bool,
+         cluster_size: int | None, prefetch_layers: int, gate: str, runtime_mb: float | None, probe_disk: bool,
          probe_dir: Path | None, disk_profile: Path | None, as_json: bool, json_arrays: bool) -> None:
     """Plan the RAM of the flash-offload engine for MODEL (a .gguf, or a registry model name) under
     --ram-budget-mb: every part of the budget and why, the minimum, the cluster size, the clusters to
@@ -314,7 +317,8 @@ def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatc
         click.echo(disk_probe.format_table(disk), err=True)
     result = plan_offload(model_path, sidecar_path, budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch, disk=disk,
                           runtime_rss_bytes=None if runtime_mb is None else int(runtime_mb * (1 << 20)),
-                          cluster_size=cluster_size, prefetch_layers=prefetch_layers)
+                          cluster_size=cluster_size, prefetch_layers=prefetch_layers,
+                          stream_gate={"auto": None, "resident": False, "streamed": True}[gate])
     click.echo(json.dumps(result.to_dict(arrays=json_arrays), indent=1) if as_json else result.explain())
 
 

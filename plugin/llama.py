@@ -32,6 +32,9 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  RamBudgetError naming the minimum; n_batch/n_ubatch default to the plan's.
   flash_io_engine  offload only: "auto" (io_uring when the kernel allows it, else a pread pool),
                  "io_uring" or "pool".
+  flash_stream_gate  offload only: None = the planner's choice (the gate matrices resident when they
+                 fit the budget, else read from flash every token, one layer ahead); True / False
+                 force streamed / resident.
 """
 from __future__ import annotations
 
@@ -138,6 +141,7 @@ class Llama(llama_cpp.Llama):
         flash_dense_up: Optional[bool] = None,
         ram_budget_mb: Optional[int] = None,
         flash_io_engine: str = "auto",
+        flash_stream_gate: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
         self._flash: Optional[_native.FlashModel] = None
@@ -150,7 +154,8 @@ class Llama(llama_cpp.Llama):
             flash_max_sparse_tokens = AUTO_MAX_SPARSE_TOKENS if measured else 1
         self._flash_args = {"sidecar_path": sidecar_path, "flash_mode": flash_mode, "flash_sparsity": flash_sparsity,
                             "flash_max_sparse_tokens": flash_max_sparse_tokens, "flash_dense_up": flash_dense_up,
-                            "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine}
+                            "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine,
+                            "flash_stream_gate": flash_stream_gate}
         if flash_max_sparse_tokens < 1:
             raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens} must be >= 1")
         if ram_budget_mb is not None:
@@ -185,7 +190,7 @@ class Llama(llama_cpp.Llama):
 
             plan = planner.plan_offload(os.fspath(model_path), str(sidecar), ram_budget_mb,
                                         n_ctx=int(kwargs.get("n_ctx", 512)),
-                                        n_ubatch=kwargs.get("n_ubatch"))
+                                        n_ubatch=kwargs.get("n_ubatch"), stream_gate=flash_stream_gate)
             kwargs.setdefault("n_batch", plan.n_batch)
             kwargs.setdefault("n_ubatch", plan.n_ubatch)
             offload.prepare(flash, plan, info.activation, thresholds, flash_max_sparse_tokens, engine=flash_io_engine)

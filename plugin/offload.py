@@ -4,9 +4,10 @@ model, and the per-token statistics it reports.
 Order of operations (what `Llama(..., ram_budget_mb=N)` does):
   1. `planner.plan_offload` sizes everything for the budget (or raises `RamBudgetError` naming the
      minimum);
-  2. `prepare(flash, ...)` before llama.cpp loads the model: offload layout (gate resident; up and down
-     streamed from the base file for prefill), the sparse lane, the neuron cache with the planner's
-     pinned clusters, which are read now;
+  2. `prepare(flash, ...)` before llama.cpp loads the model: offload layout (gate resident, or streamed
+     from the base file one layer ahead when the plan says `stream_gate`; up and down streamed from the
+     base file for prefill), the sparse lane, the neuron cache with the planner's pinned clusters,
+     which are read now;
   3. llama.cpp loads the rest with the plan's batch sizes; decode runs on the sparse lane, whose up and
      down_t rows come from the cache (csrc/neuron_cache.h).
 """
@@ -21,7 +22,7 @@ from . import _native
 def prepare(flash: "_native.FlashModel", plan: Any, activation: str, thresholds: Sequence[float],
             max_tokens: int, engine: str = "auto", direct: bool = True) -> None:
     """Puts `flash` (fresh, nothing loaded) into the offload layout described by `plan`."""
-    flash.set_offload_layout(True)
+    flash.set_offload_layout(True, stream_gate=bool(getattr(plan, "stream_gate", False)))
     flash.load_dense_weights()
     flash.load_sparse(activation)
     flash.thresholds = list(thresholds)
@@ -57,6 +58,10 @@ def stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
         prefetch_coverage=raw["hits_prefetch"] / needed if needed else None,
         miss_rate=raw["misses"] / needed if needed else None,
         bytes_read_per_token=per(raw["bytes_read"]),
+        # a streamed gate is read through the page cache (not counted in bytes_read): every served
+        # layer's gate matrix per decode token
+        gate_streamed=bool(flash.stream_gate),
+        gate_bytes_per_token=flash.streamed_gate_bytes,
         io_wait_per_token=per(raw["io_wait_seconds"]),
         budget_mb=plan.budget_bytes / 2**20 if plan is not None else None,
         plan=plan.to_dict() if plan is not None else None,

@@ -53,6 +53,12 @@ COMPUTE_SAFETY = 1.05
 #: I/O bound (2.01 tok/s).
 MARGIN_FIXED_BYTES = 112 * MiB
 MARGIN_FRACTION = 0.03
+#: A streamed gate (``stream_gate``) keeps this many layers' gate matrices in the page cache: the layer
+#: computing and the next one, read ahead while it computes (each is dropped after its split).
+GATE_WINDOW_LAYERS = 2
+#: Queue depth the kernel's read-ahead of a streamed gate is timed at (MADV_WILLNEED on 7 MB: a few
+#: large requests in flight).
+GATE_READ_DEPTH = 4
 
 
 def default_disk() -> dict[str, Any]:
@@ -245,6 +251,8 @@ class OffloadPlan:
     io_bound_tok_s: float | None
     disk_source: str
     candidates: list[dict[str, Any]] = field(default_factory=list)
+    #: the gate is read from flash every token (one layer ahead) instead of resident
+    stream_gate: bool = False
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self, arrays: bool = True) -> dict[str, Any]:
@@ -268,7 +276,7 @@ class OffloadPlan:
                   "minimum", "",
                   f"cluster size {self.cluster_size} neurons, slot {self.slot_bytes / 1024:.0f} KiB; "
                   f"{self.hot_slots} of {self.total_clusters} clusters pinned, {self.cold_slots} cold slots; "
-                  f"queue depth {self.queue_depth}; read-ahead: "
+                  f"queue depth {self.queue_depth}; gate {'streamed from flash, one layer ahead' if self.stream_gate else 'resident'}; read-ahead: "
                   + (f"next {self.prefetch_layers} layer(s), clusters with P(needed) >= {self.prefetch_min_prob:g}"
                      if self.prefetch_min_prob <= 1 else "off"),
                   f"disk: {self.disk_source}", "candidates (the best predicted tok/s is chosen):",
@@ -312,13 +320,15 @@ def _process_rss() -> int | None:
 def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike | None, ram_budget_mb: float, *,
                  n_ctx: int = 512, n_ubatch: int | None = None, disk: dict[str, Any] | None = None,
                  runtime_rss_bytes: int | None = None, cluster_size: int | None = None,
-                 prefetch_layers: int = 2) -> OffloadPlan:
+                 prefetch_layers: int = 2, stream_gate: bool | None = None) -> OffloadPlan:
     """Plan the RAM of the flash-offload engine for ``model_path`` + its format-2 sidecar under
     ``ram_budget_mb`` MiB (see the module docstring and :class:`OffloadPlan`).
 
     ``n_ubatch`` None: the largest of UBATCH_CHOICES whose compute buffers fit UBATCH_BUDGET_SHARE of
     the budget; ``disk`` None: :func:`default_disk`; ``runtime_rss_bytes`` None: this process's RSS now;
-    ``cluster_size`` None: the CLUSTER_SIZES entry with the best predicted tok/s. Raises
+    ``cluster_size`` None: the CLUSTER_SIZES entry with the best predicted tok/s; ``stream_gate`` None:
+    the gate matrices stay resident when that fits the budget, else they are streamed from flash
+    every token (GATE_WINDOW_LAYERS layers in memory; every gate row read per token). Raises
     :class:`RamBudgetError` below the minimum, :class:`SidecarError` for a sidecar without neuron
     statistics, and what :func:`~llamaflash.sidecar.validate_pair` raises for a bad pair."""
     if n_ctx < 1 or prefetch_layers < 0 or (cluster_size is not None and cluster_size < 1) or (
@@ -342,11 +352,14 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         freqs.append(base)
     sizes = [c for c in CLUSTER_SIZES if c <= max(lay.n_ff for lay in info.layers)] or [CLUSTER_SIZES[0]]
     tables = [_clusters(info, freqs, c) for c in ([cluster_size] if cluster_size else sizes)]
-    gate = sum(lay.n_ff * lay.gate_row_bytes for lay in info.layers)
+    gate_layers = [lay.n_ff * lay.gate_row_bytes for lay in info.layers]
+    gate = sum(gate_layers)
+    gate_window = GATE_WINDOW_LAYERS * max(gate_layers)
     header = read_gguf_header(model_path)
 
-    def fixed_parts(u: int) -> dict[str, int]:
-        return {"runtime": int(runtime), **llama_share(header, info, n_ctx, u), "gate_rows": gate}
+    def fixed_parts(u: int, streamed: bool) -> dict[str, int]:
+        share = {"runtime": int(runtime), **llama_share(header, info, n_ctx, u)}
+        return {**share, "gate_window": gate_window} if streamed else {**share, "gate_rows": gate}
 
     def cold_bytes(cl: _Clusters) -> int:
         return (1 + prefetch_layers) * max(len(p) for p in cl.prob) * cl.slot_bytes
@@ -356,12 +369,15 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         return rest + MARGIN_FIXED_BYTES + int(MARGIN_FRACTION * rest)
 
     ubatches = [u for u in UBATCH_CHOICES if u <= n_ctx] or [n_ctx] if n_ubatch is None else [min(n_ubatch, n_ctx)]
-    for u in ubatches:
-        fixed = fixed_parts(u)
-        if min(minimum(fixed, cl) for cl in tables) <= budget and (
-                fixed["compute_buffers"] <= UBATCH_BUDGET_SHARE * budget or u == ubatches[-1]):
+    for streamed in ([False, True] if stream_gate is None else [bool(stream_gate)]):
+        for u in ubatches:
+            fixed = fixed_parts(u, streamed)
+            if min(minimum(fixed, cl) for cl in tables) <= budget and (
+                    fixed["compute_buffers"] <= UBATCH_BUDGET_SHARE * budget or u == ubatches[-1]):
+                break
+        least = min(minimum(fixed, cl) for cl in tables)
+        if least <= budget:
             break
-    least = min(minimum(fixed, cl) for cl in tables)
     if budget < least:
         need = math.ceil(least / MiB)
         big = ", ".join(f"{k} {v / MiB:.0f}" for k, v in sorted(fixed.items(), key=lambda kv: -kv[1])[:4])
@@ -386,6 +402,9 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         for pmin in (PREFETCH_MIN_PROBS if prefetch_layers else (1.01,)):
             for depth in d.depths.astype(int):
                 nbytes, secs, stall = _io(cl, hot, d, pmin, int(depth), prefetch_layers)
+                if streamed:  # every gate row, one large sequential read per layer on the same disk
+                    nbytes += gate
+                    secs += float(d.seconds(np.array(gate_layers, dtype=float), GATE_READ_DEPTH).sum())
                 tok_s = 1.0 / secs if secs > 0 else math.inf
                 # ties: fewer bytes, then less demand stall (read-ahead that costs nothing hides latency
                 # behind compute, which this I/O bound leaves out), then less read-ahead, shallower queue
@@ -421,6 +440,9 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         "compute_buffers": f"llama.cpp CPU + LLAMAFLASH compute at n_ubatch {u}, logits output; +5% (fit, measured)",
         "prefill_window": "one layer's base up + down, mmapped page cache during dense prefill",
         "gate_rows": f"resident gate matrices, {len(info.layers)} layers x {lay0.n_ff} x {lay0.gate_row_bytes} B",
+        "gate_window": f"streamed gate: {GATE_WINDOW_LAYERS} layers x {lay0.n_ff} x {lay0.gate_row_bytes} B in the page "
+                       f"cache (the layer computing, the next read ahead); {gate / 1e6:.0f} MB of gate rows read "
+                       "from flash per token",
         "cold_slots": f"{1 + prefetch_layers} layers x {max_clusters} clusters: current layer + read-ahead",
         "hot_slots": f"{row['hot_slots']} pinned clusters x {cl.slot_bytes // 1024} KiB, by P(needed) then sum f",
         "margin": f"{MARGIN_FIXED_BYTES // MiB} MiB + {MARGIN_FRACTION:.0%} of the rest, + {spare / MiB:.1f} MiB "
@@ -434,6 +456,9 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     if "output.weight" in {t.name for t in header.tensors}:
         notes.append("token_embd is read by rows (get_rows): llama_weights counts the pages of n_ctx of its "
                      "rows, not the whole table")
+    if streamed and stream_gate is None:
+        notes.append(f"the resident gate ({gate / MiB:.0f} MiB) does not fit this budget: it is streamed from flash "
+                     f"instead, {gate / 1e6:.0f} MB more read per token")
     notes.append("cluster probabilities assume independent neurons at the sidecar's operating point "
                  f"(sparsity target {info.sparsity.target:g}); the I/O bound ignores compute and cross-token reuse")
     return OffloadPlan(
@@ -447,4 +472,4 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         hit_rate=row["hit_rate"], neuron_hit_rate=row["neuron_hit_rate"],
         flash_bytes_per_token=row["flash_bytes_per_token"], io_bound_tok_s=row["io_bound_tok_s"],
         disk_source=_disk_source(disk),
-        candidates=candidates, notes=notes)
+        candidates=candidates, notes=notes, stream_gate=streamed)

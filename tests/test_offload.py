@@ -40,7 +40,7 @@ def converted(tiny_model_factory, tmp_path_factory):
     return model, sidecar
 
 
-def make_plan(sidecar, hot_per_layer: int, prefetch_layers: int = 1, extra_cold: int = 0):
+def make_plan(sidecar, hot_per_layer: int, prefetch_layers: int = 1, extra_cold: int = 0, stream_gate: bool = False):
     info = read_sidecar(sidecar)
     probs, hot = [], []
     for layer in info.layers:
@@ -54,7 +54,7 @@ def make_plan(sidecar, hot_per_layer: int, prefetch_layers: int = 1, extra_cold:
     plan = types.SimpleNamespace(
         hot_clusters=hot, cluster_prob=probs, cluster_size=C,
         cold_slots=(1 + prefetch_layers) * n_clusters + extra_cold, prefetch_layers=prefetch_layers,
-        prefetch_min_prob=0.5, queue_depth=8, n_batch=64, n_ubatch=64, budget_bytes=64 << 20)
+        prefetch_min_prob=0.5, queue_depth=8, n_batch=64, n_ubatch=64, budget_bytes=64 << 20, stream_gate=stream_gate)
     plan.to_dict = lambda: {"cluster_size": C, "hot": [len(h) for h in hot]}
     return plan
 
@@ -107,6 +107,27 @@ def test_offload_matches_the_in_memory_sparse_lane(converted, in_memory, forced_
         assert off["bytes_read"] > 0
     if prefetch == 0:
         assert off["prefetched"] == 0 and off["hits_prefetch"] == 0
+    llm.close()
+
+
+@pytest.mark.parametrize("hot_per_layer", [0, 6])
+def test_streamed_gate_matches_the_in_memory_sparse_lane(converted, in_memory, forced_plan, hot_per_layer):
+    """The gate read from the base file every token (one layer ahead, dropped after its split) gives
+    the results of the resident gate: same bytes, same kernels."""
+    model, sidecar = converted
+    forced_plan(make_plan(sidecar, hot_per_layer, 1, stream_gate=True))
+    llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, **KW)
+    assert llm._flash.stream_gate
+    run, steps = _steps(llm)
+    assert run.stats["resident_ffn_bytes"] == 0  # the gate is a view of the base file, not a copy
+    ref_run, ref_steps = in_memory
+    assert np.array_equal(run.prompt_logits, ref_run.prompt_logits)
+    assert run.generated == ref_run.generated
+    assert rel_max_diff(ref_steps, steps) < 1e-4
+    off = run.stats["offload"]
+    info = read_sidecar(sidecar)
+    assert off["gate_streamed"] and off["gate_bytes_per_token"] == sum(l.n_ff * l.gate_row_bytes for l in info.layers)
+    assert run.stats["sparse_lane_calls"] == 2 * N_GEN and run.stats["sparse_fallbacks"] == 0
     llm.close()
 
 

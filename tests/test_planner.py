@@ -21,6 +21,7 @@ from llamaflash.converters.writer import write_sidecar_atomically
 from llamaflash.errors import LlamaflashError, RamBudgetError, SidecarError
 from llamaflash.gguf_model import base_identity, read_base_model
 from llamaflash.planner import MiB, default_disk, plan_offload
+from llamaflash.sidecar import read_sidecar
 
 N_LAYER, N_FF = 3, 256
 PARTS = ("runtime", "llama_vocab", "llama_weights", "kv_cache", "compute_buffers", "prefill_window",
@@ -123,6 +124,28 @@ def test_more_budget_pins_more_and_hits_more(pair):
     # with the cluster size chosen, more budget never predicts a slower decode
     speeds = [plan(pair, low + extra, n_ubatch=32).io_bound_tok_s or math.inf for extra in (0.1, 0.4, 1.0)]
     assert speeds == sorted(speeds)
+
+
+def test_gate_is_streamed_only_when_the_resident_gate_does_not_fit(pair):
+    info = read_sidecar(pair[1])
+    gate = sum(lay.n_ff * lay.gate_row_bytes for lay in info.layers)
+    window = 2 * max(lay.n_ff * lay.gate_row_bytes for lay in info.layers)
+    kw = dict(cluster_size=8, n_ubatch=32)
+    resident = plan(pair, minimum_mb(pair, stream_gate=False, **kw), stream_gate=False, **kw)
+    streamed = plan(pair, minimum_mb(pair, stream_gate=True, **kw), stream_gate=True, **kw)
+    assert not resident.stream_gate and "gate_rows" in resident.parts and "gate_window" not in resident.parts
+    assert streamed.stream_gate and streamed.parts["gate_window"] == window and "gate_rows" not in streamed.parts
+    assert resident.minimum_bytes - streamed.minimum_bytes >= gate - window
+    # every gate row is read per token on top of the clusters
+    assert streamed.flash_bytes_per_token >= gate + resident.flash_bytes_per_token - 1
+    assert "streamed from flash" in streamed.explain() and "gate resident" in resident.explain()
+    # auto: resident where it fits, streamed just below that, refused below the streamed minimum
+    budget = resident.budget_bytes / MiB
+    assert not plan(pair, budget, **kw).stream_gate
+    auto = plan(pair, budget - 0.01, **kw)
+    assert auto.stream_gate and any("does not fit" in n for n in auto.notes)
+    with pytest.raises(RamBudgetError, match=f"minimum of {math.ceil(streamed.minimum_bytes / MiB)} MiB"):
+        plan(pair, streamed.minimum_bytes / MiB - 0.01, **kw)
 
 
 def test_cluster_probability_and_pin_order_on_a_hand_example(model, tmp_path):
@@ -242,11 +265,12 @@ SMOL = (CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
 @pytest.mark.real_model
 @pytest.mark.skipif(not all(p.exists() for p in SMOL), reason="SmolLM2 and its converted sidecar are not cached")
 def test_real_smollm2_plan():
-    low = plan(SMOL, 10_000, cluster_size=64, n_ubatch=64).minimum_bytes / MiB
+    low = plan(SMOL, 10_000, cluster_size=64, n_ubatch=64, stream_gate=False).minimum_bytes / MiB
     assert 200 < low < 360  # includes the 112 MiB page-cache headroom
     with pytest.raises(RamBudgetError, match=f"minimum of {math.ceil(low)} MiB"):
-        plan(SMOL, low - 1, cluster_size=64, n_ubatch=64)
+        plan(SMOL, low - 1, cluster_size=64, n_ubatch=64, stream_gate=False)
     plans = [plan(SMOL, low + extra, cluster_size=64, n_ubatch=64) for extra in (0, 10, 25, 50)]
+    assert not any(p.stream_gate for p in plans)  # the resident gate fits from `low` on
     assert all(sum(p.parts.values()) == p.budget_bytes for p in plans)
     assert [p.hot_slots for p in plans] == sorted(p.hot_slots for p in plans)
     assert [p.hit_rate for p in plans] == sorted(p.hit_rate for p in plans)

@@ -56,6 +56,7 @@ LayerSpec layer_from_dict(const py::dict & d) {
     s.base_down_offset = required<uint64_t>(d, "base_down_offset");
     s.base_down_row_bytes = required<uint64_t>(d, "base_down_row_bytes");
     s.base_up_offset = required<uint64_t>(d, "base_up_offset");
+    s.base_gate_offset = required<uint64_t>(d, "base_gate_offset");
     if (d.contains("threshold") && !d["threshold"].is_none()) {
         s.threshold = d["threshold"].cast<float>();
     }

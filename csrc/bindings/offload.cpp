@@ -55,9 +55,21 @@ py::dict cache_stats(const NeuronCacheStats & s) {
 
 void bind_offload(py::module_ & m) {
     auto cls = py::reinterpret_borrow<FlashModelClass>(m.attr("FlashModel"));
-    cls.def("set_offload_layout", &FlashModel::set_offload_layout, py::arg("offload"),
-            "Before load_dense_weights: gate resident, up/down streamed from the base file (flash offload).")
+    cls.def("set_offload_layout", &FlashModel::set_offload_layout, py::arg("offload"), py::arg("stream_gate") = false,
+            "Before load_dense_weights: gate resident (stream_gate: read from the base file every token, one "
+            "layer ahead), up/down streamed from the base file (flash offload).")
         .def_property_readonly("offload_layout", &FlashModel::offload_layout)
+        .def_property_readonly("stream_gate", &FlashModel::stream_gate)
+        .def_property_readonly(
+            "streamed_gate_bytes",
+            [](const FlashModel & fm) {
+                uint64_t total = 0;
+                for (const LayerSpec & s : fm.layers()) {
+                    total += fm.stream_gate() ? static_cast<uint64_t>(s.n_ff) * s.gate_row_bytes : 0;
+                }
+                return total;
+            },
+            "Gate bytes a decode token reads from flash (every served layer's gate matrix; 0 when resident).")
         .def(
             "enable_offload",
             [](FlashModel & fm, const py::list & hot, const py::list & cluster_prob, int cluster_size,
