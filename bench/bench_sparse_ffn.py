@@ -69,7 +69,7 @@ def find_sidecar(model: Path, convert_dir: Path, down_t_type: str | None = None)
     out = candidates[-1]
     print(f"[bench] converting {model.name} -> {out}", file=sys.stderr)
     convert(model, out, force=True, progress=False, profile=False,  # bundle-only: what the kernel reads
-            down_t_type=down_t_type or "q8_0")
+            down_t_type=down_t_type or "q8_0")  # the default sidecar of earlier runs
     return out, validate_pair(model, out)
 
 

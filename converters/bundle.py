@@ -32,11 +32,14 @@ def bundle_stride(ffn: FfnLayer) -> int:
                              gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ffn.up.ggml_type)][1])
 
 
-#: ``down_t_type`` choices: "q8_0" (the default: Q8_0 where its blocks divide n_embd, else F16;
-#: near-lossless), "base" (the base down's own type when its blocks divide n_embd, e.g. Q4_K/Q6_K:
-#: about half the bytes the sparse lane reads per neuron, at the cost of a second quantization),
-#: or a ggml type name.
-DOWN_T_CHOICES = ("q8_0", "base", "f16", "q6_k", "q5_k", "q4_k", "q5_0", "q4_1", "q4_0")
+#: ``down_t_type`` choices: "auto" (the default: Q4_K where its 256-value blocks divide n_embd, else
+#: as "q8_0"; measured on Qwen2.5-Coder-1.5B: +0.5% perplexity against -1.3% for Q8_0, within the
+#: ~1% noise of 1024 tokens, and 47% fewer down_t bytes: in-memory FFN 7% faster, flash offload 3.1
+#: instead of 2.0 tok/s at 900 MiB), "q8_0" (Q8_0 where its blocks divide n_embd, else F16;
+#: near-lossless), "base" (the base down's own type when its blocks divide n_embd, e.g. Q4_K/Q6_K),
+#: or a ggml type name. Every type but Q8_0 quantizes already quantized weights a second time.
+DOWN_T_CHOICES = ("auto", "q8_0", "base", "f16", "q6_k", "q5_k", "q4_k", "q5_0", "q4_1", "q4_0")
+DEFAULT_DOWN_T = "auto"
 _NAMED = {
     "f16": gguf.GGMLQuantizationType.F16, "q6_k": gguf.GGMLQuantizationType.Q6_K,
     "q5_k": gguf.GGMLQuantizationType.Q5_K, "q4_k": gguf.GGMLQuantizationType.Q4_K,
@@ -45,7 +48,7 @@ _NAMED = {
 }
 
 
-def down_t_type(n_embd: int, choice: str = "q8_0", base_type: int | None = None) -> gguf.GGMLQuantizationType:
+def down_t_type(n_embd: int, choice: str = DEFAULT_DOWN_T, base_type: int | None = None) -> gguf.GGMLQuantizationType:
     """ggml type of the stored transposed down (rows of n_embd values) for ``choice`` (see
     :data:`DOWN_T_CHOICES`); a type whose blocks do not divide n_embd falls back to Q8_0, then F16."""
     if choice not in DOWN_T_CHOICES:
@@ -53,6 +56,8 @@ def down_t_type(n_embd: int, choice: str = "q8_0", base_type: int | None = None)
     wanted = None
     if choice == "base" and base_type is not None:
         wanted = gguf.GGMLQuantizationType(base_type)
+    elif choice == "auto":
+        wanted = gguf.GGMLQuantizationType.Q4_K
     elif choice in _NAMED:
         wanted = _NAMED[choice]
     if wanted is not None and n_embd % gguf.GGML_QUANT_SIZES[wanted][0] == 0:
@@ -72,7 +77,7 @@ class BundleStage:
     #: The oldest sidecar format version that can hold what this stage plans.
     min_format_version = 1
 
-    def __init__(self, orders: Mapping[int, np.ndarray] | None = None, down_t: str = "q8_0") -> None:
+    def __init__(self, orders: Mapping[int, np.ndarray] | None = None, down_t: str = DEFAULT_DOWN_T) -> None:
         self._orders = dict(orders or {})
         self._down_t = down_t
 

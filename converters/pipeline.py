@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from llamaflash import sidecar_format as fmt
-from llamaflash.converters.bundle import DOWN_T_CHOICES, BundleStage
+from llamaflash.converters.bundle import DEFAULT_DOWN_T, DOWN_T_CHOICES, BundleStage
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan, write_sidecar_atomically
 from llamaflash.errors import ConversionError, OutputExistsError
 from llamaflash.gguf_model import (
@@ -86,7 +86,7 @@ class ConvertOptions:
     #: (most frequently active neuron first; this version's dense lane then copies gate/up)
     order: str = "base"
     #: type of the transposed down rows the sparse lane reads (llamaflash.converters.bundle.DOWN_T_CHOICES)
-    down_t_type: str = "q8_0"
+    down_t_type: str = DEFAULT_DOWN_T
     #: a predictor is only used when its held-out recall is at least this
     min_recall: float = 0.9
     #: measure perplexity/greedy agreement for a fixed sparsity too (always for "auto")

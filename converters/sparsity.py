@@ -30,7 +30,7 @@ import numpy as np
 
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters.analysis import LayerAnalysis, hot_first_order
-from llamaflash.converters.bundle import bundle_stride, down_t_type
+from llamaflash.converters.bundle import DEFAULT_DOWN_T, bundle_stride, down_t_type
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan
 from llamaflash.gguf_model import BaseModelInfo, FfnLayer, ggml_row_bytes
 
@@ -63,7 +63,7 @@ class LayerDecision:
     bytes_predictor: float = 0.0          # expected bytes per token, predictor-first (best rank)
 
 
-def layer_bytes(ffn: FfnLayer, down_t: str = "q8_0") -> dict[str, int]:
+def layer_bytes(ffn: FfnLayer, down_t: str = DEFAULT_DOWN_T) -> dict[str, int]:
     """Row sizes of ``ffn`` in the sidecar: gate, up, bundle and down_t rows."""
     return {
         "gate": ffn.gate.row_bytes,
@@ -75,7 +75,7 @@ def layer_bytes(ffn: FfnLayer, down_t: str = "q8_0") -> dict[str, int]:
 
 def decide_layer(
     an: LayerAnalysis, ffn: FfnLayer, level: float, selection: str = SELECTION_AUTO, min_recall: float = 0.9,
-    bundle_order: str = fmt.BUNDLE_ORDER_BASE, down_t: str = "q8_0",
+    bundle_order: str = fmt.BUNDLE_ORDER_BASE, down_t: str = DEFAULT_DOWN_T,
 ) -> LayerDecision:
     """The decision for ``an`` at operating point ``level`` (one of ``an.levels``); bundles in
     ``bundle_order`` ("base": identity, "hot": most frequently active first)."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert as run_convert
-from llamaflash.converters.bundle import DOWN_T_CHOICES
+from llamaflash.converters.bundle import DEFAULT_DOWN_T, DOWN_T_CHOICES
 from llamaflash.errors import LlamaflashError
 from llamaflash.sidecar import read_layer_vectors, read_sidecar
 
@@ -79,9 +79,10 @@ class _Sparsity(click.ParamType):
 @click.option("--order", type=click.Choice(["base", "hot"]), default="base", show_default=True,
               help="Bundle order: base neuron order (the dense lane maps bundles in place) or hot-first "
                    "(most frequently active neurons first; the dense lane then copies gate/up).")
-@click.option("--down-t-type", type=click.Choice(list(DOWN_T_CHOICES)), default="q8_0", show_default=True,
-              help="Type of the transposed down rows the sparse lane reads: q8_0 (near-lossless), base (the "
-                   "base down's type, e.g. Q4_K/Q6_K: about half the bytes, quantized a second time), or a type.")
+@click.option("--down-t-type", type=click.Choice(list(DOWN_T_CHOICES)), default=DEFAULT_DOWN_T, show_default=True,
+              help="Type of the transposed down rows the sparse lane reads: auto (Q4_K where its 256-value blocks "
+                   "divide n_embd, else Q8_0), q8_0 (near-lossless), base (the base down's type, e.g. Q4_K/Q6_K), "
+                   "or a type. Every type but Q8_0 quantizes the base weights a second time.")
 @click.option("--calib-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Calibration tokens to profile.")
 @click.option("--valid-tokens", type=click.IntRange(min=1), default=2048, show_default=True,

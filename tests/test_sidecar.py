@@ -108,6 +108,12 @@ def assert_layer_round_trips(model: Path, sidecar: Path, lay: LayerLayout) -> No
         bound = 0.57 * np.abs(blocks).max(axis=-1, keepdims=True) / 127 + 1e-12
         err = np.abs(stored.reshape(blocks.shape) - blocks)
         assert np.all(err <= bound)
+    elif lay.down_t_type == gguf.GGMLQuantizationType.Q4_K:  # the default where 256 divides n_embd
+        # 4-bit codes over each 32-value sub-block's [min, max]: within one step (range / 15) of the
+        # base value, the 6-bit sub-block scale and min rounding included
+        sub = expected.reshape(lay.n_ff, lay.n_embd // 32, 32)
+        step = (sub.max(axis=-1, keepdims=True) - np.minimum(sub.min(axis=-1, keepdims=True), 0)) / 15
+        assert np.all(np.abs(stored.reshape(sub.shape) - sub) <= step + 1e-6)
     else:
         assert lay.down_t_type == gguf.GGMLQuantizationType.F16
         np.testing.assert_allclose(stored, expected, rtol=2.0**-11, atol=1e-7)
@@ -228,7 +234,7 @@ def test_round_trip_is_exact_for_gate_up_and_within_tolerance_for_down(tiny_mode
         assert lay.bundle_stride % gate_block == 0 and lay.bundle_stride % up_block == 0
         assert lay.gate_row_bytes + lay.up_row_bytes <= lay.bundle_stride
         assert lay.bundle_stride - math.lcm(gate_block, up_block) < lay.gate_row_bytes + lay.up_row_bytes
-        expected_down_t = "Q8_0" if lay.n_embd % 32 == 0 else "F16"
+        expected_down_t = "Q4_K" if lay.n_embd % 256 == 0 else "Q8_0" if lay.n_embd % 32 == 0 else "F16"
         assert gguf.GGMLQuantizationType(lay.down_t_type).name == expected_down_t
         for offset in (lay.bundle_offset, lay.down_t_offset, lay.order_offset):
             assert offset % fmt.SIDECAR_ALIGNMENT == 0

@@ -431,11 +431,11 @@ def test_bad_arguments_are_refused():
 # K-quants: layers of a converted tiny model, read at the offsets the sidecar reader reports
 
 
-def _sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd, n_ff):
+def _sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd, n_ff, down_t="q8_0"):
     src = tiny_model_factory(weight_type=weight_type, n_embd=n_embd, n_ff=n_ff)
     model = tmp_path / src.name
     shutil.copy(src, model)
-    sidecar = convert(model, progress=False, profile=False)  # bundle-only: all the kernel reads
+    sidecar = convert(model, progress=False, profile=False, down_t_type=down_t)  # bundle-only: all the kernel reads
     info = validate_pair(model, sidecar)
     side = np.fromfile(sidecar, np.uint8)
     base = np.fromfile(model, np.uint8)
@@ -456,13 +456,20 @@ def _sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd, n_ff):
     return out
 
 
+# down_t choice, its stored type, and the bound on the relative L2 error of y from the sidecar's
+# requantization of down (measured here: Q8_0 0.6%, Q4_K 7.2-7.7% on these Gaussian weights)
+DOWN_T_CHOICES = [("q8_0", T.Q8_0, 1e-2), ("auto", T.Q4_K, 9e-2)]
+
+
+@pytest.mark.parametrize("down_t,down_t_type,requant_rtol", DOWN_T_CHOICES)
 @pytest.mark.parametrize("weight_type,n_embd,n_ff", [("Q4_K_M", 256, 512), ("Q6_K", 256, 768)])
-def test_kquant_sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd, n_ff):
-    layers = _sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd, n_ff)
+def test_kquant_sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd, n_ff, down_t, down_t_type,
+                               requant_rtol):
+    layers = _sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd, n_ff, down_t)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((2, n_embd)).astype(np.float32)
     for layer, base_w in layers:
-        assert layer.gate_type in (T.Q4_K, T.Q6_K) and layer.down_t_type == T.Q8_0
+        assert layer.gate_type in (T.Q4_K, T.Q6_K) and layer.down_t_type == down_t_type
         _, a, _ = layer.act_g_u(x)
         y, counts = layer.run(x, 0.0, n_threads=2)
         assert counts.tolist() == [n_ff] * 2
@@ -473,17 +480,17 @@ def test_kquant_sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd
         assert_close(y, layer.reference(x, np.abs(a) > thr), 1e-5)
 
         # against the base model's own down matrix (exact h, float64): the only difference is the
-        # sidecar's requantization of down to Q8_0 (measured ~0.6% relative L2 here)
+        # sidecar's requantization of down (DOWN_T_CHOICES)
         y_dense, _ = layer.run(x, -1.0)
         _, a, u = layer.act_g_u(x)
         down = _dq(base_w["down"].reshape(n_embd, -1), T(base_w["down_type"]))  # [n_embd, n_ff]
         y_exact = (a * u) @ down.T
-        assert np.linalg.norm(y_dense - y_exact) / np.linalg.norm(y_exact) < 1e-2
+        assert np.linalg.norm(y_dense - y_exact) / np.linalg.norm(y_exact) < requant_rtol
         # and against ggml's own dense FFN graph on the base weights, which also quantizes h to Q8_K
         # for its down matmul (measured ~1.5% from y_exact)
         y_ggml = ggml_dense(base_w["gate"], base_w["gate_type"], base_w["up"], base_w["up_type"], base_w["down"],
                             base_w["down_type"], n_embd, n_ff, layer.activation, x, n_threads=2)
-        assert np.linalg.norm(y_dense - y_ggml) / np.linalg.norm(y_ggml) < 3e-2
+        assert np.linalg.norm(y_dense - y_ggml) / np.linalg.norm(y_ggml) < 2e-2 + requant_rtol
 
         # hybrid: g from ggml's (repacked) dense gate GEMV, up/down_t sparse in the kernel
         gate_graph = N.DenseFfnGraph(base_w["gate"], base_w["gate_type"], None, 0, None, 0, n_embd, n_ff,
