@@ -30,7 +30,7 @@ from .sidecar import SidecarInfo, default_sidecar_path, read_layer_vectors, vali
 MiB = 1 << 20
 PAGE = 4096
 #: Cluster sizes (neurons per slot) the planner tries.
-CLUSTER_SIZES = (4, 8, 16, 32, 64, 128)
+CLUSTER_SIZES = (4, 8, 16, 32, 64, 128, 256)  # 256: the neuron cache's and the kernel's largest unit
 #: n_ubatch candidates, largest first: the largest whose compute buffers take at most
 #: UBATCH_BUDGET_SHARE of the budget is chosen (dense prefill streams the offloaded FFN weights once
 #: per ubatch, so larger is faster), else the smallest.
