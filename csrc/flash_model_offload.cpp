@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include <stdexcept>
+#include <vector>
 
 namespace llamaflash {
 
@@ -79,15 +80,18 @@ void FlashModel::enable_offload(std::vector<CacheLayerSource> sources, const Neu
     for (const LayerSpec & s : layers_) {
         const uint64_t up_bytes = static_cast<uint64_t>(s.n_ff) * s.up_row_bytes;
         const uint64_t down_bytes = static_cast<uint64_t>(s.n_embd) * s.base_down_row_bytes;
-        const uint64_t gate_bytes = static_cast<uint64_t>(s.n_ff) * s.gate_row_bytes;
-        for (auto [offset, length] : {std::make_pair(s.base_up_offset, up_bytes), std::make_pair(s.base_down_offset, down_bytes),
-                                      std::make_pair(stream_gate_ ? s.base_gate_offset : UINT64_MAX, gate_bytes)}) {
+        std::vector<std::pair<uint64_t, uint64_t>> views = {{s.base_up_offset, up_bytes}, {s.base_down_offset, down_bytes}};
+        if (stream_gate_) {
+            views.emplace_back(s.base_gate_offset, static_cast<uint64_t>(s.n_ff) * s.gate_row_bytes);
+        }
+        for (auto [offset, length] : views) {
             auto it = regions_.find({1, offset});
-            if (it != regions_.end()) {
-                streamed_[s.layer].push_back({it->second, offset, length});
-                if (offset == s.base_gate_offset) {
-                    gate_streamed_[s.layer] = {it->second, offset, length};
-                }
+            if (it == regions_.end()) {
+                continue;
+            }
+            streamed_[s.layer].push_back({it->second, offset, length});
+            if (stream_gate_ && offset == s.base_gate_offset) {
+                gate_streamed_[s.layer] = {it->second, offset, length};
             }
         }
     }
