@@ -286,7 +286,9 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
 @click.option("--runtime-mb", type=click.FloatRange(min=0), default=None,
               help="RSS of the process before the model loads, in MiB (default: this process's RSS).")
 @click.option("--probe-disk", is_flag=True,
-              help="Measure the disk first (a few seconds: a 256 MB scratch file in --probe-dir, deleted after).")
+              help="Measure the disk first (a few seconds: a 256 MB scratch file in --probe-dir, deleted after) "
+                   "and save the result for that disk (later plans and Llama(ram_budget_mb=...) use it). Without "
+                   "it, a saved profile of the sidecar's disk is used when there is one, else a built-in default.")
 @click.option("--probe-dir", type=click.Path(path_type=Path), default=None,
               help="Where --probe-disk writes its scratch file (default: the sidecar's directory).")
 @click.option("--disk-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -309,13 +311,16 @@ def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatc
     if not model_path.exists() and model in assets.list_models():
         model_path = assets.fetch_model(model, progress=True)
     sidecar_path = sidecar or default_sidecar_path(model_path)
-    disk = None
+    # a given profile, else a fresh probe (saved for later plans and Llama(ram_budget_mb=...)), else the
+    # saved profile of the sidecar's disk, else the planner's built-in default
+    disk = disk_probe.saved_profile(sidecar_path)
     if disk_profile is not None:
         disk = json.loads(disk_profile.read_text())
     if probe_disk:
         disk = disk_probe.probe_disk(probe_dir or disk_probe.default_directory(sidecar_path), seconds=0.25,
                                      file_mb=256)
         click.echo(disk_probe.format_table(disk), err=True)
+        click.echo(f"disk profile saved: {disk_probe.save_profile(disk)}", err=True)
     result = plan_offload(model_path, sidecar_path, budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch, disk=disk,
                           runtime_rss_bytes=None if runtime_mb is None else int(runtime_mb * (1 << 20)),
                           cluster_size=cluster_size, prefetch_layers=prefetch_layers,

@@ -11,10 +11,16 @@ sizes at several queue depths through :class:`~llamaflash.flash_io.FlashReader` 
 
 ``latency_us`` is depth ÷ IOPS (Little's law): the mean time a read spends in flight. Where direct
 I/O is unavailable (tmpfs, ...) the numbers are page-cache speeds and ``direct`` is False.
+
+A probe is measured once per disk: :func:`save_profile` keeps it under the cache directory, keyed by
+the filesystem's device number, and :func:`saved_profile` finds it again for any path on that
+filesystem (``llamaflash plan --probe-disk`` saves; ``llamaflash plan`` and
+``Llama(ram_budget_mb=...)`` use a saved profile when there is one).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -39,6 +45,63 @@ def default_directory(sidecar: str | os.PathLike | None = None) -> Path:
     if sidecar is not None:
         return Path(sidecar).resolve().parent
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llamaflash"
+
+
+def _profile_path(path: str | os.PathLike, cache_dir: str | os.PathLike | None) -> Path:
+    """Where the saved profile of the filesystem holding ``path`` lives."""
+    target = Path(path)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    root = Path(cache_dir) if cache_dir is not None else default_directory()
+    return root / "disk-profiles" / f"dev-{os.stat(target).st_dev:x}.json"
+
+
+def save_profile(result: dict[str, Any], cache_dir: str | os.PathLike | None = None) -> Path:
+    """Keeps a :func:`probe_disk` result for the filesystem it measured (its ``directory``); returns
+    the file written (replaced atomically: a concurrent reader sees the old or the new profile)."""
+    out = _profile_path(result["directory"], cache_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**result, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    os.replace(tmp, out)
+    return out
+
+
+def saved_profile(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """The saved profile of the filesystem holding ``path`` (a file or directory), or None when that
+    disk was never probed or its file is unreadable."""
+    try:
+        data = json.loads(_profile_path(path, cache_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("points") else None
+
+
+def resolve_profile(spec: str | os.PathLike | dict[str, Any] | None, sidecar: str | os.PathLike,
+                    cache_dir: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """The disk profile the planner should use for ``sidecar``: ``spec`` None = the saved profile of
+    its filesystem if there is one, else None (the planner's built-in default); "default" = None;
+    "probe" = measure now beside the sidecar (a few seconds, a scratch file) and save it; a dict =
+    itself; anything else = the path of a saved probe result (JSON). Raises ValueError for a file that
+    is not a probe result."""
+    if spec is None:
+        return saved_profile(sidecar, cache_dir)
+    if isinstance(spec, dict):
+        return spec
+    if str(spec) == "default":
+        return None
+    if str(spec) == "probe":
+        result = probe_disk(default_directory(sidecar), seconds=0.25, file_mb=256)
+        save_profile(result, cache_dir)
+        return result
+    try:
+        data = json.loads(Path(spec).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"disk profile {spec!s}: {e}; pass a JSON file written by llamaflash plan --probe-disk "
+                         "or bench/bench_disk.py, 'probe', 'default' or None") from e
+    if not isinstance(data, dict) or not data.get("points"):
+        raise ValueError(f"disk profile {spec!s} has no measured points; pass a disk probe result")
+    return data
 
 
 def _filesystem(path: Path) -> str | None:

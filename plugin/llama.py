@@ -32,6 +32,10 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  RamBudgetError naming the minimum; n_batch/n_ubatch default to the plan's.
   flash_io_engine  offload only: "auto" (io_uring when the kernel allows it, else a pread pool),
                  "io_uring" or "pool".
+  flash_disk_profile  offload only: what the planner assumes of the disk. None = the profile saved
+                 for the sidecar's disk by `llamaflash plan --probe-disk` if any, else a built-in
+                 conservative default; "probe" = measure it now (a few seconds) and save it;
+                 "default"; a dict or the path of a saved probe (JSON).
   flash_stream_gate  offload only: None = the planner's choice (the gate matrices resident when they
                  fit the budget, else read from flash every token, one layer ahead); True / False
                  force streamed / resident.
@@ -142,6 +146,7 @@ class Llama(llama_cpp.Llama):
         ram_budget_mb: Optional[int] = None,
         flash_io_engine: str = "auto",
         flash_stream_gate: Optional[bool] = None,
+        flash_disk_profile: Any = None,
         **kwargs: Any,
     ) -> None:
         self._flash: Optional[_native.FlashModel] = None
@@ -155,7 +160,7 @@ class Llama(llama_cpp.Llama):
         self._flash_args = {"sidecar_path": sidecar_path, "flash_mode": flash_mode, "flash_sparsity": flash_sparsity,
                             "flash_max_sparse_tokens": flash_max_sparse_tokens, "flash_dense_up": flash_dense_up,
                             "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine,
-                            "flash_stream_gate": flash_stream_gate}
+                            "flash_stream_gate": flash_stream_gate, "flash_disk_profile": flash_disk_profile}
         if flash_max_sparse_tokens < 1:
             raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens} must be >= 1")
         if ram_budget_mb is not None:
@@ -186,11 +191,12 @@ class Llama(llama_cpp.Llama):
             thresholds = sparsity_thresholds(info, flash_sparsity)
         flash = _native.FlashModel([layer.to_dict() for layer in info.layers], str(sidecar), os.fspath(model_path))
         if self._flash_mode == OFFLOAD_MODE:
-            from . import planner  # numpy-heavy; only offload needs it
+            from . import disk_probe, planner  # numpy-heavy; only offload needs them
 
             plan = planner.plan_offload(os.fspath(model_path), str(sidecar), ram_budget_mb,
                                         n_ctx=int(kwargs.get("n_ctx", 512)),
-                                        n_ubatch=kwargs.get("n_ubatch"), stream_gate=flash_stream_gate)
+                                        n_ubatch=kwargs.get("n_ubatch"), stream_gate=flash_stream_gate,
+                                        disk=disk_probe.resolve_profile(flash_disk_profile, sidecar))
             kwargs.setdefault("n_batch", plan.n_batch)
             kwargs.setdefault("n_ubatch", plan.n_ubatch)
             offload.prepare(flash, plan, info.activation, thresholds, flash_max_sparse_tokens, engine=flash_io_engine)

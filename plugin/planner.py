@@ -302,8 +302,9 @@ def _disk_source(disk: dict[str, Any] | None) -> str:
         return default_disk()["source"]
     if disk.get("source"):
         return str(disk["source"])
+    saved = f", saved {disk['saved_at']}" if disk.get("saved_at") else ""
     return (f"probed {disk.get('directory')} ({disk.get('filesystem')}, {disk.get('engine')}, "
-            f"{'direct I/O' if disk.get('direct') else 'page cache: not direct I/O'})")
+            f"{'direct I/O' if disk.get('direct') else 'page cache: not direct I/O'}{saved})")
 
 
 def _process_rss() -> int | None:

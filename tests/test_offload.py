@@ -62,9 +62,14 @@ def make_plan(sidecar, hot_per_layer: int, prefetch_layers: int = 1, extra_cold:
 @pytest.fixture
 def forced_plan(monkeypatch):
     """forced_plan(plan): Llama(ram_budget_mb=...) uses `plan` instead of the planner's."""
-    def use(plan):
+    def use(plan, calls=None):
         fake = types.ModuleType("llamaflash.planner")
-        fake.plan_offload = lambda *a, **k: plan
+
+        def plan_offload(*a, **k):
+            if calls is not None:
+                calls.append(k)
+            return plan
+        fake.plan_offload = plan_offload
         monkeypatch.setitem(sys.modules, "llamaflash.planner", fake)
         monkeypatch.setattr(llamaflash, "planner", fake, raising=False)
     return use
@@ -129,6 +134,19 @@ def test_streamed_gate_matches_the_in_memory_sparse_lane(converted, in_memory, f
     assert off["gate_streamed"] and off["gate_bytes_per_token"] == sum(l.n_ff * l.gate_row_bytes for l in info.layers)
     assert run.stats["sparse_lane_calls"] == 2 * N_GEN and run.stats["sparse_fallbacks"] == 0
     llm.close()
+
+
+def test_the_planner_gets_the_disk_profile(converted, forced_plan, monkeypatch, tmp_path):
+    """Llama(ram_budget_mb=...) plans with flash_disk_profile, by default the profile saved for the
+    sidecar's disk (none here: the planner's built-in default)."""
+    model, sidecar = converted
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no saved profiles
+    calls = []
+    forced_plan(make_plan(sidecar, 0, 1), calls)
+    llamaflash.Llama(model_path=str(model), ram_budget_mb=64, **KW).close()
+    profile = {"points": [{"request_kib": 4, "depth": 1, "iops": 1000.0, "mb_s": 4.1}], "source": "given"}
+    llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_disk_profile=profile, **KW).close()
+    assert calls[0]["disk"] is None and calls[1]["disk"] is profile
 
 
 def test_cold_slots_are_reused_across_tokens(converted, forced_plan):

@@ -303,18 +303,52 @@ def test_real_smollm2_llama_buffers_match_llama_cpp_log():
     assert compute <= share["compute_buffers"] / MiB <= 1.1 * compute
 
 
-def test_cli_probe_disk_measures_beside_the_sidecar(pair, monkeypatch):
+def test_cli_probe_disk_measures_beside_the_sidecar_and_saves_it(pair, monkeypatch, tmp_path):
     from llamaflash import disk_probe
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where saved profiles go (the CLI edge's cache)
     calls = []
 
     def fake_probe(directory, **kw):
         calls.append((Path(directory), kw))
-        return {**default_disk(), "source": "fake probe"}
+        return {**default_disk(), "source": "fake probe", "directory": str(directory)}
 
     monkeypatch.setattr(disk_probe, "probe_disk", fake_probe)
     model, sidecar = pair
-    r = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 400, "--runtime-mb", 40, "--probe-disk")
+    base = ("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 400, "--runtime-mb", 40)
+    r = run_cli(*base, "--probe-disk")
     assert r.exit_code == 0, r.output
     assert calls and calls[0][0] == sidecar.resolve().parent and calls[0][1]["seconds"] <= 0.5
-    assert "disk: fake probe" in r.stdout and "| request |" in r.stderr
+    assert "disk: fake probe" in r.stdout and "| request |" in r.stderr and "disk profile saved" in r.stderr
+    # measured once: the next plan on that disk uses the saved profile without probing
+    r = run_cli(*base)
+    assert r.exit_code == 0, r.output
+    assert len(calls) == 1 and "disk: fake probe" in r.stdout
+
+
+def test_saved_disk_profiles_are_per_filesystem(pair, tmp_path):
+    from llamaflash import disk_probe
+
+    cache, disk_dir = tmp_path / "cache", tmp_path / "models"
+    disk_dir.mkdir()
+    probe = {**default_disk(), "source": None, "directory": str(disk_dir), "filesystem": "ext4", "engine": "pool",
+             "direct": True}
+    written = disk_probe.save_profile(probe, cache)
+    assert written.parent == cache / "disk-profiles"
+    sidecar = disk_dir / "m.flash.gguf"  # need not exist: its directory's filesystem is what counts
+    saved = disk_probe.saved_profile(sidecar, cache)
+    assert saved["points"] == probe["points"] and saved["saved_at"]
+    assert disk_probe.saved_profile(sidecar, tmp_path / "empty-cache") is None
+    assert disk_probe.resolve_profile(None, sidecar, cache)["points"] == probe["points"]
+    assert disk_probe.resolve_profile(None, sidecar, tmp_path / "empty-cache") is None  # the built-in default
+    assert disk_probe.resolve_profile("default", sidecar, cache) is None
+    assert disk_probe.resolve_profile(probe, sidecar, cache) is probe
+    assert disk_probe.resolve_profile(written, sidecar, cache)["points"] == probe["points"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="bad.json has no measured points"):
+        disk_probe.resolve_profile(bad, sidecar, cache)
+    with pytest.raises(ValueError, match="nothing.json"):
+        disk_probe.resolve_profile(tmp_path / "nothing.json", sidecar, cache)
+    # the planner names a saved profile as such
+    assert f"saved {saved['saved_at']}" in plan(pair, 10_000, disk=saved).disk_source
