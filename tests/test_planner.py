@@ -55,6 +55,12 @@ def random_freqs(seed: int = 0) -> dict[int, np.ndarray]:
     return {i: rng.beta(0.3, 1.5, N_FF).astype(np.float32) for i in range(N_LAYER)}
 
 
+@pytest.fixture(autouse=True)
+def no_saved_disk_profiles(monkeypatch, tmp_path):
+    """The CLI uses a disk profile saved on this machine when there is one: not in these tests."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model_factory) -> Path:
     return tiny_model_factory(n_layer=N_LAYER, n_embd=64, n_ff=N_FF, weight_type="Q8_0")
@@ -306,7 +312,6 @@ def test_real_smollm2_llama_buffers_match_llama_cpp_log():
 def test_cli_probe_disk_measures_beside_the_sidecar_and_saves_it(pair, monkeypatch, tmp_path):
     from llamaflash import disk_probe
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where saved profiles go (the CLI edge's cache)
     calls = []
 
     def fake_probe(directory, **kw):
