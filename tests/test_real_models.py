@@ -4,6 +4,8 @@ SmolLM2-135M-Instruct Q4_1 (llama, SwiGLU) and Gemma-3-270M Q4_K_M (gemma3, GeGL
 into ~/.cache/llamaflash (see llamaflash.assets), converted into a temporary sidecar, and run through
 stock llama-cpp-python and llamaflash in one process. Expected: greedy 64 tokens identical, prompt
 logits within 1e-5 of the largest logit (in practice bit-identical: same kernels, same bytes).
+Flash offload on SmolLM2 with its calibrated sidecar (when cached) against the in-memory sparse lane:
+the same tokens and prompt logits, with the gate resident or streamed.
 """
 from __future__ import annotations
 
@@ -42,3 +44,43 @@ def test_real_model_dense_lane_matches_stock(real_model):
     assert flash.generated == stock.generated, name
     assert flash.stats["layers_served"] == len(llamaflash.gguf_model.read_base_model(model).ffn_layers)
     assert flash.stats["tokens"] == stock.prompt_logits.shape[0] + 64
+
+
+@pytest.mark.parametrize("stream_gate", [False, True])
+def test_real_offload_matches_the_in_memory_sparse_lane(stream_gate, tmp_path):
+    """SmolLM2-135M with its calibrated sidecar (format 2) under a RAM budget 16 MiB above the planner's
+    minimum (some clusters pinned, the rest read from flash every token; the gate resident or
+    streamed): offload changes where the bytes come from, not the results."""
+    from pathlib import Path
+
+    from llama_helpers import run_in_subprocess
+
+    model = assets.fetch_model("smollm2-135m", progress=False)
+    sidecar = Path.home() / ".cache" / "llamaflash" / "converted" / "SmolLM2-135M-Instruct.Q4_1.flash.gguf"
+    if not sidecar.exists():  # the calibrated sidecar is cached by the bench runs; a conversion costs minutes
+        pytest.skip(f"{sidecar} is not cached (llamaflash convert {model} -o {sidecar})")
+    kwargs = dict(n_ctx=256, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0)
+    llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), flash_mode="sparse",
+                           flash_dense_up=False, **kwargs)
+    ref = run_model(llm, PROMPT, n_gen=24)
+    llm.close()
+    out = run_in_subprocess(f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        import llamaflash
+        from llamaflash.planner import MiB, plan_offload
+        from llama_helpers import run_model
+        low = plan_offload({str(model)!r}, {str(sidecar)!r}, 10_000, n_ctx=256, stream_gate={stream_gate}).minimum_bytes
+        llm = llamaflash.Llama(model_path={str(model)!r}, sidecar_path={str(sidecar)!r}, ram_budget_mb=low / MiB + 16,
+                               flash_stream_gate={stream_gate}, **{kwargs!r})
+        run = run_model(llm, {PROMPT!r}, n_gen=24)
+        off = run.stats["offload"]
+        print(json.dumps({{"generated": run.generated, "prompt_logits": run.prompt_logits.tolist(),
+                          "gate_streamed": off["gate_streamed"], "bytes_read": off["bytes_read"],
+                          "hot": off["plan"]["hot_slots"]}}))
+    """)
+    import numpy as np
+
+    assert out["gate_streamed"] == stream_gate and out["hot"] > 0 and out["bytes_read"] > 0
+    assert out["generated"] == ref.generated
+    assert rel_max_diff(ref.prompt_logits, np.array(out["prompt_logits"], dtype=np.float32)) <= TOLERANCE
