@@ -472,7 +472,7 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
                  f"(sparsity target {info.sparsity.target:g}); the I/O bound ignores compute and cross-token reuse")
     return OffloadPlan(
         model_path=str(model_path), sidecar_path=str(sidecar), budget_bytes=budget,
-        minimum_bytes=minimum(fixed, cl), parts=parts, reasons=reasons, cluster_size=cl.size,
+        minimum_bytes=minimum(fixed, cl), parts=parts, reasons={k: reasons[k] for k in parts}, cluster_size=cl.size,
         slot_bytes=cl.slot_bytes, hot_slots=row["hot_slots"], cold_slots=(1 + prefetch_layers) * max_clusters,
         total_clusters=sum(len(p) for p in cl.prob), queue_depth=row["queue_depth"],
         prefetch_layers=prefetch_layers, prefetch_min_prob=row["prefetch_min_prob"], n_ctx=n_ctx, n_batch=u,
