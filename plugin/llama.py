@@ -163,6 +163,9 @@ class Llama(llama_cpp.Llama):
                             "flash_stream_gate": flash_stream_gate, "flash_disk_profile": flash_disk_profile}
         if flash_max_sparse_tokens < 1:
             raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens} must be >= 1")
+        if ram_budget_mb is None and (flash_stream_gate is not None or flash_disk_profile is not None):
+            raise ValueError("flash_stream_gate and flash_disk_profile are flash-offload settings: pass ram_budget_mb "
+                             "too, or leave them unset")
         if ram_budget_mb is not None:
             if self._flash_mode == "dense":
                 raise ValueError(

@@ -93,6 +93,13 @@ def test_bad_arguments(pair, llama_must_not_start):
         llamaflash.Llama(model_path=str(model), ram_budget_mb=700, flash_mode="dense")
     with pytest.raises(llamaflash.errors.RamBudgetError, match=r"below the minimum of \d+ MiB"):
         llamaflash.Llama(model_path=str(model), ram_budget_mb=1)
+    # offload settings without a budget, and a disk profile that is not one
+    with pytest.raises(ValueError, match="flash-offload settings: pass ram_budget_mb"):
+        llamaflash.Llama(model_path=str(model), flash_stream_gate=True)
+    with pytest.raises(ValueError, match="flash-offload settings: pass ram_budget_mb"):
+        llamaflash.Llama(model_path=str(model), flash_disk_profile="default")
+    with pytest.raises(ValueError, match="no-such-profile.json"):
+        llamaflash.Llama(model_path=str(model), ram_budget_mb=2000, flash_disk_profile="no-such-profile.json")
 
 
 def test_architecture_without_classic_ffn_passes_through(tmp_path):
