@@ -238,7 +238,56 @@ def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> di
         for c in created:
             c.unlink(missing_ok=True)
     payload["files"] = {"originals": originals, "private_copies": opts.private_copy_dir is not None}
+    if flash_configs:
+        add_io_bound(payload["summary"], payload["runs"], sidecar)
     return payload
+
+
+def add_io_bound(rows: list[dict[str, Any]], runs: list[dict[str, Any]], sidecar: Path) -> None:
+    """For each flash-offload row: the decode speed the disk allows, ``io_bound_tps`` = the disk's
+    throughput for the engine's reads ÷ the bytes read per decoded token (``decode_read_mb_per_tok``),
+    and ``of_io_bound`` = decode ÷ that. The throughput is the saved disk profile's (``llamaflash plan
+    --probe-disk``) for the sidecar's filesystem, at the plan's read size (half a cache slot: its up or
+    its down_t rows) and queue depth. Rows stay without these fields when no profile is saved."""
+    import numpy as np
+
+    from . import disk_probe
+    from .planner import _Disk
+
+    profile = disk_probe.saved_profile(sidecar)
+    if profile is None:
+        return
+    disk = _Disk(profile)
+    for row in rows:
+        plans = [((r.get("ram_budget") or {}).get("plan") or {}) for r in runs
+                 if r.get("ok") and r["config"] == row["config"] and r["limit_mb"] == row["limit_mb"]]
+        plan = next((p for p in plans if p.get("slot_bytes")), None)
+        per_tok = row.get("decode_read_mb_per_tok")
+        if plan is None or not per_tok:
+            continue
+        size = plan["slot_bytes"] / 2
+        mb_s = size / float(disk.seconds(np.array([size]), plan["queue_depth"])[0]) / 1e6
+        row["io_bound"] = {"disk_mb_s": mb_s, "read_kib": size / 1024, "queue_depth": plan["queue_depth"],
+                           "profile": profile.get("saved_at")}
+        row["io_bound_tps"] = mb_s * 1e6 / (per_tok * MiB)
+        row["of_io_bound"] = row["decode_tps"] / row["io_bound_tps"] if row.get("decode_tps") else None
+
+
+def io_bound_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The report's lines for :func:`add_io_bound`."""
+    out = []
+    for row in rows:
+        b = row.get("io_bound")
+        if not b:
+            continue
+        of = "" if row.get("of_io_bound") is None else f" = {row['of_io_bound']:.0%} of it"
+        out.append(f"  {_limit_label(row['limit_mb'])} MB {row['config']}: {row['decode_read_mb_per_tok']:.0f} MiB read per "
+                   f"decoded token at {b['disk_mb_s']:.0f} MB/s ({b['read_kib']:.0f} KiB reads, depth "
+                   f"{b['queue_depth']}) bounds decode at {row['io_bound_tps']:.2f} tok/s; measured "
+                   f"{row['decode_tps']:.2f}{of}")
+    if out:
+        out.insert(0, "I/O bound (the saved disk profile of the sidecar's filesystem; llamaflash plan --probe-disk):")
+    return out
 
 
 def _run_all(opts: BenchOptions, model_path: Path, model_name: str, model_sha: str, sidecar: Path,
@@ -526,6 +575,8 @@ def report(payload: dict[str, Any], json_path: Path, png_path: Path | None, echo
     """Print the table, write the JSON and the PNG (saying so when matplotlib is missing)."""
     echo("")
     echo(format_table(payload["summary"]))
+    for line in io_bound_lines(payload["summary"]):
+        echo(line)
     echo(f"wrote {write_json(json_path, payload)}")
     if png_path is not None:
         png = write_plot(png_path, payload)

@@ -383,3 +383,32 @@ def test_decode_time_cap_stops_early(tiny_with_sidecar):
             "n_gen": 40, "threads": 1, "n_ctx": 64, "n_batch": 64, "max_decode_s": 1e-9, "progress": True}  # fmt: skip
     r = benchkit.run_worker(spec, timeout=120)
     assert r["ok"] and r["decode_capped"] and r["n_gen_done"] < 40 and len(r["tokens"]) == r["n_gen_done"] + 1
+
+
+def test_io_bound_from_the_saved_disk_profile(tmp_path, monkeypatch):
+    """decode against the disk's bound: the saved profile's throughput at the plan's read size (half a
+    slot) and depth ÷ the MiB read per decoded token; nothing without a saved profile."""
+    from llamaflash import disk_probe
+    from llamaflash.planner import default_disk
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sidecar = tmp_path / "disk" / "m.flash.gguf"
+    sidecar.parent.mkdir()
+    plan = {"slot_bytes": 2 * 256 * 1024, "queue_depth": 32}
+    runs = [{"ok": True, "config": "llamaflash", "limit_mb": 900, "ram_budget": {"plan": plan}},
+            {"ok": True, "config": "stock", "limit_mb": 900}]
+    rows = [{"config": "llamaflash", "limit_mb": 900, "decode_tps": 2.0, "decode_read_mb_per_tok": 300.0},
+            {"config": "stock", "limit_mb": 900, "decode_tps": 0.9, "decode_read_mb_per_tok": 800.0}]
+    memlimit.add_io_bound(rows, runs, sidecar)
+    assert "io_bound" not in rows[0] and memlimit.io_bound_lines(rows) == []  # no saved profile
+    profile = {**default_disk(), "source": None, "directory": str(sidecar.parent)}
+    disk_probe.save_profile(profile)
+    memlimit.add_io_bound(rows, runs, sidecar)
+    point = next(p for p in profile["points"] if p["request_kib"] == 256 and p["depth"] == 32)
+    mb_s = point["iops"] * 256 * 1024 / 1e6
+    assert rows[0]["io_bound"]["disk_mb_s"] == pytest.approx(mb_s)
+    assert rows[0]["io_bound_tps"] == pytest.approx(mb_s * 1e6 / (300 * 2**20))
+    assert rows[0]["of_io_bound"] == pytest.approx(2.0 / rows[0]["io_bound_tps"])
+    assert "io_bound" not in rows[1]  # stock has no plan
+    lines = memlimit.io_bound_lines(rows)
+    assert len(lines) == 2 and "900 MB llamaflash: 300 MiB read per decoded token" in lines[1]
