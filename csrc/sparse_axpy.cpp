@@ -283,11 +283,13 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_pass_avx512(float
                 const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 16 + 32 * c));
                 const __m256i lo = _mm256_and_si256(q, low);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                const __m512 d0 = _mm512_set1_ps(scale[2 * c]), d1 = _mm512_set1_ps(scale[2 * c + 1]);
-                y[4 * c + 0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))), d0, y[4 * c + 0]);
-                y[4 * c + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))), d0, y[4 * c + 1]);
-                y[4 * c + 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))), d1, y[4 * c + 2]);
-                y[4 * c + 3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))), d1, y[4 * c + 3]);
+                // 16 nibbles of sub-block 2c (low) or 2c + 1 (high) -> 16 floats, times that sub-block's scale
+                const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                          _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+                for (int k = 0; k < 4; ++k) {
+                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[k]));
+                    y[4 * c + k] = _mm512_fmadd_ps(v, _mm512_set1_ps(scale[2 * c + k / 2]), y[4 * c + k]);
+                }
             }
         }
         alignas(32) float mins[8];
@@ -333,10 +335,10 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q6_k_pass_avx512(float
                 };
                 for (int j = 0; j < 4; ++j) {
                     const int k = 8 * half + 2 * j;  // zmm index of values l + 32j, l < 16; scale index likewise
-                    y[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q[j]))),
-                                           _mm512_set1_ps(scale[k]), y[k]);
-                    y[k + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q[j], 1))),
-                                               _mm512_set1_ps(scale[k + 1]), y[k + 1]);
+                    const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q[j])));
+                    const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q[j], 1)));
+                    y[k] = _mm512_fmadd_ps(v0, _mm512_set1_ps(scale[k]), y[k]);
+                    y[k + 1] = _mm512_fmadd_ps(v1, _mm512_set1_ps(scale[k + 1]), y[k + 1]);
                 }
             }
         }
