@@ -59,11 +59,16 @@ struct OffloadPhases {
             lane.fail(e.what());
         }
     }
-    static void accumulate_ready(ggml_tensor *, int ith, int nth, void * userdata) {
+    // the listed clusters of the plan, unless an earlier phase failed
+    static void accumulate(void * userdata, const std::vector<int32_t> NeuronCache::LayerPlan::*list, int ith,
+                           int nth) {
         SparseLane & lane = *static_cast<SparseLane *>(userdata);
         if (lane.failed_.load(std::memory_order_acquire)) return;
-        sparse_ffn_accumulate_clusters(lane.scratch_, ith, nth, lane.plan_.ready.data(),
-                                       static_cast<int64_t>(lane.plan_.ready.size()));
+        const std::vector<int32_t> & clusters = lane.plan_.*list;
+        sparse_ffn_accumulate_clusters(lane.scratch_, ith, nth, clusters.data(), static_cast<int64_t>(clusters.size()));
+    }
+    static void accumulate_ready(ggml_tensor *, int ith, int nth, void * userdata) {
+        accumulate(userdata, &NeuronCache::LayerPlan::ready, ith, nth);
     }
     static void wait_reads(ggml_tensor *, int ith, int, void * userdata) {
         SparseLane & lane = *static_cast<SparseLane *>(userdata);
@@ -75,10 +80,7 @@ struct OffloadPhases {
         }
     }
     static void accumulate_pending(ggml_tensor *, int ith, int nth, void * userdata) {
-        SparseLane & lane = *static_cast<SparseLane *>(userdata);
-        if (lane.failed_.load(std::memory_order_acquire)) return;
-        sparse_ffn_accumulate_clusters(lane.scratch_, ith, nth, lane.plan_.pending.data(),
-                                       static_cast<int64_t>(lane.plan_.pending.size()));
+        accumulate(userdata, &NeuronCache::LayerPlan::pending, ith, nth);
     }
     static void reduce(ggml_tensor *, int ith, int nth, void * userdata) {
         sparse_ffn_reduce(static_cast<SparseLane *>(userdata)->scratch_, ith, nth);

@@ -249,15 +249,12 @@ def add_io_bound(rows: list[dict[str, Any]], runs: list[dict[str, Any]], sidecar
     and ``of_io_bound`` = decode ÷ that. The throughput is the saved disk profile's (``llamaflash plan
     --probe-disk``) for the sidecar's filesystem, at the plan's read size (half a cache slot: its up or
     its down_t rows) and queue depth. Rows stay without these fields when no profile is saved."""
-    import numpy as np
-
     from . import disk_probe
-    from .planner import _Disk
+    from .planner import disk_throughput
 
     profile = disk_probe.saved_profile(sidecar)
     if profile is None:
         return
-    disk = _Disk(profile)
     for row in rows:
         plans = [((r.get("ram_budget") or {}).get("plan") or {}) for r in runs
                  if r.get("ok") and r["config"] == row["config"] and r["limit_mb"] == row["limit_mb"]]
@@ -266,7 +263,7 @@ def add_io_bound(rows: list[dict[str, Any]], runs: list[dict[str, Any]], sidecar
         if plan is None or not per_tok:
             continue
         size = plan["slot_bytes"] / 2
-        mb_s = size / float(disk.seconds(np.array([size]), plan["queue_depth"])[0]) / 1e6
+        mb_s = disk_throughput(profile, size, plan["queue_depth"]) / 1e6
         row["io_bound"] = {"disk_mb_s": mb_s, "read_kib": size / 1024, "queue_depth": plan["queue_depth"],
                            "profile": profile.get("saved_at")}
         row["io_bound_tps"] = mb_s * 1e6 / (per_tok * MiB)

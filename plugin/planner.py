@@ -106,6 +106,11 @@ class _Disk:
         return out
 
 
+def disk_throughput(disk: dict[str, Any], request_bytes: float, depth: int) -> float:
+    """Bytes per second a disk profile gives for reads of ``request_bytes`` at ``depth`` in flight."""
+    return request_bytes / float(_Disk(disk).seconds(np.array([float(request_bytes)]), depth)[0])
+
+
 def _meta(header: GGUFHeader, key: str, default: Any = None) -> Any:
     v = header.metadata.get(key)
     if v is None:
