@@ -6,19 +6,20 @@ which owns the native FlashModel for the lifetime of the llama.cpp model → the
 Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword arguments:
   sidecar_path   path of the sidecar GGUF; default `<model stem>.flash.gguf` beside the model. With
                  no sidecar the model runs exactly as stock llama-cpp-python (said once, as a warning).
-  flash_mode     "dense": the exact dense lane (bit-identical to stock); "sparse": decode batches
-                 (up to `flash_max_sparse_tokens` tokens) of layers with a threshold run on the sparse
-                 lane, prefill on the dense lane; None / "auto": when the sidecar carries sparsity
-                 thresholds (format 2, target > 0, or a ReLU model), each layer's first decode steps
-                 alternate between the sparse and the dense lane, timed, and the layer keeps the faster
-                 (`flash_stats()["lane_choice"]`); without thresholds "dense".
+  flash_mode     None / "auto" (in memory): the lane measured for this sidecar on this machine
+                 (plugin/lane_decision.py): stock llama.cpp, untouched, unless `llamaflash tune` (or
+                 `lane_decision.measure`) stored a measurement showing the sparse lane faster than stock
+                 here, then "sparse". Fixed at load, never timed at run time (deterministic);
+                 `flash_stats()["decision"]` says what was chosen and why. Embedding models
+                 (`embedding=True`) always run exact (stock). "dense": the exact dense lane
+                 (bit-identical to stock); "sparse": decode batches (up to `flash_max_sparse_tokens`
+                 tokens) of layers with a threshold run on the sparse lane (lossy: the converter's
+                 operating point), prefill on the dense lane.
   flash_sparsity None: the converter's operating point (the sidecar's thresholds); a level the
                  converter analysed (e.g. 0.3): that level's per-layer thresholds; 0: no sparsity
                  (sparse mode then skips only exact zeros of the activation).
-  flash_max_sparse_tokens  batches up to this many tokens are eligible for the sparse lane; in "auto"
-                 mode each batch size (1, 2, 3-4, 5-8 tokens, ...) is measured on both lanes apart.
-                 Default: AUTO_MAX_SPARSE_TOKENS (8) in "auto" mode, 1 (decode only) in "sparse" mode
-                 and with ram_budget_mb.
+  flash_max_sparse_tokens  batches up to this many tokens are eligible for the sparse lane
+                 (default 1: decode only).
   flash_dense_up  sparse lane only: True = u = up·x for every neuron by ggml's dense GEMV (then the
                  kernel reads only the active neurons' down_t rows); False = up rows of the active
                  neurons only, in the kernel; None = chosen from the level's sparsity (dense up below
@@ -43,6 +44,7 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -51,6 +53,7 @@ import llama_cpp
 
 from . import _native
 from . import gguf_model
+from . import lane_decision
 from . import offload
 from .errors import FlashIoError, LlamaflashError, SidecarNotFoundError
 from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
@@ -79,6 +82,27 @@ def _warn_no_sidecar(model_path: str, expected: Path) -> None:
     )
 
 
+_said: set = set()
+
+
+def _say_once(message: str) -> None:
+    """One line on stderr per distinct message per process (the default lane's decision)."""
+    if message not in _said:
+        _said.add(message)
+        print(message, file=sys.stderr)
+
+
+def _default_decision(info: SidecarInfo, sidecar: Path, kwargs: Dict[str, Any]) -> lane_decision.Decision:
+    """The lane of flash_mode=None in memory (see lane_decision)."""
+    if kwargs.get("embedding"):
+        return lane_decision.Decision(lane_decision.STOCK, False, "running as stock: embeddings are always exact")
+    if not _has_sparsity(info):
+        return lane_decision.Decision(
+            lane_decision.STOCK, False, "running as stock: the sidecar has no sparsity thresholds, so nothing "
+            "can be skipped (flash_mode='dense' is exact but not faster; re-convert for the sparse lane)")
+    return lane_decision.stored_decision(sidecar)
+
+
 def _resolve_mode(flash_mode: Optional[str]) -> str:
     mode = "auto" if flash_mode is None else flash_mode
     if mode not in FLASH_MODES:
@@ -90,11 +114,6 @@ def _resolve_mode(flash_mode: Optional[str]) -> str:
 #: on Qwen2.5-1.5B, 2 threads: ggml's repacked GEMV streams the whole up matrix faster than the
 #: kernel's per-row dots of 25-70% of its rows; see README "Sparse lane").
 DENSE_UP_MAX_SPARSITY = 0.75
-
-#: flash_max_sparse_tokens=None in "auto" mode: batches up to this many tokens are measured on both
-#: lanes (per batch-size bucket, see csrc/flash_model.h batch_bucket); larger ones (prefill) run dense.
-AUTO_MAX_SPARSE_TOKENS = 8
-
 
 def _level_sparsity(info: SidecarInfo, level: Optional[float]) -> float:
     if level is not None:
@@ -153,10 +172,10 @@ class Llama(llama_cpp.Llama):
         self._flash_info: Optional[SidecarInfo] = None
         self._flash_sidecar: Optional[Path] = None
         self._flash_plan = None
+        self._flash_decision: Optional[lane_decision.Decision] = None
         self._flash_mode = _resolve_mode(flash_mode)
         if flash_max_sparse_tokens is None:
-            measured = self._flash_mode == "auto" and ram_budget_mb is None
-            flash_max_sparse_tokens = AUTO_MAX_SPARSE_TOKENS if measured else 1
+            flash_max_sparse_tokens = 1
         self._flash_args = {"sidecar_path": sidecar_path, "flash_mode": flash_mode, "flash_sparsity": flash_sparsity,
                             "flash_max_sparse_tokens": flash_max_sparse_tokens, "flash_dense_up": flash_dense_up,
                             "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine,
@@ -187,8 +206,17 @@ class Llama(llama_cpp.Llama):
 
         # Everything that can be wrong with the files is found here, before llama.cpp starts.
         info = validate_pair(model_path, sidecar)
-        if self._flash_mode == "auto" and not _has_sparsity(info):
-            self._flash_mode = "dense"
+        if self._flash_mode == "auto":
+            self._flash_decision = _default_decision(info, sidecar, kwargs)
+            if self._flash_decision.lane == lane_decision.STOCK:
+                # not one claimed weight, no extra split: the backend is not even registered
+                self._flash_mode = "stock"
+                self._flash_info, self._flash_sidecar = info, Path(sidecar)
+                if kwargs.get("verbose", True):
+                    _say_once(f"llamaflash: '{sidecar}': {self._flash_decision.reason}")
+                super().__init__(model_path, *args, **kwargs)
+                return
+            self._flash_mode = "sparse"
         thresholds = None
         if self._flash_mode in ("sparse", "auto", OFFLOAD_MODE):
             thresholds = sparsity_thresholds(info, flash_sparsity)
@@ -210,6 +238,7 @@ class Llama(llama_cpp.Llama):
                 flash.load_sparse(info.activation)
                 flash.thresholds = thresholds
 
+        _native.register_backend()  # idempotent; the first served model registers the ggml backend
         _native.begin_model_load(flash)
         try:
             super().__init__(model_path, *args, **kwargs)
@@ -246,7 +275,7 @@ class Llama(llama_cpp.Llama):
         if dense_up is None:
             dense_up = _level_sparsity(self._flash_info, level) < DENSE_UP_MAX_SPARSITY
         self._flash.set_sparse_config(True, max_tokens=self._flash_args["flash_max_sparse_tokens"],
-                                      up_by_ggml=bool(dense_up), autotune=self._flash_mode == "auto")
+                                      up_by_ggml=bool(dense_up), autotune=False)
 
     @staticmethod
     def _find_sidecar(model_path: str, sidecar_path: Optional[str]) -> Optional[Path]:
@@ -271,9 +300,9 @@ class Llama(llama_cpp.Llama):
 
     @property
     def flash_mode(self) -> str:
-        """The lane in use: "auto" (sparse or dense per layer, by measured speed), "sparse", "dense",
-        "offload" (ram_budget_mb: sparse lane over the flash neuron cache), or "stock" when no sidecar
-        is loaded."""
+        """The lane in use: "sparse", "dense", "offload" (ram_budget_mb: sparse lane over the flash
+        neuron cache), or "stock" (no sidecar, or the default decided that stock is faster here;
+        `flash_stats()["decision"]` says why)."""
         return self._flash_mode
 
     @property
@@ -284,8 +313,8 @@ class Llama(llama_cpp.Llama):
     def set_flash_sparsity(self, level: Optional[float]) -> None:
         """Switches the sparse lane to another calibrated level (see `flash_sparsity`) without
         reloading; only in "sparse" mode."""
-        if self._flash is None or self._flash_mode not in ("sparse", "auto", OFFLOAD_MODE):
-            raise ValueError(f"set_flash_sparsity needs flash_mode='sparse' or 'auto' with a format-2 sidecar "
+        if self._flash is None or self._flash_mode not in ("sparse", OFFLOAD_MODE):
+            raise ValueError(f"set_flash_sparsity needs flash_mode='sparse' (or ram_budget_mb) with a format-2 sidecar "
                              f"(this model runs {self._flash_mode!r})")
         self._flash.thresholds = sparsity_thresholds(self._flash_info, level)
         if self._flash_mode != OFFLOAD_MODE:
@@ -304,6 +333,7 @@ class Llama(llama_cpp.Llama):
             "compute_seconds": 0.0,
             "prepare_seconds": 0.0,
             "resident_ffn_bytes": 0,
+            "decision": self._flash_decision.as_dict() if self._flash_decision is not None else None,
         }
         if self._flash is not None:
             native = self._flash.stats()

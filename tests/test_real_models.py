@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct Q4_1 (llama, SwiGLU) and Gemma-3-270M Q4_K_M (gemma3, GeGL
 into ~/.cache/llamaflash (see llamaflash.assets), converted into a temporary sidecar, and run through
 stock llama-cpp-python and llamaflash in one process. Expected: greedy 64 tokens identical, prompt
 logits within 1e-5 of the largest logit (in practice bit-identical: same kernels, same bytes).
-Flash offload on SmolLM2 with its calibrated sidecar (when cached) against the in-memory sparse lane:
+Flash offload on SmolLM2 with its calibrated sidecar (conftest.smollm2_sidecar) against the in-memory sparse lane:
 the same tokens and prompt logits, with the gate resident or streamed.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_real_model_dense_lane_matches_stock(real_model):
 
 
 @pytest.mark.parametrize("stream_gate", [False, True])
-def test_real_offload_matches_the_in_memory_sparse_lane(stream_gate, tmp_path):
+def test_real_offload_matches_the_in_memory_sparse_lane(stream_gate, smollm2_sidecar):
     """SmolLM2-135M with its calibrated sidecar (format 2) under a RAM budget 16 MiB above the planner's
     minimum (some clusters pinned, the rest read from flash every token; the gate resident or
     streamed): offload changes where the bytes come from, not the results."""
@@ -55,10 +55,7 @@ def test_real_offload_matches_the_in_memory_sparse_lane(stream_gate, tmp_path):
 
     from llama_helpers import run_in_subprocess
 
-    model = assets.fetch_model("smollm2-135m", progress=False)
-    sidecar = Path.home() / ".cache" / "llamaflash" / "converted" / "SmolLM2-135M-Instruct.Q4_1.flash.gguf"
-    if not sidecar.exists():  # the calibrated sidecar is cached by the bench runs; a conversion costs minutes
-        pytest.skip(f"{sidecar} is not cached (llamaflash convert {model} -o {sidecar})")
+    model, sidecar = smollm2_sidecar
     kwargs = dict(n_ctx=256, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0)
     llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), flash_mode="sparse",
                            flash_dense_up=False, **kwargs)

@@ -41,16 +41,14 @@ def _decode_logits(llm, n_gen=N_GEN):
     return run, np.array(llm.scores[len(llm.tokenize(PROMPT.encode())): llm.n_tokens], dtype=np.float32)
 
 
-def test_auto_mode_picks_the_lane_from_the_sidecar(converted):
+def test_sparse_mode_needs_the_sidecars_thresholds(converted):
     model, sidecar, v1 = converted
     assert read_sidecar(sidecar).sparsity.threshold_levels == pytest.approx((0.25, 0.5, 0.75))
-    llm = llamaflash.Llama(model_path=str(model), **KW)
-    assert llm.flash_mode == "auto"
-    assert llm._flash.sparse_config["autotune"]
+    llm = llamaflash.Llama(model_path=str(model), flash_mode="sparse", **KW)
+    assert llm.flash_mode == "sparse" and not llm._flash.sparse_config["autotune"]
     llm.close()
-    llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(v1), **KW)
-    assert llm.flash_mode == "dense"
-    llm.close()
+    with pytest.raises(ValueError, match="format 1.*re-convert"):
+        llamaflash.Llama(model_path=str(model), sidecar_path=str(v1), flash_mode="sparse", **KW)
 
 
 def test_nothing_skipped_matches_dense_lane(converted):
@@ -137,7 +135,7 @@ def test_switching_levels_and_errors(converted):
     with pytest.raises(ValueError, match="flash_max_sparse_tokens"):
         llamaflash.Llama(model_path=str(model), flash_max_sparse_tokens=0, **KW)
     dense = llamaflash.Llama(model_path=str(model), flash_mode="dense", **KW)
-    with pytest.raises(ValueError, match="flash_mode='sparse' or 'auto'"):
+    with pytest.raises(ValueError, match="flash_mode='sparse'"):
         dense.set_flash_sparsity(0.5)
     dense.close()
 
@@ -159,12 +157,13 @@ def test_up_by_ggml_matches_kernel_up(converted):
     assert out[True][2] == pytest.approx(out[False][2])
 
 
-def test_auto_mode_measures_both_lanes_and_keeps_the_faster(converted):
-    """flash_mode auto: each layer's first decode splits alternate sparse/dense (the first of each
-    lane is a warm-up), then the layer is decided; the decided lane is the one that measured faster
+def test_native_autotune_measures_both_lanes_and_keeps_the_faster(converted):
+    """The native per-layer lane timing (not a user-facing mode: it would make outputs depend on
+    machine noise): each layer's first decode splits alternate sparse/dense (the first of each lane
+    is a warm-up), then the layer is decided; the decided lane is the one that measured faster
     (sparse only when more than 3% faster) and every later decode split of the layer runs on it."""
     model, _, _ = converted
-    llm = llamaflash.Llama(model_path=str(model), **KW)
+    llm = llamaflash.Llama(model_path=str(model), flash_mode="sparse", **KW)
     llm._flash.set_sparse_config(True, max_tokens=1, autotune=True, autotune_steps=3)
     run_model(llm, n_gen=4)
     assert all(c["lane"] is None for c in llm.flash_stats()["lane_choice"].values())  # 4 steps: measuring
@@ -185,13 +184,12 @@ def test_auto_mode_measures_both_lanes_and_keeps_the_faster(converted):
     llm.close()
 
 
-def test_auto_mode_measures_each_batch_size_apart(converted):
-    """Batches of more than one token (up to flash_max_sparse_tokens; 8 by default in auto mode) are
-    measured on both lanes per batch-size bucket, apart from single-token decode: the bucket of 2
-    tokens and that of 3-4 tokens each get their own warm-up, timings and decision."""
+def test_native_autotune_measures_each_batch_size_apart(converted):
+    """Native lane timing of batches of more than one token (up to max_tokens): measured on both
+    lanes per batch-size bucket, apart from single-token decode: the bucket of 2 tokens and that of
+    3-4 tokens each get their own warm-up, timings and decision."""
     model, _, _ = converted
-    llm = llamaflash.Llama(model_path=str(model), **KW)
-    assert llm._flash.sparse_config["max_tokens"] == llamaflash.llama.AUTO_MAX_SPARSE_TOKENS == 8
+    llm = llamaflash.Llama(model_path=str(model), flash_mode="sparse", **KW)
     llm._flash.set_sparse_config(True, max_tokens=4, autotune=True, autotune_steps=2)
     tokens = llm.tokenize(PROMPT.encode())
     for size in (2, 3):
