@@ -19,7 +19,7 @@ from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert as run_convert
 from llamaflash.converters.bundle import DEFAULT_DOWN_T, DOWN_T_CHOICES
 from llamaflash.errors import LlamaflashError
-from llamaflash.sidecar import read_layer_vectors, read_sidecar
+from llamaflash.sidecar import default_sidecar_path, read_layer_vectors, read_sidecar
 
 #: Exit status of a command that failed with a LlamaflashError.
 EXIT_LLAMAFLASH_ERROR = 2
@@ -123,16 +123,46 @@ def convert(model: Path, output: Path | None, force: bool, calib: Path | None, v
 
 
 @main.command()
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+@click.option("--model", "model_name", default="qwen2.5-coder-1.5b", show_default=True,
               help="Registry model to run (see llamaflash.assets.MODELS).")
-@click.option("--prompt", default=None, help="Prompt (default: a fixed question).")
-@click.option("--max-tokens", default=64, show_default=True, type=int)
-@click.option("--threads", default=2, show_default=True, type=int)
-def demo(model_name: str, prompt: str | None, max_tokens: int, threads: int) -> None:
-    """Fetch a real model, convert it, and run it through stock llama.cpp and llamaflash side by side."""
-    from llamaflash.demo import DEFAULT_PROMPT, run_demo
+@click.option("--ram-limit-mb", "limits", type=click.IntRange(min=1), multiple=True,
+              help="Memory limit(s) for the side-by-side run, MiB (repeatable; default 900 and 700).")
+@click.option("--no-limit", is_flag=True, help="Skip the memory-limit part (only the in-memory comparison).")
+@click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
+def demo(model_name: str, limits: tuple[int, ...], no_limit: bool, max_tokens: int, threads: int) -> None:
+    """Fetch a real model, convert it, and run it beside stock llama.cpp under memory limits and in memory."""
+    from llamaflash.demo import DEFAULT_LIMITS_MB, run_demo
 
-    run_demo(model_name, prompt or DEFAULT_PROMPT, max_tokens, threads, echo=click.echo)
+    run_demo(model_name, () if no_limit else (limits or DEFAULT_LIMITS_MB), max_tokens, threads, echo=click.echo)
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--sidecar", type=click.Path(path_type=Path), default=None,
+              help="Sidecar to measure (default: <model stem>.flash.gguf beside the model).")
+@click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Runs of each engine, alternated; medians are compared.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+def tune(model: Path, sidecar: Path | None, reps: int, threads: int) -> None:
+    """Measure whether the sparse lane beats stock llama.cpp on this machine, and store the answer.
+
+    `Llama(model)` without ram_budget_mb then runs the faster of the two (stock, untouched, unless the
+    sparse lane measured at least 3% faster at decode and not slower at prefill). The result is kept
+    in <sidecar>.tuning.json, one entry per machine. Time it on a quiet machine."""
+    from llamaflash import lane_decision
+    from llamaflash.sidecar import validate_pair
+
+    sidecar = sidecar or default_sidecar_path(model)
+    info = validate_pair(model, sidecar)
+    if info.sparsity is None:
+        raise click.UsageError(f"{sidecar} has no sparsity thresholds (format 1): the default is stock; "
+                               f"re-convert with `llamaflash convert {model}` for the sparse lane")
+    click.echo(f"measuring stock vs the sparse lane of {sidecar.name}, {reps} runs each (fresh processes):", err=True)
+    decision = lane_decision.measure(model, sidecar, reps=reps, n_threads=threads,
+                                     echo=lambda s: click.echo(s, err=True))
+    click.echo(decision.reason)
+    click.echo(f"stored in {lane_decision.tuning_path(sidecar)}")
 
 
 @main.command()
@@ -149,6 +179,10 @@ def inspect(sidecar: Path) -> None:
     click.echo(f"base file size:   {info.base_file_size}")
     click.echo(f"ffn activation:   {info.activation}")
     click.echo(f"served layers:    {len(info.layers)}")
+    if info.sparsity is not None:
+        from llamaflash.lane_decision import stored_decision
+
+        click.echo(f"default lane:     {stored_decision(sidecar).reason}")
 
     def type_name(type_id: int) -> str:
         return gguf.GGMLQuantizationType(type_id).name
