@@ -144,6 +144,8 @@ def store_decision(sidecar: str | os.PathLike, decision: Decision) -> Path:
 
 def decide(stock: Dict[str, List[float]], sparse: Dict[str, List[float]], machine: str) -> Decision:
     """The rule, on per-run speeds {"decode": [...], "prefill": [...]} (tok/s) of both engines."""
+    if min(stock["decode"] + stock["prefill"] + sparse["decode"] + sparse["prefill"], default=0) <= 0:
+        raise ValueError(f"a measurement has no speed (stock {stock}, sparse {sparse}): nothing to decide on")
     d = statistics.median(sparse["decode"]) / statistics.median(stock["decode"])
     p = statistics.median(sparse["prefill"]) / statistics.median(stock["prefill"])
     detail = {"stock": stock, "sparse": sparse, "decode_margin": DECODE_MARGIN, "prefill_margin": PREFILL_MARGIN}
@@ -164,8 +166,8 @@ def measure(model: str | os.PathLike, sidecar: str | os.PathLike, reps: int = 5,
     model, sidecar = os.fspath(model), Path(sidecar)
     speeds: Dict[str, Dict[str, List[float]]] = {e: {"decode": [], "prefill": []} for e in (STOCK, SPARSE)}
     specs = {
-        STOCK: speed_probe.ProbeSpec("stock", model, max_tokens=max_tokens, n_threads=n_threads),
-        SPARSE: speed_probe.ProbeSpec("llamaflash", model, max_tokens=max_tokens, n_threads=n_threads,
+        STOCK: speed_probe.ProbeSpec("stock", model, max_tokens=max_tokens, n_threads=n_threads, ignore_eos=True),
+        SPARSE: speed_probe.ProbeSpec("llamaflash", model, max_tokens=max_tokens, n_threads=n_threads, ignore_eos=True,
                                       llama_kwargs={"sidecar_path": str(sidecar), "flash_mode": "sparse"}),
     }
     for rep in range(reps):

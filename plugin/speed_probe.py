@@ -45,6 +45,7 @@ class ProbeSpec:
     n_threads: int = 2
     n_ctx: int = 1024
     chat_template: bool = False  # wrap the prompt in the model's own chat template
+    ignore_eos: bool = False  # decode exactly max_tokens (speed measurements), not stopping at EOS
     llama_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -98,6 +99,8 @@ def run_in_process(spec: ProbeSpec) -> ProbeResult:
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
         return int(np.argmax(logits))
 
+    llm.eval(tokens[:8])  # warm-up: first-touch page faults, thread pool start-up (not timed)
+    llm.reset()           # the next eval clears the KV cache from position 0
     t0 = time.perf_counter()
     llm.eval(tokens)
     prefill_s = time.perf_counter() - t0
@@ -105,7 +108,7 @@ def run_in_process(spec: ProbeSpec) -> ProbeResult:
     t0 = time.perf_counter()
     for _ in range(spec.max_tokens):
         tok = greedy()
-        if tok == llm.token_eos():
+        if tok == llm.token_eos() and not spec.ignore_eos:
             break
         out.append(tok)
         llm.eval([tok])
