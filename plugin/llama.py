@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import llama_cpp
+from llama_cpp._logger import set_verbose
 
 from . import _native
 from . import gguf_model
@@ -194,6 +195,9 @@ class Llama(llama_cpp.Llama):
                 raise ValueError(f"ram_budget_mb={ram_budget_mb} must be a positive number of MiB")
             self._flash_mode = OFFLOAD_MODE
 
+        # ggml logs through llama-cpp-python's callback, filtered by its verbosity: set it before
+        # llamaflash loads anything through ggml (repacking weights logs a line per tensor)
+        set_verbose(bool(kwargs.get("verbose", True)))
         sidecar = self._find_sidecar(os.fspath(model_path), sidecar_path)
         if sidecar is None and ram_budget_mb is not None:
             raise SidecarNotFoundError(

@@ -63,3 +63,29 @@ def test_embeddings_are_exact(smollm2_sidecar, tmp_path):
     got = [np.array(llm.embed(t)) for t in texts]
     for a, b in zip(ref, got):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("settings", [{"flash_mode": "dense"}, {"flash_mode": "sparse"}], ids=["dense", "sparse"])
+def test_verbose_false_is_silent(tiny_model_factory, tmp_path, settings):
+    """verbose=False means no line on stdout or stderr, as in stock, also while llamaflash repacks its
+    weights through ggml (pure Q4_K: ggml-cpu repacks it and logs every tensor at info level)."""
+    from conftest import FAST_CONVERT
+    from llamaflash.converters import convert
+
+    model = tmp_path / "m.gguf"
+    shutil.copy(tiny_model_factory(weight_type="Q4_K", n_embd=256, n_ff=512), model)
+    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import llamaflash
+        llm = llamaflash.Llama(model_path={str(model)!r}, sidecar_path={str(sidecar)!r}, n_ctx=128, verbose=False,
+                               **{settings!r})
+        llm.create_completion("hello", max_tokens=4)
+        llm.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
