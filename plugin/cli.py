@@ -1,9 +1,11 @@
-"""The ``llamaflash`` command line: ``convert`` a base model, ``inspect`` a sidecar, run the ``demo``,
-``bench`` under memory limits, ``plan`` the flash-offload engine's RAM.
+"""The ``llamaflash`` command line: ``run`` a prompt, ``chat``, ``serve`` an OpenAI-compatible API,
+list the registry ``models``, ``convert`` a base model, ``inspect`` a sidecar, run the ``demo``, ``bench``
+under memory limits, ``plan`` the flash-offload engine's RAM. Wherever a model file is expected, a
+registry model name (``llamaflash models``) works too.
 
 Errors llamaflash raises on purpose (:class:`~llamaflash.errors.LlamaflashError`) are
 printed to stderr as ``error: <message>`` and end the command with exit status 2, without
-a traceback. Also runnable as ``python -m llamaflash.cli``.
+a traceback. Also runnable as ``python -m llamaflash`` (or ``python -m llamaflash.cli``).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from pathlib import Path
 
 import click
 import gguf
+import llama_cpp
 import numpy as np
 
+from llamaflash import __version__
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert as run_convert
 from llamaflash.converters.bundle import DEFAULT_DOWN_T, DOWN_T_CHOICES
@@ -37,6 +41,8 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group)
+@click.version_option(__version__, "--version", prog_name="llamaflash",
+                      message=f"%(prog)s %(version)s (llama-cpp-python {llama_cpp.__version__})")
 def main() -> None:
     """llamaflash: serve the FFN layers of llama.cpp models from a neuron-bundled sidecar."""
 
@@ -112,6 +118,10 @@ def convert(model: Path, output: Path | None, force: bool, calib: Path | None, v
     """
     if no_quality and sparsity == "auto":
         raise click.UsageError("--no-quality needs a fixed --sparsity (auto measures perplexity to choose).")
+    from llamaflash.models_by_name import is_registry_name, resolve_model
+
+    if is_registry_name(str(model)):
+        model = resolve_model(str(model), progress=not quiet)
     out = run_convert(
         model, output, force=force, progress=not quiet,
         calib_path=calib, valid_path=valid, sparsity=sparsity, quality_budget=quality_budget / 100.0,
@@ -360,6 +370,131 @@ def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatc
                           cluster_size=cluster_size, prefetch_layers=prefetch_layers,
                           stream_gate={"auto": None, "resident": False, "streamed": True}[gate])
     click.echo(json.dumps(result.to_dict(arrays=json_arrays), indent=1) if as_json else result.explain())
+
+
+# -- talking to a model: run, chat, serve; the registry's models ------------------------------------------
+
+#: Exit status after Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+
+
+def _generation_options(command):
+    """The options ``run`` and ``chat`` share: how the model loads and how replies are sampled."""
+    options = [
+        click.option("--sidecar", type=click.Path(path_type=Path), default=None,
+                     help="Sidecar (default: MODEL's .flash.gguf beside it; without one the model runs as stock)."),
+        click.option("--flash-mode", type=click.Choice(["auto", "dense", "sparse"]), default=None,
+                     help="Lane for the FFN layers (default: auto)."),
+        click.option("--ram-budget-mb", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Flash offload: plan the whole process to fit in this many MiB (`llamaflash plan`)."),
+        click.option("--n-ctx", type=click.IntRange(min=1), default=2048, show_default=True,
+                     help="Context size in tokens."),
+        click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="llama.cpp threads (default: llama-cpp-python's, half the cores)."),
+        click.option("--max-tokens", type=int, default=512, show_default=True,
+                     help="Most tokens per reply; 0: until the context is full."),
+        click.option("--temperature", type=click.FloatRange(min=0), default=None,
+                     help="Sampling temperature, 0 for greedy (default: llama-cpp-python's)."),
+        click.option("--seed", type=int, default=None, help="Sampling seed (default: random)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _load(model: str, sidecar, flash_mode, ram_budget_mb, n_ctx, threads):
+    from llamaflash import run_chat
+
+    options = run_chat.LoadOptions(sidecar=str(sidecar) if sidecar else None, flash_mode=flash_mode,
+                                   ram_budget_mb=ram_budget_mb, n_ctx=n_ctx, threads=threads)
+    try:
+        return run_chat.load_model(model, options)
+    except ValueError as e:  # llama.cpp cannot load the file, or Llama refused a setting
+        if isinstance(e, LlamaflashError):
+            raise
+        raise LlamaflashError(str(e)) from e
+
+
+@main.command()
+@click.argument("model")
+@click.argument("prompt", required=False)
+@click.option("--raw", is_flag=True, help="Complete PROMPT as plain text instead of sending it through the "
+                                          "model's chat template as a user message.")
+@_generation_options
+@click.pass_context
+def run(ctx: click.Context, model: str, prompt: str | None, raw: bool, sidecar, flash_mode, ram_budget_mb, n_ctx,
+        threads, max_tokens, temperature, seed) -> None:
+    """Answer PROMPT with MODEL (a .gguf file or a registry name), the reply streamed to stdout.
+
+    Without PROMPT (or with -), the prompt is read from stdin. Loading and notices go to stderr.
+    Ctrl-C stops the reply (exit status 130)."""
+    from llamaflash import run_chat
+
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            raise click.UsageError("give a PROMPT (or pipe one on stdin)")
+        prompt = sys.stdin.read()
+    try:
+        llm = _load(model, sidecar, flash_mode, ram_budget_mb, n_ctx, threads)
+        finished = run_chat.run_prompt(llm, prompt, raw=raw,
+                                       sampling=run_chat.sampling_kwargs(max_tokens, temperature, seed))
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    if not finished:
+        ctx.exit(EXIT_INTERRUPTED)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--system", default=None, help="System message at the start of the conversation.")
+@_generation_options
+@click.pass_context
+def chat(ctx: click.Context, model: str, system: str | None, sidecar, flash_mode, ram_budget_mb, n_ctx, threads,
+         max_tokens, temperature, seed) -> None:
+    """Chat with MODEL (a .gguf file or a registry name) through its chat template, replies streamed.
+
+    The conversation is kept (the oldest exchanges are dropped when it outgrows --n-ctx); /reset
+    forgets it. Ctrl-C stops a reply; Ctrl-D, /exit, or Ctrl-C at an empty prompt quits."""
+    from llamaflash import run_chat
+
+    try:
+        llm = _load(model, sidecar, flash_mode, ram_budget_mb, n_ctx, threads)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    run_chat.say(run_chat.CHAT_HELP)
+    run_chat.chat_loop(run_chat.ChatSession(llm, system, run_chat.sampling_kwargs(max_tokens, temperature, seed)))
+
+
+@main.command("serve", add_help_option=False,
+              context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def serve_command(ctx: click.Context, args: tuple[str, ...]) -> None:
+    """Serve MODEL over llama-cpp-python's OpenAI-compatible API (its own server) with llamaflash.
+
+    llamaflash serve MODEL [--ram-budget-mb N] [--sidecar S] [--flash-mode M] [--host H] [--port P]
+    [any llama_cpp.server option] [--config_file FILE]; `llamaflash serve --help` lists them all."""
+    try:
+        from llamaflash.serve import serve
+    except ImportError as e:
+        raise LlamaflashError(f"`llamaflash serve` needs llama-cpp-python's server packages ({e.name} is not "
+                              "installed): pip install 'llamaflash[server]'") from e
+    try:
+        serve(args)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+
+
+@main.command()
+def models() -> None:
+    """List the registry models (usable by name wherever a model file is expected): size, whether
+    they are in the cache, and the sidecar beside them if there is one."""
+    from llamaflash.models_by_name import format_model_table, model_rows
+
+    click.echo(format_model_table(model_rows()))
 
 
 if __name__ == "__main__":
