@@ -12,10 +12,20 @@ u64; each metadata entry: key (u64 length + UTF-8), value type u32, value; each 
 info: name, n_dims u32, ne[n_dims] u64, ggml type u32, offset u64 (relative to the data
 section). The data section starts at the first multiple of ``general.alignment``
 (default 32) after the tensor infos.
+
+Every count in the file is untrusted: a loop or an allocation driven by one is first bounded by
+the bytes that are actually there. The structure is checked as strictly as llama.cpp's own reader
+(``gguf_init_from_file``) checks it, so a file llama.cpp would refuse is refused here first, with
+a message: no duplicate keys or tensor names, tensor names shorter than 64 bytes, 1 to 4
+dimensions, element counts below 2**63, a known type whose blocks divide ne0, and each tensor's
+offset equal to the running offset — the previous tensor's offset plus its size padded to the
+alignment, in header order (so tensors neither overlap nor alias, and none lies outside the data
+section) — and its data inside the file.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -32,7 +42,16 @@ from llamaflash import sidecar_format as fmt
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
-_MAX_DIMS = 8
+#: GGML_MAX_DIMS and GGML_MAX_NAME of ggml: llama.cpp refuses tensors with more dimensions or
+#: with names of GGML_MAX_NAME bytes or more.
+_MAX_DIMS = 4
+_MAX_NAME_BYTES = 64
+#: Smallest encoding of a metadata entry (empty key: u64 length, u32 type, a 1-byte value) and of a
+#: tensor info (empty name: u64 length, u32 n_dims, one u64 ne, u32 type, u64 offset); they bound
+#: the counts the header declares by the bytes that follow.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
+_MAX_ELEMENTS = 2**63 - 1
 
 
 class ValueType(IntEnum):
@@ -156,16 +175,27 @@ class _Parser:
                                   GGUFHeaderError.UNSUPPORTED)
         n_tensors = self.scalar("<Q")
         n_kv = self.scalar("<Q")
-        if n_tensors > self.size or n_kv > self.size:  # each needs bytes: a cheap sanity bound
-            raise GGUFHeaderError(f"implausible counts ({n_tensors} tensors, {n_kv} keys)")
+        if n_tensors * _MIN_TENSOR_INFO_BYTES + n_kv * _MIN_KV_BYTES > self.size - self.pos:
+            raise GGUFHeaderError(
+                f"the file is truncated or its header corrupt: it declares {n_tensors} tensors and "
+                f"{n_kv} metadata keys, more than its {self.size} bytes can hold", GGUFHeaderError.TRUNCATED)
 
         metadata: dict[str, MetadataValue] = {}
         for _ in range(n_kv):
             key = self.string()
+            if key in metadata:
+                raise GGUFHeaderError(f"metadata key '{key}' appears twice")
             vtype = self.value_type()
             metadata[key] = self.value(vtype)
 
-        infos = [self.tensor_info() for _ in range(n_tensors)]
+        infos = []
+        names: set[str] = set()
+        for _ in range(n_tensors):
+            info = self.tensor_info()
+            if info[0] in names:
+                raise GGUFHeaderError(f"tensor '{info[0]}' appears twice")
+            names.add(info[0])
+            infos.append(info)
         alignment = DEFAULT_ALIGNMENT
         align_field = metadata.get(fmt.GENERAL_ALIGNMENT)
         if align_field is not None:
@@ -176,8 +206,15 @@ class _Parser:
         data_offset = -(-self.pos // alignment) * alignment
 
         tensors = []
+        running = 0  # offset (relative to the data section) where the next tensor must start
         for name, ggml_type, shape, rel_offset in infos:
             nbytes = _tensor_nbytes(name, ggml_type, shape)
+            if rel_offset != running:
+                raise GGUFHeaderError(
+                    f"tensor '{name}' has data offset {rel_offset}, expected {running} (the end of "
+                    f"the previous tensor's data padded to {alignment} bytes); its data would overlap "
+                    "or alias another tensor's, or leave a gap")
+            running += -(-nbytes // alignment) * alignment
             offset = data_offset + rel_offset
             if offset + nbytes > self.size:
                 raise GGUFHeaderError(
@@ -228,6 +265,11 @@ class _Parser:
         etype = self.value_type()
         count = self.scalar("<Q")
         if etype == ValueType.STRING:
+            if count * 8 > self.size - self.pos:  # each string needs at least its u64 length
+                raise GGUFHeaderError(
+                    f"the file is truncated or its header corrupt: a string array at offset {self.pos} "
+                    f"declares {count} entries, more than the rest of the file can hold",
+                    GGUFHeaderError.TRUNCATED)
             for _ in range(count):
                 self.skip_string()
             return MetadataValue(vtype, None, etype, count)
@@ -240,11 +282,17 @@ class _Parser:
         return MetadataValue(vtype, values, etype, count)
 
     def tensor_info(self) -> tuple[str, int, tuple[int, ...], int]:
+        start = self.pos
         name = self.string()
+        if self.pos - start - 8 >= _MAX_NAME_BYTES:
+            raise GGUFHeaderError(f"tensor name '{name[:80]}' is {self.pos - start - 8} bytes long "
+                                  f"(at most {_MAX_NAME_BYTES - 1})")
         n_dims = self.scalar("<I")
         if not 1 <= n_dims <= _MAX_DIMS:
-            raise GGUFHeaderError(f"tensor '{name}' has {n_dims} dimensions")
+            raise GGUFHeaderError(f"tensor '{name}' has {n_dims} dimensions (1 to {_MAX_DIMS})")
         shape = tuple(self.scalar("<Q") for _ in range(n_dims))
+        if math.prod(shape) > _MAX_ELEMENTS:
+            raise GGUFHeaderError(f"tensor '{name}' has ggml shape {list(shape)}, over 2**63 elements")
         ggml_type = self.scalar("<I")
         offset = self.scalar("<Q")
         return name, ggml_type, shape, offset
@@ -259,4 +307,4 @@ def _tensor_nbytes(name: str, ggml_type: int, shape: tuple[int, ...]) -> int:
         raise GGUFHeaderError(
             f"tensor '{name}': row of {shape[0]} elements is not a whole number of "
             f"{gguf.GGMLQuantizationType(ggml_type).name} blocks")
-    return int(np.prod(shape, dtype=np.uint64)) // block_size * type_size
+    return math.prod(shape) // block_size * type_size  # Python ints: no wrap-around

@@ -130,6 +130,10 @@ def read_base_model(path: str | os.PathLike[str]) -> BaseModelInfo:
             "written by a broken converter. Re-create the GGUF with llama.cpp's tools."
         )
 
+    if n_layer is not None:
+        _check_block_count(path, header, fmt.base_block_count_key(architecture), n_layer, locations,
+                           strict=activation is not None)
+
     ffn_layers: list[FfnLayer] = []
     if activation is not None:
         assert n_layer is not None and n_embd is not None
@@ -281,20 +285,47 @@ def _gate_tensors_in_layer_order(locations: dict[str, TensorLocation]) -> list[T
     return [loc for _, loc in sorted(found, key=lambda item: item[0])]
 
 
+def _block_indices(locations: dict[str, TensorLocation]) -> set[int]:
+    """The N of every ``blk.N.*`` tensor present."""
+    return {int(name.split(".")[1]) for name in locations
+            if name.startswith("blk.") and name.split(".")[1].isdigit()}
+
+
 def _count_blocks(locations: dict[str, TensorLocation]) -> int:
-    indices = [
-        int(name.split(".")[1]) for name in locations
-        if name.startswith("blk.") and name.split(".")[1].isdigit()
-    ]
+    indices = _block_indices(locations)
     return max(indices) + 1 if indices else 0
+
+
+def _check_block_count(path: Path, header: GGUFHeader, key: str, n_layer: int,
+                       locations: dict[str, TensorLocation], strict: bool) -> None:
+    """Refuse a block count the tensors present cannot back.
+
+    Every block has at least one tensor, so no file has more blocks than tensors. With ``strict``
+    (an architecture llamaflash serves, every one of whose blocks has ``blk.N.*`` tensors, as
+    llama.cpp's loader requires) the count must also not exceed the highest block index present
+    plus one, and be at least 1. The upper bounds keep later per-layer work proportional to the file's
+    contents.
+    """
+    present = _count_blocks(locations)
+    limit = present if strict else len(header.tensors)
+    if not (1 if strict else 0) <= n_layer <= limit:
+        have = (f"tensors for blocks 0..{present - 1} only" if present else "no blk.N tensors") if strict \
+            else f"only {len(header.tensors)} tensors"
+        raise BaseModelError(
+            f"{path}: metadata '{key}' = {n_layer}, but the file has {have}; the metadata is "
+            "corrupt (a flipped byte?). Download or copy the model again, or re-create the GGUF "
+            "with llama.cpp's tools.")
 
 
 def _servable_ffn_layers(
     path: Path, locations: dict[str, TensorLocation], n_layer: int, n_embd: int
 ) -> list[FfnLayer]:
-    """Layers with plain gate/up/down weights of consistent shapes and no bias/scale."""
+    """Layers with plain gate/up/down weights of consistent shapes and no bias/scale, among the
+    blocks below ``n_layer`` that have a gate tensor (the loop follows the tensors present, never
+    the declared count)."""
+    gate_layers = sorted(int(m.group(1)) for m in map(fmt.BASE_FFN_GATE_NAME_RE.match, locations) if m)
     layers = []
-    for layer in range(n_layer):
+    for layer in (i for i in gate_layers if i < n_layer):
         gate = locations.get(fmt.base_ffn_gate_name(layer))
         up = locations.get(fmt.base_ffn_up_name(layer))
         down = locations.get(fmt.base_ffn_down_name(layer))

@@ -16,7 +16,6 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
 
 import gguf
 import numpy as np
@@ -28,20 +27,22 @@ from llamaflash.errors import (
     SidecarNotFoundError,
     SidecarVersionError,
 )
-from llamaflash.gguf_header import (
-    UNSIGNED_TYPES,
-    GGUFHeader,
-    GGUFHeaderError,
-    MetadataValue,
-    TensorInfo,
-    ValueType,
-    read_gguf_header,
-)
+from llamaflash.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_gguf_header
 from llamaflash.gguf_model import (
     BaseModelInfo,
     base_identity,
     ggml_row_bytes,
     read_base_model,
+)
+from llamaflash.sidecar_checks import (
+    Fields,
+    block_bytes,
+    check_layer_floats,
+    check_order,
+    check_statistics,
+    check_threshold_levels,
+    check_threshold_table,
+    tensor,
 )
 
 _I8 = int(gguf.GGMLQuantizationType.I8)
@@ -202,8 +203,10 @@ def read_sidecar(
     path = Path(path)
     model = Path(model_path) if model_path is not None else None
     hint = f"Re-run {_convert_command(path, model, force=True)} to re-create it."
-    header = _read_header(path, model, hint)
-    fields = _Fields(header.metadata, path, hint)
+    damaged = (f"Re-create it with {_convert_command(path, model, force=True)}, or, if it is a copy, "
+               "copy it again from the original.")
+    header = _read_header(path, model, damaged)
+    fields = Fields(header.metadata, path, damaged)
 
     arch = fields.optional_string(fmt.GENERAL_ARCHITECTURE)
     if arch != fmt.SIDECAR_ARCHITECTURE:
@@ -228,7 +231,7 @@ def read_sidecar(
     activation = fields.string(fmt.KEY_FFN_ACTIVATION)
     if activation not in fmt.ACTIVATIONS:
         fields.fail(f"unknown FFN activation {activation!r}")
-    n_embd = fields.uint(fmt.KEY_N_EMBD)
+    n_embd = fields.positive_uint(fmt.KEY_N_EMBD)
     layer_ids = fields.uint_array(fmt.KEY_LAYERS)
     if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
         fields.fail(f"'{fmt.KEY_LAYERS}' is not strictly increasing: {layer_ids}")
@@ -243,20 +246,20 @@ def read_sidecar(
                           for key in fmt.V2_PER_LAYER_FLOAT_KEYS})
         if fields.has(fmt.KEY_THRESHOLD_LEVELS):
             levels = fields.float_array(fmt.KEY_THRESHOLD_LEVELS)
-            if not levels or any(not 0.0 < v < 1.0 for v in levels) or any(b <= a for a, b in zip(levels, levels[1:])):
-                fields.fail(f"'{fmt.KEY_THRESHOLD_LEVELS}' must be increasing levels in (0, 1): {levels}")
+            check_threshold_levels(fields, levels)
             table = fields.float_array(fmt.KEY_THRESHOLD_TABLE, length=len(layer_ids) * len(levels))
-            if any(not v >= 0.0 for v in table):
-                fields.fail(f"'{fmt.KEY_THRESHOLD_TABLE}' has a negative or NaN threshold")
+            check_threshold_table(fields, layer_ids, levels, table, per_layer[fmt.KEY_THRESHOLDS],
+                                  sparsity.target)
             sparsity = dataclasses.replace(sparsity, threshold_levels=tuple(levels))
             per_layer["threshold_table"] = [tuple(table[i * len(levels):(i + 1) * len(levels)])
                                             for i in range(len(layer_ids))]
 
     tensors = {t.name: t for t in header.tensors}
+    identity_order = sparsity is not None and sparsity.bundle_order == fmt.BUNDLE_ORDER_BASE
     layers = []
     for i, layer in enumerate(layer_ids):
         meta = {key: values[i] for key, values in per_layer.items()}
-        layout = _layer_layout(fields, tensors, layer, n_embd, meta)
+        layout = _layer_layout(fields, tensors, layer, n_embd, meta, identity_order)
         if sparsity is not None:
             layout = _sparsity_layout(fields, tensors, layout, meta)
         layers.append(layout)
@@ -343,74 +346,13 @@ def _read_header(path: Path, model_path: Path | None, hint: str) -> GGUFHeader:
         raise SidecarFormatError(f"{path}: {exc}, {what}. {hint}") from exc
 
 
-class _Fields:
-    """Typed access to a sidecar's metadata, failing with :class:`SidecarFormatError`."""
-
-    def __init__(self, metadata: dict[str, MetadataValue], path: Path, hint: str) -> None:
-        self._metadata = metadata
-        self.path = path
-        self._hint = hint
-
-    def fail(self, problem: str) -> NoReturn:
-        raise SidecarFormatError(f"{self.path}: malformed sidecar: {problem}. {self._hint}")
-
-    def _get(self, key: str) -> MetadataValue:
-        f = self._metadata.get(key)
-        if f is None:
-            self.fail(f"metadata key '{key}' is missing")
-        return f
-
-    def optional_string(self, key: str) -> str | None:
-        return self.string(key) if key in self._metadata else None
-
-    def string(self, key: str) -> str:
-        f = self._get(key)
-        if f.type != ValueType.STRING:
-            self.fail(f"metadata key '{key}' is not a string")
-        return f.value
-
-    def uint(self, key: str) -> int:
-        f = self._get(key)
-        if f.type not in UNSIGNED_TYPES:
-            self.fail(f"metadata key '{key}' is not an unsigned integer")
-        return int(f.value)
-
-    def has(self, key: str) -> bool:
-        return key in self._metadata
-
-    def real(self, key: str) -> float:
-        f = self._get(key)
-        if f.type not in (ValueType.FLOAT32, ValueType.FLOAT64):
-            self.fail(f"metadata key '{key}' is not a float")
-        return float(f.value)
-
-    def float_array(self, key: str, length: int | None = None) -> list[float]:
-        f = self._get(key)
-        if f.type != ValueType.ARRAY or f.element_type not in (ValueType.FLOAT32, ValueType.FLOAT64):
-            self.fail(f"metadata key '{key}' is not an array of floats")
-        values = [float(v) for v in f.value]
-        if length is not None and len(values) != length:
-            self.fail(f"metadata key '{key}' has {len(values)} entries, expected {length}")
-        return values
-
-    def uint_array(self, key: str, length: int | None = None) -> list[int]:
-        f = self._get(key)
-        if f.type != ValueType.ARRAY or f.element_type not in UNSIGNED_TYPES:
-            self.fail(f"metadata key '{key}' is not an array of unsigned integers")
-        values = [int(v) for v in f.value]
-        if length is not None and len(values) != length:
-            self.fail(f"metadata key '{key}' has {len(values)} entries, expected {length}")
-        return values
-
-
-def _block_bytes(ggml_type: int) -> int:
-    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)][1]
-
-
 def _layer_layout(
-    fields: _Fields, tensors: dict[str, TensorInfo], layer: int, n_embd: int, meta: dict[str, int]
+    fields: Fields, tensors: dict[str, TensorInfo], layer: int, n_embd: int, meta: dict[str, int],
+    identity_order: bool,
 ) -> LayerLayout:
     n_ff = meta[fmt.KEY_N_FF]
+    if n_ff < 1:
+        fields.fail(f"layer {layer}: '{fmt.KEY_N_FF}' is {n_ff}, expected at least 1")
     stride = meta[fmt.KEY_BUNDLE_STRIDES]
     gate_type, up_type = meta[fmt.KEY_GATE_TYPES], meta[fmt.KEY_UP_TYPES]
     down_type, down_t_type = meta[fmt.KEY_DOWN_TYPES], meta[fmt.KEY_DOWN_T_TYPES]
@@ -421,20 +363,18 @@ def _layer_layout(
         down_t_row = ggml_row_bytes(down_t_type, n_embd)
     except (ValueError, KeyError) as exc:
         fields.fail(f"layer {layer}: bad ggml type or size ({exc})")
-    expected_stride = fmt.bundle_stride(gate_row, up_row, _block_bytes(gate_type),
-                                        _block_bytes(up_type))
+    expected_stride = fmt.bundle_stride(gate_row, up_row, block_bytes(gate_type),
+                                        block_bytes(up_type))
     if stride != expected_stride:
         fields.fail(
             f"layer {layer}: bundle stride {stride} does not match the v1 rule for {gate_row}+{up_row} "
             f"byte rows (expected {expected_stride})"
         )
 
-    bundle = _tensor(fields, tensors, fmt.bundle_tensor_name(layer), _I8, (stride, n_ff))
-    down_t = _tensor(fields, tensors, fmt.down_t_tensor_name(layer), down_t_type, (n_embd, n_ff))
-    order = _tensor(fields, tensors, fmt.order_tensor_name(layer), _I32, (n_ff,))
-    order_values = np.fromfile(fields.path, dtype="<i4", count=n_ff, offset=order.offset)
-    if not np.array_equal(np.sort(order_values), np.arange(n_ff)):
-        fields.fail(f"layer {layer}: '{order.name}' is not a permutation of 0..{n_ff - 1}")
+    bundle = tensor(fields, tensors, fmt.bundle_tensor_name(layer), _I8, (stride, n_ff))
+    down_t = tensor(fields, tensors, fmt.down_t_tensor_name(layer), down_t_type, (n_embd, n_ff))
+    order = tensor(fields, tensors, fmt.order_tensor_name(layer), _I32, (n_ff,))
+    check_order(fields, order, layer, n_ff, identity_order)
 
     return LayerLayout(
         layer=layer, n_embd=n_embd, n_ff=n_ff,
@@ -451,7 +391,7 @@ _F32 = int(gguf.GGMLQuantizationType.F32)
 _F16 = int(gguf.GGMLQuantizationType.F16)
 
 
-def _quality_record(fields: _Fields) -> dict:
+def _quality_record(fields: Fields) -> dict:
     """The quality record of the first method (``fmt.QUALITY_METHODS`` order) with any key in the
     file: its fields by name, plus ``"method"``; {} when the file has none."""
     readers = ((fmt.QUALITY_FLOAT_FIELDS, fields.real), (fmt.QUALITY_ARRAY_FIELDS, fields.float_array),
@@ -464,7 +404,7 @@ def _quality_record(fields: _Fields) -> dict:
     return {}
 
 
-def _sparsity_info(fields: _Fields) -> SparsityInfo:
+def _sparsity_info(fields: Fields) -> SparsityInfo:
     """The file-level v2 keys, checked."""
     criterion = fields.string(fmt.KEY_SPARSITY_CRITERION)
     if criterion not in fmt.CRITERIA:
@@ -492,7 +432,7 @@ def _sparsity_info(fields: _Fields) -> SparsityInfo:
 
 
 def _sparsity_layout(
-    fields: _Fields, tensors: dict[str, TensorInfo], layout: LayerLayout, meta: dict
+    fields: Fields, tensors: dict[str, TensorInfo], layout: LayerLayout, meta: dict
 ) -> LayerLayout:
     """``layout`` with its v2 fields read and checked."""
     layer, n_ff, n_embd = layout.layer, layout.n_ff, layout.n_embd
@@ -502,17 +442,17 @@ def _sparsity_layout(
     rank = meta[fmt.KEY_PRED_RANKS]
     if selection == fmt.SELECTION_PREDICTOR and rank == 0:
         fields.fail(f"layer {layer}: selection 'predictor' but no predictor (rank 0)")
+    check_layer_floats(fields, layer, meta)
     threshold = meta[fmt.KEY_THRESHOLDS]
-    if not threshold >= 0.0:
-        fields.fail(f"layer {layer}: threshold {threshold} is not a non-negative number")
-    freq = _tensor(fields, tensors, fmt.freq_tensor_name(layer), _F32, (n_ff,))
-    mag = _tensor(fields, tensors, fmt.magnitude_tensor_name(layer), _F32, (n_ff,))
+    freq = tensor(fields, tensors, fmt.freq_tensor_name(layer), _F32, (n_ff,))
+    mag = tensor(fields, tensors, fmt.magnitude_tensor_name(layer), _F32, (n_ff,))
+    check_statistics(fields, layer, freq, mag, n_ff)
     pred_in = pred_out = None
     if rank:
         if rank > n_embd:
             fields.fail(f"layer {layer}: predictor rank {rank} exceeds n_embd {n_embd}")
-        pred_in = _tensor(fields, tensors, fmt.predictor_in_tensor_name(layer), _F16, (n_embd, rank))
-        pred_out = _tensor(fields, tensors, fmt.predictor_out_tensor_name(layer), _F16, (rank, n_ff))
+        pred_in = tensor(fields, tensors, fmt.predictor_in_tensor_name(layer), _F16, (n_embd, rank))
+        pred_out = tensor(fields, tensors, fmt.predictor_out_tensor_name(layer), _F16, (rank, n_ff))
     return dataclasses.replace(
         layout,
         threshold=threshold,
@@ -547,23 +487,6 @@ def read_layer_vectors(info: SidecarInfo, layout: LayerLayout) -> dict[str, np.n
         out["pred_out"] = np.fromfile(path, dtype="<f2", count=n_ff * r,
                                       offset=layout.pred_out_offset).reshape(n_ff, r).astype(np.float32)
     return out
-
-
-def _tensor(
-    fields: _Fields, tensors: dict[str, TensorInfo], name: str, ggml_type: int, shape: tuple[int, ...]
-) -> TensorInfo:
-    """The tensor ``name``, checked for type, ggml shape and alignment (the header reader
-    has already checked that its data lies inside the file)."""
-    t = tensors.get(name)
-    if t is None:
-        fields.fail(f"tensor '{name}' is missing")
-    if t.ggml_type != ggml_type:
-        fields.fail(f"tensor '{name}' has ggml type {t.ggml_type}, expected {ggml_type}")
-    if t.shape != shape:
-        fields.fail(f"tensor '{name}' has ggml shape {list(t.shape)}, expected {list(shape)}")
-    if t.offset % fmt.SIDECAR_ALIGNMENT:
-        fields.fail(f"tensor '{name}' data at offset {t.offset} is not {fmt.SIDECAR_ALIGNMENT}-aligned")
-    return t
 
 
 def _describe_base(info: SidecarInfo) -> str:
