@@ -23,13 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
+from llamaflash.converters.writer import held
 from llamaflash.errors import ConversionError, LlamaflashError
 
 
 @contextmanager
 def measurement_sidecar(out: Path, write: Callable[[Path], object]) -> Iterator[Path]:
     """``write(path)`` a measurement sidecar at a hidden temporary path beside ``out``
-    (``.<out name>.quality-<pid>``), yield the path, and remove it afterwards whatever happens."""
+    (``.<out name>.quality-<pid>``), yield the path while holding its lock (in use, see
+    :func:`~llamaflash.converters.writer.held`), and remove it afterwards whatever happens."""
     path = out.with_name(f".{out.name}.quality-{os.getpid()}")
     try:
         try:
@@ -40,7 +42,8 @@ def measurement_sidecar(out: Path, write: Callable[[Path], object]) -> Iterator[
                 f"it failed ({exc.__cause__ or exc}); nothing was written. Check free disk space (one more "
                 "sidecar's size) and permissions, then retry, or measure with --quality-method emulated."
             ) from exc
-        yield path
+        with held(path):
+            yield path
     finally:
         path.unlink(missing_ok=True)
 

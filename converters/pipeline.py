@@ -35,7 +35,13 @@ from typing import Protocol, TextIO
 
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters.bundle import DEFAULT_DOWN_T, DOWN_T_CHOICES, BundleStage
-from llamaflash.converters.writer import PlannedTensor, SidecarPlan, write_sidecar_atomically
+from llamaflash.converters.writer import (
+    PlannedTensor,
+    SidecarPlan,
+    remove_stale_temporaries,
+    removing_temporaries_on_signal,
+    write_sidecar_atomically,
+)
 from llamaflash.errors import ConversionError, OutputExistsError
 from llamaflash.gguf_model import (
     BaseModelInfo,
@@ -134,7 +140,10 @@ def convert(
     modified. An existing output is refused unless ``force``
     (:class:`~llamaflash.errors.OutputExistsError`); texts too short for the model raise
     :class:`~llamaflash.errors.CalibrationError`. The sidecar appears under its final name
-    only when complete; on any failure nothing is left behind. With ``progress``, progress
+    only when complete; on any failure, SIGINT, SIGTERM or SIGHUP nothing is left behind
+    (:func:`~llamaflash.converters.writer.removing_temporaries_on_signal`), and temporaries left by
+    conversions that died in the same directory are removed first
+    (:func:`~llamaflash.converters.writer.remove_stale_temporaries`). With ``progress``, progress
     bars, one line per written layer and the report table go to stderr.
 
     ``options`` (a :class:`ConvertOptions`) and/or keyword ``settings`` (its field names)
@@ -161,6 +170,13 @@ def convert(
     stream = sys.stderr if progress else None
     _say(stream, f"llamaflash convert: {model_path} -> {out} "
                  f"({len(model.ffn_layers)} FFN layers, {model.architecture})")
+    _report_stale_temporaries(out, stream)
+    with removing_temporaries_on_signal(out):
+        return _convert(model_path, model, out, force, stream, opts, t_start)
+
+
+def _convert(model_path: Path, model: BaseModelInfo, out: Path, force: bool, stream: TextIO | None,
+             opts: ConvertOptions, t_start: float) -> Path:
     identity = base_identity(model_path, model)
     if not opts.profile:
         plan = plan_sidecar(model, identity, [BundleStage(down_t=opts.down_t_type)])
@@ -243,6 +259,19 @@ def _check_options(opts: ConvertOptions) -> None:
         raise ValueError(f"levels must lie in (0, 1): {opts.levels}")
     if opts.calib_tokens <= 0 or opts.valid_tokens <= 0:
         raise ValueError("calib_tokens and valid_tokens must be positive")
+
+
+def _report_stale_temporaries(out: Path, stream: TextIO | None) -> None:
+    """Remove the temporaries that dead conversions left in ``out``'s directory; say so on ``stream``,
+    and name those left in place because their process runs or they are in use."""
+    removed, kept = remove_stale_temporaries(out)
+    if removed:
+        names = ", ".join(f"{path.name} (process {pid})" for path, pid in removed)
+        _say(stream, f"llamaflash convert: removed {len(removed)} temporary file(s) left by conversions "
+                     f"that did not finish: {names}")
+    if kept:
+        names = ", ".join(f"{path.name} (process {pid})" for path, pid in kept)
+        _say(stream, f"llamaflash convert: left in place, in use by a running conversion: {names}")
 
 
 class _LayerProgress:

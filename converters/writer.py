@@ -7,12 +7,25 @@ stays at about one tensor however large the model. :func:`write_sidecar_atomical
 then writes the plan with ``gguf.GGUFWriter`` to a temporary file beside the target,
 fsyncs it and renames it into place; on any failure (including KeyboardInterrupt) the
 temporary file is removed and nothing appears under the target name.
+
+Temporary files of a conversion into ``out`` (all hidden, beside it, ``PID`` the converting
+process): ``.<out name>.tmp-PID`` (the sidecar being written), ``.<out name>.quality-PID`` (the
+engine's measurement sidecar) and ``..<out name>.quality-PID.tmp-PID`` (the same while written),
+``.<out name>.report.json.tmp-PID`` (the report). While a process writes or uses one it holds a
+shared ``flock`` on it. :func:`removing_temporaries_on_signal` removes the current process's on
+SIGINT, SIGTERM and SIGHUP; :func:`remove_stale_temporaries` removes those whose process is gone
+and whose lock nobody holds (a conversion killed with SIGKILL, or by a power cut).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import Callable, Sequence
+import re
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,9 +171,11 @@ def write_sidecar_atomically(
         )
     tmp_path = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     try:
-        _write_gguf(plan, tmp_path, progress)
-        _fsync_path(tmp_path)
-        os.replace(tmp_path, out_path)
+        tmp_path.write_bytes(b"")  # created first, so that it is locked (in use) while written
+        with held(tmp_path):
+            _write_gguf(plan, tmp_path, progress)
+            _fsync_path(tmp_path)
+            os.replace(tmp_path, out_path)
         _fsync_path(out_path.parent)
     except OSError as exc:
         tmp_path.unlink(missing_ok=True)
@@ -204,3 +219,135 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------------------
+# temporary files
+# --------------------------------------------------------------------------------------
+
+#: A hidden temporary of a conversion: one or two dots, the rest, then ``.tmp-PID`` or ``.quality-PID``.
+_TEMPORARY_RE = re.compile(r"^\.\.?(?P<rest>.+)\.(?:tmp|quality)-(?P<pid>\d+)$")
+
+
+@contextmanager
+def held(path: Path) -> Iterator[None]:
+    """Hold a shared ``flock`` on ``path`` (which must exist) for the block: the file is in use, and
+    :func:`remove_stale_temporaries` leaves it alone whatever its name's PID says."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def temporary_pid(name: str, out_name: str) -> int | None:
+    """The PID in ``name`` if it is a conversion temporary of ``out_name`` or of any ``*.flash.gguf``
+    output (module docstring), else None. Other hidden files are never taken for one."""
+    m = _TEMPORARY_RE.match(name)
+    if m is None:
+        return None
+    rest = m.group("rest")
+    if rest == out_name or rest.startswith(out_name + ".") or fmt.SIDECAR_SUFFIX in rest:
+        return int(m.group("pid"))
+    return None
+
+
+def own_temporaries(out: Path) -> list[Path]:
+    """This process's temporaries of a conversion into ``out`` that exist now."""
+    pid, found = os.getpid(), []
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return []
+    for entry in entries:
+        m = _TEMPORARY_RE.match(entry.name)
+        if m and int(m.group("pid")) == pid and (m.group("rest") == out.name
+                                                 or m.group("rest").startswith(out.name + ".")):
+            found.append(Path(entry.path))
+    return found
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _lock_is_free(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(out: Path) -> tuple[list[tuple[Path, int]], list[tuple[Path, int]]]:
+    """Remove the conversion temporaries in ``out``'s directory (of ``out`` or of any ``*.flash.gguf``)
+    left by processes that no longer exist and locked by nobody. Returns (removed, kept): each a list
+    of (path, PID); kept ones belong to a running process or are locked (in use)."""
+    removed: list[tuple[Path, int]] = []
+    kept: list[tuple[Path, int]] = []
+    try:
+        entries = sorted(os.scandir(out.parent), key=lambda e: e.name)
+    except OSError:
+        return removed, kept
+    for entry in entries:
+        pid = temporary_pid(entry.name, out.name)
+        if pid is None or not entry.is_file(follow_symlinks=False) or pid == os.getpid():
+            continue
+        path = Path(entry.path)
+        if _process_exists(pid) or not _lock_is_free(path):
+            kept.append((path, pid))
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append((path, pid))
+    return removed, kept
+
+
+@contextmanager
+def removing_temporaries_on_signal(out: Path) -> Iterator[None]:
+    """For the block: on SIGINT, SIGTERM or SIGHUP, remove this process's temporaries of a conversion
+    into ``out`` first; then SIGINT raises KeyboardInterrupt as usual, and SIGTERM/SIGHUP end the
+    process with their default action (status 128 + signal). A handler is installed only for a
+    signal whose disposition is Python's default (an application's own handler, or an ignored
+    signal, is left alone), and only in the main thread (the only one Python delivers signals to).
+    Removing the files in the handler itself, rather than by unwinding, also covers a signal that
+    arrives while llama.cpp calls back into Python, where an exception would be swallowed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum: int, frame) -> None:
+        for path in own_temporaries(out):
+            path.unlink(missing_ok=True)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
+                signal.SIGHUP: signal.SIG_DFL}
+    installed = []
+    for signum, default in defaults.items():
+        if signal.getsignal(signum) is default:
+            signal.signal(signum, on_signal)
+            installed.append((signum, default))
+    try:
+        yield
+    finally:
+        for signum, default in installed:
+            signal.signal(signum, default)
