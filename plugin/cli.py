@@ -388,7 +388,7 @@ def _generation_options(command):
         click.option("--ram-budget-mb", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="Flash offload: plan the whole process to fit in this many MiB (`llamaflash plan`)."),
         click.option("--n-ctx", type=click.IntRange(min=1), default=2048, show_default=True,
-                     help="Context size in tokens."),
+                     help="Context size in tokens (rounded up to a multiple of 256, as llama.cpp does)."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="llama.cpp threads (default: llama-cpp-python's, half the cores)."),
         click.option("--max-tokens", type=int, default=512, show_default=True,

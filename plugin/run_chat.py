@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO
 
 from .models_by_name import resolve_model
 
-#: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
-EXIT_INTERRUPTED = 130
+#: llama.cpp rounds the context size up to a multiple of this.
+CONTEXT_PAD = 256
 
 
 @dataclass
@@ -36,7 +36,11 @@ class LoadOptions:
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def llama_kwargs(self) -> Dict[str, Any]:
-        kwargs: Dict[str, Any] = {"n_ctx": self.n_ctx, "verbose": False, **self.extra}
+        # llama.cpp pads the context to a multiple of CONTEXT_PAD while llama-cpp-python sizes its token
+        # buffer by the n_ctx asked for: a prompt between the two fails inside llama-cpp-python
+        # ("could not broadcast ..."), so the size asked for is the padded one
+        n_ctx = -(-self.n_ctx // CONTEXT_PAD) * CONTEXT_PAD
+        kwargs: Dict[str, Any] = {"n_ctx": n_ctx, "verbose": False, **self.extra}
         if self.threads is not None:
             kwargs["n_threads"] = self.threads
         for key, value in (("sidecar_path", self.sidecar), ("flash_mode", self.flash_mode),
