@@ -15,7 +15,6 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO
 
 from .models_by_name import resolve_model

@@ -312,10 +312,11 @@ def serve(argv: Sequence[str]) -> None:
     try:
         scheme = "https" if server_settings.ssl_certfile else "http"
         host = f"[{server_settings.host}]" if ":" in server_settings.host else server_settings.host
-        say(f"llamaflash: listening on {scheme}://{host}:{port}{server_settings.root_path}/v1 "
-            f"({len(models)} model{'s' if len(models) != 1 else ''}: "
+        url = f"{scheme}://{host}:{port}{server_settings.root_path}/v1"
+        say(f"llamaflash: listening on {url} ({len(models)} model{'s' if len(models) != 1 else ''}: "
             f"{', '.join(m.model_alias or m.model for m in models)}); loading the first")
         app = create_app(server_settings, models)
+        say(f"llamaflash: serving the OpenAI-compatible API at {url} (Ctrl-C stops the server)")
         config = uvicorn.Config(app, host=server_settings.host, port=port, ssl_keyfile=server_settings.ssl_keyfile,
                                 ssl_certfile=server_settings.ssl_certfile)
         uvicorn.Server(config).run(sockets=[sock])
