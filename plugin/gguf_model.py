@@ -301,16 +301,19 @@ def _check_block_count(path: Path, header: GGUFHeader, key: str, n_layer: int,
     """Refuse a block count the tensors present cannot back.
 
     Every block has at least one tensor, so no file has more blocks than tensors. With ``strict``
-    (an architecture llamaflash serves, every one of whose blocks has ``blk.N.*`` tensors, as
-    llama.cpp's loader requires) the count must also not exceed the highest block index present
-    plus one, and be at least 1. The upper bounds keep later per-layer work proportional to the file's
+    (an architecture llamaflash serves: every block has ``blk.N.*`` tensors and every tensor is
+    used, as llama.cpp's loader requires) the count must equal the highest block index present plus
+    one, and be at least 1. The bounds keep later per-layer work proportional to the file's
     contents.
     """
     present = _count_blocks(locations)
-    limit = present if strict else len(header.tensors)
-    if not (1 if strict else 0) <= n_layer <= limit:
-        have = (f"tensors for blocks 0..{present - 1} only" if present else "no blk.N tensors") if strict \
-            else f"only {len(header.tensors)} tensors"
+    if strict:
+        bad = n_layer != present or present == 0
+        have = f"tensors for blocks 0..{present - 1}" if present else "no blk.N tensors"
+    else:
+        bad = n_layer > len(header.tensors)
+        have = f"only {len(header.tensors)} tensors"
+    if bad:
         raise BaseModelError(
             f"{path}: metadata '{key}' = {n_layer}, but the file has {have}; the metadata is "
             "corrupt (a flipped byte?). Download or copy the model again, or re-create the GGUF "

@@ -165,10 +165,11 @@ def assert_refused_everywhere(model: Path, sidecar: Path, *fragments: str) -> No
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [0xFFFFFFFF, 2 ^ 0xFF000000, 3, 0],
-                         ids=["all-ones", "top-byte-flipped", "one-too-many", "zero"])
+@pytest.mark.parametrize("value", [0xFFFFFFFF, 2 ^ 0xFF000000, 3, 1, 0],
+                         ids=["all-ones", "top-byte-flipped", "one-too-many", "one-too-few", "zero"])
 def test_implausible_block_count_is_refused_at_once(tiny_llama_q8_0, tmp_path, value, llama_must_not_start):
-    # the tiny model has blocks 0 and 1: any count but 2 has no tensors behind it (or none at all)
+    # the tiny model has blocks 0 and 1: a larger count has no tensors behind it, a smaller one leaves
+    # tensors llama.cpp would refuse as unused
     model = tmp_path / "model.gguf"
     shutil.copyfile(tiny_llama_q8_0, model)
     set_scalar(model, BLOCK_COUNT_KEY, value)
