@@ -438,6 +438,10 @@ def run(ctx: click.Context, model: str, prompt: str | None, raw: bool, sidecar, 
         llm = _load(model, sidecar, flash_mode, ram_budget_mb, n_ctx, threads)
         finished = run_chat.run_prompt(llm, prompt, raw=raw,
                                        sampling=run_chat.sampling_kwargs(max_tokens, temperature, seed))
+    except ValueError as e:
+        if "exceed context window" not in str(e):
+            raise
+        raise LlamaflashError(f"the prompt does not fit the context: {e}; use a larger --n-ctx") from e
     except KeyboardInterrupt:
         click.echo("\ninterrupted", err=True)
         ctx.exit(EXIT_INTERRUPTED)

@@ -315,7 +315,12 @@ def serve(argv: Sequence[str]) -> None:
         url = f"{scheme}://{host}:{port}{server_settings.root_path}/v1"
         say(f"llamaflash: listening on {url} ({len(models)} model{'s' if len(models) != 1 else ''}: "
             f"{', '.join(m.model_alias or m.model for m in models)}); loading the first")
-        app = create_app(server_settings, models)
+        try:
+            app = create_app(server_settings, models)
+        except ValueError as e:  # llama.cpp cannot load the file, or llamaflash.Llama refused a setting
+            if isinstance(e, LlamaflashError):
+                raise
+            raise LlamaflashError(f"loading {models[0].model_alias or models[0].model}: {e}") from e
         say(f"llamaflash: serving the OpenAI-compatible API at {url} (Ctrl-C stops the server)")
         config = uvicorn.Config(app, host=server_settings.host, port=port, ssl_keyfile=server_settings.ssl_keyfile,
                                 ssl_certfile=server_settings.ssl_certfile)
