@@ -43,6 +43,7 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -57,6 +58,7 @@ from . import gguf_model
 from . import lane_decision
 from . import offload
 from .errors import FlashIoError, LlamaflashError, SidecarNotFoundError
+from .flash_io import ENGINES
 from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
 
 FLASH_MODES = ("auto", "dense", "sparse")
@@ -102,6 +104,32 @@ def _default_decision(info: SidecarInfo, sidecar: Path, kwargs: Dict[str, Any]) 
             lane_decision.STOCK, False, "running as stock: the sidecar has no sparsity thresholds, so nothing "
             "can be skipped (flash_mode='dense' is exact but not faster; re-convert for the sparse lane)")
     return lane_decision.stored_decision(sidecar)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens, flash_dense_up, ram_budget_mb,
+                          flash_io_engine, flash_stream_gate) -> None:
+    """Every llamaflash argument's type and range, before anything is read: a ValueError naming the
+    argument, the value given and what is accepted."""
+    if sidecar_path is not None and not isinstance(sidecar_path, (str, os.PathLike)):
+        raise ValueError(f"sidecar_path={sidecar_path!r} must be a path (str or os.PathLike) or None")
+    if ram_budget_mb is not None and not (_is_number(ram_budget_mb) and ram_budget_mb > 0):
+        raise ValueError(f"ram_budget_mb={ram_budget_mb!r} must be a positive, finite number of MiB (e.g. 900), "
+                         f"or None for no budget")
+    if flash_sparsity is not None and not (_is_number(flash_sparsity) and 0 <= flash_sparsity < 1):
+        raise ValueError(f"flash_sparsity={flash_sparsity!r} must be a number in [0, 1) (a level the converter "
+                         f"calibrated, e.g. 0.3), or None for the sidecar's operating point")
+    if flash_max_sparse_tokens is not None and (isinstance(flash_max_sparse_tokens, bool)
+                                                or not isinstance(flash_max_sparse_tokens, int)):
+        raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens!r} must be an integer >= 1, or None")
+    for name, value in (("flash_dense_up", flash_dense_up), ("flash_stream_gate", flash_stream_gate)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True, False or None")
+    if flash_io_engine not in ENGINES:
+        raise ValueError(f"flash_io_engine={flash_io_engine!r} must be one of {', '.join(ENGINES)}")
 
 
 def _resolve_mode(flash_mode: Optional[str]) -> str:
@@ -181,6 +209,8 @@ class Llama(llama_cpp.Llama):
                             "flash_max_sparse_tokens": flash_max_sparse_tokens, "flash_dense_up": flash_dense_up,
                             "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine,
                             "flash_stream_gate": flash_stream_gate, "flash_disk_profile": flash_disk_profile}
+        _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens, flash_dense_up, ram_budget_mb,
+                              flash_io_engine, flash_stream_gate)
         if flash_max_sparse_tokens < 1:
             raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens} must be >= 1")
         if ram_budget_mb is None and (flash_stream_gate is not None or flash_disk_profile is not None):

@@ -89,6 +89,19 @@ def test_bad_arguments(pair, llama_must_not_start):
     # flash offload: budgets it cannot honour are refused before llama.cpp starts
     with pytest.raises(ValueError, match="ram_budget_mb"):
         llamaflash.Llama(model_path=str(model), ram_budget_mb=0)
+    # wrong types and ranges: a ValueError naming the argument and what it accepts, never a TypeError
+    for bad, match in [(dict(ram_budget_mb="abc"), r"ram_budget_mb='abc' must be a positive, finite number"),
+                       (dict(ram_budget_mb=float("inf")), "ram_budget_mb=inf must be a positive, finite"),
+                       (dict(ram_budget_mb=True), "ram_budget_mb=True"),
+                       (dict(flash_sparsity="0.3"), r"flash_sparsity='0.3' must be a number in \[0, 1\)"),
+                       (dict(flash_sparsity=1.5), r"flash_sparsity=1.5 must be a number in \[0, 1\)"),
+                       (dict(flash_max_sparse_tokens=2.5), "flash_max_sparse_tokens=2.5 must be an integer"),
+                       (dict(flash_dense_up="yes"), "flash_dense_up='yes' must be True, False or None"),
+                       (dict(flash_stream_gate=1), "flash_stream_gate=1 must be True, False or None"),
+                       (dict(flash_io_engine="aio"), "flash_io_engine='aio' must be one of auto, io_uring, pool"),
+                       (dict(sidecar_path=3), "sidecar_path=3 must be a path")]:
+        with pytest.raises(ValueError, match=match):
+            llamaflash.Llama(model_path=str(model), **bad)
     with pytest.raises(ValueError, match="ram_budget_mb needs the sparse lane"):
         llamaflash.Llama(model_path=str(model), ram_budget_mb=700, flash_mode="dense")
     with pytest.raises(llamaflash.errors.RamBudgetError, match=r"below the minimum of \d+ MiB"):
