@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pty
+import signal
 import select
 import socket
 import subprocess
@@ -218,6 +219,9 @@ def test_chat_ctrl_c_stops_the_reply_then_quits_at_an_empty_prompt(smollm2_sidec
     _, sidecar = smollm2_sidecar
     pid, fd = pty.fork()
     if pid == 0:  # the child: llamaflash chat on the terminal
+        # a test run started in the background (`&`, nohup) hands SIGINT down ignored, and an ignored
+        # signal stays ignored across exec: the terminal's Ctrl-C must reach the chat as a user's would
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
         os.execv(sys.executable, [*LLAMAFLASH, "chat", "smollm2-135m", "--sidecar", str(sidecar),
                                   "--max-tokens", "0", "--n-ctx", "2048", "--temperature", "0"])

@@ -65,6 +65,14 @@ def hidden(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
 
 
+def _default_signal_dispositions() -> None:
+    """In the child before exec: a test run started in the background (`&`, nohup) hands SIGINT and
+    SIGHUP down ignored, and convert rightly leaves an ignored signal ignored; the conversion under
+    test must see the signals as a foreground command would."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def start_paused(model: Path, phase: str) -> tuple[subprocess.Popen, Path]:
     """A child converting ``model`` that pauses in ``phase``; returns it and the temporary it paused
     with (which exists)."""
@@ -72,7 +80,8 @@ def start_paused(model: Path, phase: str) -> tuple[subprocess.Popen, Path]:
     marker.unlink(missing_ok=True)
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(model), phase, str(marker)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=_default_signal_dispositions)
     t0 = time.monotonic()
     while not marker.exists():
         if child.poll() is not None:

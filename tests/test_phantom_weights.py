@@ -69,7 +69,7 @@ def test_reading_a_phantom_weight_aborts_loudly(big_fixture):
     code = f"""
         import llamaflash
         from llamaflash import _native
-        llm = llamaflash.Llama(model_path={str(big_fixture)!r}, n_ctx=64, verbose=False)
+        llm = llamaflash.Llama(model_path={str(big_fixture)!r}, flash_mode="dense", n_ctx=64, verbose=False)
         _native._read_phantom_weight_for_tests()
         print("returned garbage")
     """
