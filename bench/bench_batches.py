@@ -60,7 +60,8 @@ def main() -> int:
     ap.add_argument("--sidecar", required=True, help="format-2 sidecar of the model (llamaflash convert)")
     ap.add_argument("--configs", default="stock,dense,sparse")
     ap.add_argument("--evals", type=int, default=12)
-    ap.add_argument("--text", default=str(Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"))
+    ap.add_argument("--text", default=None, help="text to tokenize for the batches (default: the registry's "
+                    "held-out Shakespeare)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     model = args.model
@@ -68,6 +69,10 @@ def main() -> int:
         from llamaflash import assets
 
         model = str(assets.fetch_model(model))
+    if args.text is None:
+        from llamaflash import assets
+
+        args.text = str(assets.fetch_text("shakespeare"))
     if args.worker:
         worker(args.worker, model, args.sidecar, args.evals, args.text)
         return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""In-memory benchmark: stock llama-cpp-python vs llamaflash, same run (DESIGN.md section 8).
+"""In-memory benchmark: stock llama-cpp-python vs llamaflash, same run.
 
     python bench/bench_inmemory.py --model smollm2-135m --reps 3 --n-gen 64 --threads 2 \\
         --prompt-tokens 205 --configs stock,dense [--json out.json]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark under memory limits: stock llama-cpp-python vs llamaflash (DESIGN.md sections 3 and 8).
+"""Benchmark under memory limits: stock llama-cpp-python vs llamaflash.
 
     python bench/bench_memlimit.py --model qwen2.5-coder-1.5b --limits 1400 1100 900 700 \\
         --configs stock,llamaflash --reps 2 --threads 2 [--json out.json] [--png out.png]

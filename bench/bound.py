@@ -1,4 +1,4 @@
-"""The decode bound (DESIGN §8): bytes that must move per generated token ÷ measured bandwidth.
+"""The decode bound: bytes that must move per generated token ÷ measured bandwidth.
 
 Decode of one token reads every weight matrix once (a GEMV each), except the token embedding, of
 which it reads one row (unless the output projection is tied to it: then lm_head reads all of it).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Flash-offload planning bound from a sidecar's neuron statistics (issue 5 groundwork).
+"""Flash-offload planning bound from a sidecar's neuron statistics.
 
 For a static hot-neuron cache of a given size (split evenly over the served layers, each layer
 keeping its most frequently active neurons' up + down_t rows), the expected hit rate is the share

@@ -1,4 +1,4 @@
-"""Shared pieces of the llamaflash benchmarks in bench/ (DESIGN.md section 8).
+"""Shared pieces of the llamaflash benchmarks in bench/.
 
 The plumbing (prompt text, model resolution, machine description, the worker runner, medians,
 greedy agreement, JSON) lives in the package, :mod:`llamaflash.benchkit`, so that the

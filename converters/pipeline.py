@@ -1,6 +1,6 @@
 """``convert``: base model GGUF → llamaflash sidecar, through converter stages.
 
-The pipeline (``docs/SIDECAR.md``, DESIGN.md §4/§5):
+The pipeline (``docs/SIDECAR.md``):
 
 1. validate the base model, refuse an existing output (unless ``force``) — before any work;
 2. read the calibration text (default: the registry's calibration corpus) and the validation

@@ -120,7 +120,7 @@ public:
     FlashModel(const FlashModel &) = delete;
     FlashModel & operator=(const FlashModel &) = delete;
 
-    // Flash offload (issue 5; flash_model_offload.cpp). set_offload_layout(true) before
+    // Flash offload (flash_model_offload.cpp). set_offload_layout(true) before
     // load_dense_weights() places the dense weights for a RAM budget: gate as resident anonymous
     // memory (repacked when the CPU backend repacks it, else a plain copy: gate-first selection needs
     // every gate row every token), up and down as views into the base file (page cache, only touched

@@ -1,4 +1,4 @@
-// neuron_cache.h — the flash-offload neuron cache (issue 5): the up and down_t rows of the served
+// neuron_cache.h — the flash-offload neuron cache: the up and down_t rows of the served
 // layers live on flash and come into fixed-size RAM slots by direct I/O, one neuron *cluster* per slot.
 //
 // Units. A cluster is C consecutive neurons of one layer (cluster c = neurons [c·C, min((c+1)·C, n_ff))),

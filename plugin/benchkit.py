@@ -1,4 +1,4 @@
-"""Benchmark plumbing shared by ``bench/*.py`` and ``llamaflash bench`` (DESIGN.md section 8).
+"""Benchmark plumbing shared by ``bench/*.py`` and ``llamaflash bench``.
 
 - the fixed English prompt text (tokenised by a worker and truncated to exactly N tokens, so every
   configuration sees identical token ids);

@@ -1,5 +1,5 @@
 """Benchmark under a memory limit: stock llama.cpp and llamaflash, each run in its own process inside a
-fresh memory cgroup of the same limit (DESIGN.md sections 3 and 8; issue 5, item 5).
+fresh memory cgroup of the same limit.
 
 The limit covers the whole process *and* the page cache it faults in: a cgroup (v1 memory
 controller) charges a page-cache page to the group whose process first brought it in.  Pages that

@@ -1,4 +1,4 @@
-"""Flash offload glue for `llamaflash.Llama` (issue 5): a planner's `OffloadPlan` applied to the native
+"""Flash offload glue for `llamaflash.Llama`: a planner's `OffloadPlan` applied to the native
 model, and the per-token statistics it reports.
 
 Order of operations (what `Llama(..., ram_budget_mb=N)` does):

@@ -384,7 +384,7 @@ PYBIND11_MODULE(_native, m) {
     });
 
     // ---------------------------------------------------------------------------------------------
-    // sparse FFN kernel (issue 4): test and benchmark bindings; the backend does not go through these
+    // sparse FFN kernel: test and benchmark bindings; the backend does not go through these
     py::class_<SparseFfnKernelPy>(m, "SparseFfnKernel",
                                   "One layer's sparse FFN kernel over bundles/down_t buffers it keeps alive.")
         .def(py::init<const py::object &, size_t, int, int, size_t, size_t, const py::object &, int, size_t, int64_t,
