@@ -35,8 +35,8 @@ DEMO_CONVERT = dict(sparsity=0.3, levels=(0.3,), ranks=(16,), selection="gate", 
 
 
 def demo_sidecar_path(model: Path) -> Path:
-    return default_sidecar_path(model).with_name(default_sidecar_path(model).name.replace(".flash.gguf",
-                                                                                          ".demo.flash.gguf"))
+    full = default_sidecar_path(model)
+    return full.with_name(full.name.replace(".flash.gguf", ".demo.flash.gguf"))
 
 
 def find_or_convert_sidecar(model: Path, echo: Callable[[str], None]) -> Path:

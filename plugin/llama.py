@@ -122,9 +122,9 @@ def _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens,
     if flash_sparsity is not None and not (_is_number(flash_sparsity) and 0 <= flash_sparsity < 1):
         raise ValueError(f"flash_sparsity={flash_sparsity!r} must be a number in [0, 1) (a level the converter "
                          f"calibrated, e.g. 0.3), or None for the sidecar's operating point")
-    if flash_max_sparse_tokens is not None and (isinstance(flash_max_sparse_tokens, bool)
-                                                or not isinstance(flash_max_sparse_tokens, int)):
-        raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens!r} must be an integer >= 1, or None")
+    if isinstance(flash_max_sparse_tokens, bool) or not isinstance(flash_max_sparse_tokens, int) or \
+            flash_max_sparse_tokens < 1:
+        raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens!r} must be an integer >= 1")
     for name, value in (("flash_dense_up", flash_dense_up), ("flash_stream_gate", flash_stream_gate)):
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be True, False or None")
@@ -211,8 +211,6 @@ class Llama(llama_cpp.Llama):
                             "flash_stream_gate": flash_stream_gate, "flash_disk_profile": flash_disk_profile}
         _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens, flash_dense_up, ram_budget_mb,
                               flash_io_engine, flash_stream_gate)
-        if flash_max_sparse_tokens < 1:
-            raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens} must be >= 1")
         if ram_budget_mb is None and (flash_stream_gate is not None or flash_disk_profile is not None):
             raise ValueError("flash_stream_gate and flash_disk_profile are flash-offload settings: pass ram_budget_mb "
                              "too, or leave them unset")
@@ -221,8 +219,6 @@ class Llama(llama_cpp.Llama):
                 raise ValueError(
                     "ram_budget_mb needs the sparse lane (flash offload reads only the active neurons' rows); "
                     "use flash_mode='sparse' or leave flash_mode unset, or drop ram_budget_mb for the dense lane")
-            if ram_budget_mb <= 0:
-                raise ValueError(f"ram_budget_mb={ram_budget_mb} must be a positive number of MiB")
             self._flash_mode = OFFLOAD_MODE
 
         # ggml logs through llama-cpp-python's callback, filtered by its verbosity: set it before
@@ -252,7 +248,7 @@ class Llama(llama_cpp.Llama):
                 return
             self._flash_mode = "sparse"
         thresholds = None
-        if self._flash_mode in ("sparse", "auto", OFFLOAD_MODE):
+        if self._flash_mode in ("sparse", OFFLOAD_MODE):
             thresholds = sparsity_thresholds(info, flash_sparsity)
         flash = _native.FlashModel([layer.to_dict() for layer in info.layers], str(sidecar), os.fspath(model_path))
         if self._flash_mode == OFFLOAD_MODE:
