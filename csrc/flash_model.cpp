@@ -150,7 +150,7 @@ void FlashModel::load_dense_weights() {
         for (int kind = 0; kind < 3; ++kind) {
             ggml_tensor * t = kind == 0 ? gate : kind == 1 ? up : down;
             weights_.push_back(t);
-            ggml_backend_buffer_type_t buft = pick_cpu_weight_buft(t);
+            ggml_backend_buffer_type_t buft = repack_ ? pick_cpu_weight_buft(t) : plain;
             if (offload_layout_) {  // gate resident (or streamed), up and down streamed from the base file
                 if (kind == 0 && !stream_gate_) {
                     copies[buft].push_back(t);
@@ -480,6 +480,14 @@ void FlashModel::count_sparse_call(int layer, const int32_t * active_counts, int
     layer_active_[it->second].fetch_add(active, std::memory_order_relaxed);
 }
 
+void FlashModel::count_draft_split(int layer, int64_t n_tokens, double seconds) {
+    draft_splits_.fetch_add(1, std::memory_order_relaxed);
+    draft_ns_.fetch_add(static_cast<uint64_t>(seconds * 1e9), std::memory_order_relaxed);
+    if (layer == first_layer()) {
+        draft_tokens_.fetch_add(static_cast<uint64_t>(n_tokens), std::memory_order_relaxed);
+    }
+}
+
 ggml_tensor * FlashModel::dense_weight(int layer, FfnWeightKind kind) const {
     auto it = index_.find(layer);
     if (it == index_.end() || !dense_loaded_) {
@@ -524,6 +532,9 @@ FlashStatsSnapshot FlashModel::stats() const {
     s.sparse_lane_calls = sparse_calls_.load();
     s.sparse_fallbacks = sparse_fallbacks_.load();
     s.sparse_seconds = static_cast<double>(sparse_ns_.load()) * 1e-9;
+    s.draft_splits = draft_splits_.load();
+    s.draft_tokens = draft_tokens_.load();
+    s.draft_seconds = static_cast<double>(draft_ns_.load()) * 1e-9;
     for (size_t li = 0; li < layers_.size(); ++li) {
         s.layer_ids.push_back(layers_[li].layer);
         s.layer_sparse_tokens.push_back(layer_active_ ? layer_sparse_tokens_[li].load() : 0);
@@ -542,6 +553,9 @@ void FlashModel::reset_stats() {
     sparse_calls_ = 0;
     sparse_fallbacks_ = 0;
     sparse_ns_ = 0;
+    draft_splits_ = 0;
+    draft_tokens_ = 0;
+    draft_ns_ = 0;
     for (size_t li = 0; layer_active_ && li < layers_.size(); ++li) {
         layer_sparse_tokens_[li] = 0;
         layer_active_[li] = 0;

@@ -68,6 +68,9 @@ struct FlashStatsSnapshot {
     uint64_t sparse_lane_calls = 0;   // splits whose FFN ran on the sparse lane
     uint64_t sparse_fallbacks = 0;    // splits of sparse layers that had to run dense (pattern not plain GLU)
     double   sparse_seconds = 0;      // wall time in the sparse lane's graph computes (gate GEMV + kernel)
+    uint64_t draft_splits = 0;        // draft-mode splits (FlashModel::set_draft)
+    uint64_t draft_tokens = 0;        // draft tokens through the first served layer
+    double   draft_seconds = 0;       // wall time in draft-mode graph computes
     std::vector<int> layer_ids;                // served layers, in the order of the vectors below
     std::vector<uint64_t> layer_sparse_tokens; // tokens computed sparsely per layer
     std::vector<uint64_t> layer_active;        // Σ over those tokens of the active neuron count
@@ -149,10 +152,23 @@ public:
     // Python layer can raise it after llama_decode reports the failed compute.
     void set_error(const std::string & message);
     std::string take_error();
+    // Draft mode (offload only): while set, the sparse lane computes each decode split from the
+    // clusters resident in the neuron cache only (NeuronCache::plan_resident): no flash read, no
+    // wait, the cache untouched; the skipped clusters' terms are dropped, so the outputs are an
+    // approximation of the model, for drafting tokens that exact passes then verify. Set by the
+    // caller around its draft evaluations (one evaluation at a time per model).
+    void set_draft(bool draft) { draft_.store(draft, std::memory_order_release); }
+    bool draft() const { return draft_.load(std::memory_order_acquire); }
 
     // Reads every served layer's weights into ggml CPU buffers (repacked buffer types where the CPU
     // backend offers one for the weight, as stock llama.cpp does). Throws IoError / std::runtime_error.
     void load_dense_weights();
+    // Before load_dense_weights: false = every weight in plain CPU memory, never in a repacked layout,
+    // as llama.cpp with use_extra_bufts = false. ggml-cpu's repacked kernels compute a batch of 4+
+    // rows with another summation order than one row; plain ones give each row the same bits
+    // whatever the batch (what a speculative verify batch needs to equal one-token decoding).
+    void set_repack(bool repack) { repack_ = repack; }
+    bool repack() const { return repack_; }
     bool dense_loaded() const { return dense_loaded_; }
 
     bool serves_layer(int layer) const { return index_.count(layer) != 0; }
@@ -203,6 +219,8 @@ public:
     void count_dense_call() { dense_calls_.fetch_add(1, std::memory_order_relaxed); }
     void count_sparse_call(int layer, const int32_t * active_counts, int64_t n_tokens, double seconds);
     void count_sparse_fallback() { sparse_fallbacks_.fetch_add(1, std::memory_order_relaxed); }
+    // a draft-mode split (see set_draft): counted apart from the exact passes' statistics
+    void count_draft_split(int layer, int64_t n_tokens, double seconds);
     FlashStatsSnapshot stats() const;
     void reset_stats();
 
@@ -230,8 +248,10 @@ private:
     FfnActivation activation_ = FfnActivation::silu;
     std::unique_ptr<std::atomic<uint64_t>[]> layer_sparse_tokens_, layer_active_;
     std::atomic<uint64_t> sparse_calls_{0}, sparse_fallbacks_{0}, sparse_ns_{0};
+    std::atomic<uint64_t> draft_splits_{0}, draft_tokens_{0}, draft_ns_{0};
     size_t copied_bytes_ = 0;
     bool dense_loaded_ = false;
+    bool repack_ = true;
     bool offload_layout_ = false;
     std::unique_ptr<NeuronCache> cache_;
     struct StreamedRegion {
@@ -242,6 +262,7 @@ private:
     std::map<int, StreamedRegion> gate_streamed_;          // layer -> its gate view (stream_gate)
     bool stream_gate_ = false;
     std::unique_ptr<FileReader> base_file_;                // for dropping streamed pages
+    std::atomic<bool> draft_{false};
     std::mutex error_mutex_;
     std::string error_;
 

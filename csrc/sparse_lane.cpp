@@ -54,7 +54,17 @@ struct OffloadPhases {
         if (ith != 0) return;
         try {
             sparse_ffn_needed_clusters(lane.scratch_, lane.needed_.data());
-            lane.cache_->plan(lane.cache_layer_, lane.needed_.data(), lane.plan_);
+            if (lane.cache_ == nullptr) {  // in memory: every needed cluster is ready
+                lane.plan_.ready.clear();
+                lane.plan_.pending.clear();
+                for (size_t c = 0; c < lane.needed_.size(); ++c) {
+                    if (lane.needed_[c]) lane.plan_.ready.push_back(static_cast<int32_t>(c));
+                }
+            } else if (lane.draft_) {
+                lane.cache_->plan_resident(lane.cache_layer_, lane.needed_.data(), lane.plan_);
+            } else {
+                lane.cache_->plan(lane.cache_layer_, lane.needed_.data(), lane.plan_);
+            }
         } catch (const std::exception & e) {
             lane.fail(e.what());
         }
@@ -72,7 +82,7 @@ struct OffloadPhases {
     }
     static void wait_reads(ggml_tensor *, int ith, int, void * userdata) {
         SparseLane & lane = *static_cast<SparseLane *>(userdata);
-        if (ith != 0 || lane.failed_.load(std::memory_order_acquire)) return;
+        if (ith != 0 || lane.cache_ == nullptr || lane.draft_ || lane.failed_.load(std::memory_order_acquire)) return;
         try {
             lane.cache_->wait(lane.cache_layer_);
         } catch (const std::exception & e) {
@@ -83,7 +93,7 @@ struct OffloadPhases {
         accumulate(userdata, &NeuronCache::LayerPlan::pending, ith, nth);
     }
     static void reduce(ggml_tensor *, int ith, int nth, void * userdata) {
-        sparse_ffn_reduce(static_cast<SparseLane *>(userdata)->scratch_, ith, nth);
+        sparse_ffn_reduce_clusters(static_cast<SparseLane *>(userdata)->scratch_, ith, nth);
     }
 };
 
@@ -204,6 +214,7 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     counts_.assign(static_cast<size_t>(n_tokens), 0);
     io_.active_counts = counts_.data();
     cache_ = ffn.model->neuron_cache();
+    draft_ = cache_ != nullptr && ffn.model->draft();
     if (cache_ != nullptr) {
         if (gate == nullptr || up != nullptr) {
             throw std::invalid_argument("flash offload needs the gate values from ggml and the up rows from the cache");
@@ -219,11 +230,18 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
         layer_.up_slots = plan_.up.data();
         layer_.down_t_slots = plan_.down_t.data();
     }
+    // With gate values from ggml (and u from the kernel) the split runs cluster by cluster and y is
+    // reduced in cluster order, in memory as in offload: the same bits whether the rows come from
+    // the mapping or from the neuron cache (sparse_ffn.h, cluster phase).
+    const bool by_cluster = cache_ != nullptr || (gate != nullptr && up == nullptr);
+    if (by_cluster && cache_ == nullptr) {
+        needed_.assign(static_cast<size_t>((layer_.n_ff + cluster_size - 1) / cluster_size), 0);
+    }
     sparse_ffn_begin(layer_, params_, io_, scratch_);
     model_ = ffn.model;
     layer_id_ = ffn.layer;
-    if (cache_ != nullptr) {
-        append_offload(ctx, graph, ffn, x_leaf, gate);
+    if (by_cluster) {
+        append_by_cluster(ctx, graph, ffn, x_leaf, gate);
         return;
     }
 
@@ -253,7 +271,7 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     ggml_build_forward_expand(graph, y);
 }
 
-void SparseLane::append_offload(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
+void SparseLane::append_by_cluster(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
                                 ggml_tensor * x_leaf, ggml_tensor * gate) {
     using Phase = void (*)(ggml_tensor *, int, int, void *);
     const Phase phases[4] = {OffloadPhases::accumulate_ready, OffloadPhases::wait_reads,
@@ -282,7 +300,9 @@ void SparseLane::append_offload(ggml_context * ctx, ggml_cgraph * graph, const G
 }
 
 void SparseLane::account(double seconds) {
-    if (model_ != nullptr) {
+    if (model_ != nullptr && draft_) {
+        model_->count_draft_split(layer_id_, static_cast<int64_t>(counts_.size()), seconds);
+    } else if (model_ != nullptr) {
         model_->count_sparse_call(layer_id_, counts_.data(), static_cast<int64_t>(counts_.size()), seconds);
         model_->count_ffn_eval(layer_id_, static_cast<int64_t>(counts_.size()));
     }

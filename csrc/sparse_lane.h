@@ -18,8 +18,11 @@
 // ggml's graph executor puts a barrier between consecutive nodes, which is exactly what the kernel's
 // phase API needs (sparse_ffn.h); the phases run on the context's threads, no extra fork/join.
 //
-// Flash offload (the model has a neuron cache, neuron_cache.h): the kernel's rows are the cache's
-// slots, and the accumulate phase is cut where the flash reads are waited for:
+// By cluster (flash offload; in memory too when g comes from ggml and u from the kernel): the
+// kernel's cluster phase, y reduced in cluster order, so in-memory and offload results are the same
+// bits. In offload the kernel's rows are the neuron cache's slots (neuron_cache.h), and the
+// accumulate phase is cut where the flash reads are waited for (in memory every needed cluster is
+// ready and the wait is empty):
 //   g    = MUL_MAT(resident gate, x)   as above (required)
 //   q    = CUSTOM(x, g)                phase 1, then (thread 0) the clusters holding an active neuron
 //                                      are planned: resident ones ready, missing ones read (async)
@@ -28,6 +31,11 @@
 //   a2   = CUSTOM(w)                   accumulate the clusters that just arrived
 //   y'   = CUSTOM(a2)                  phase 3 as above
 // A failed read fails the compute (failure() says why); no cluster is computed from a failed read.
+// In draft mode (FlashModel::draft) the plan is NeuronCache::plan_resident: only resident clusters,
+// no read and no wait; the result is an approximation used to draft tokens.
+// y is reduced in ascending cluster order (sparse_ffn_reduce_clusters), so a token's result does not
+// depend on which clusters were resident, on read timing, or on the other tokens of the batch: a
+// verify batch of k tokens gives each token what decoding it alone gives.
 //
 // Anything else (another op in the split, a fused gate_up weight, GEGLU_ERF, bias adds, batches
 // over max_tokens) is left to the dense lane, which stays bit-identical to stock llama.cpp.
@@ -78,7 +86,7 @@ public:
     std::string take_failure();
 
 private:
-    void append_offload(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn, ggml_tensor * x_leaf,
+    void append_by_cluster(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn, ggml_tensor * x_leaf,
                         ggml_tensor * gate);
     void fail(const std::string & message);
 
@@ -95,6 +103,7 @@ private:
     NeuronCache * cache_ = nullptr;
     int cache_layer_ = -1;  // position of the layer in the cache
     NeuronCache::LayerPlan plan_;
+    bool draft_ = false;    // FlashModel::draft() when the nodes were appended
     std::vector<uint8_t> needed_;
     std::atomic<bool> failed_{false};
     std::string failure_;

@@ -292,6 +292,9 @@ PYBIND11_MODULE(_native, m) {
             d["sparse_lane_calls"] = s.sparse_lane_calls;
             d["sparse_fallbacks"] = s.sparse_fallbacks;
             d["sparse_seconds"] = s.sparse_seconds;
+            d["draft_splits"] = s.draft_splits;
+            d["draft_tokens"] = s.draft_tokens;
+            d["draft_seconds"] = s.draft_seconds;
             d["layer_ids"] = s.layer_ids;
             d["layer_sparse_tokens"] = s.layer_sparse_tokens;
             d["layer_active_neurons"] = s.layer_active;

@@ -42,6 +42,9 @@ py::dict cache_stats(const NeuronCacheStats & s) {
     d["hot_bytes_loaded"] = s.hot_bytes_loaded;
     d["io_wait_seconds"] = s.io_wait_seconds;
     d["plan_seconds"] = s.plan_seconds;
+    d["draft_plans"] = s.draft_plans;
+    d["draft_clusters_needed"] = s.draft_clusters_needed;
+    d["draft_clusters_resident"] = s.draft_clusters_resident;
     d["hot_slots"] = s.hot_slots;
     d["cold_slots"] = s.cold_slots;
     d["slot_bytes"] = s.slot_bytes;
@@ -136,6 +139,11 @@ void bind_offload(py::module_ & m) {
                  }
              },
              "Raise FlashIoError when the model or sidecar changed on disk since the cache opened them.")
+        .def_property("repack", &FlashModel::repack, &FlashModel::set_repack,
+                      "Before load_dense_weights: False keeps every weight in plain (not repacked) CPU memory.")
+        .def_property("draft", &FlashModel::draft, &FlashModel::set_draft,
+                      "Draft mode (offload): decode splits use only the clusters resident in the neuron cache "
+                      "(no flash read, the cache untouched); an approximation, for drafting tokens.")
         .def("take_error", &FlashModel::take_error,
              "The error that failed the last graph compute (an I/O error in the offload lane), cleared; '' if none.");
 }
