@@ -105,12 +105,17 @@ class DraftLength:
     drafts k tokens delivers E(k) = (1 - a^(k+1)) / (1 - a) tokens on average and costs
     T(k) = verify(1 + k) + k · draft_step, with verify(n) = v0 + v1 · n fitted from measured passes
     (running means over batch sizes) and draft_step measured. k = argmax over 0..k_max of E(k) / T(k).
-    Until there are measurements the source drafts k_max (optimistic: measuring needs drafts)."""
+    Until there are measurements the source drafts k_max (optimistic: measuring needs drafts); while
+    k = 0 wins, every EXPLORE_EVERY-th pass drafts one token anyway, so that a source that starts to
+    predict (the text turns repetitive) is noticed."""
+
+    EXPLORE_EVERY = 16
 
     def __init__(self, k_max: int, prior_accept: float = 0.6) -> None:
         self.k_max = k_max
         self.accept_num, self.accept_den = prior_accept * 4, 4.0  # a 4-token prior
         self.draft_step_seconds = 0.0
+        self.idle = 0  # consecutive passes with k = 0
 
     @property
     def acceptance(self) -> float:
@@ -124,7 +129,7 @@ class DraftLength:
             step = draft_seconds / drafted
             self.draft_step_seconds = step if self.draft_step_seconds == 0 else 0.8 * self.draft_step_seconds + 0.2 * step
 
-    def choose(self, verify: "VerifyCost") -> int:
+    def choose(self, verify: "VerifyCost", explore: bool = True) -> int:
         a = min(self.acceptance, 0.999)
         best_k, best_rate = 0, 0.0
         for k in range(0, self.k_max + 1):
@@ -135,6 +140,15 @@ class DraftLength:
             rate = delivered / cost
             if rate > best_rate * 1.0001:
                 best_k, best_rate = k, rate
+        if not explore:
+            return best_k
+        if best_k == 0:
+            self.idle += 1
+            if self.idle >= self.EXPLORE_EVERY:
+                self.idle = 0
+                return 1
+        else:
+            self.idle = 0
         return best_k
 
 
@@ -245,10 +259,10 @@ class Speculator:
                 return "self_draft", np.asarray(tokens, dtype=np.intc), seconds
         return "none", np.empty(0, dtype=np.intc), 0.0
 
-    def _k(self, source: str) -> int:
+    def _k(self, source: str, explore: bool = True) -> int:
         if not self.settings.adaptive:
             return self.settings.max_draft
-        return self.lengths[source].choose(self.verify)
+        return self.lengths[source].choose(self.verify, explore)
 
     def _settle(self, n_past: int) -> None:
         """Books the previous proposal: generate evaluated [t, d_1..d_k] from position p and cut the
@@ -299,7 +313,7 @@ class Speculator:
                                                 else None),
             "by_source": {name: dict(e, acceptance=(e["accepted"] / e["drafted"] if e["drafted"] else None))
                           for name, e in self.stats.items() if e["passes"]},
-            "next_k": {name: self._k(name) for name in ("prompt_lookup", "self_draft")},
+            "next_k": {name: self._k(name, explore=False) for name in ("prompt_lookup", "self_draft")},
         }
         return out
 
