@@ -4,7 +4,7 @@
     python bench/bench_inmemory.py --model smollm2-135m --reps 3 --n-gen 64 --threads 2 \\
         --prompt-tokens 205 --configs stock,dense [--json out.json]
 
-Every (config, rep) runs in a fresh subprocess (llamaflash/bench_worker.py); the configs alternate
+Every (config, rep) runs in a fresh subprocess (llamaflash/bench/worker.py); the configs alternate
 within each rep (stock, dense, stock, dense, ...) so slow drifts of the machine hit all of them.
 All configs get the identical prompt token ids (tokenised once, by a separate worker).  The model
 file (and sidecar) are read once beforehand so every run starts with them in the page cache.

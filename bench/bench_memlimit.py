@@ -11,7 +11,7 @@ decoding after --max-decode-s and reports tok/s over the tokens it finished.  Pr
 medians, writes every run to JSON and a PNG of tok/s versus the limit (matplotlib: the optional
 extra ``pip install '.[bench]'``).  Without usable memory cgroups it says so and measures without a
 limit.  The same harness is ``llamaflash bench MODEL --ram-limit-mb ...``; the code is in
-``llamaflash.memlimit``.
+``llamaflash.bench.memlimit``.
 
 Configs: stock; llamaflash (``ram_budget_mb=<limit>``; falls back to the dense lane without a budget
 while llamaflash refuses budgets, marked '*' in the table); or a llamaflash flash_mode (dense, ...).
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from llamaflash import memlimit  # noqa: E402
+from llamaflash.bench import memlimit  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,12 +1,12 @@
 """Shared pieces of the llamaflash benchmarks in bench/.
 
 The plumbing (prompt text, model resolution, machine description, the worker runner, medians,
-greedy agreement, JSON) lives in the package, :mod:`llamaflash.benchkit`, so that the
+greedy agreement, JSON) lives in the package, :mod:`llamaflash.bench.benchkit`, so that the
 ``llamaflash bench`` command has it too; it is re-exported here.  What stays here is the in-memory
 benchmark's summary and table.
 
 The process running a benchmark never loads a model: each run does so in a fresh subprocess
-(``llamaflash/bench_worker.py``, run by file path, so a stock run never imports llamaflash).
+(``llamaflash/bench/worker.py``, run by file path, so a stock run never imports llamaflash).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from llamaflash.benchkit import (  # noqa: F401  (re-exported for the bench scripts)
+from llamaflash.bench.benchkit import (  # noqa: F401  (re-exported for the bench scripts)
     PROGRESS_MARK,
     PROMPT_TEXT,
     RESULT_MARK,

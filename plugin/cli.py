@@ -285,7 +285,7 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
     llamaflash, each run in its own process inside a memory cgroup of the limit (process + page
     cache), the files evicted from the page cache first. Needs root and cgroup v1; otherwise it says
     so and measures without a limit."""
-    from llamaflash import benchkit, memlimit
+    from llamaflash.bench import benchkit, memlimit
 
     if more_limits and not limits:
         raise click.UsageError(f"unexpected argument(s) {' '.join(map(str, more_limits))}: limits go after --ram-limit-mb")

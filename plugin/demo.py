@@ -6,7 +6,7 @@
    no perplexity measurement); it is written as `<model>.demo.flash.gguf`, so `Llama(model)` never
    picks it up as if it were a full conversion (`llamaflash convert` makes that one).
 2. Under a memory limit (a memory cgroup covering the process and its page cache, files evicted
-   first; `llamaflash.memlimit`): stock llama-cpp-python and `llamaflash.Llama(ram_budget_mb=limit)`
+   first; `llamaflash.bench.memlimit`): stock llama-cpp-python and `llamaflash.Llama(ram_budget_mb=limit)`
    generate from the same prompt, each in a fresh process. Where stock thrashes or is killed, flash
    offload keeps running. Without cgroups (not root, cgroup v1 memory controller missing) this part
    says why and is skipped.
@@ -63,7 +63,7 @@ def find_or_convert_sidecar(model: Path, echo: Callable[[str], None]) -> Path:
 
 
 def _limit_rows(model: Path, sidecar: Path, limits: Sequence[int], n_gen: int, echo) -> Optional[List[Dict]]:
-    from . import memlimit
+    from .bench import memlimit
 
     ok, why = memlimit.memory_cgroup_support()
     if not ok:

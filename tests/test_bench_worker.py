@@ -1,4 +1,4 @@
-"""The benchmark worker's quality mode (llamaflash/bench_worker.py `_ppl`) against a direct NumPy
+"""The benchmark worker's quality mode (llamaflash/bench/worker.py `_ppl`) against a direct NumPy
 computation on the same llama.cpp logits: perplexity over the second half of each window and the
 teacher-forced top-1 tokens the in-memory bench compares between configs."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llamaflash import bench_worker
+from llamaflash.bench import worker as bench_worker
 
 N_CTX = 32
 

@@ -1,4 +1,4 @@
-"""The memory-limit benchmark harness (llamaflash.memlimit, `llamaflash bench`): page-cache eviction,
+"""The memory-limit benchmark harness (llamaflash.bench.memlimit, `llamaflash bench`): page-cache eviction,
 cgroup groups and limits, OOM / timeout / error classification, summary, table, JSON, plot.
 
 Cgroup tests need root and a cgroup v1 memory controller and are skipped (saying why) without them.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from llamaflash import memlimit
+from llamaflash.bench import memlimit
 from llamaflash.cli import EXIT_LLAMAFLASH_ERROR, main
 
 MiB = memlimit.MiB
@@ -143,7 +143,7 @@ def test_blkio_counts_reads_and_eviction_happens_before_the_run(tmp_path):
 
 @needs_cgroup
 def test_run_one_reports_an_oom_killed_worker(monkeypatch, tmp_path):
-    from llamaflash import benchkit
+    from llamaflash.bench import benchkit
 
     # a stand-in worker: says it loaded (with its budget) and prefilled, then outgrows the limit
     lines = [{"phase": "loaded", "t": 0.1, "ram_budget": {"requested_mb": 64, "applied": False}, "flash_mode": "dense"},
@@ -377,7 +377,7 @@ def test_end_to_end_tiny_model(tiny_with_sidecar, tmp_path):
 
 
 def test_decode_time_cap_stops_early(tiny_with_sidecar):
-    from llamaflash import benchkit
+    from llamaflash.bench import benchkit
 
     spec = {"mode": "run", "model": str(tiny_with_sidecar), "config": "stock", "prompt_tokens": list(range(1, 17)),
             "n_gen": 40, "threads": 1, "n_ctx": 64, "n_batch": 64, "max_decode_s": 1e-9, "progress": True}  # fmt: skip

@@ -9,13 +9,13 @@ model (and the sidecar) are evicted from the page cache before every run
 another process keeps mapped cannot be evicted; such a run is flagged (``evict_residual_mb``).
 
 Layers (one module each, re-exported here):
-- page cache (:mod:`llamaflash.pagecache`): :func:`resident_bytes`, :func:`evict`, :func:`evict_files`;
-- cgroups (:mod:`llamaflash.cgroups`): :func:`memory_cgroup_support`, :class:`MemoryCgroup` (v1 memory controller: limit, peak,
+- page cache (:mod:`llamaflash.bench.pagecache`): :func:`resident_bytes`, :func:`evict`, :func:`evict_files`;
+- cgroups (:mod:`llamaflash.bench.cgroups`): :func:`memory_cgroup_support`, :class:`MemoryCgroup` (v1 memory controller: limit, peak,
   OOM kills), :class:`BlkioCgroup` (v1 blkio: bytes read from the model's disk, counted even for a
   process the OOM killer ended);
 - one process in a limit: :func:`run_in_cgroup` (evict, start inside the groups, time out, classify
   the end: ``ok`` / ``OOM`` / ``timeout`` / ``killed`` / ``error``);
-- the benchmark (this module): :class:`BenchOptions`, :func:`run_benchmark` (runs :mod:`llamaflash.bench_worker`
+- the benchmark (this module): :class:`BenchOptions`, :func:`run_benchmark` (runs :mod:`llamaflash.bench.worker`
   per (rep, limit, config)), :func:`summarize`, :func:`format_table`, :func:`write_plot`.
 
 ``llamaflash bench`` (``cli.py``) and ``bench/bench_memlimit.py`` are thin edges over
@@ -208,7 +208,7 @@ def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> di
     Order: reps outermost, then limits from the largest down, configs alternating innermost, so slow
     drifts of the machine hit every cell."""
     opts.validate()
-    from . import assets
+    from llamaflash import assets
 
     if opts.model not in assets.MODELS and not Path(opts.model).expanduser().is_file():
         raise FileNotFoundError(f"model {opts.model!r} is neither a file nor a registry model "
@@ -249,8 +249,8 @@ def add_io_bound(rows: list[dict[str, Any]], runs: list[dict[str, Any]], sidecar
     and ``of_io_bound`` = decode ÷ that. The throughput is the saved disk profile's (``llamaflash plan
     --probe-disk``) for the sidecar's filesystem, at the plan's read size (half a cache slot: its up or
     its down_t rows) and queue depth. Rows stay without these fields when no profile is saved."""
-    from . import disk_probe
-    from .planner import disk_throughput
+    from llamaflash import disk_probe
+    from llamaflash.planner import disk_throughput
 
     profile = disk_probe.saved_profile(sidecar)
     if profile is None:

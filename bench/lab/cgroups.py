@@ -1,6 +1,6 @@
 """Memory-limited child processes (cgroup v1): the memory and blkio groups a run is placed in, and
 :func:`run_in_cgroup`, which evicts the files, starts one process inside fresh groups, times it out
-and classifies its end (see :mod:`llamaflash.memlimit`)."""
+and classifies its end (see :mod:`llamaflash.bench.memlimit`)."""
 
 from __future__ import annotations
 

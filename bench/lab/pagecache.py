@@ -1,6 +1,6 @@
 """The page cache side of a memory-limit run: how much of a file is resident (``mincore``), evicting
 it (``posix_fadvise(POSIX_FADV_DONTNEED)``, checked), and private copies of files that another
-process keeps cached (see :mod:`llamaflash.memlimit`)."""
+process keeps cached (see :mod:`llamaflash.bench.memlimit`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""One benchmark run in a fresh process: ``python <path>/llamaflash/bench_worker.py '<json spec>'``.
+"""One benchmark run in a fresh process: ``python <path>/llamaflash/bench/worker.py '<json spec>'``.
 
 Run by file path, never imported as part of a model-running process: a "stock" run must not import
-the ``llamaflash`` package (importing it registers the llamaflash ggml backend).  Module level uses
-the standard library only; ``llamaflash.benchkit`` imports the constants below from here.
+the ``llamaflash`` package (its model loading registers the llamaflash ggml backend).  Module level uses
+the standard library only; ``llamaflash.bench.benchkit`` imports the constants below from here.
 
 Spec keys: ``mode`` ("run" or "tokenize"), ``model`` (path), ``config`` ("stock", "stock2" or a
 llamaflash config name), ``sidecar_path`` (for llamaflash configs), ``prompt_tokens`` (list of ids,
@@ -136,7 +136,7 @@ def _load(spec: dict):
         from llamaflash import Llama as FlashLlama
     except ImportError as e:
         raise RuntimeError(
-            f"config {config!r} needs the llamaflash package (pip install -e . in the repo): {e}"
+            f"config {config!r} needs the llamaflash package (pip install . in the repo): {e}"
         ) from e
     # the memory-limit harness passes flash_mode explicitly (None: llamaflash's choice); others name it in config
     flash_mode, level, dense_up = parse_flash_config(spec["flash_mode"] if "flash_mode" in spec else config)

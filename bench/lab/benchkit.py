@@ -4,12 +4,11 @@
   configuration sees identical token ids);
 - model resolution (asset name or path), page-cache warming, sha256;
 - machine / version description, and the other load on a shared machine;
-- the worker subprocess runner (:mod:`llamaflash.bench_worker`, run by file path in a fresh
+- the worker subprocess runner (:mod:`llamaflash.bench.worker`, run by file path in a fresh
   interpreter; one JSON result line per run, marked with :data:`RESULT_MARK`);
 - medians, greedy agreement, JSON output.
 
-Only the standard library is imported here (importing the ``llamaflash`` package itself loads
-llama-cpp-python's libraries, not a model): the process running a benchmark never loads a model,
+Only the standard library is imported here: the process running a benchmark never loads a model,
 each run does so in a fresh subprocess.
 """
 
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .bench_worker import PROGRESS_MARK, RESULT_MARK, STOCK_CONFIGS, cpu_busy_seconds
+from .worker import PROGRESS_MARK, RESULT_MARK, STOCK_CONFIGS, cpu_busy_seconds
 
 __all__ = [
     "PROMPT_TEXT", "RESULT_MARK", "PROGRESS_MARK", "STOCK_CONFIGS", "WORKER", "WorkerError",
@@ -37,8 +36,8 @@ __all__ = [
     "write_json", "timestamp",
 ]
 
-#: The worker script; run it by path (``python WORKER '<json spec>'``), see :mod:`llamaflash.bench_worker`.
-WORKER = Path(__file__).resolve().with_name("bench_worker.py")
+#: The worker script; run it by path (``python WORKER '<json spec>'``), see :mod:`llamaflash.bench.worker`.
+WORKER = Path(__file__).resolve().with_name("worker.py")
 
 
 # A fixed, original English text (~530 tokens with the Llama/Qwen/Gemma tokenisers).  Prompts are
@@ -82,7 +81,7 @@ PROMPT_TEXT = (
 
 def resolve_model(model: str) -> tuple[Path, str, str]:
     """(path, short name, sha256) for an asset name (fetched and verified) or a GGUF path."""
-    from . import assets
+    from llamaflash import assets
     if model in assets.MODELS:
         path = assets.fetch_model(model)
         return path, model, assets.MODELS[model].sha256

@@ -1,0 +1,12 @@
+"""The benchmark lab of llamaflash (installed as ``llamaflash.bench``): stock llama.cpp and llamaflash
+side by side, each run in a fresh process, under memory limits or in memory.
+
+Not part of what a program imports to run a model: ``llamaflash bench`` and ``llamaflash demo`` import
+it when they run, and the scripts in the repository's ``bench/`` build on it.
+
+- :mod:`.memlimit`: the benchmark under a memory limit (``llamaflash bench``);
+- :mod:`.cgroups`: memory and blkio cgroups (v1), one process inside a limit, how it ended;
+- :mod:`.pagecache`: page-cache residency, eviction, private copies of files;
+- :mod:`.benchkit`: prompt text, model resolution, machine description, the worker runner, medians;
+- :mod:`.worker`: one run in a fresh process, started by file path (never imported by a run).
+"""
