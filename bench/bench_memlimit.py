@@ -35,7 +35,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b", help="asset name (llamaflash.assets.MODELS) or a .gguf path")
     p.add_argument("--limits", type=int, nargs="+", default=[1400, 1100, 900, 700], help="memory limits in MB")
-    p.add_argument("--configs", default="stock,llamaflash", help="comma-separated")
+    p.add_argument("--configs", default="stock,llamaflash", help="comma-separated: stock, llamaflash (ram_budget_mb = "
+                   "the limit; speculative), llamaflash-nospec (the same without speculative decoding), a flash_mode")
+    p.add_argument("--prompt-set", default=None, choices=["chat", "code"],
+                   help="decode the prompt set (llamaflash.bench.prompt_sets) with llm.generate, n_gen tokens or EOS "
+                        "per prompt, instead of one text prompt token by token")
     p.add_argument("--sidecar", default=None, help="sidecar path (default <stem>.flash.gguf beside the model)")
     p.add_argument("--reps", type=int, default=d.reps)
     p.add_argument("--threads", type=int, default=d.threads)
@@ -74,6 +78,7 @@ def main(argv=None) -> int:
         threads=args.threads, n_prompt=args.prompt_tokens, n_gen=args.n_gen, n_ctx=args.n_ctx,
         n_batch=args.n_batch, max_decode_s=args.max_decode_s, timeout_s=args.timeout,
         quiet_wait_s=args.quiet_wait, use_cgroup=not args.no_cgroup, private_copy_dir=args.private_copy,
+        prompt_set=args.prompt_set,
     )
     try:
         opts.validate()

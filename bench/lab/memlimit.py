@@ -37,15 +37,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import benchkit
+from . import benchkit, prompt_sets
+from .decode_report import (  # noqa: F401  (add_io_bound, io_bound_lines: used through this module)
+    add_io_bound, io_bound_lines, limit_label, speculation_columns, speculation_lines,
+)
 # the layers below the benchmark, re-exported: callers and tests use them through this module
 from .cgroups import (  # noqa: F401
     STATUSES, BlkioCgroup, CgroupError, MemoryCgroup, Outcome, classify, memory_cgroup_support, run_in_cgroup,
 )
 from .pagecache import EVICT_TOLERANCE_BYTES, MiB, evict, evict_files, private_copies, resident_bytes  # noqa: F401
 
-#: The llamaflash config that gets ``ram_budget_mb=<limit>`` (flash offload).
+#: The llamaflash config that gets ``ram_budget_mb=<limit>`` (flash offload; speculative by default),
+#: and the same without speculative decoding.
 BUDGET_CONFIG = "llamaflash"
+NO_SPECULATION_CONFIG = "llamaflash-nospec"
 
 # --------------------------------------------------------------------------------------------
 # the benchmark
@@ -68,6 +73,10 @@ class BenchOptions:
     quiet_wait_s: float = 20.0  # before each run, wait up to this long for the machine to be idle
     use_cgroup: bool = True  # False: run without limits (what happens when cgroups are unavailable)
     private_copy_dir: str | None = None  # benchmark copies of the files made here (removed afterwards)
+    # None: one text prompt of n_prompt tokens, decoded token by token; "chat" / "code": the prompt set
+    # (llamaflash.bench.prompt_sets) in the model's chat template, decoded by llm.generate (speculative
+    # where the config speculates), n_gen tokens or EOS per prompt
+    prompt_set: str | None = None
 
     def validate(self) -> None:
         if not self.configs:
@@ -92,6 +101,8 @@ def _config_spec(config: str, limit_mb: int | None) -> dict[str, Any]:
         return {}
     if config == BUDGET_CONFIG:
         return {"flash_mode": None, "ram_budget_mb": limit_mb}
+    if config == NO_SPECULATION_CONFIG:
+        return {"flash_mode": None, "ram_budget_mb": limit_mb, "flash_speculative": False}
     return {"flash_mode": config}
 
 
@@ -243,50 +254,6 @@ def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> di
     return payload
 
 
-def add_io_bound(rows: list[dict[str, Any]], runs: list[dict[str, Any]], sidecar: Path) -> None:
-    """For each flash-offload row: the decode speed the disk allows, ``io_bound_tps`` = the disk's
-    throughput for the engine's reads ÷ the bytes read per decoded token (``decode_read_mb_per_tok``),
-    and ``of_io_bound`` = decode ÷ that. The throughput is the saved disk profile's (``llamaflash plan
-    --probe-disk``) for the sidecar's filesystem, at the plan's read size (half a cache slot: its up or
-    its down_t rows) and queue depth. Rows stay without these fields when no profile is saved."""
-    from llamaflash import disk_probe
-    from llamaflash.planner import disk_throughput
-
-    profile = disk_probe.saved_profile(sidecar)
-    if profile is None:
-        return
-    for row in rows:
-        plans = [((r.get("ram_budget") or {}).get("plan") or {}) for r in runs
-                 if r.get("ok") and r["config"] == row["config"] and r["limit_mb"] == row["limit_mb"]]
-        plan = next((p for p in plans if p.get("slot_bytes")), None)
-        per_tok = row.get("decode_read_mb_per_tok")
-        if plan is None or not per_tok:
-            continue
-        size = plan["slot_bytes"] / 2
-        mb_s = disk_throughput(profile, size, plan["queue_depth"]) / 1e6
-        row["io_bound"] = {"disk_mb_s": mb_s, "read_kib": size / 1024, "queue_depth": plan["queue_depth"],
-                           "profile": profile.get("saved_at")}
-        row["io_bound_tps"] = mb_s * 1e6 / (per_tok * MiB)
-        row["of_io_bound"] = row["decode_tps"] / row["io_bound_tps"] if row.get("decode_tps") else None
-
-
-def io_bound_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The report's lines for :func:`add_io_bound`."""
-    out = []
-    for row in rows:
-        b = row.get("io_bound")
-        if not b:
-            continue
-        of = "" if row.get("of_io_bound") is None else f" = {row['of_io_bound']:.0%} of it"
-        out.append(f"  {_limit_label(row['limit_mb'])} MB {row['config']}: {row['decode_read_mb_per_tok']:.0f} MiB read per "
-                   f"decoded token at {b['disk_mb_s']:.0f} MB/s ({b['read_kib']:.0f} KiB reads, depth "
-                   f"{b['queue_depth']}) bounds decode at {row['io_bound_tps']:.2f} tok/s; measured "
-                   f"{row['decode_tps']:.2f}{of}")
-    if out:
-        out.insert(0, "I/O bound (the saved disk profile of the sidecar's filesystem; llamaflash plan --probe-disk):")
-    return out
-
-
 def _run_all(opts: BenchOptions, model_path: Path, model_name: str, model_sha: str, sidecar: Path,
              flash_configs: list[str], echo: Callable[[str], None]) -> dict[str, Any]:
     cg_ok, cg_why = memory_cgroup_support() if opts.use_cgroup else (False, "memory cgroups switched off")
@@ -298,12 +265,15 @@ def _run_all(opts: BenchOptions, model_path: Path, model_name: str, model_sha: s
     else:
         echo(f"memory limits: {cg_why}")
 
+    what = ({"chat_prompts": prompt_sets.prompt_set(opts.prompt_set)} if opts.prompt_set else
+            {"prompt_text": benchkit.PROMPT_TEXT, "n_prompt": opts.n_prompt})
     tok = benchkit.run_worker({"mode": "tokenize", "model": str(model_path), "config": "tokenize",
-                               "prompt_text": benchkit.PROMPT_TEXT, "n_prompt": opts.n_prompt,
-                               "threads": opts.threads}, timeout=opts.timeout_s)  # fmt: skip
+                               "threads": opts.threads, **what}, timeout=opts.timeout_s)  # fmt: skip
     if not tok.get("ok"):
         raise RuntimeError(f"tokenisation failed: {tok.get('error')}\n{tok.get('traceback', '')}")
-    prompt_tokens = tok["prompt_tokens"]
+    prompt_tokens = tok.get("prompt_tokens") or [t for p in tok["prompts_tokens"] for t in p]
+    prompts = {"mode": "generate", "prompts_tokens": tok["prompts_tokens"]} if opts.prompt_set else \
+        {"mode": "run", "prompt_tokens": prompt_tokens}
 
     machine = benchkit.machine_info()
     echo(f"machine : {machine['cpu']}, {machine['cores_usable']}/{machine['cores_online']} cores, "
@@ -320,9 +290,9 @@ def _run_all(opts: BenchOptions, model_path: Path, model_name: str, model_sha: s
         for limit in limits:
             for config in opts.configs:
                 spec = {
-                    "mode": "run", "model": str(model_path), "config": config, "rep": rep,
+                    "model": str(model_path), "config": config, "rep": rep,
                     "sidecar_path": str(sidecar) if config in flash_configs else None,
-                    "prompt_tokens": prompt_tokens, "n_gen": opts.n_gen, "threads": opts.threads,
+                    **prompts, "n_gen": opts.n_gen, "threads": opts.threads,
                     "n_ctx": opts.n_ctx, "n_batch": opts.n_batch, "max_decode_s": opts.max_decode_s,
                     "progress": True, **_config_spec(config, limit),
                 }  # fmt: skip
@@ -348,12 +318,8 @@ def _run_all(opts: BenchOptions, model_path: Path, model_name: str, model_sha: s
     }
 
 
-def _limit_label(limit: int | None) -> str:
-    return "none" if limit is None else str(limit)
-
-
 def _run_line(r: dict[str, Any]) -> str:
-    head = f"  rep {r.get('rep')} {_limit_label(r['limit_mb']):>5} MB {r['config']:<11}"
+    head = f"  rep {r.get('rep')} {limit_label(r['limit_mb']):>5} MB {r['config']:<11}"
     if r["status"] != "ok":
         extra = f" in {r.get('died_in')}" if r.get("died_in") else ""
         err = (f": {r['error'].splitlines()[0][:160]}" if r["status"] in ("error", "refused") and r.get("error")
@@ -426,6 +392,7 @@ def summarize(runs: list[dict[str, Any]], configs: Sequence[str], limits: Sequen
                 row["first_divergence"] = min(firsts) if firsts else None
             else:
                 row["greedy_agree"] = row["first_divergence"] = None
+            row.update(speculation_columns(good))
             if config == "stock":
                 base_decode = row["decode_tps"]
             rows.append(row)
@@ -470,7 +437,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if r.get("first_divergence") is not None:
             agree += f"@{r['first_divergence']}"
         cells.append((
-            _limit_label(r["limit_mb"]), config_label(r), r["status"],
+            limit_label(r["limit_mb"]), config_label(r), r["status"],
             _fmt(r["prefill_tps"], ".1f"), _fmt(r["decode_tps"], ".2f"), _fmt(r.get("decode_x_stock"), ".2f"),
             _fmt(r["ttft_s"], ".2f"), _fmt(r["load_s"], ".1f"), _fmt(r["cg_peak_mb"], ".0f"),
             _fmt(r["vm_hwm_mb"], ".0f"), _fmt(r["read_mb"], ".0f"), _fmt(r["decode_read_mb_per_tok"], ".1f"),
@@ -502,7 +469,7 @@ def table_notes(rows: list[dict[str, Any]]) -> list[str]:
     residual = [r for r in rows if (r.get("evict_residual_mb_max") or 0) > EVICT_TOLERANCE_BYTES / MiB]
     if residual:
         notes.append("WARNING: model pages stayed in the page cache after eviction for "
-                     + ", ".join(f"{_limit_label(r['limit_mb'])} MB/{r['config']} ({r['evict_residual_mb_max']:.0f} MB)" for r in residual)
+                     + ", ".join(f"{limit_label(r['limit_mb'])} MB/{r['config']} ({r['evict_residual_mb_max']:.0f} MB)" for r in residual)
                      + ": another process maps the file; those runs got the pages for free (benchmark a private "
                        "copy: --private-copy DIR)")  # fmt: skip
     if any(r["limit_mb"] is None for r in rows):
@@ -572,7 +539,7 @@ def report(payload: dict[str, Any], json_path: Path, png_path: Path | None, echo
     """Print the table, write the JSON and the PNG (saying so when matplotlib is missing)."""
     echo("")
     echo(format_table(payload["summary"]))
-    for line in io_bound_lines(payload["summary"]):
+    for line in io_bound_lines(payload["summary"]) + speculation_lines(payload["summary"]):
         echo(line)
     echo(f"wrote {write_json(json_path, payload)}")
     if png_path is not None:

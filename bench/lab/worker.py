@@ -21,6 +21,11 @@ prefill = one ``llm.eval(prompt_tokens)`` (timed); decode = ``n_gen`` greedy ste
 ``tokens`` are the ``n_gen_done + 1`` greedy tokens: the first comes from the prefill logits, one more
 after every decode eval.  EOS does not stop generation (this is a speed benchmark).
 ``ttft_s`` = prefill eval + argmax of the first token (the model already loaded).
+
+"generate" (``prompts_tokens``: a list of chat-formatted prompts; ``flash_speculative`` optional):
+the decode loop a user runs, ``llm.generate`` (greedy, speculative when the Llama drafts), per prompt
+after a timed prefill, up to ``n_gen`` tokens or EOS; delivered tok/s = tokens / decode time over all
+prompts, with each prompt's tokens and the speculation statistics.
 """
 
 from __future__ import annotations
@@ -144,6 +149,8 @@ def _load(spec: dict):
     if flash_mode == "sparse" and spec.get("mode") == "ppl":
         # every token of the scored batches through the sparse lane, as in decode
         extra["flash_max_sparse_tokens"] = common_kwargs["n_batch"]
+    if "flash_speculative" in spec:
+        extra["flash_speculative"] = spec["flash_speculative"]
     budget = spec.get("ram_budget_mb")
     spec["_flash_mode"] = flash_mode
     if budget is None:
@@ -213,6 +220,8 @@ def _tokenize(spec: dict) -> dict:
     from llama_cpp import Llama
 
     llm = Llama(model_path=spec["model"], vocab_only=True, verbose=False)
+    if "chat_prompts" in spec:  # one user message each, in the model's own chat template
+        return {"ok": True, "prompts_tokens": [_chat_tokens(llm, m) for m in spec["chat_prompts"]]}
     text = spec["prompt_text"]
     n = spec["n_prompt"]
     toks = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
@@ -228,6 +237,21 @@ def _tokenize(spec: dict) -> dict:
         "n_vocab": llm.n_vocab(),
         "system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
     }
+
+
+def _chat_tokens(llm, message: str) -> list:
+    """`message` as one user turn in the GGUF's chat template (tokenizer.chat_template), ready for
+    the assistant's answer, tokenized with special tokens."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        raise ValueError("the model has no chat template (tokenizer.chat_template): use the text prompt instead")
+    vocab = llm._model
+    formatter = Jinja2ChatFormatter(template, eos_token=vocab.token_get_text(vocab.token_eos()),
+                                    bos_token=vocab.token_get_text(vocab.token_bos()))
+    text = formatter(messages=[{"role": "user", "content": message}]).prompt
+    return llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
 
 def _io_delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
@@ -363,10 +387,72 @@ def _run(spec: dict) -> dict:
     return result
 
 
+def _generate(spec: dict) -> dict:
+    """The "generate" mode (see the module docstring)."""
+    import numpy as np
+
+    import llama_cpp
+
+    prompts = [[int(t) for t in p] for p in spec["prompts_tokens"]]
+    n_gen, max_decode_s = int(spec["n_gen"]), spec.get("max_decode_s")
+    t0 = time.perf_counter()
+    llm = _load(spec)
+    load_s = time.perf_counter() - t0
+    n_vocab, eos = llm.n_vocab(), llm.token_eos()
+    stats_fn = getattr(llm, "flash_stats", None)
+    per_prompt, prefill_s, decode_s, n_done, capped, read_decode = [], 0.0, 0.0, 0, False, 0
+    if callable(stats_fn):
+        llm.reset_flash_stats()
+    fc = _ForeignCpu()
+    for prompt in prompts:
+        if max_decode_s is not None and decode_s >= max_decode_s:
+            capped = True
+            break
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        t = time.perf_counter()
+        llm.eval(prompt)
+        first = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))))
+        prefill_s += time.perf_counter() - t
+        out, t, io_t = [first], time.perf_counter(), _proc_io()
+        if first != eos:
+            for tok in llm.generate([first], temp=0, top_k=1, reset=False):
+                if tok == eos or len(out) >= n_gen:
+                    break
+                out.append(tok)
+                if max_decode_s is not None and decode_s + time.perf_counter() - t >= max_decode_s:
+                    capped = True
+                    break
+        dt = time.perf_counter() - t
+        read_decode += _io_delta(io_t, _proc_io())["read_bytes"]
+        decode_s += dt
+        n_done += len(out) - 1  # the first token came from the prefill
+        per_prompt.append({"n_prompt": len(prompt), "tokens": out, "decode_s": dt})
+    result = {
+        "ok": True, "config": spec["config"], "rep": spec.get("rep"), "mode": "generate", "load_s": load_s,
+        "n_prompts": len(per_prompt), "prefill_s": prefill_s, "decode_s": decode_s, "n_gen_done": n_done,
+        "prefill_tps": sum(p["n_prompt"] for p in per_prompt) / prefill_s if prefill_s > 0 else None,
+        "ttft_s": prefill_s / len(per_prompt) if per_prompt else None,  # mean prefill + first token
+        "decode_tps": n_done / decode_s if decode_s > 0 else None, "decode_capped": capped,
+        "per_prompt": per_prompt, "foreign_cpu": fc.fraction(),
+        "read_bytes_phases": {"decode": read_decode},  # /proc/self/io during the decode loops
+        "tokens": [t for p in per_prompt for t in p["tokens"]],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if "_flash_mode" in spec:
+        result["flash_mode"] = spec["_flash_mode"]
+    if "_ram_budget" in spec:
+        result["ram_budget"] = spec["_ram_budget"]
+    if callable(stats_fn):
+        result["flash_stats"] = stats_fn()  # the decode loops of all prompts (prefill of the first excluded)
+    llm.close()
+    return result
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     try:
-        handler = {"tokenize": _tokenize, "ppl": _ppl}.get(spec.get("mode"), _run)
+        handler = {"tokenize": _tokenize, "ppl": _ppl, "generate": _generate}.get(spec.get("mode"), _run)
         result = handler(spec)
     except Exception as e:
         _emit({"ok": False, "config": spec.get("config"), "rep": spec.get("rep"),
