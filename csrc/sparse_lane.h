@@ -1,5 +1,5 @@
 // sparse_lane.h — the sparse decode lane: a served layer's FFN split computed over its active
-// neurons only, inside the dense lane's private ggml graph (see dense_lane.h).
+// neurons only, inside the split executor's private ggml graph (see split_executor.h).
 //
 // The split the scheduler hands over for a served layer L is recognised as a plain GLU FFN
 //   gate = MUL_MAT(blk.L.ffn_gate.weight, x)     x : [n_embd, T] f32, T tokens
@@ -7,7 +7,7 @@
 //   h    = GLU(gate, up)  or  MUL(UNARY(gate), up)      act ∈ {silu, gelu (tanh), relu}
 //   y    = MUL_MAT(blk.L.ffn_down.weight, h)     y : [n_embd, T] f32
 // and nothing else. For such a split of a layer with a threshold, and T <= SparseConfig::max_tokens,
-// the lane puts into the private graph, in place of those nodes:
+// the split executor chooses this lane, which puts into the private graph, in place of those nodes:
 //   g    = MUL_MAT(resident gate, x)   ggml's own (repacked) GEMV, written where the split's gate
 //                                      node lives                  (only with gate_by_ggml)
 //   q    = CUSTOM(x [, g])             kernel phase 1: x quantized to the vec_dot types
@@ -18,8 +18,8 @@
 // ggml's graph executor puts a barrier between consecutive nodes, which is exactly what the kernel's
 // phase API needs (sparse_ffn.h); the phases run on the context's threads, no extra fork/join.
 //
-// Flash offload (the model has a neuron cache, neuron_cache.h): the kernel's rows are the cache's
-// slots, and the accumulate phase is cut where the flash reads are waited for:
+// Flash offload (the model has an offload state, offload_state.h): the kernel's rows are the neuron
+// cache's slots, and the accumulate phase is cut where the flash reads are waited for:
 //   g    = MUL_MAT(resident gate, x)   as above (required)
 //   q    = CUSTOM(x, g)                phase 1, then (thread 0) the clusters holding an active neuron
 //                                      are planned: resident ones ready, missing ones read (async)
@@ -72,8 +72,8 @@ public:
     void append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn, const SparseLayerView & view,
                 ggml_tensor * x_leaf, ggml_tensor * gate, ggml_tensor * up, int n_threads, int cluster_size);
 
-    // After the graph computed: per-layer statistics into the model.
-    void account(double seconds);
+    // After the graph computed: |A_t| per token of the last appended split (T entries).
+    const std::vector<int32_t> & active_counts() const { return counts_; }
     // After the graph computed: the error that failed it (empty: none), cleared by the call.
     std::string take_failure();
 
@@ -87,8 +87,6 @@ private:
     SparseFfnParams params_;
     SparseFfnIo io_;
     std::vector<int32_t> counts_;
-    FlashModel * model_ = nullptr;
-    int layer_id_ = -1;
     float sink_[16] = {};  // memory of the phase nodes' (unused) outputs
     // flash offload
     friend struct OffloadPhases;

@@ -22,9 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from . import _native
 from . import sidecar_format as fmt
 from .errors import RamBudgetError, SidecarError
 from .gguf_header import GGUFHeader, read_gguf_header
+from .gguf_model import read_base_model
 from .sidecar import SidecarInfo, default_sidecar_path, read_layer_vectors, validate_pair
 
 MiB = 1 << 20
@@ -164,7 +166,9 @@ def _span(start: np.ndarray, length: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _Clusters:
-    """Per served layer, for one cluster size: P(needed), sum of f, bytes of the two reads."""
+    """Per served layer, for one cluster size: P(needed), sum of f, bytes of the two reads (page-aligned
+    spans, as the disk serves them). ``slot_bytes``: one cache slot, by the neuron cache's own formula
+    (``_native.cache_slot_bytes``)."""
 
     size: int
     prob: list[np.ndarray]
@@ -188,7 +192,8 @@ def _clusters(info: SidecarInfo, freqs: list[np.ndarray], size: int) -> _Cluster
         count = np.minimum(size, lay.n_ff - first)
         cl.up.append(_span(lay.base_up_offset + first * lay.up_row_bytes, count * lay.up_row_bytes))
         cl.down_t.append(_span(lay.down_t_offset + first * lay.down_t_row_bytes, count * lay.down_t_row_bytes))
-        cl.slot_bytes = max(cl.slot_bytes, int((cl.up[-1] + cl.down_t[-1]).max()))
+    cl.slot_bytes = int(_native.cache_slot_bytes(size, max(lay.up_row_bytes for lay in info.layers),
+                                                 max(lay.down_t_row_bytes for lay in info.layers)))
     return cl
 
 
@@ -332,7 +337,8 @@ def _process_rss() -> int | None:
 def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike | None, ram_budget_mb: float, *,
                  n_ctx: int = 512, n_ubatch: int | None = None, disk: dict[str, Any] | None = None,
                  runtime_rss_bytes: int | None = None, cluster_size: int | None = None,
-                 prefetch_layers: int = 2, stream_gate: bool | None = None) -> OffloadPlan:
+                 prefetch_layers: int = 2, stream_gate: bool | None = None, info: SidecarInfo | None = None,
+                 header: GGUFHeader | None = None) -> OffloadPlan:
     """Plan the RAM of the flash-offload engine for ``model_path`` + its format-2 sidecar under
     ``ram_budget_mb`` MiB (see the module docstring and :class:`OffloadPlan`).
 
@@ -342,13 +348,19 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     the gate matrices stay resident when that fits the budget, else they are streamed from flash
     every token (GATE_WINDOW_LAYERS layers in memory; every gate row read per token). Raises
     :class:`RamBudgetError` below the minimum, :class:`SidecarError` for a sidecar without neuron
-    statistics, and what :func:`~llamaflash.sidecar.validate_pair` raises for a bad pair."""
+    statistics, and what :func:`~llamaflash.sidecar.validate_pair` raises for a bad pair.
+
+    ``info`` / ``header``: the pair's :func:`~llamaflash.sidecar.validate_pair` result and the base
+    model's parsed header, when the caller has them (``llamaflash.Llama``), so that one load parses
+    the base header once and checks the pair's identity once; None: read here."""
     if n_ctx < 1 or prefetch_layers < 0 or (cluster_size is not None and cluster_size < 1) or (
             n_ubatch is not None and n_ubatch < 1):
         raise ValueError(f"n_ctx {n_ctx}, n_ubatch {n_ubatch} and cluster_size {cluster_size} must be positive, "
                          f"prefetch_layers {prefetch_layers} non-negative")
     sidecar = Path(sidecar_path) if sidecar_path is not None else default_sidecar_path(model_path)
-    info = validate_pair(model_path, sidecar)
+    if info is None:
+        model = read_base_model(model_path)
+        info, header = validate_pair(model_path, sidecar, model=model), model.header
     if info.sparsity is None:
         raise SidecarError(f"{sidecar}: format-{info.format_version} sidecar without neuron statistics; the planner "
                            f"needs per-neuron activation frequencies. Re-create it with `llamaflash convert "
@@ -367,7 +379,8 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     gate_layers = [lay.n_ff * lay.gate_row_bytes for lay in info.layers]
     gate = sum(gate_layers)
     gate_window = GATE_WINDOW_LAYERS * max(gate_layers)
-    header = read_gguf_header(model_path)
+    if header is None:
+        header = read_gguf_header(model_path)
 
     def fixed_parts(u: int, streamed: bool) -> dict[str, int]:
         share = {"runtime": int(runtime), **llama_share(header, info, n_ctx, u)}
