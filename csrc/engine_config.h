@@ -85,6 +85,11 @@ struct EngineConfig {
     std::string activation = "silu";  // the sidecar's FFN activation: "silu" | "gelu" | "relu"
     SparseConfig sparse;
     std::optional<OffloadConfig> offload;
+    // false: every FFN weight llamaflash holds in plain CPU memory, never in a repacked layout (as
+    // llama.cpp with use_extra_bufts = false). ggml-cpu's repacked kernels compute a batch of 4+
+    // rows with another summation order than one row; plain ones give each row the same bits
+    // whatever the batch (what a speculative verify batch needs to equal one-token decoding).
+    bool repack = true;
 
     // Throws std::invalid_argument naming the field and what it accepts: empty paths or layers, a
     // layer listed twice, an empty shape, an unknown ggml type, row sizes that do not match the

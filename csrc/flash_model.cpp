@@ -33,7 +33,7 @@ std::shared_ptr<FlashModel> FlashModel::open(EngineConfig config) {
     config.validate();
     std::shared_ptr<FlashModel> model(new FlashModel(config));
     const bool offload = config.offload.has_value();
-    model->store_.load_dense(offload, offload && config.offload->stream_gate);
+    model->store_.load_dense(offload, offload && config.offload->stream_gate, config.repack);
     if (config.sparse.enabled) {
         model->store_.load_sparse(model->activation_, offload);
     }

@@ -47,6 +47,14 @@ void FlashStats::count_sparse_call(int pos, const int32_t * active_counts, int64
     layer_active_[pos].fetch_add(active, std::memory_order_relaxed);
 }
 
+void FlashStats::count_draft_split(int pos, int64_t n_tokens, double seconds) {
+    draft_splits_.fetch_add(1, std::memory_order_relaxed);
+    draft_ns_.fetch_add(to_ns(seconds), std::memory_order_relaxed);
+    if (pos == 0) {
+        draft_tokens_.fetch_add(static_cast<uint64_t>(n_tokens), std::memory_order_relaxed);
+    }
+}
+
 FlashStatsSnapshot FlashStats::snapshot() const {
     FlashStatsSnapshot s;
     s.graph_splits = splits_.load();
@@ -58,6 +66,9 @@ FlashStatsSnapshot FlashStats::snapshot() const {
     s.sparse_lane_calls = sparse_calls_.load();
     s.sparse_fallbacks = sparse_fallbacks_.load();
     s.sparse_seconds = to_seconds(sparse_ns_);
+    s.draft_splits = draft_splits_.load();
+    s.draft_tokens = draft_tokens_.load();
+    s.draft_seconds = to_seconds(draft_ns_);
     s.layer_ids = layer_ids_;
     for (size_t p = 0; p < layer_ids_.size(); ++p) {
         s.layer_sparse_tokens.push_back(layer_sparse_tokens_[p].load());
@@ -68,7 +79,8 @@ FlashStatsSnapshot FlashStats::snapshot() const {
 
 void FlashStats::reset() {
     for (std::atomic<uint64_t> * c : {&splits_, &ffn_evals_, &tokens_, &dense_calls_, &compute_ns_, &prepare_ns_,
-                                      &sparse_calls_, &sparse_fallbacks_, &sparse_ns_}) {
+                                      &sparse_calls_, &sparse_fallbacks_, &sparse_ns_, &draft_splits_,
+                                      &draft_tokens_, &draft_ns_}) {
         c->store(0);
     }
     for (size_t p = 0; p < layer_ids_.size(); ++p) {

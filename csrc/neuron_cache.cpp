@@ -270,6 +270,25 @@ void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {
     stats_.plan_seconds += seconds_since(t0);
 }
 
+void NeuronCache::plan_resident(int li, const uint8_t * needed, LayerPlan & out) {
+    ++stats_.draft_plans;
+    const int64_t nc = n_clusters(li);
+    out.up.assign(static_cast<size_t>(nc), nullptr);
+    out.down_t.assign(static_cast<size_t>(nc), nullptr);
+    out.ready.clear();
+    out.pending.clear();
+    for (int64_t c = 0; c < nc; ++c) {
+        if (!needed[c]) continue;
+        ++stats_.draft_clusters_needed;
+        const int64_t s = where_[li][c];
+        if (s < 0 || slots_[s].loading) continue;
+        ++stats_.draft_clusters_resident;
+        out.up[c] = slot_data(s);
+        out.down_t[c] = slot_data(s) + up_part_;
+        out.ready.push_back(static_cast<int32_t>(c));
+    }
+}
+
 void NeuronCache::wait(int li) {
     const auto t0 = std::chrono::steady_clock::now();
     try {

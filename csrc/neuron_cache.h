@@ -83,6 +83,9 @@ struct NeuronCacheStats {
     uint64_t hot_bytes_loaded = 0;  // by load_hot()
     double io_wait_seconds = 0;     // time blocked in wait()
     double plan_seconds = 0;        // time in plan()
+    uint64_t draft_plans = 0;             // plan_resident() calls (draft layer-tokens)
+    uint64_t draft_clusters_needed = 0;   // Σ clusters a draft's tokens select
+    uint64_t draft_clusters_resident = 0; // of those, resident (computed); the rest were skipped
     int64_t hot_slots = 0, cold_slots = 0;
     size_t slot_bytes = 0;
     std::string engine;             // "io_uring" / "pool"
@@ -111,6 +114,11 @@ public:
     };
     // li: position of the layer in the constructor's list; needed: n_clusters(li) bytes.
     void plan(int li, const uint8_t * needed, LayerPlan & out);
+    // A draft's plan: the needed clusters resident now (pinned, or in a cold slot whose reads are
+    // complete) go to `ready`; the rest are left out (`pending` stays empty). No read is submitted,
+    // no slot changes hands, the LRU order and the statistics above are untouched: a draft never
+    // waits for flash and never evicts what the exact passes use. Counted in draft_clusters_*.
+    void plan_resident(int li, const uint8_t * needed, LayerPlan & out);
     void wait(int li);
 
     int cluster_size() const { return config_.cluster_size; }

@@ -26,6 +26,7 @@
 #include "file_reader.h"
 #include "neuron_cache.h"
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -61,6 +62,14 @@ public:
     void set_error(const std::string & message);
     std::string take_error();
 
+    // Draft mode: while set, the sparse lane computes each decode split from the clusters resident
+    // in the cache only (NeuronCache::plan_resident): no flash read, no wait, the cache untouched;
+    // the skipped clusters' terms are dropped, so the outputs approximate the model, for drafting
+    // tokens that exact passes then verify. Set by the caller around its draft evaluations (one
+    // evaluation at a time per model).
+    void set_draft(bool draft) { draft_.store(draft, std::memory_order_release); }
+    bool draft() const { return draft_.load(std::memory_order_acquire); }
+
 private:
     struct Region {
         const MappedFile * map;
@@ -77,6 +86,7 @@ private:
     std::unique_ptr<FileReader> base_file_;      // for dropping streamed pages
     std::mutex error_mutex_;
     std::string error_;
+    std::atomic<bool> draft_{false};
 };
 
 }  // namespace llamaflash

@@ -12,7 +12,8 @@
 //      down_t rows are prefetched; then u = vec_dot(up_i, xq_up), h_i = a·u for the selected; then
 //      their down_t rows are dequantized, scaled by h_i and added into the thread's partial y, up
 //      to 4 rows per pass over y (one load/store of y per 4 rows);
-//   4. reduce: y_t = Σ_threads partial (chunks of n_embd over threads, fixed thread order).
+//   4. reduce: y_t = Σ_threads partial (chunks of n_embd over threads, fixed thread order); in the
+//      cluster phase y_t = Σ_clusters partial in ascending cluster order instead.
 #include "sparse_ffn.h"
 
 
@@ -149,7 +150,7 @@ void sparse_ffn_validate(const SparseFfnLayer & L) {
     }
 }
 
-void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n_threads) {
+void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n_threads, int64_t n_clusters) {
     const ggml_type vg = ggml_get_type_traits_cpu(L.gate_type)->vec_dot_type;
     const ggml_type vu = ggml_get_type_traits_cpu(L.up_type)->vec_dot_type;
     const size_t gate_bytes = round_up(ggml_row_size(vg, L.n_embd), kAlign);
@@ -160,25 +161,31 @@ void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n
     xq_gate_bytes_ = gate_bytes;
     xq_up_bytes_ = up_bytes;
     xq_token_bytes_ = token_bytes;
-    if (n_tokens <= cap_tokens_ && n_threads <= cap_threads_ && L.n_embd <= cap_embd_ && token_bytes <= cap_xq_token_bytes_) {
+    if (n_tokens <= cap_tokens_ && n_threads <= cap_threads_ && L.n_embd <= cap_embd_ &&
+        token_bytes <= cap_xq_token_bytes_ && n_clusters <= cap_clusters_) {
         return;  // the carve-up for the larger capacity still fits
     }
     cap_tokens_ = std::max(cap_tokens_, n_tokens);
     cap_threads_ = std::max(cap_threads_, n_threads);
     cap_embd_ = std::max(cap_embd_, L.n_embd);
     cap_xq_token_bytes_ = std::max(cap_xq_token_bytes_, token_bytes);
+    cap_clusters_ = std::max(cap_clusters_, n_clusters);
     embd_pad_ = round_up(static_cast<size_t>(cap_embd_), kAlign / sizeof(float));
     const size_t row = embd_pad_ * sizeof(float);
     const size_t xq = static_cast<size_t>(cap_tokens_) * cap_xq_token_bytes_;
     const size_t partial = static_cast<size_t>(cap_tokens_) * cap_threads_ * row;
     const size_t tmp = static_cast<size_t>(cap_threads_) * row;
     const size_t counts = round_up(static_cast<size_t>(cap_tokens_) * sizeof(int32_t), kAlign);
-    buf_.assign(xq + partial + tmp + counts + kAlign, 0);
+    const size_t cluster_partial = static_cast<size_t>(cap_clusters_) * cap_tokens_ * row;
+    const size_t listed = round_up(static_cast<size_t>(cap_clusters_), kAlign);
+    buf_.assign(xq + partial + tmp + counts + cluster_partial + listed + kAlign, 0);
     uint8_t * p = reinterpret_cast<uint8_t *>(round_up(reinterpret_cast<uintptr_t>(buf_.data()), kAlign));
     xq_ = p;
     partial_ = reinterpret_cast<float *>(p += xq);
     row_tmp_ = reinterpret_cast<float *>(p += partial);
     counts_ = reinterpret_cast<int32_t *>(p += tmp);
+    cluster_partial_ = reinterpret_cast<float *>(p += counts);
+    listed_ = p += cluster_partial;
 }
 
 // The selection rule (see sparse_ffn.h): true when neuron with gate value g is active, with a =
@@ -260,8 +267,15 @@ struct SparseFfnImpl {
     static void reduce(SparseFfnScratch & S, int ith, int nth);
     static void accumulate_clusters(SparseFfnScratch & S, int ith, int nth, const int32_t * clusters, int64_t n);
     static void needed_clusters(const SparseFfnScratch & S, uint8_t * needed);
+    static void reduce_clusters(SparseFfnScratch & S, int ith, int nth);
     static float * partial(SparseFfnScratch & S, int64_t t, int th) {
         return S.partial_ + (static_cast<size_t>(t) * S.cap_threads_ + th) * S.embd_pad_;
+    }
+    static float * cluster_partial(SparseFfnScratch & S, int64_t c, int64_t t) {
+        return S.cluster_partial_ + (static_cast<size_t>(c) * S.cap_tokens_ + t) * S.embd_pad_;
+    }
+    static int64_t n_clusters(const SparseFfnLayer & L, const SparseFfnParams & P) {
+        return (L.n_ff + P.cluster_size - 1) / P.cluster_size;
     }
     // Token t's inputs and outputs as the accumulate phases read them.
     struct TokenView {
@@ -313,7 +327,10 @@ void SparseFfnImpl::begin(const SparseFfnLayer & L, const SparseFfnParams & P, c
         }
     }
     ensure_cpu_init();
-    S.reserve(L, io.n_tokens, P.n_threads);
+    // the cluster phase is possible only with caller gate values and no explicit list
+    const bool cluster_phase = P.gate_values != nullptr && P.active == nullptr;
+    S.reserve(L, io.n_tokens, P.n_threads, cluster_phase ? n_clusters(L, P) : 0);
+    if (cluster_phase) std::memset(S.listed_, 0, static_cast<size_t>(n_clusters(L, P)));
     S.layer_ = L;
     S.params_ = P;
     S.io_ = io;
@@ -423,11 +440,15 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, 
     const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
     const int64_t part_begin = n * ith / nth, part_end = n * (ith + 1) / nth;
 
-    // as in accumulate(): cluster by cluster, the batch's tokens in turn (one read of each row)
+    // as in accumulate(): cluster by cluster, the batch's tokens in turn (one read of each row),
+    // each (cluster, token) into its own partial (see reduce_clusters)
     for (int64_t k = part_begin; k < part_end; ++k) {
         const int64_t c = clusters[k];
         const int64_t i0 = c * cs, i1 = std::min<int64_t>(i0 + cs, L.n_ff);
+        S.listed_[c] = 1;
         for (int64_t t = 0; t < io.n_tokens; ++t) {
+            float * acc = cluster_partial(S, c, t);
+            std::memset(acc, 0, static_cast<size_t>(L.n_embd) * sizeof(float));
             const TokenView tv = token(S, t);
             sel.n = 0;
             for (int64_t i = i0; i < i1; ++i) {
@@ -439,8 +460,27 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, 
                         slotted ? L.up_slots[c] + r * L.up_row_bytes : up_base + r * up_stride, L.up_row_bytes,
                         P.prefetch, tv.uv == nullptr);
             }
-            pass2.run(partial(S, t, ith), tmp, sel, tv.uv, tv.xq_up, tv.mask);
+            pass2.run(acc, tmp, sel, tv.uv, tv.xq_up, tv.mask);
             if (sel.n != 0) __atomic_fetch_add(io.active_counts + t, sel.n, __ATOMIC_RELAXED);
+        }
+    }
+}
+
+// y_t = Σ_{c listed, ascending} partial_c,t: chunks of n_embd over threads; the order of the sum
+// is fixed by the cluster index alone (see the cluster phase in sparse_ffn.h).
+void SparseFfnImpl::reduce_clusters(SparseFfnScratch & S, int ith, int nth) {
+    constexpr int64_t kChunk = 64;
+    const int64_t n_embd = S.layer_.n_embd;
+    const int64_t nc = n_clusters(S.layer_, S.params_);
+    const int64_t per_token = (n_embd + kChunk - 1) / kChunk;
+    for (int64_t q = ith; q < S.io_.n_tokens * per_token; q += nth) {
+        const int64_t t = q / per_token, j0 = (q % per_token) * kChunk, j1 = std::min(j0 + kChunk, n_embd);
+        float * yt = reinterpret_cast<float *>(reinterpret_cast<uint8_t *>(S.io_.y) + t * S.io_.y_stride);
+        for (int64_t j = j0; j < j1; ++j) yt[j] = 0.0f;
+        for (int64_t c = 0; c < nc; ++c) {
+            if (!S.listed_[c]) continue;
+            const float * part = cluster_partial(S, c, t);
+            for (int64_t j = j0; j < j1; ++j) yt[j] += part[j];
         }
     }
 }
@@ -503,6 +543,10 @@ void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth) {
 void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, int nth, const int32_t * clusters,
                                     int64_t n_clusters) {
     SparseFfnImpl::accumulate_clusters(scratch, ith, nth, clusters, n_clusters);
+}
+
+void sparse_ffn_reduce_clusters(SparseFfnScratch & scratch, int ith, int nth) {
+    SparseFfnImpl::reduce_clusters(scratch, ith, nth);
 }
 
 void sparse_ffn_needed_clusters(const SparseFfnScratch & scratch, uint8_t * needed) {

@@ -154,7 +154,8 @@ class SparseFfnScratch {
 public:
     // Size for this layer shape, up to n_tokens tokens and n_threads threads. Allocates only when
     // the current capacity is too small.
-    void reserve(const SparseFfnLayer & layer, int64_t n_tokens, int n_threads);
+    // n_clusters > 0: also room for the cluster phase's per-cluster partials.
+    void reserve(const SparseFfnLayer & layer, int64_t n_tokens, int n_threads, int64_t n_clusters = 0);
     size_t capacity_bytes() const { return buf_.size(); }
 
 private:
@@ -166,6 +167,9 @@ private:
     float * partial_ = nullptr;     // [n_tokens][cap_threads][embd_pad] per-thread partial y
     float * row_tmp_ = nullptr;     // [cap_threads][embd_pad] dequantized down_t row (generic path)
     int32_t * counts_ = nullptr;    // [n_tokens] when the caller wants no counts
+    float * cluster_partial_ = nullptr;  // cluster phase: [n_clusters][n_tokens][embd_pad] partial y
+    uint8_t * listed_ = nullptr;         // cluster phase: [n_clusters] 1 once listed in this call
+    int64_t cap_clusters_ = 0;
     size_t embd_pad_ = 0;
     int64_t cap_tokens_ = 0;
     int cap_threads_ = 0;
@@ -200,13 +204,20 @@ void sparse_ffn_forward(const SparseFfnLayer & layer, const SparseFfnParams & pa
 // The phases never throw and never allocate.
 //
 // Cluster phase (flash offload, where a layer's rows arrive in several parts): in place of
-// sparse_ffn_accumulate, any number of
+// sparse_ffn_accumulate and sparse_ffn_reduce, any number of
 //   sparse_ffn_accumulate_clusters(scratch, ith, nth, clusters, n)
-// calls (barriers between them), each adding the candidates of the listed clusters (cluster c =
+// calls (barriers between them), each computing the candidates of the listed clusters (cluster c =
 // neurons [c·C, min((c+1)·C, n_ff)), C = params.cluster_size; the list split into nth contiguous
-// parts, one per thread) to the partial y; the union of the lists must cover every cluster holding
-// an active neuron, and no cluster may be listed twice. Needs params.gate_values and no explicit
-// active list; rows come from layer.up_slots / down_t_slots when set, else from the flat views.
+// parts, one per thread) into that cluster's own partial y, then
+//   sparse_ffn_reduce_clusters(scratch, ith, nth)
+// y_t = Σ over the listed clusters in ascending cluster order of partial_c,t. So token t's result
+// depends only on its x, its gate values and the set of clusters listed: not on how the clusters
+// were split among calls (resident now vs read later), the thread count, or the other tokens of the
+// batch. No cluster may be listed twice. Exact (the sparse formula) when the union of the lists
+// covers every cluster holding an active neuron; a caller may list fewer on purpose (a draft that
+// uses only resident clusters), which drops the missing clusters' terms. Needs params.gate_values
+// and no explicit active list; rows come from layer.up_slots / down_t_slots when set, else from the
+// flat views. Scratch: n_tokens · ceil(n_ff / C) · n_embd floats more.
 void sparse_ffn_begin(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
                       SparseFfnScratch & scratch);
 void sparse_ffn_quantize(SparseFfnScratch & scratch, int ith, int nth);
@@ -214,6 +225,7 @@ void sparse_ffn_accumulate(SparseFfnScratch & scratch, int ith, int nth);
 void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth);
 void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, int nth, const int32_t * clusters,
                                     int64_t n_clusters);
+void sparse_ffn_reduce_clusters(SparseFfnScratch & scratch, int ith, int nth);
 // For the cluster phase: needed[c] = 1 when cluster c holds a neuron that the kernel's selection rule
 // makes active for at least one token of the call, else 0 (ceil(n_ff / C) entries). One thread, after
 // sparse_ffn_begin, once the gate values are final.

@@ -54,7 +54,17 @@ struct OffloadPhases {
         if (ith != 0) return;
         try {
             sparse_ffn_needed_clusters(lane.scratch_, lane.needed_.data());
-            lane.cache_->plan(lane.cache_layer_, lane.needed_.data(), lane.plan_);
+            if (lane.cache_ == nullptr) {  // in memory: every needed cluster is ready
+                lane.plan_.ready.clear();
+                lane.plan_.pending.clear();
+                for (size_t c = 0; c < lane.needed_.size(); ++c) {
+                    if (lane.needed_[c]) lane.plan_.ready.push_back(static_cast<int32_t>(c));
+                }
+            } else if (lane.draft_) {
+                lane.cache_->plan_resident(lane.cache_layer_, lane.needed_.data(), lane.plan_);
+            } else {
+                lane.cache_->plan(lane.cache_layer_, lane.needed_.data(), lane.plan_);
+            }
         } catch (const std::exception & e) {
             lane.fail(e.what());
         }
@@ -72,7 +82,7 @@ struct OffloadPhases {
     }
     static void wait_reads(ggml_tensor *, int ith, int, void * userdata) {
         SparseLane & lane = *static_cast<SparseLane *>(userdata);
-        if (ith != 0 || lane.failed_.load(std::memory_order_acquire)) return;
+        if (ith != 0 || lane.cache_ == nullptr || lane.draft_ || lane.failed_.load(std::memory_order_acquire)) return;
         try {
             lane.cache_->wait(lane.cache_layer_);
         } catch (const std::exception & e) {
@@ -83,7 +93,7 @@ struct OffloadPhases {
         accumulate(userdata, &NeuronCache::LayerPlan::pending, ith, nth);
     }
     static void reduce(ggml_tensor *, int ith, int nth, void * userdata) {
-        sparse_ffn_reduce(static_cast<SparseLane *>(userdata)->scratch_, ith, nth);
+        sparse_ffn_reduce_clusters(static_cast<SparseLane *>(userdata)->scratch_, ith, nth);
     }
 };
 
@@ -205,6 +215,7 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     io_.active_counts = counts_.data();
     OffloadState * offload = ffn.model->offload();
     cache_ = offload != nullptr ? &offload->cache() : nullptr;
+    draft_ = offload != nullptr && offload->draft();
     if (cache_ != nullptr) {
         if (gate == nullptr || up != nullptr) {
             throw std::invalid_argument("flash offload needs the gate values from ggml and the up rows from the cache");
@@ -220,9 +231,16 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
         layer_.up_slots = plan_.up.data();
         layer_.down_t_slots = plan_.down_t.data();
     }
+    // With gate values from ggml (and u from the kernel) the split runs cluster by cluster and y is
+    // reduced in cluster order, in memory as in offload: the same bits whether the rows come from
+    // the mapping or from the neuron cache (sparse_ffn.h, cluster phase).
+    const bool by_cluster = cache_ != nullptr || (gate != nullptr && up == nullptr);
+    if (by_cluster && cache_ == nullptr) {
+        needed_.assign(static_cast<size_t>((layer_.n_ff + cluster_size - 1) / cluster_size), 0);
+    }
     sparse_ffn_begin(layer_, params_, io_, scratch_);
-    if (cache_ != nullptr) {
-        append_offload(ctx, graph, ffn, x_leaf, gate);
+    if (by_cluster) {
+        append_by_cluster(ctx, graph, ffn, x_leaf, gate);
         return;
     }
 
@@ -252,7 +270,7 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     ggml_build_forward_expand(graph, y);
 }
 
-void SparseLane::append_offload(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
+void SparseLane::append_by_cluster(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
                                 ggml_tensor * x_leaf, ggml_tensor * gate) {
     using Phase = void (*)(ggml_tensor *, int, int, void *);
     const Phase phases[4] = {OffloadPhases::accumulate_ready, OffloadPhases::wait_reads,

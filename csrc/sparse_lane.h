@@ -18,16 +18,23 @@
 // ggml's graph executor puts a barrier between consecutive nodes, which is exactly what the kernel's
 // phase API needs (sparse_ffn.h); the phases run on the context's threads, no extra fork/join.
 //
-// Flash offload (the model has an offload state, offload_state.h): the kernel's rows are the neuron
-// cache's slots, and the accumulate phase is cut where the flash reads are waited for:
+// By cluster (flash offload; in memory too when g comes from ggml and u from the kernel): the
+// kernel's cluster phase, y reduced in ascending cluster order (sparse_ffn_reduce_clusters), so a
+// token's result does not depend on which clusters were resident, on read timing or on the other
+// tokens of the batch (a verify batch of k tokens gives each token what decoding it alone gives),
+// and in-memory and offload results are the same bits. In offload (the model has an offload state,
+// offload_state.h) the kernel's rows are the neuron cache's slots, and the accumulate phase is cut
+// where the flash reads are waited for (in memory every needed cluster is ready, the wait empty):
 //   g    = MUL_MAT(resident gate, x)   as above (required)
 //   q    = CUSTOM(x, g)                phase 1, then (thread 0) the clusters holding an active neuron
 //                                      are planned: resident ones ready, missing ones read (async)
 //   a1   = CUSTOM(q)                   accumulate the ready clusters while the reads run
 //   w    = CUSTOM(a1)                  thread 0 waits for the layer's reads
 //   a2   = CUSTOM(w)                   accumulate the clusters that just arrived
-//   y'   = CUSTOM(a2)                  phase 3 as above
+//   y'   = CUSTOM(a2)                  y = Σ cluster partials in cluster order
 // A failed read fails the compute (failure() says why); no cluster is computed from a failed read.
+// In draft mode (OffloadState::draft) the plan is NeuronCache::plan_resident: only resident
+// clusters, no read and no wait; the result approximates the model, to draft tokens.
 //
 // Anything else (another op in the split, a fused gate_up weight, GEGLU_ERF, bias adds, batches
 // over max_tokens) is left to the dense lane, which stays bit-identical to stock llama.cpp.
@@ -74,11 +81,13 @@ public:
 
     // After the graph computed: |A_t| per token of the last appended split (T entries).
     const std::vector<int32_t> & active_counts() const { return counts_; }
+    // The last appended split ran in draft mode (OffloadState::set_draft).
+    bool draft() const { return draft_; }
     // After the graph computed: the error that failed it (empty: none), cleared by the call.
     std::string take_failure();
 
 private:
-    void append_offload(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn, ggml_tensor * x_leaf,
+    void append_by_cluster(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn, ggml_tensor * x_leaf,
                         ggml_tensor * gate);
     void fail(const std::string & message);
 
@@ -93,6 +102,7 @@ private:
     NeuronCache * cache_ = nullptr;
     int cache_layer_ = -1;  // position of the layer in the cache
     NeuronCache::LayerPlan plan_;
+    bool draft_ = false;    // OffloadState::draft() when the nodes were appended
     std::vector<uint8_t> needed_;
     std::atomic<bool> failed_{false};
     std::string failure_;

@@ -142,7 +142,9 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
 
     // 4. count
     FlashModel * counted = sparse ? r.model : dense_.model();
-    if (sparse) {
+    if (sparse && sparse_.draft()) {
+        r.model->stats().count_draft_split(pos, static_cast<int64_t>(sparse_.active_counts().size()), seconds);
+    } else if (sparse) {
         const std::vector<int32_t> & counts = sparse_.active_counts();
         const int64_t n_tokens = static_cast<int64_t>(counts.size());
         r.model->stats().count_sparse_call(pos, counts.data(), n_tokens, seconds);

@@ -79,7 +79,7 @@ std::vector<std::vector<int32_t>> WeightStore::read_orders(const FileReader & si
     return orders;
 }
 
-void WeightStore::load_dense(bool offload, bool stream_gate) {
+void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
     if (dense_loaded()) {
         throw std::logic_error("llamaflash: dense weights loaded twice");
     }
@@ -118,7 +118,7 @@ void WeightStore::load_dense(bool offload, bool stream_gate) {
         for (int kind = 0; kind < 3; ++kind) {
             ggml_tensor * t = kind == 0 ? gate : kind == 1 ? up : down;
             weights_.push_back(t);
-            ggml_backend_buffer_type_t buft = pick_cpu_weight_buft(t);
+            ggml_backend_buffer_type_t buft = repack ? pick_cpu_weight_buft(t) : ggml_backend_cpu_buffer_type();
             if (offload) {  // gate resident (or streamed), up and down streamed from the base file
                 if (kind == 0 && !stream_gate) {
                     copies[buft].push_back(t);

@@ -52,7 +52,8 @@ public:
 
     // Reads or maps every layer's dense weights (see Placement). Throws IoError (truncated file,
     // unreadable), std::runtime_error (order not a permutation, allocation failed).
-    void load_dense(bool offload, bool stream_gate);
+    // repack false: plain CPU copies only (EngineConfig::repack).
+    void load_dense(bool offload, bool stream_gate, bool repack = true);
     // Maps every layer's bundle and down_t regions for the kernel (in memory), or leaves the kernel's
     // rows to the neuron cache (offload: placeholders until the lane points them at slots). Needs
     // load_dense. Throws std::invalid_argument (down_t row size) / IoError.

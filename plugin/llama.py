@@ -41,6 +41,16 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
   flash_stream_gate  offload only: None = the planner's choice (the gate matrices resident when they
                  fit the budget, else read from flash every token, one layer ahead); True / False
                  force streamed / resident.
+  flash_speculative  speculative decoding (plugin/speculative.py): None = on under ram_budget_mb,
+                 off in memory; True / False; or a dict of `SpeculativeSettings` fields. Drafts come
+                 from the context (prompt lookup), from the model itself in draft mode (offload: FFN
+                 from the RAM-resident clusters only), or from a `draft_model=` the caller passes;
+                 the target model verifies them, so the tokens are the non-speculative ones.
+  flash_batch_invariant  None = on under ram_budget_mb, off in memory. On: flash attention
+                 (flash_attn=True unless given) and llama.cpp's and llamaflash's weights in plain, not
+                 repacked, CPU memory, so that each row of a batch of up to 7 tokens is computed with
+                 the bits of decoding it alone (speculative.BATCH_INVARIANT_MAX): verify batches then
+                 give exactly the non-speculative tokens. Off: stock llama.cpp's numerics.
 """
 from __future__ import annotations
 
@@ -48,6 +58,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -59,6 +70,7 @@ from . import engine
 from . import gguf_model
 from . import lane_decision
 from . import offload
+from . import speculative
 from .errors import FlashIoError, LlamaflashError, SidecarNotFoundError
 from .flash_io import ENGINES
 from .gguf_model import BaseModelInfo
@@ -198,6 +210,8 @@ class Llama(llama_cpp.Llama):
         flash_io_engine: str = "auto",
         flash_stream_gate: Optional[bool] = None,
         flash_disk_profile: Any = None,
+        flash_speculative: Any = None,
+        flash_batch_invariant: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
         self._flash: Optional[_native.FlashModel] = None
@@ -205,13 +219,16 @@ class Llama(llama_cpp.Llama):
         self._flash_sidecar: Optional[Path] = None
         self._flash_plan = None
         self._flash_decision: Optional[lane_decision.Decision] = None
+        self._speculator: Optional[speculative.Speculator] = None
+        self._speculation_off_reason: Optional[str] = None
         self._flash_mode = _resolve_mode(flash_mode)
         if flash_max_sparse_tokens is None:
             flash_max_sparse_tokens = 1
         self._flash_args = {"sidecar_path": sidecar_path, "flash_mode": flash_mode, "flash_sparsity": flash_sparsity,
                             "flash_max_sparse_tokens": flash_max_sparse_tokens, "flash_dense_up": flash_dense_up,
                             "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine,
-                            "flash_stream_gate": flash_stream_gate, "flash_disk_profile": flash_disk_profile}
+                            "flash_stream_gate": flash_stream_gate, "flash_disk_profile": flash_disk_profile,
+                            "flash_speculative": flash_speculative, "flash_batch_invariant": flash_batch_invariant}
         _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens, flash_dense_up, ram_budget_mb,
                               flash_io_engine, flash_stream_gate)
         if ram_budget_mb is None and (flash_stream_gate is not None or flash_disk_profile is not None):
@@ -223,6 +240,14 @@ class Llama(llama_cpp.Llama):
                     "ram_budget_mb needs the sparse lane (flash offload reads only the active neurons' rows); "
                     "use flash_mode='sparse' or leave flash_mode unset, or drop ram_budget_mb for the dense lane")
             self._flash_mode = OFFLOAD_MODE
+        spec_settings = speculative.SpeculativeSettings.from_argument(
+            True if flash_speculative is None and ram_budget_mb is not None else flash_speculative)
+        user_draft = kwargs.get("draft_model")
+        if flash_batch_invariant is not None and not isinstance(flash_batch_invariant, bool):
+            raise ValueError(f"flash_batch_invariant={flash_batch_invariant!r} must be True, False or None")
+        self._batch_invariant = ram_budget_mb is not None if flash_batch_invariant is None else flash_batch_invariant
+        if self._batch_invariant:
+            kwargs.setdefault("flash_attn", True)
 
         # ggml logs through llama-cpp-python's callback, filtered by its verbosity: set it before
         # llamaflash loads anything through ggml (repacking weights logs a line per tensor)
@@ -235,7 +260,7 @@ class Llama(llama_cpp.Llama):
                 f"'{default_sidecar_path(model_path)}'); create it with `llamaflash convert {model_path}`")
         if sidecar is None:
             self._flash_mode = "stock"
-            super().__init__(model_path, *args, **kwargs)
+            self._init_llama(model_path, args, kwargs, spec_settings)
             return
 
         # Everything that can be wrong with the files is found here, before llama.cpp starts.
@@ -248,7 +273,7 @@ class Llama(llama_cpp.Llama):
                 self._flash_info, self._flash_sidecar = info, Path(sidecar)
                 if kwargs.get("verbose", True):
                     _say_once(f"llamaflash: '{sidecar}': {self._flash_decision.reason}")
-                super().__init__(model_path, *args, **kwargs)
+                self._init_llama(model_path, args, kwargs, spec_settings)
                 return
             self._flash_mode = "sparse"
         thresholds = None
@@ -265,10 +290,12 @@ class Llama(llama_cpp.Llama):
             kwargs.setdefault("n_batch", plan.n_batch)
             kwargs.setdefault("n_ubatch", plan.n_ubatch)
             # every decode split of a layer with a threshold runs on the sparse lane (the dense lane
-            # would stream the whole layer from flash); larger batches (prefill) stream on the dense lane
+            # would stream the whole layer from flash), and so do verify batches (1 + k drafted
+            # tokens, reading the union of their clusters once); prefill streams on the dense lane
+            max_tokens = max(flash_max_sparse_tokens, speculative.verify_batch_max(spec_settings))
             config = engine.engine_config(
                 info, model_path, thresholds,
-                engine.sparse_config(True, flash_max_sparse_tokens, int(plan.cluster_size), up_by_ggml=False),
+                engine.sparse_config(True, max_tokens, int(plan.cluster_size), up_by_ggml=False),
                 engine.offload_config(plan, engine=flash_io_engine))
             self._flash_plan = plan
         else:
@@ -277,12 +304,13 @@ class Llama(llama_cpp.Llama):
                 sparse = engine.sparse_config(True, flash_max_sparse_tokens,
                                               up_by_ggml=self._dense_up(info, flash_sparsity))
             config = engine.engine_config(info, model_path, thresholds, sparse)
+        config.repack = not self._batch_invariant
         flash = engine.open_engine(config)
 
         _native.register_backend()  # idempotent; the first served model registers the ggml backend
         _native.begin_model_load(flash)
         try:
-            super().__init__(model_path, *args, **kwargs)
+            self._init_llama(model_path, args, kwargs, spec_settings)
         finally:
             _native.end_model_load()
 
@@ -297,12 +325,42 @@ class Llama(llama_cpp.Llama):
         self._flash = flash
         self._flash_info = info
         self._flash_sidecar = Path(sidecar)
+        if self._speculator is not None and self._flash_mode == OFFLOAD_MODE and user_draft is None:
+            if self._flash_plan.stream_gate:
+                self._speculation_off_reason = "self-draft off: the gate is streamed from flash under this budget"
+            elif spec_settings.self_draft:
+                self._speculator.attach_self_draft(speculative.make_self_draft(weakref.ref(self), self.n_vocab()))
+
+    def _init_llama(self, model_path, args, kwargs, spec_settings) -> None:
+        """llama_cpp.Llama.__init__, then the speculator as its draft_model. llama-cpp-python's own
+        draft path would keep n_ctx x n_vocab logits (it forces logits_all); the speculator's verify
+        batches keep only their own rows (see eval), so a user's draft_model goes through it too."""
+        user_draft = kwargs.pop("draft_model", None)
+        if spec_settings is None and user_draft is not None:
+            spec_settings = speculative.SpeculativeSettings(prompt_lookup=False, self_draft=False)
+        if self._batch_invariant:
+            with speculative.batch_invariant_weights():
+                super().__init__(model_path, *args, **kwargs)
+        else:
+            super().__init__(model_path, *args, **kwargs)
+        if spec_settings is not None:
+            ref = weakref.ref(self)
+            self._speculator = speculative.Speculator(spec_settings, user_draft=user_draft)
+            self._speculator.bind(lambda: ref().n_tokens)
+            self.draft_model = self._speculator
+        self._user_draft = user_draft
 
     def eval(self, tokens) -> None:
-        """`llama_cpp.Llama.eval`; an I/O error inside the offload lane (which fails llama_decode)
-        is raised as FlashIoError naming the file and the cause, instead of a bare RuntimeError."""
+        """`llama_cpp.Llama.eval`; a verify batch (speculation on, up to 1 + max_draft tokens) gets the
+        logits of every row and only those (generate samples each position from them). An I/O error
+        inside the offload lane (which fails llama_decode) is raised as FlashIoError naming the file
+        and the cause, instead of a bare RuntimeError; the context keeps its earlier tokens."""
         try:
-            super().eval(tokens)
+            if self._speculator is not None and not self._logits_all and \
+                    1 <= len(tokens) <= min(self.n_batch, self._speculator.max_batch):
+                self._speculator.eval_rows(self, tokens)
+            else:
+                super().eval(tokens)
         except RuntimeError as e:
             message = self._flash.take_error() if self._flash is not None else ""
             if message:
@@ -401,12 +459,28 @@ class Llama(llama_cpp.Llama):
             fractions = [f for f in stats["active_fraction"].values() if f is not None]
             stats["mean_active_fraction"] = sum(fractions) / len(fractions) if fractions else None
             stats["offload"] = offload.stats(self._flash, self._flash_plan)
+        stats["speculative"] = self._speculation_stats(stats)
         return stats
+
+    def _speculation_stats(self, stats: Dict[str, Any]) -> Dict[str, Any]:
+        if self._speculator is None:
+            return {"enabled": False, "reason": self._speculation_off_reason or "flash_speculative is off"}
+        off = stats.get("offload") or {}
+        out = self._speculator.summary(flash_bytes=off.get("bytes_read"))
+        if self._flash is not None:
+            native = self._flash.stats()
+            out["draft_tokens_evaluated"] = native.get("draft_tokens", 0)
+        if off.get("draft_plans"):
+            out["draft_resident_fraction"] = off["draft_clusters_resident"] / max(1, off["draft_clusters_needed"])
+        out["self_draft_off_reason"] = self._speculation_off_reason
+        return out
 
     def reset_flash_stats(self) -> None:
         if self._flash is not None:
             self._flash.reset_stats()
             self._flash.reset_cache_stats()
+        if self._speculator is not None:
+            self._speculator.reset_stats()
 
     # -- lifetime and pickling ------------------------------------------------------------------
 
@@ -419,4 +493,5 @@ class Llama(llama_cpp.Llama):
     def __getstate__(self):
         state = super().__getstate__()
         state.update(self._flash_args)
+        state["draft_model"] = getattr(self, "_user_draft", None)  # not the speculator (rebuilt by __init__)
         return state

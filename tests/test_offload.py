@@ -25,7 +25,9 @@ from llamaflash.errors import FlashIoError
 from llamaflash.sidecar import read_layer_vectors, read_sidecar
 from llama_helpers import rel_max_diff, run_model
 
-KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0)
+# offload runs batch-invariant (flash attention, plain weights; plugin/speculative.py): so do the
+# in-memory references
+KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0, flash_batch_invariant=True)
 N_GEN = 10
 C = 32  # cluster size: n_ff 192 → 6 clusters per layer
 

@@ -56,7 +56,9 @@ def test_real_offload_matches_the_in_memory_sparse_lane(stream_gate, smollm2_sid
     from llama_helpers import run_in_subprocess
 
     model, sidecar = smollm2_sidecar
-    kwargs = dict(n_ctx=256, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0)
+    # offload runs batch-invariant (flash attention, plain weights): so does the reference
+    kwargs = dict(n_ctx=256, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0,
+                  flash_batch_invariant=True)
     llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), flash_mode="sparse",
                            flash_dense_up=False, **kwargs)
     ref = run_model(llm, PROMPT, n_gen=24)

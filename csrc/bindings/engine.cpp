@@ -102,6 +102,7 @@ void bind_config(py::module_ & m) {
         .def_readwrite("activation", &EngineConfig::activation)
         .def_readwrite("sparse", &EngineConfig::sparse)
         .def_readwrite("offload", &EngineConfig::offload)
+        .def_readwrite("repack", &EngineConfig::repack)
         .def("validate", &EngineConfig::validate, "ValueError naming the field unless the configuration is usable.");
 }
 
@@ -116,6 +117,9 @@ py::dict stats_dict(const FlashStatsSnapshot & s) {
     d["sparse_lane_calls"] = s.sparse_lane_calls;
     d["sparse_fallbacks"] = s.sparse_fallbacks;
     d["sparse_seconds"] = s.sparse_seconds;
+    d["draft_splits"] = s.draft_splits;
+    d["draft_tokens"] = s.draft_tokens;
+    d["draft_seconds"] = s.draft_seconds;
     d["layer_ids"] = s.layer_ids;
     d["layer_sparse_tokens"] = s.layer_sparse_tokens;
     d["layer_active_neurons"] = s.layer_active;

@@ -33,6 +33,9 @@ py::dict cache_stats(const NeuronCacheStats & s) {
     d["hot_bytes_loaded"] = s.hot_bytes_loaded;
     d["io_wait_seconds"] = s.io_wait_seconds;
     d["plan_seconds"] = s.plan_seconds;
+    d["draft_plans"] = s.draft_plans;
+    d["draft_clusters_needed"] = s.draft_clusters_needed;
+    d["draft_clusters_resident"] = s.draft_clusters_resident;
     d["hot_slots"] = s.hot_slots;
     d["cold_slots"] = s.cold_slots;
     d["slot_bytes"] = s.slot_bytes;
@@ -56,6 +59,15 @@ void bind_offload(py::module_ & m) {
             [](const FlashModel & fm) { return fm.offload() ? fm.offload()->streamed_gate_bytes() : uint64_t{0}; },
             "Gate bytes a decode token reads from flash (every served layer's gate matrix; 0 when resident).")
         .def_property_readonly("offloaded", [](const FlashModel & fm) { return fm.offload() != nullptr; })
+        .def_property(
+            "draft",
+            [](const FlashModel & fm) { return fm.offload() != nullptr && fm.offload()->draft(); },
+            [](FlashModel & fm, bool draft) {
+                if (fm.offload() == nullptr) throw py::value_error("draft mode needs flash offload (ram_budget_mb)");
+                fm.offload()->set_draft(draft);
+            },
+            "Draft mode (offload_state.h): decode splits use only the clusters resident in the neuron cache "
+            "(no flash read, the cache untouched); an approximation, for drafting tokens.")
         .def("cache_stats",
              [](const FlashModel & fm) -> py::object {
                  if (fm.offload() == nullptr) return py::none();
