@@ -5,8 +5,7 @@ Per config: a 64-token prompt, then `--evals` evals of k tokens each (the first 
 milliseconds per eval and per token. The sparse lane runs forced (`flash_mode="sparse"`,
 `flash_max_sparse_tokens=8`) at the sidecar's operating point, so every batch of up to 8 tokens goes
 through the kernel, which reads each row of the union of the batch's active sets once (csrc/sparse_ffn.h
-"Batches"). Auto mode makes the same comparison per batch-size bucket and keeps the faster lane
-(`flash_stats()["lane_choice"][layer]["by_batch"]`).
+"Batches").
 
 Usage:  python bench/bench_batches.py --sidecar SIDECAR [--model qwen2.5-coder-1.5b] [--configs stock,dense,sparse]
 """

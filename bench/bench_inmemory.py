@@ -269,10 +269,10 @@ def main(argv=None) -> int:
                   f"active neurons {'' if frac is None else f'{frac:.1%}'}  ({q['seconds']:.0f} s)")
     # Measured last: the probe's 1 GiB buffer would raise the peak RSS of every worker started after it
     # (Linux keeps ru_maxrss across fork + exec).
-    from llamaflash import _native
+    from llamaflash import _native_testing
 
     common.wait_until_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
-    bandwidth = _native.measure_read_bandwidth(1 << 30, args.threads, 5)
+    bandwidth = _native_testing.measure_read_bandwidth(1 << 30, args.threads, 5)
     bound = report_bound(model_path, sidecar if flash_configs else None, runs, args, bandwidth)
     noisy = [r for r in runs if r.get("ok") and r.get("foreign_cpu", 0) > args.max_other_load]
     if noisy:

@@ -47,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from llamaflash import _native as N  # noqa: E402
+from llamaflash import _native_testing as N  # noqa: E402
 from llamaflash.errors import LlamaflashError  # noqa: E402
 from llamaflash.sidecar import validate_pair  # noqa: E402
 

@@ -2,16 +2,13 @@
 // (GGML_BACKEND_API_VERSION 2); optional slots left null fall back to ggml's defaults.
 #include "flash_backend.h"
 
-#include "dense_lane.h"
 #include "ggml-backend-impl.h"
 #include "phantom_buffer.h"
+#include "split_executor.h"
 #include "weight_registry.h"
 
-#include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <mutex>
-#include <vector>
 #include <sys/sysinfo.h>
 
 namespace llamaflash {
@@ -95,9 +92,9 @@ bool lives_in_phantom_buffer(const ggml_tensor * t) {
     return base->buffer != nullptr && is_phantom_buffer_type(base->buffer->buft);
 }
 
-// FFN-only claims: the served FFN matmuls and the element-wise ops between them. Each served layer's
-// FFN then arrives as one split.
-bool supports_ffn_op(const ggml_tensor * op) {
+// The device's claims: the served FFN matmuls and the element-wise ops between them, nothing else.
+// Each served layer's FFN then arrives as one split.
+bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
     switch (op->op) {
         case GGML_OP_NONE:  // a weight or tensor stored in our buffers: the scheduler asks for leaves too
         case GGML_OP_VIEW:
@@ -120,59 +117,11 @@ bool supports_ffn_op(const ggml_tensor * op) {
     }
 }
 
-// A weight in a buffer of our type that is not a bound served weight: either llama.cpp probing,
-// while loading, whether to place a non-FFN weight here (answer: no), or a stray phantom.
-bool uses_unserved_phantom_weight(const ggml_tensor * op) {
-    for (int j = -1; j < GGML_MAX_SRC; ++j) {
-        const ggml_tensor * t = j < 0 ? op : op->src[j];
-        if (t == nullptr) {
-            continue;
-        }
-        if (t->view_src != nullptr) {
-            t = t->view_src;
-        }
-        if (t->buffer != nullptr && is_phantom_buffer_type(t->buffer->buft) &&
-            (t->buffer->size == 0 || t->buffer->usage == GGML_BACKEND_BUFFER_USAGE_WEIGHTS) &&
-            !is_served_weight(t)) {
-            return true;
-        }
-    }
-    return false;
-}
-
-ggml_backend_dev_t cpu_device() {
-    static ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    return dev;
-}
-
-// Whole-graph claims (optional, off by default): the served FFN matmuls, and every other op the CPU
-// backend can run on weights outside our buffers, so prefill graphs run as ONE split on this backend.
-// Measured worse than FFN-only claims: llama.cpp pins each layer's norms to the layer's device (CPU)
-// for batches < 32 tokens, so decode graphs become 4 splits per layer instead of 2 (SmolLM2-135M:
-// decode 0.86x vs 0.98x of stock, prefill 0.87x vs 1.10x; Qwen2.5-1.5B: equal within noise).
-std::atomic<bool> g_whole_graph_claims{false};
-
-bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
-    if (!g_whole_graph_claims.load(std::memory_order_relaxed) || !WeightRegistry::instance().any_model_bound()) {
-        return supports_ffn_op(op);
-    }
-    if (op->op == GGML_OP_MUL_MAT && is_served_weight(op->src[0])) {
-        return op->src[1] != nullptr && op->src[1]->type == GGML_TYPE_F32;
-    }
-    if (uses_unserved_phantom_weight(op)) {
-        return false;
-    }
-    if (lives_in_phantom_buffer(op)) {
-        return true;  // an activation already placed in our buffers (leaf / view of it)
-    }
-    return ggml_backend_dev_supports_op(cpu_device(), op);
-}
-
 // ---------------------------------------------------------------------------------------------
 // backend
 
 struct BackendContext {
-    DenseLane dense;
+    SplitExecutor executor;
 };
 
 const char * backend_get_name(ggml_backend_t) {
@@ -186,7 +135,7 @@ void backend_free(ggml_backend_t backend) {
 
 ggml_status backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph) {
     auto * ctx = static_cast<BackendContext *>(backend->context);
-    return ctx->dense.compute(cgraph);
+    return ctx->executor.compute(cgraph);
 }
 
 const ggml_backend_i kBackendInterface = {
@@ -218,7 +167,7 @@ void set_n_threads(ggml_backend_t backend, int n_threads) {
     if (backend->iface.get_name != backend_get_name) {
         return;
     }
-    static_cast<BackendContext *>(backend->context)->dense.set_n_threads(n_threads);
+    static_cast<BackendContext *>(backend->context)->executor.set_n_threads(n_threads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -268,29 +217,8 @@ ggml_backend_buffer_type_t device_get_buffer_type(ggml_backend_dev_t dev) {
 
 // Our own buffers, and host memory: inputs computed by the CPU backend (the FFN input x, biases) are
 // read in place instead of being copied into a llamaflash buffer.
-// Host buffers always: inputs computed by the CPU backend are read in place. While a served model is
-// loaded, also the CPU backend's "extra" (repacked) weight buffers, which the dense lane's internal
-// CPU backend computes with.
-bool is_cpu_extra_buffer_type(ggml_backend_buffer_type_t buft) {
-    static std::vector<ggml_backend_buffer_type_t> extra = [] {
-        std::vector<ggml_backend_buffer_type_t> out;
-        ggml_backend_dev_t dev = cpu_device();
-        auto get = dev == nullptr ? nullptr : (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
-                                                  ggml_backend_dev_backend_reg(dev), "ggml_backend_dev_get_extra_bufts");
-        for (ggml_backend_buffer_type_t * p = get ? get(dev) : nullptr; p != nullptr && *p != nullptr; ++p) {
-            out.push_back(*p);
-        }
-        return out;
-    }();
-    return std::find(extra.begin(), extra.end(), buft) != extra.end();
-}
-
 bool device_supports_buft(ggml_backend_dev_t, ggml_backend_buffer_type_t buft) {
-    if (is_phantom_buffer_type(buft) || ggml_backend_buft_is_host(buft)) {
-        return true;
-    }
-    return g_whole_graph_claims.load(std::memory_order_relaxed) && WeightRegistry::instance().any_model_bound() &&
-           is_cpu_extra_buffer_type(buft);
+    return is_phantom_buffer_type(buft) || ggml_backend_buft_is_host(buft);
 }
 
 bool device_offload_op(ggml_backend_dev_t, const ggml_tensor *) {
@@ -350,18 +278,6 @@ ggml_backend_dev_t reg_get_device(ggml_backend_reg_t, size_t index) {
 }
 
 }  // namespace
-
-ggml_backend_reg_t backend_reg() {
-    return &kReg;
-}
-
-void set_whole_graph_claims(bool enabled) {
-    g_whole_graph_claims.store(enabled);
-}
-
-bool whole_graph_claims() {
-    return g_whole_graph_claims.load();
-}
 
 ggml_backend_reg_t register_backend() {
     static std::once_flag once;

@@ -11,14 +11,7 @@
 
 namespace llamaflash {
 
-ggml_backend_reg_t backend_reg();
-
 // Registers the backend with ggml once per process; later calls are no-ops. Returns the registry.
 ggml_backend_reg_t register_backend();
-
-// Claim policy (takes effect for graphs scheduled afterwards): false (default) = only the FFN ops of
-// served layers (one split each); true = whole graphs of served models run on this backend.
-void set_whole_graph_claims(bool enabled);
-bool whole_graph_claims();
 
 }  // namespace llamaflash

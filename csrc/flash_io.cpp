@@ -449,6 +449,13 @@ uint64_t FlashReader::file_size() const { return impl_->size; }
 size_t FlashReader::alignment() const { return impl_->alignment; }
 bool FlashReader::direct() const { return impl_->direct; }
 const std::string & FlashReader::fallback_reason() const { return impl_->fallback_reason; }
+IoEngineKind parse_io_engine(const std::string & name) {
+    if (name == "auto") return IoEngineKind::Auto;
+    if (name == "io_uring") return IoEngineKind::IoUring;
+    if (name == "pool") return IoEngineKind::Pool;
+    throw std::invalid_argument("engine must be 'auto', 'io_uring' or 'pool', got '" + name + "'");
+}
+
 const char * FlashReader::engine_name() const { return impl_->engine->name(); }
 const std::string & FlashReader::engine_note() const { return impl_->engine_note; }
 unsigned FlashReader::queue_depth() const { return impl_->opts.queue_depth; }

@@ -65,6 +65,8 @@ struct ReadRequest {
 };
 
 enum class IoEngineKind { Auto, IoUring, Pool };
+// "auto" | "io_uring" | "pool"; std::invalid_argument naming the accepted names otherwise.
+IoEngineKind parse_io_engine(const std::string & name);
 
 struct FlashReaderOptions {
     IoEngineKind engine = IoEngineKind::Auto;

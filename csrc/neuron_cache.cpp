@@ -18,6 +18,11 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
+size_t neuron_cache_slot_bytes(int64_t cluster_size, uint64_t up_row_bytes, uint64_t down_t_row_bytes) {
+    const size_t C = static_cast<size_t>(cluster_size);
+    return round_up(C * up_row_bytes, kSlotAlign) + round_up(C * down_t_row_bytes, kSlotAlign);
+}
+
 NeuronCache::NeuronCache(const std::string & sidecar_path, const std::string & up_path,
                          std::vector<CacheLayerSource> layers, const NeuronCacheConfig & config)
     : layers_(std::move(layers)), config_(config) {
@@ -53,7 +58,7 @@ NeuronCache::NeuronCache(const std::string & sidecar_path, const std::string & u
              std::to_string(max_clusters) + " clusters), got " + std::to_string(config_.cold_slots));
     }
     up_part_ = round_up(static_cast<size_t>(C) * up_row, kSlotAlign);
-    slot_bytes_ = up_part_ + round_up(static_cast<size_t>(C) * down_row, kSlotAlign);
+    slot_bytes_ = neuron_cache_slot_bytes(C, up_row, down_row);
 
     sidecar_ = std::make_unique<FlashReader>(sidecar_path, config_.io);
     up_file_ = std::make_unique<FlashReader>(up_path, config_.io);

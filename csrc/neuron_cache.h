@@ -57,6 +57,11 @@ struct CacheLayerSource {
     std::vector<int32_t> hot;         // clusters to pin (from the planner)
 };
 
+// Bytes of one slot: round_up(C·up_row_bytes, 4096) + round_up(C·down_t_row_bytes, 4096), with the
+// largest row sizes over the cached layers. The one formula for the slot size: the planner
+// (plugin/planner.py, through llamaflash._native.cache_slot_bytes) budgets with it.
+size_t neuron_cache_slot_bytes(int64_t cluster_size, uint64_t up_row_bytes, uint64_t down_t_row_bytes);
+
 struct NeuronCacheConfig {
     int cluster_size = 32;          // neurons per cluster (= the kernel's cluster size)
     int64_t cold_slots = 0;         // >= (1 + prefetch_layers) · max clusters per layer

@@ -213,8 +213,9 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     io_.n_tokens = n_tokens;
     counts_.assign(static_cast<size_t>(n_tokens), 0);
     io_.active_counts = counts_.data();
-    cache_ = ffn.model->neuron_cache();
-    draft_ = cache_ != nullptr && ffn.model->draft();
+    OffloadState * offload = ffn.model->offload();
+    cache_ = offload != nullptr ? &offload->cache() : nullptr;
+    draft_ = offload != nullptr && offload->draft();
     if (cache_ != nullptr) {
         if (gate == nullptr || up != nullptr) {
             throw std::invalid_argument("flash offload needs the gate values from ggml and the up rows from the cache");
@@ -238,8 +239,6 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
         needed_.assign(static_cast<size_t>((layer_.n_ff + cluster_size - 1) / cluster_size), 0);
     }
     sparse_ffn_begin(layer_, params_, io_, scratch_);
-    model_ = ffn.model;
-    layer_id_ = ffn.layer;
     if (by_cluster) {
         append_by_cluster(ctx, graph, ffn, x_leaf, gate);
         return;
@@ -297,16 +296,6 @@ void SparseLane::append_by_cluster(ggml_context * ctx, ggml_cgraph * graph, cons
     std::memcpy(y->nb, ffn.down->nb, sizeof(y->nb));
     std::memcpy(y->name, ffn.down->name, sizeof(y->name));
     ggml_build_forward_expand(graph, y);
-}
-
-void SparseLane::account(double seconds) {
-    if (model_ != nullptr && draft_) {
-        model_->count_draft_split(layer_id_, static_cast<int64_t>(counts_.size()), seconds);
-    } else if (model_ != nullptr) {
-        model_->count_sparse_call(layer_id_, counts_.data(), static_cast<int64_t>(counts_.size()), seconds);
-        model_->count_ffn_eval(layer_id_, static_cast<int64_t>(counts_.size()));
-    }
-    model_ = nullptr;
 }
 
 }  // namespace llamaflash

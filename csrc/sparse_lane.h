@@ -1,5 +1,5 @@
 // sparse_lane.h — the sparse decode lane: a served layer's FFN split computed over its active
-// neurons only, inside the dense lane's private ggml graph (see dense_lane.h).
+// neurons only, inside the split executor's private ggml graph (see split_executor.h).
 //
 // The split the scheduler hands over for a served layer L is recognised as a plain GLU FFN
 //   gate = MUL_MAT(blk.L.ffn_gate.weight, x)     x : [n_embd, T] f32, T tokens
@@ -7,7 +7,7 @@
 //   h    = GLU(gate, up)  or  MUL(UNARY(gate), up)      act ∈ {silu, gelu (tanh), relu}
 //   y    = MUL_MAT(blk.L.ffn_down.weight, h)     y : [n_embd, T] f32
 // and nothing else. For such a split of a layer with a threshold, and T <= SparseConfig::max_tokens,
-// the lane puts into the private graph, in place of those nodes:
+// the split executor chooses this lane, which puts into the private graph, in place of those nodes:
 //   g    = MUL_MAT(resident gate, x)   ggml's own (repacked) GEMV, written where the split's gate
 //                                      node lives                  (only with gate_by_ggml)
 //   q    = CUSTOM(x [, g])             kernel phase 1: x quantized to the vec_dot types
@@ -19,23 +19,22 @@
 // phase API needs (sparse_ffn.h); the phases run on the context's threads, no extra fork/join.
 //
 // By cluster (flash offload; in memory too when g comes from ggml and u from the kernel): the
-// kernel's cluster phase, y reduced in cluster order, so in-memory and offload results are the same
-// bits. In offload the kernel's rows are the neuron cache's slots (neuron_cache.h), and the
-// accumulate phase is cut where the flash reads are waited for (in memory every needed cluster is
-// ready and the wait is empty):
+// kernel's cluster phase, y reduced in ascending cluster order (sparse_ffn_reduce_clusters), so a
+// token's result does not depend on which clusters were resident, on read timing or on the other
+// tokens of the batch (a verify batch of k tokens gives each token what decoding it alone gives),
+// and in-memory and offload results are the same bits. In offload (the model has an offload state,
+// offload_state.h) the kernel's rows are the neuron cache's slots, and the accumulate phase is cut
+// where the flash reads are waited for (in memory every needed cluster is ready, the wait empty):
 //   g    = MUL_MAT(resident gate, x)   as above (required)
 //   q    = CUSTOM(x, g)                phase 1, then (thread 0) the clusters holding an active neuron
 //                                      are planned: resident ones ready, missing ones read (async)
 //   a1   = CUSTOM(q)                   accumulate the ready clusters while the reads run
 //   w    = CUSTOM(a1)                  thread 0 waits for the layer's reads
 //   a2   = CUSTOM(w)                   accumulate the clusters that just arrived
-//   y'   = CUSTOM(a2)                  phase 3 as above
+//   y'   = CUSTOM(a2)                  y = Σ cluster partials in cluster order
 // A failed read fails the compute (failure() says why); no cluster is computed from a failed read.
-// In draft mode (FlashModel::draft) the plan is NeuronCache::plan_resident: only resident clusters,
-// no read and no wait; the result is an approximation used to draft tokens.
-// y is reduced in ascending cluster order (sparse_ffn_reduce_clusters), so a token's result does not
-// depend on which clusters were resident, on read timing, or on the other tokens of the batch: a
-// verify batch of k tokens gives each token what decoding it alone gives.
+// In draft mode (OffloadState::draft) the plan is NeuronCache::plan_resident: only resident
+// clusters, no read and no wait; the result approximates the model, to draft tokens.
 //
 // Anything else (another op in the split, a fused gate_up weight, GEGLU_ERF, bias adds, batches
 // over max_tokens) is left to the dense lane, which stays bit-identical to stock llama.cpp.
@@ -80,8 +79,10 @@ public:
     void append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn, const SparseLayerView & view,
                 ggml_tensor * x_leaf, ggml_tensor * gate, ggml_tensor * up, int n_threads, int cluster_size);
 
-    // After the graph computed: per-layer statistics into the model.
-    void account(double seconds);
+    // After the graph computed: |A_t| per token of the last appended split (T entries).
+    const std::vector<int32_t> & active_counts() const { return counts_; }
+    // The last appended split ran in draft mode (OffloadState::set_draft).
+    bool draft() const { return draft_; }
     // After the graph computed: the error that failed it (empty: none), cleared by the call.
     std::string take_failure();
 
@@ -95,15 +96,13 @@ private:
     SparseFfnParams params_;
     SparseFfnIo io_;
     std::vector<int32_t> counts_;
-    FlashModel * model_ = nullptr;
-    int layer_id_ = -1;
     float sink_[16] = {};  // memory of the phase nodes' (unused) outputs
     // flash offload
     friend struct OffloadPhases;
     NeuronCache * cache_ = nullptr;
     int cache_layer_ = -1;  // position of the layer in the cache
     NeuronCache::LayerPlan plan_;
-    bool draft_ = false;    // FlashModel::draft() when the nodes were appended
+    bool draft_ = false;    // OffloadState::draft() when the nodes were appended
     std::vector<uint8_t> needed_;
     std::atomic<bool> failed_{false};
     std::string failure_;

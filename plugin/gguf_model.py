@@ -82,7 +82,8 @@ class BaseModelInfo:
     the architecture is not supported (``activation`` is then None). ``gate_tensors``
     lists every ``blk.N.ffn_gate.weight`` in the file in layer order, served or not (it
     feeds :func:`base_identity`). ``data_offset`` is the absolute offset of the tensor
-    data section (header, metadata and tensor infos lie before it).
+    data section (header, metadata and tensor infos lie before it). ``header`` is the parsed
+    header itself, for callers that need more of it (the planner) without parsing it again.
     """
 
     path: Path
@@ -95,6 +96,7 @@ class BaseModelInfo:
     activation: str | None
     ffn_layers: list[FfnLayer] = field(default_factory=list)
     gate_tensors: list[TensorLocation] = field(default_factory=list)
+    header: GGUFHeader | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_supported(self) -> bool:
@@ -150,6 +152,7 @@ def read_base_model(path: str | os.PathLike[str]) -> BaseModelInfo:
         activation=activation,
         ffn_layers=ffn_layers,
         gate_tensors=gate_tensors,
+        header=header,
     )
 
 

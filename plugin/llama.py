@@ -1,7 +1,8 @@
 """`llamaflash.Llama`: a drop-in replacement for `llama_cpp.Llama` that serves FFN layers from a sidecar.
 
 Layering (as in llama-cpp-python): `llamaflash._native` (C++ core and ggml backend) → this module,
-which owns the native FlashModel for the lifetime of the llama.cpp model → the public `Llama`.
+which opens the native FlashModel (`llamaflash.engine`: one typed configuration, one open call) and
+owns it for the lifetime of the llama.cpp model → the public `Llama`.
 
 Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword arguments:
   sidecar_path   path of the sidecar GGUF; default `<model stem>.flash.gguf` beside the model. With
@@ -65,12 +66,14 @@ import llama_cpp
 from llama_cpp._logger import set_verbose
 
 from . import _native
+from . import engine
 from . import gguf_model
 from . import lane_decision
 from . import offload
 from . import speculative
 from .errors import FlashIoError, LlamaflashError, SidecarNotFoundError
 from .flash_io import ENGINES
+from .gguf_model import BaseModelInfo
 from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
 
 FLASH_MODES = ("auto", "dense", "sparse")
@@ -249,7 +252,8 @@ class Llama(llama_cpp.Llama):
         # ggml logs through llama-cpp-python's callback, filtered by its verbosity: set it before
         # llamaflash loads anything through ggml (repacking weights logs a line per tensor)
         set_verbose(bool(kwargs.get("verbose", True)))
-        sidecar = self._find_sidecar(os.fspath(model_path), sidecar_path)
+        base = gguf_model.read_base_model(os.fspath(model_path))  # the one parse of the base header
+        sidecar = self._find_sidecar(os.fspath(model_path), sidecar_path, base)
         if sidecar is None and ram_budget_mb is not None:
             raise SidecarNotFoundError(
                 f"ram_budget_mb needs a sidecar for '{model_path}' (none at "
@@ -260,7 +264,7 @@ class Llama(llama_cpp.Llama):
             return
 
         # Everything that can be wrong with the files is found here, before llama.cpp starts.
-        info = validate_pair(model_path, sidecar)
+        info = validate_pair(model_path, sidecar, model=base)  # the one identity check
         if self._flash_mode == "auto":
             self._flash_decision = _default_decision(info, sidecar, kwargs)
             if self._flash_decision.lane == lane_decision.STOCK:
@@ -275,27 +279,33 @@ class Llama(llama_cpp.Llama):
         thresholds = None
         if self._flash_mode in ("sparse", OFFLOAD_MODE):
             thresholds = sparsity_thresholds(info, flash_sparsity)
-        flash = _native.FlashModel([layer.to_dict() for layer in info.layers], str(sidecar), os.fspath(model_path))
-        flash.repack = not self._batch_invariant
         if self._flash_mode == OFFLOAD_MODE:
             from . import disk_probe, planner  # numpy-heavy; only offload needs them
 
             plan = planner.plan_offload(os.fspath(model_path), str(sidecar), ram_budget_mb,
                                         n_ctx=int(kwargs.get("n_ctx", 512)),
                                         n_ubatch=kwargs.get("n_ubatch"), stream_gate=flash_stream_gate,
-                                        disk=disk_probe.resolve_profile(flash_disk_profile, sidecar))
+                                        disk=disk_probe.resolve_profile(flash_disk_profile, sidecar),
+                                        info=info, header=base.header)
             kwargs.setdefault("n_batch", plan.n_batch)
             kwargs.setdefault("n_ubatch", plan.n_ubatch)
-            # verify batches (1 + k drafted tokens) run on the offload lane, reading the union once
-            offload.prepare(flash, plan, info.activation, thresholds,
-                            max(flash_max_sparse_tokens, speculative.verify_batch_max(spec_settings)),
-                            engine=flash_io_engine)
+            # every decode split of a layer with a threshold runs on the sparse lane (the dense lane
+            # would stream the whole layer from flash), and so do verify batches (1 + k drafted
+            # tokens, reading the union of their clusters once); prefill streams on the dense lane
+            max_tokens = max(flash_max_sparse_tokens, speculative.verify_batch_max(spec_settings))
+            config = engine.engine_config(
+                info, model_path, thresholds,
+                engine.sparse_config(True, max_tokens, int(plan.cluster_size), up_by_ggml=False),
+                engine.offload_config(plan, engine=flash_io_engine))
             self._flash_plan = plan
         else:
-            flash.load_dense_weights()
+            sparse = engine.sparse_config(False)
             if thresholds is not None:
-                flash.load_sparse(info.activation)
-                flash.thresholds = thresholds
+                sparse = engine.sparse_config(True, flash_max_sparse_tokens,
+                                              up_by_ggml=self._dense_up(info, flash_sparsity))
+            config = engine.engine_config(info, model_path, thresholds, sparse)
+        config.repack = not self._batch_invariant
+        flash = engine.open_engine(config)
 
         _native.register_backend()  # idempotent; the first served model registers the ggml backend
         _native.begin_model_load(flash)
@@ -315,8 +325,6 @@ class Llama(llama_cpp.Llama):
         self._flash = flash
         self._flash_info = info
         self._flash_sidecar = Path(sidecar)
-        if thresholds is not None and self._flash_mode != OFFLOAD_MODE:
-            self._configure_sparse(flash_sparsity)
         if self._speculator is not None and self._flash_mode == OFFLOAD_MODE and user_draft is None:
             if self._flash_plan.stream_gate:
                 self._speculation_off_reason = "self-draft off: the gate is streamed from flash under this budget"
@@ -359,16 +367,23 @@ class Llama(llama_cpp.Llama):
                 raise FlashIoError(f"llamaflash: reading FFN weights from flash failed: {message}") from e
             raise
 
-    def _configure_sparse(self, level: Optional[float]) -> None:
+    def _dense_up(self, info: SidecarInfo, level: Optional[float]) -> bool:
+        """up·x by ggml's dense GEMV (flash_dense_up, or chosen from the level's sparsity)."""
         dense_up = self._flash_args["flash_dense_up"]
         if dense_up is None:
-            dense_up = _level_sparsity(self._flash_info, level) < DENSE_UP_MAX_SPARSITY
+            dense_up = _level_sparsity(info, level) < DENSE_UP_MAX_SPARSITY
+        return bool(dense_up)
+
+    def _configure_sparse(self, level: Optional[float]) -> None:
         self._flash.set_sparse_config(True, max_tokens=self._flash_args["flash_max_sparse_tokens"],
-                                      up_by_ggml=bool(dense_up), autotune=False)
+                                      up_by_ggml=self._dense_up(self._flash_info, level))
 
     @staticmethod
-    def _find_sidecar(model_path: str, sidecar_path: Optional[str]) -> Optional[Path]:
-        base = gguf_model.read_base_model(model_path)
+    def _find_sidecar(model_path: str, sidecar_path: Optional[str],
+                      base: Optional[BaseModelInfo] = None) -> Optional[Path]:
+        """The sidecar to use (None: run as stock); ``base``: the model's parsed header, if read already."""
+        if base is None:
+            base = gguf_model.read_base_model(model_path)
         if sidecar_path is not None:
             path = Path(sidecar_path)
             if not path.exists():
@@ -431,10 +446,11 @@ class Llama(llama_cpp.Llama):
             active = native.pop("layer_active_neurons")
             stats.update(native)
             stats["layers_served"] = len(self._flash.served_layers)
-            stats["sparse_config"] = self._flash.sparse_config
-            choice = self._flash.lane_choice
-            stats["lane_choice"] = choice
-            stats["sparse_layers"] = sum(1 for c in choice.values() if c["lane"] == "sparse")
+            config = self._flash.sparse_config
+            stats["sparse_config"] = config
+            # the lane is fixed per layer: sparse for batches up to max_tokens when the lane is
+            # enabled and the layer has a threshold, dense otherwise
+            stats["sparse_layers"] = sum(1 for t in self._flash.thresholds if t >= 0) if config["enabled"] else 0
             stats["resident_ffn_bytes"] = self._flash.resident_bytes
             n_ff = {layer.layer: layer.n_ff for layer in self._flash_info.layers}
             # per layer: fraction of neurons the sparse lane computed, over the tokens it ran

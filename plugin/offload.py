@@ -1,41 +1,22 @@
-"""Flash offload glue for `llamaflash.Llama`: a planner's `OffloadPlan` applied to the native
-model, and the per-token statistics it reports.
+"""Flash offload statistics for `llamaflash.Llama`: the neuron cache's counters with per-token figures.
 
 Order of operations (what `Llama(..., ram_budget_mb=N)` does):
   1. `planner.plan_offload` sizes everything for the budget (or raises `RamBudgetError` naming the
      minimum);
-  2. `prepare(flash, ...)` before llama.cpp loads the model: offload layout (gate resident, or streamed
-     from the base file one layer ahead when the plan says `stream_gate`; up and down streamed from the
-     base file for prefill), the sparse lane, the neuron cache with the planner's pinned clusters,
-     which are read now;
+  2. `engine.engine_config` turns the plan into the native configuration's offload part, and
+     `engine.open_engine` opens the model before llama.cpp loads it: offload layout (gate resident, or
+     streamed from the base file one layer ahead when the plan says `stream_gate`; up and down
+     streamed from the base file for prefill), the sparse lane, the neuron cache with the planner's
+     pinned clusters, which are read now;
   3. llama.cpp loads the rest with the plan's batch sizes; decode runs on the sparse lane, whose up and
-     down_t rows come from the cache (csrc/neuron_cache.h).
+     down_t rows come from the cache (csrc/neuron_cache.h); `stats` reports what it did.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional
 
 from . import _native
-
-
-def prepare(flash: "_native.FlashModel", plan: Any, activation: str, thresholds: Sequence[float],
-            max_tokens: int, engine: str = "auto", direct: bool = True) -> None:
-    """Puts `flash` (fresh, nothing loaded) into the offload layout described by `plan`."""
-    flash.set_offload_layout(True, stream_gate=bool(getattr(plan, "stream_gate", False)))
-    flash.load_dense_weights()
-    flash.load_sparse(activation)
-    flash.thresholds = list(thresholds)
-    flash.enable_offload(
-        hot=list(plan.hot_clusters), cluster_prob=list(plan.cluster_prob), cluster_size=int(plan.cluster_size),
-        cold_slots=int(plan.cold_slots), prefetch_layers=int(plan.prefetch_layers),
-        prefetch_min_prob=float(plan.prefetch_min_prob), queue_depth=int(plan.queue_depth), direct=direct,
-        engine=engine)
-    flash.load_hot()
-    # every decode split of a layer with a threshold runs on the sparse lane (the dense lane would
-    # stream the whole layer from flash); larger batches (prefill) stream on the dense lane
-    flash.set_sparse_config(True, max_tokens=max_tokens, cluster_size=int(plan.cluster_size), up_by_ggml=False,
-                            autotune=False)
 
 
 def stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:

@@ -22,9 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from . import _native
 from . import sidecar_format as fmt
 from .errors import RamBudgetError, SidecarError
 from .gguf_header import GGUFHeader, read_gguf_header
+from .gguf_model import read_base_model
+from .speculative import BATCH_INVARIANT_MAX
 from .sidecar import SidecarInfo, default_sidecar_path, read_layer_vectors, validate_pair
 
 MiB = 1 << 20
@@ -38,6 +41,9 @@ UBATCH_CHOICES = (512, 256, 128, 64, 32)
 UBATCH_BUDGET_SHARE = 0.10
 #: Read-ahead thresholds tried (P(needed) >= it); 1.01 means no read-ahead.
 PREFETCH_MIN_PROBS = (0.25, 0.5, 0.75, 0.9, 1.01)
+#: The largest speculative verify batch (speculative.BATCH_INVARIANT_MAX): its logits rows, and the
+#: sparse lane's per-(cluster, token) partial sums for it, are counted.
+VERIFY_ROWS = BATCH_INVARIANT_MAX
 #: RSS of a fresh ``python -c "import llamaflash, llama_cpp"`` (measured: 45.7-46.2 MiB, bench/planner_constants.py).
 RUNTIME_RSS_BYTES = 46 * MiB
 #: llama.cpp's tokenizer tables: bytes per vocabulary entry (tokens + BPE merges) + fixed (measured
@@ -123,7 +129,8 @@ def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int
     but the served layers' ffn_gate/up/down: mmapped or repacked, resident either way), ``kv_cache``
     (f16 K and V for every layer and cell; n_ctx rounded up to 256), ``compute_buffers`` (CPU:
     n_ubatch x 4 x max(n_vocab + 3 n_embd, (n_head + 2) n_ctx + 6 n_embd), fitted to llama.cpp's log;
-    LLAMAFLASH device: n_ubatch x 3 n_ff x 4; logits output: n_vocab x 4; all x COMPUTE_SAFETY),
+    LLAMAFLASH device: n_ubatch x 3 n_ff x 4; logits output: VERIFY_ROWS x n_vocab x 4 (a speculative
+    verify batch keeps the logits of its rows); all x COMPUTE_SAFETY),
     ``prefill_window`` (one served layer's base up + down bytes, page cache during dense prefill).
     ``header``: the base model's (:func:`~llamaflash.gguf_header.read_gguf_header`)."""
     h = header
@@ -151,7 +158,7 @@ def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int
         "llama_vocab": VOCAB_FIXED_BYTES + VOCAB_BYTES_PER_ENTRY * entries,
         "llama_weights": sum(b for name, b in size.items() if name not in served),
         "kv_cache": int(kv_heads.sum()) * cells * (k_len + v_len) * 2,
-        "compute_buffers": int(COMPUTE_SAFETY * (cpu + n_ubatch * 3 * n_ff * 4 + n_vocab * 4)),
+        "compute_buffers": int(COMPUTE_SAFETY * (cpu + n_ubatch * 3 * n_ff * 4 + VERIFY_ROWS * n_vocab * 4)),
         "prefill_window": max(size[fmt.base_ffn_up_name(lay.layer)] + size[fmt.base_ffn_down_name(lay.layer)]
                               for lay in info.layers),
     }
@@ -164,7 +171,9 @@ def _span(start: np.ndarray, length: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _Clusters:
-    """Per served layer, for one cluster size: P(needed), sum of f, bytes of the two reads."""
+    """Per served layer, for one cluster size: P(needed), sum of f, bytes of the two reads (page-aligned
+    spans, as the disk serves them). ``slot_bytes``: one cache slot, by the neuron cache's own formula
+    (``_native.cache_slot_bytes``)."""
 
     size: int
     prob: list[np.ndarray]
@@ -188,7 +197,8 @@ def _clusters(info: SidecarInfo, freqs: list[np.ndarray], size: int) -> _Cluster
         count = np.minimum(size, lay.n_ff - first)
         cl.up.append(_span(lay.base_up_offset + first * lay.up_row_bytes, count * lay.up_row_bytes))
         cl.down_t.append(_span(lay.down_t_offset + first * lay.down_t_row_bytes, count * lay.down_t_row_bytes))
-        cl.slot_bytes = max(cl.slot_bytes, int((cl.up[-1] + cl.down_t[-1]).max()))
+    cl.slot_bytes = int(_native.cache_slot_bytes(size, max(lay.up_row_bytes for lay in info.layers),
+                                                 max(lay.down_t_row_bytes for lay in info.layers)))
     return cl
 
 
@@ -283,8 +293,8 @@ class OffloadPlan:
                  f"n_ubatch {self.n_ubatch}", "", f"  {'part':<16}{'MiB':>9}  why"]
         lines += [f"  {name:<16}{mib(b)}  {self.reasons[name]}" for name, b in self.parts.items()]
         lines += [f"  {'total':<16}{mib(sum(self.parts.values()))}  = the budget",
-                  f"  {'minimum':<16}{mib(self.minimum_bytes)}  every part but hot_slots, cold region at its "
-                  "minimum", "",
+                  f"  {'minimum':<16}{mib(self.minimum_bytes)}  the least budget this model and these settings "
+                  "run in (smallest n_ubatch, no hot_slots, cold region at its minimum)", "",
                   f"cluster size {self.cluster_size} neurons, slot {self.slot_bytes / 1024:.0f} KiB; "
                   f"{self.hot_slots} of {self.total_clusters} clusters pinned, {self.cold_slots} cold slots; "
                   f"queue depth {self.queue_depth}; gate {'streamed from flash, one layer ahead' if self.stream_gate else 'resident'}; read-ahead: "
@@ -304,8 +314,28 @@ class OffloadPlan:
         tok = "unbounded (nothing read)" if self.io_bound_tok_s is None else f"{self.io_bound_tok_s:.1f} tok/s"
         lines += ["", f"predicted: hit rate {self.hit_rate:.3f} (neuron-weighted {self.neuron_hit_rate:.3f}), "
                       f"{self.flash_bytes_per_token / 1e6:.1f} MB read from flash per token, I/O-bound decode {tok}"]
+        lines += self._speculation_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _speculation_lines(self) -> list:
+        """What speculative decoding (docs/SPECULATIVE.md) gets under this plan."""
+        draft = ("off: the gate is streamed from flash, a draft would wait for it" if self.stream_gate else
+                 f"the same model over the resident clusters only: the hot slots hold "
+                 f"{self.neuron_hit_rate:.0%} of the active neurons (frequency-weighted); no memory of its own "
+                 f"(same context, KV cache rolled back)")
+        lines = ["", f"speculation: verify batches up to {VERIFY_ROWS} tokens read the union of their clusters once "
+                     f"(their logits are in compute_buffers); self-draft: {draft}"]
+        if self.io_bound_tok_s is None:
+            return lines
+        pass_s = 1.0 / self.io_bound_tok_s  # a verify pass reads what one token reads
+        rates = []
+        for a in (0.2, 0.4, 0.6, 0.8):
+            best = max((1 - a ** (k + 1)) / (1 - a) for k in range(VERIFY_ROWS))
+            rates.append(f"a={a:.1f}: {best / pass_s:.1f}")
+        lines.append("predicted delivered tok/s at draft acceptance a, I/O bound, free drafts (prompt lookup; a "
+                     "self-draft step costs compute on top): " + ", ".join(rates))
+        return lines
 
 
 def _disk_source(disk: dict[str, Any] | None) -> str:
@@ -318,44 +348,41 @@ def _disk_source(disk: dict[str, Any] | None) -> str:
             f"{'direct I/O' if disk.get('direct') else 'page cache: not direct I/O'}{saved})")
 
 
-def _process_rss() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike | None, ram_budget_mb: float, *,
                  n_ctx: int = 512, n_ubatch: int | None = None, disk: dict[str, Any] | None = None,
                  runtime_rss_bytes: int | None = None, cluster_size: int | None = None,
-                 prefetch_layers: int = 2, stream_gate: bool | None = None) -> OffloadPlan:
+                 prefetch_layers: int = 2, stream_gate: bool | None = None, info: SidecarInfo | None = None,
+                 header: GGUFHeader | None = None) -> OffloadPlan:
     """Plan the RAM of the flash-offload engine for ``model_path`` + its format-2 sidecar under
     ``ram_budget_mb`` MiB (see the module docstring and :class:`OffloadPlan`).
 
     ``n_ubatch`` None: the largest of UBATCH_CHOICES whose compute buffers fit UBATCH_BUDGET_SHARE of
-    the budget; ``disk`` None: :func:`default_disk`; ``runtime_rss_bytes`` None: this process's RSS now;
+    the budget; ``disk`` None: :func:`default_disk`; ``runtime_rss_bytes`` None: RUNTIME_RSS_BYTES;
     ``cluster_size`` None: the CLUSTER_SIZES entry with the best predicted tok/s; ``stream_gate`` None:
     the gate matrices stay resident when that fits the budget, else they are streamed from flash
     every token (GATE_WINDOW_LAYERS layers in memory; every gate row read per token). Raises
     :class:`RamBudgetError` below the minimum, :class:`SidecarError` for a sidecar without neuron
-    statistics, and what :func:`~llamaflash.sidecar.validate_pair` raises for a bad pair."""
+    statistics, and what :func:`~llamaflash.sidecar.validate_pair` raises for a bad pair.
+
+    ``info`` / ``header``: the pair's :func:`~llamaflash.sidecar.validate_pair` result and the base
+    model's parsed header, when the caller has them (``llamaflash.Llama``), so that one load parses
+    the base header once and checks the pair's identity once; None: read here."""
     if n_ctx < 1 or prefetch_layers < 0 or (cluster_size is not None and cluster_size < 1) or (
             n_ubatch is not None and n_ubatch < 1):
         raise ValueError(f"n_ctx {n_ctx}, n_ubatch {n_ubatch} and cluster_size {cluster_size} must be positive, "
                          f"prefetch_layers {prefetch_layers} non-negative")
     sidecar = Path(sidecar_path) if sidecar_path is not None else default_sidecar_path(model_path)
-    info = validate_pair(model_path, sidecar)
+    if info is None:
+        model = read_base_model(model_path)
+        info, header = validate_pair(model_path, sidecar, model=model), model.header
     if info.sparsity is None:
         raise SidecarError(f"{sidecar}: format-{info.format_version} sidecar without neuron statistics; the planner "
                            f"needs per-neuron activation frequencies. Re-create it with `llamaflash convert "
                            f"{model_path} --force` (without --no-calibration).")
     budget = int(ram_budget_mb * MiB)
-    measured = _process_rss() if runtime_rss_bytes is None else None
-    runtime = runtime_rss_bytes if runtime_rss_bytes is not None else (measured or RUNTIME_RSS_BYTES)
+    # the runtime is a measured constant, not this process's RSS: a plan depends on the model, the
+    # budget and the settings only (docs/PLANNER.md, "Accounting rule")
+    runtime = runtime_rss_bytes if runtime_rss_bytes is not None else RUNTIME_RSS_BYTES
     freqs = []
     for lay in info.layers:
         v = read_layer_vectors(info, lay)
@@ -367,14 +394,20 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     gate_layers = [lay.n_ff * lay.gate_row_bytes for lay in info.layers]
     gate = sum(gate_layers)
     gate_window = GATE_WINDOW_LAYERS * max(gate_layers)
-    header = read_gguf_header(model_path)
+    if header is None:
+        header = read_gguf_header(model_path)
 
     def fixed_parts(u: int, streamed: bool) -> dict[str, int]:
         share = {"runtime": int(runtime), **llama_share(header, info, n_ctx, u)}
         return {**share, "gate_window": gate_window} if streamed else {**share, "gate_rows": gate}
 
+    n_embd_max = max(lay.n_embd for lay in info.layers)
+
     def cold_bytes(cl: _Clusters) -> int:
-        return (1 + prefetch_layers) * max(len(p) for p in cl.prob) * cl.slot_bytes
+        # the cold region, and the sparse lane's cluster partial sums for a verify batch
+        # (sparse_ffn.h, cluster phase: n_tokens x n_clusters x n_embd floats)
+        partials = VERIFY_ROWS * max(len(p) for p in cl.prob) * n_embd_max * 4
+        return (1 + prefetch_layers) * max(len(p) for p in cl.prob) * cl.slot_bytes + partials
 
     def minimum(fixed: dict[str, int], cl: _Clusters) -> int:
         rest = sum(fixed.values()) + cold_bytes(cl)
@@ -390,6 +423,9 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         least = min(minimum(fixed, cl) for cl in tables)
         if least <= budget:
             break
+    # the one minimum of this model and settings: smallest n_ubatch, streamed gate if allowed
+    lowest = min(minimum(fixed_parts(u, s), cl) for s in ([False, True] if stream_gate is None else [bool(stream_gate)])
+                 for u in ubatches for cl in tables)
     if budget < least:
         need = math.ceil(least / MiB)
         big = ", ".join(f"{k} {v / MiB:.0f}" for k, v in sorted(fixed.items(), key=lambda kv: -kv[1])[:4])
@@ -445,8 +481,7 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     max_clusters = max(len(p) for p in cl.prob)
     lay0 = info.layers[0]
     reasons = {
-        "runtime": ("Python + llama-cpp-python + llamaflash, this process's RSS now" if measured else
-                    "given by the caller" if runtime_rss_bytes is not None else
+        "runtime": ("given by the caller" if runtime_rss_bytes is not None else
                     "Python + libraries, measured constant (import llamaflash, llama_cpp)"),
         "llama_vocab": f"llama.cpp tokenizer tables, {VOCAB_BYTES_PER_ENTRY} B per token/merge + 2 MiB (measured)",
         "llama_weights": "non-FFN tensors (attention, norms, token_embd, output) + unserved FFNs, mmapped/repacked",
@@ -457,7 +492,8 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         "gate_window": f"streamed gate: {GATE_WINDOW_LAYERS} layers x {lay0.n_ff} x {lay0.gate_row_bytes} B in the page "
                        f"cache (the layer computing, the next read ahead); {gate / 1e6:.0f} MB of gate rows read "
                        "from flash per token",
-        "cold_slots": f"{1 + prefetch_layers} layers x {max_clusters} clusters: current layer + read-ahead",
+        "cold_slots": f"{1 + prefetch_layers} layers x {max_clusters} clusters: current layer + read-ahead; and "
+                      f"the sparse lane's partial sums for a {VERIFY_ROWS}-token verify batch",
         "hot_slots": f"{row['hot_slots']} pinned clusters x {cl.slot_bytes // 1024} KiB, by P(needed) then sum f",
         "margin": f"{MARGIN_FIXED_BYTES // MiB} MiB + {MARGIN_FRACTION:.0%} of the rest, + {spare / MiB:.1f} MiB "
                   "left over (slot rounding, or more than all clusters need)",
@@ -477,7 +513,7 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
                  f"(sparsity target {info.sparsity.target:g}); the I/O bound ignores compute and cross-token reuse")
     return OffloadPlan(
         model_path=str(model_path), sidecar_path=str(sidecar), budget_bytes=budget,
-        minimum_bytes=minimum(fixed, cl), parts=parts, reasons={k: reasons[k] for k in parts}, cluster_size=cl.size,
+        minimum_bytes=lowest, parts=parts, reasons={k: reasons[k] for k in parts}, cluster_size=cl.size,
         slot_bytes=cl.slot_bytes, hot_slots=row["hot_slots"], cold_slots=(1 + prefetch_layers) * max_clusters,
         total_clusters=sum(len(p) for p in cl.prob), queue_depth=row["queue_depth"],
         prefetch_layers=prefetch_layers, prefetch_min_prob=row["prefetch_min_prob"], n_ctx=n_ctx, n_batch=u,

@@ -4,8 +4,8 @@
 (1 or 2, see ``docs/SIDECAR.md``), returning a :class:`SidecarInfo` whose :class:`LayerLayout` entries
 give absolute byte offsets of every per-layer tensor. :func:`validate_pair` additionally
 checks that the sidecar was converted from the given base model and fills in where that
-model's own FFN tensors lie; its layouts are what the native backend is given
-(``[layer.to_dict() for layer in info.layers]``).
+model's own FFN tensors lie; its layouts are what the native engine is opened with
+(:func:`llamaflash.engine.layer_spec`).
 
 All offsets are absolute file offsets.
 """
@@ -280,17 +280,22 @@ def read_sidecar(
 
 
 def validate_pair(
-    model_path: str | os.PathLike[str], sidecar_path: str | os.PathLike[str]
+    model_path: str | os.PathLike[str], sidecar_path: str | os.PathLike[str], *,
+    model: BaseModelInfo | None = None,
 ) -> SidecarInfo:
     """Check that ``sidecar_path`` belongs to ``model_path``; return its info with every
     layout's base-model offsets resolved.
+
+    ``model``: :func:`~llamaflash.gguf_model.read_base_model` of ``model_path`` if the caller has
+    it already (the header is then not parsed again).
 
     Raises what :func:`~llamaflash.gguf_model.read_base_model` raises for a bad model,
     what :func:`read_sidecar` raises for a bad sidecar, and :class:`SidecarMismatchError`
     when the sidecar was converted from a different model.
     """
     model_path = Path(model_path)
-    model = read_base_model(model_path)
+    if model is None:
+        model = read_base_model(model_path)
     info = read_sidecar(sidecar_path, model_path=model_path)
     identity = base_identity(model_path, model)
     if identity != info.base_identity:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import llamaflash  # noqa: F401  (loads llama_cpp's ggml before the extension)
+from llamaflash import _native_testing as T
 from llamaflash.disk_probe import format_table, probe_disk
 from llamaflash.errors import FlashIoError, LlamaflashError
 from llamaflash.flash_io import DirectIoFallbackWarning, aligned_empty, io_uring_available, open_reader
@@ -172,7 +173,7 @@ def test_tickets_poll_and_wait_in_any_order(data_file, engine):
             assert bytes(buf) == _expected(data_file, offs, lens)
         with pytest.raises(ValueError, match="unknown read ticket"):
             reader.wait(tickets[0])
-        assert reader._pending == 0
+        assert T.pending_buffers(reader) == 0
 
     guarded(body)
 
@@ -267,14 +268,14 @@ def test_replaced_file_is_detected(data_file):
 def test_injected_eio_is_a_clear_error(data_file, engine):
     def body():
         reader = open_reader(data_file, engine=engine, queue_depth=4)
-        reader._inject_fault(300_000, errno.EIO)
+        T.inject_fault(reader, 300_000, errno.EIO)
         out = np.zeros(30_017, np.uint8)
         with pytest.raises(FlashIoError) as exc:
             reader.read([0, 290_000, 500_000], [10_000, 10_000 + 17, 10_000], out)
         msg = str(exc.value)
         assert "Input/output error" in msg and str(data_file) in msg and "290000" in msg
         assert isinstance(exc.value, OSError) and isinstance(exc.value, LlamaflashError)
-        reader._inject_fault(300_000, 0)
+        T.inject_fault(reader, 300_000, 0)
         reader.read([290_000], [10_000], out)
         assert out[:10_000].tobytes() == _expected(data_file, [290_000], [10_000])
 
@@ -285,7 +286,7 @@ def test_injected_eio_is_a_clear_error(data_file, engine):
 def test_injected_eintr_is_retried(data_file, engine):
     def body():
         reader = open_reader(data_file, engine=engine, queue_depth=2)
-        reader._inject_fault(0, errno.EINTR)  # EINTR forever: retried, then reported, never a hang
+        T.inject_fault(reader, 0, errno.EINTR)  # EINTR forever: retried, then reported, never a hang
         with pytest.raises(FlashIoError, match="Interrupted"):
             reader.read([0], [100], bytearray(100))
         assert reader.stats()["retried"] >= 100
@@ -362,7 +363,7 @@ def test_reader_destroyed_with_requests_in_flight(data_file, engine):
         for i in range(50):
             buf = bytearray(8 * 65536)  # only the reader keeps it alive
             reader.submit(np.arange(8, dtype=np.int64) * 300_000 + i, np.full(8, 65536), buf)
-        assert reader._pending == 50
+        assert T.pending_buffers(reader) == 50
         t0 = time.perf_counter()
         reader.close()  # cancels what is queued, drains what is in flight
         assert time.perf_counter() - t0 < 10

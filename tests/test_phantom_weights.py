@@ -68,9 +68,9 @@ def test_phantom_weights_commit_no_anonymous_memory(big_fixture):
 def test_reading_a_phantom_weight_aborts_loudly(big_fixture):
     code = f"""
         import llamaflash
-        from llamaflash import _native
+        from llamaflash import _native_testing
         llm = llamaflash.Llama(model_path={str(big_fixture)!r}, flash_mode="dense", n_ctx=64, verbose=False)
-        _native._read_phantom_weight_for_tests()
+        _native_testing.read_phantom_weight()
         print("returned garbage")
     """
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)

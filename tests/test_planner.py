@@ -115,7 +115,8 @@ def test_budget_at_the_minimum_pins_nothing_and_below_it_is_refused(pair):
 
 def test_more_budget_pins_more_and_hits_more(pair):
     low = minimum_mb(pair, cluster_size=8, n_ubatch=32)
-    plans = [plan(pair, low + extra, cluster_size=8, n_ubatch=32) for extra in (0, 0.05, 0.2, 0.5, 1, 3)]
+    # slots of 8 KiB (the cache's formula), 96 clusters: every step pins more, 3 MiB pins all
+    plans = [plan(pair, low + extra, cluster_size=8, n_ubatch=32) for extra in (0, 0.05, 0.2, 0.5, 0.7, 3)]
     hot = [p.hot_slots for p in plans]
     hit = [p.hit_rate for p in plans]
     assert hot == sorted(hot) and hot[0] == 0 and hot[-1] == N_LAYER * N_FF // 8  # everything pinned at the end

@@ -1,7 +1,7 @@
 """The sparse FFN decode kernel (csrc/sparse_ffn.h) against a NumPy reference.
 
 Reference: weights dequantized with ``gguf.quants.dequantize``; x replaced by the activations the
-kernel's row dots actually multiply with (``_native.activation_roundtrip``: x quantized to the
+kernel's row dots actually multiply with (``_native_testing.activation_roundtrip``: x quantized to the
 weight type's vec_dot_type by ggml-cpu and decoded: Q8_0 / Q8_1 / Q8_K / F16 / F32), so the only
 differences left are float rounding (the kernel sums in f32 in another order; the reference uses
 float64). Tolerance: max |y - y_ref| <= RTOL * max |y_ref| with RTOL = 1e-5, except
@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from llamaflash import _native as N
+from llamaflash import _native
+from llamaflash import _native_testing as N
 from llamaflash.converters import convert
 from llamaflash.sidecar import validate_pair
 
@@ -45,7 +46,7 @@ def _q(a, t: T) -> np.ndarray:
     """float32 [rows, n] -> uint8 [rows, row_bytes] in ggml type t (K-quants by ggml's quantizer:
     gguf-py has none for them)."""
     if t in (T.Q4_K, T.Q5_K, T.Q6_K):
-        return np.ascontiguousarray(N.quantize_rows(int(t), np.ascontiguousarray(a, np.float32))).view(np.uint8)
+        return np.ascontiguousarray(_native.quantize_rows(int(t), np.ascontiguousarray(a, np.float32))).view(np.uint8)
     return np.ascontiguousarray(quantize(a, t)).view(np.uint8)
 
 

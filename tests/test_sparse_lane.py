@@ -45,7 +45,8 @@ def test_sparse_mode_needs_the_sidecars_thresholds(converted):
     model, sidecar, v1 = converted
     assert read_sidecar(sidecar).sparsity.threshold_levels == pytest.approx((0.25, 0.5, 0.75))
     llm = llamaflash.Llama(model_path=str(model), flash_mode="sparse", **KW)
-    assert llm.flash_mode == "sparse" and not llm._flash.sparse_config["autotune"]
+    assert llm.flash_mode == "sparse" and "autotune" not in llm._flash.sparse_config  # the lane is fixed
+    assert llm._flash.sparse_config["max_tokens"] == 1  # forced sparse: decode only unless asked
     llm.close()
     with pytest.raises(ValueError, match="format 1.*re-convert"):
         llamaflash.Llama(model_path=str(model), sidecar_path=str(v1), flash_mode="sparse", **KW)
@@ -156,57 +157,3 @@ def test_up_by_ggml_matches_kernel_up(converted):
     assert rel_max_diff(out[False][1], out[True][1]) < 1e-3
     assert out[True][2] == pytest.approx(out[False][2])
 
-
-def test_native_autotune_measures_both_lanes_and_keeps_the_faster(converted):
-    """The native per-layer lane timing (not a user-facing mode: it would make outputs depend on
-    machine noise): each layer's first decode splits alternate sparse/dense (the first of each lane
-    is a warm-up), then the layer is decided; the decided lane is the one that measured faster
-    (sparse only when more than 3% faster) and every later decode split of the layer runs on it."""
-    model, _, _ = converted
-    llm = llamaflash.Llama(model_path=str(model), flash_mode="sparse", **KW)
-    llm._flash.set_sparse_config(True, max_tokens=1, autotune=True, autotune_steps=3)
-    run_model(llm, n_gen=4)
-    assert all(c["lane"] is None for c in llm.flash_stats()["lane_choice"].values())  # 4 steps: measuring
-    run_model(llm, n_gen=12)
-    choice = llm.flash_stats()["lane_choice"]
-    assert set(choice) == {0, 1}
-    for c in choice.values():
-        assert c["lane"] in ("sparse", "dense")
-        assert (c["lane"] == "sparse") == (c["sparse_ms"] < 0.97 * c["dense_ms"])
-    before = llm.flash_stats()
-    llm.reset_flash_stats()
-    run_model(llm, n_gen=5)
-    st = llm.flash_stats()
-    n_sparse = sum(1 for c in choice.values() if c["lane"] == "sparse")
-    assert st["sparse_lane_calls"] == 5 * n_sparse
-    assert st["dense_lane_calls"] == 2 + 5 * (2 - n_sparse)  # the prompt batch (2 layers), then decode
-    assert before["sparse_layers"] == n_sparse
-    llm.close()
-
-
-def test_native_autotune_measures_each_batch_size_apart(converted):
-    """Native lane timing of batches of more than one token (up to max_tokens): measured on both
-    lanes per batch-size bucket, apart from single-token decode: the bucket of 2 tokens and that of
-    3-4 tokens each get their own warm-up, timings and decision."""
-    model, _, _ = converted
-    llm = llamaflash.Llama(model_path=str(model), flash_mode="sparse", **KW)
-    llm._flash.set_sparse_config(True, max_tokens=4, autotune=True, autotune_steps=2)
-    tokens = llm.tokenize(PROMPT.encode())
-    for size in (2, 3):
-        for _ in range(6):  # warm-up of each lane, then 2 timed splits of each: decided after 6
-            llm.reset()
-            llm.eval(tokens[:size])
-    llm.reset()
-    llm.eval(tokens[:6])  # over max_tokens: dense, and not measured
-    choice = llm.flash_stats()["lane_choice"]
-    assert set(choice) == {0, 1}
-    for c in choice.values():
-        assert c["lane"] is None  # no single-token split ran
-        assert set(c["by_batch"]) == {"2", "3-4"}
-        for bucket in c["by_batch"].values():
-            assert bucket["lane"] in ("sparse", "dense")
-            assert (bucket["lane"] == "sparse") == (bucket["sparse_ms"] < 0.97 * bucket["dense_ms"])
-    llm.close()
-    llm = llamaflash.Llama(model_path=str(model), flash_mode="sparse", **KW)
-    assert llm._flash.sparse_config["max_tokens"] == 1  # forced sparse: decode only unless asked
-    llm.close()

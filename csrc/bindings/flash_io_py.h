@@ -19,10 +19,11 @@ namespace llamaflash_py {
 
 // "auto" | "io_uring" | "pool"; ValueError otherwise.
 inline llamaflash::IoEngineKind engine_kind(const std::string & name) {
-    if (name == "auto") return llamaflash::IoEngineKind::Auto;
-    if (name == "io_uring") return llamaflash::IoEngineKind::IoUring;
-    if (name == "pool") return llamaflash::IoEngineKind::Pool;
-    throw pybind11::value_error("engine must be 'auto', 'io_uring' or 'pool', got '" + name + "'");
+    try {
+        return llamaflash::parse_io_engine(name);
+    } catch (const std::invalid_argument & e) {
+        throw pybind11::value_error(e.what());
+    }
 }
 
 }  // namespace llamaflash_py

@@ -1,10 +1,10 @@
-// bindings/offload.cpp — FlashModel's flash-offload methods (flash_model.h "Flash offload",
-// neuron_cache.h). IoError becomes llamaflash.errors.FlashIoError; the GIL is released while reading.
+// bindings/offload.cpp — FlashModel's flash-offload state (offload_state.h, neuron_cache.h) as seen
+// from Python: cache statistics and the streamed gate, and the cache's slot size, which the planner
+// (plugin/planner.py) sizes the budget with. IoError becomes llamaflash.errors.FlashIoError.
 #include "../flash_model.h"
 #include "../neuron_cache.h"
 #include "flash_io_py.h"
 
-#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -13,20 +13,11 @@
 
 namespace py = pybind11;
 using namespace llamaflash;
-using llamaflash_py::engine_kind;
 using llamaflash_py::raise_flash_io_error;
 
 namespace {
 
 using FlashModelClass = py::class_<FlashModel, std::shared_ptr<FlashModel>>;
-
-template <typename T>
-std::vector<T> to_vector(const py::handle & obj) {
-    if (obj.is_none()) return {};
-    auto a = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(obj);
-    if (!a || a.ndim() != 1) throw py::value_error("expected a 1-D array");
-    return std::vector<T>(a.data(), a.data() + a.size());
-}
 
 py::dict cache_stats(const NeuronCacheStats & s) {
     py::dict d;
@@ -57,93 +48,46 @@ py::dict cache_stats(const NeuronCacheStats & s) {
 }  // namespace
 
 void bind_offload(py::module_ & m) {
+    m.def("cache_slot_bytes", &neuron_cache_slot_bytes, py::arg("cluster_size"), py::arg("up_row_bytes"),
+          py::arg("down_t_row_bytes"),
+          "Bytes of one neuron-cache slot (neuron_cache.h): round_up(C·up_row_bytes, 4096) + "
+          "round_up(C·down_t_row_bytes, 4096), the row sizes being the largest over the served layers.");
     auto cls = py::reinterpret_borrow<FlashModelClass>(m.attr("FlashModel"));
-    cls.def("set_offload_layout", &FlashModel::set_offload_layout, py::arg("offload"), py::arg("stream_gate") = false,
-            "Before load_dense_weights: gate resident (stream_gate: read from the base file every token, one "
-            "layer ahead), up/down streamed from the base file (flash offload).")
-        .def_property_readonly("offload_layout", &FlashModel::offload_layout)
-        .def_property_readonly("stream_gate", &FlashModel::stream_gate)
+    cls.def_property_readonly("stream_gate", [](const FlashModel & fm) { return fm.offload() && fm.offload()->stream_gate(); })
         .def_property_readonly(
             "streamed_gate_bytes",
-            [](const FlashModel & fm) {
-                uint64_t total = 0;
-                for (const LayerSpec & s : fm.layers()) {
-                    total += fm.stream_gate() ? static_cast<uint64_t>(s.n_ff) * s.gate_row_bytes : 0;
-                }
-                return total;
-            },
+            [](const FlashModel & fm) { return fm.offload() ? fm.offload()->streamed_gate_bytes() : uint64_t{0}; },
             "Gate bytes a decode token reads from flash (every served layer's gate matrix; 0 when resident).")
-        .def(
-            "enable_offload",
-            [](FlashModel & fm, const py::list & hot, const py::list & cluster_prob, int cluster_size,
-               int64_t cold_slots, int prefetch_layers, float prefetch_min_prob, unsigned queue_depth, bool direct,
-               const std::string & engine) {
-                const size_t n = fm.layers().size();
-                if (hot.size() != n || cluster_prob.size() != n) {
-                    throw py::value_error("hot and cluster_prob need one entry per served layer (" + std::to_string(n) + ")");
-                }
-                std::vector<CacheLayerSource> sources(n);
-                for (size_t li = 0; li < n; ++li) {
-                    sources[li].hot = to_vector<int32_t>(hot[li]);
-                    sources[li].cluster_prob = to_vector<float>(cluster_prob[li]);
-                }
-                NeuronCacheConfig config;
-                config.cluster_size = cluster_size;
-                config.cold_slots = cold_slots;
-                config.prefetch_layers = prefetch_layers;
-                config.prefetch_min_prob = prefetch_min_prob;
-                config.io.queue_depth = queue_depth;
-                config.io.direct = direct;
-                config.io.engine = engine_kind(engine);
-                try {
-                    py::gil_scoped_release release;
-                    fm.enable_offload(std::move(sources), config);
-                } catch (const IoError & e) {
-                    raise_flash_io_error(e.what());
-                }
+        .def_property_readonly("offloaded", [](const FlashModel & fm) { return fm.offload() != nullptr; })
+        .def_property(
+            "draft",
+            [](const FlashModel & fm) { return fm.offload() != nullptr && fm.offload()->draft(); },
+            [](FlashModel & fm, bool draft) {
+                if (fm.offload() == nullptr) throw py::value_error("draft mode needs flash offload (ram_budget_mb)");
+                fm.offload()->set_draft(draft);
             },
-            py::arg("hot"), py::arg("cluster_prob"), py::arg("cluster_size"), py::arg("cold_slots"),
-            py::arg("prefetch_layers") = 1, py::arg("prefetch_min_prob") = 0.5f, py::arg("queue_depth") = 32,
-            py::arg("direct") = true, py::arg("engine") = "auto",
-            "Open the neuron cache (neuron_cache.h): per served layer the clusters to pin and P(cluster needed).")
-        .def("load_hot",
-             [](FlashModel & fm) {
-                 try {
-                     py::gil_scoped_release release;
-                     fm.load_hot();
-                 } catch (const IoError & e) {
-                     raise_flash_io_error(e.what());
-                 }
-             },
-             "Read the pinned clusters into the cache (blocking).")
-        .def_property_readonly("offloaded", [](const FlashModel & fm) { return fm.neuron_cache() != nullptr; })
+            "Draft mode (offload_state.h): decode splits use only the clusters resident in the neuron cache "
+            "(no flash read, the cache untouched); an approximation, for drafting tokens.")
         .def("cache_stats",
              [](const FlashModel & fm) -> py::object {
-                 const NeuronCache * c = fm.neuron_cache();
-                 if (c == nullptr) return py::none();
-                 py::dict d = cache_stats(c->stats());
-                 d["memory_bytes"] = c->memory_bytes();
-                 d["cluster_size"] = c->cluster_size();
+                 if (fm.offload() == nullptr) return py::none();
+                 const NeuronCache & c = fm.offload()->cache();
+                 py::dict d = cache_stats(c.stats());
+                 d["memory_bytes"] = c.memory_bytes();
+                 d["cluster_size"] = c.cluster_size();
                  return d;
              })
         .def("reset_cache_stats",
              [](FlashModel & fm) {
-                 if (fm.neuron_cache() != nullptr) fm.neuron_cache()->reset_stats();
+                 if (fm.offload() != nullptr) fm.offload()->cache().reset_stats();
              })
         .def("verify_files",
              [](const FlashModel & fm) {
                  try {
-                     if (fm.neuron_cache() != nullptr) fm.neuron_cache()->verify();
+                     if (fm.offload() != nullptr) fm.offload()->cache().verify();
                  } catch (const IoError & e) {
                      raise_flash_io_error(e.what());
                  }
              },
-             "Raise FlashIoError when the model or sidecar changed on disk since the cache opened them.")
-        .def_property("repack", &FlashModel::repack, &FlashModel::set_repack,
-                      "Before load_dense_weights: False keeps every weight in plain (not repacked) CPU memory.")
-        .def_property("draft", &FlashModel::draft, &FlashModel::set_draft,
-                      "Draft mode (offload): decode splits use only the clusters resident in the neuron cache "
-                      "(no flash read, the cache untouched); an approximation, for drafting tokens.")
-        .def("take_error", &FlashModel::take_error,
-             "The error that failed the last graph compute (an I/O error in the offload lane), cleared; '' if none.");
+             "Raise FlashIoError when the model or sidecar changed on disk since the cache opened them.");
 }

@@ -1,0 +1,144 @@
+// offload_state.cpp — see offload_state.h.
+#include "offload_state.h"
+
+#include "weight_store.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+
+namespace llamaflash {
+
+namespace {
+
+NeuronCacheConfig cache_config(const EngineConfig & config) {
+    const OffloadConfig & o = *config.offload;
+    NeuronCacheConfig c;
+    c.cluster_size = config.sparse.cluster_size;
+    c.cold_slots = o.cold_slots;
+    c.prefetch_layers = o.prefetch_layers;
+    c.prefetch_min_prob = o.prefetch_min_prob;
+    c.io.queue_depth = o.queue_depth;
+    c.io.direct = o.direct;
+    c.io.engine = parse_io_engine(o.engine);
+    return c;
+}
+
+}  // namespace
+
+OffloadState::OffloadState(const EngineConfig & config, const WeightStore & store)
+    : stream_gate_(config.offload->stream_gate) {
+    const std::vector<LayerSpec> & layers = config.layers;
+    const OffloadConfig & o = *config.offload;
+    const size_t n = layers.size();
+    if (!store.dense_loaded() || !store.sparse_loaded()) {
+        throw std::logic_error("llamaflash: the offload state needs the dense weights and sparse views loaded");
+    }
+    std::vector<CacheLayerSource> sources(n);
+    for (size_t p = 0; p < n; ++p) {
+        const LayerSpec & s = layers[p];
+        if (!store.sparse_view(p).base_order) {
+            throw std::invalid_argument("llamaflash: layer " + std::to_string(s.layer) +
+                                        ": flash offload needs a sidecar in base neuron order (the gate values come "
+                                        "from the base gate matrix); re-convert without --order hot");
+        }
+        CacheLayerSource & src = sources[p];
+        src.layer = s.layer;
+        src.n_ff = s.n_ff;
+        src.up_offset = s.base_up_offset;
+        src.up_row_bytes = s.up_row_bytes;
+        src.down_t_offset = s.down_t_offset;
+        src.down_t_row_bytes = s.down_t_row_bytes;
+        src.hot = o.hot[p];
+        src.cluster_prob = o.cluster_prob[p];
+    }
+    cache_ = std::make_unique<NeuronCache>(config.sidecar_path, config.base_path, std::move(sources),
+                                           cache_config(config));
+
+    // next served layer by layer id, cyclic (after the last comes the first, for the next token)
+    std::vector<size_t> by_id(n);
+    std::iota(by_id.begin(), by_id.end(), size_t{0});
+    std::sort(by_id.begin(), by_id.end(), [&](size_t a, size_t b) { return layers[a].layer < layers[b].layer; });
+    next_.assign(n, 0);
+    for (size_t k = 0; k < n; ++k) {
+        next_[by_id[k]] = static_cast<int>(by_id[(k + 1) % n]);
+    }
+
+    // the prefill views of up and down (and gate when streamed), released after every dense split of
+    // their layer; a streamed gate is also released after each sparse split
+    streamed_.assign(n, {});
+    gate_.assign(n, {});
+    for (size_t p = 0; p < n; ++p) {
+        const LayerSpec & s = layers[p];
+        const uint64_t gate_bytes = static_cast<uint64_t>(s.n_ff) * s.gate_row_bytes;
+        std::vector<std::pair<uint64_t, uint64_t>> views = {
+            {s.base_up_offset, static_cast<uint64_t>(s.n_ff) * s.up_row_bytes},
+            {s.base_down_offset, static_cast<uint64_t>(s.n_embd) * s.base_down_row_bytes}};
+        if (stream_gate_) {
+            views.emplace_back(s.base_gate_offset, gate_bytes);
+            streamed_gate_bytes_ += gate_bytes;
+        }
+        for (auto [offset, length] : views) {
+            const MappedFile * map = store.base_region(offset);
+            if (map == nullptr) {
+                continue;
+            }
+            streamed_[p].push_back({map, offset, length});
+            if (stream_gate_ && offset == s.base_gate_offset) {
+                gate_[p].push_back({map, offset, length});
+            }
+        }
+    }
+    base_file_ = std::make_unique<FileReader>(config.base_path);
+}
+
+OffloadState::~OffloadState() = default;
+
+void OffloadState::load_hot() {
+    cache_->load_hot();
+}
+
+void OffloadState::release(const Region & r) const {
+    (void) madvise(r.map->mapping(), r.map->mapping_size(), MADV_DONTNEED);
+    base_file_->drop_cache(r.offset, r.length);  // advice: pages mapped elsewhere stay
+}
+
+void OffloadState::before_split(int pos, bool sparse) {
+    if (!sparse || pos < 0) {
+        return;
+    }
+    for (const Region & r : gate_[next_[pos]]) {
+        (void) madvise(r.map->mapping(), r.map->mapping_size(), MADV_WILLNEED);
+    }
+}
+
+bool OffloadState::after_split(int pos, bool sparse, const std::string & failure) {
+    if (pos >= 0) {
+        for (const Region & r : sparse ? gate_[pos] : streamed_[pos]) {
+            release(r);
+        }
+    }
+    if (!failure.empty()) {
+        set_error(failure);
+        return false;
+    }
+    return true;
+}
+
+void OffloadState::set_error(const std::string & message) {
+    std::lock_guard<std::mutex> lock(error_mutex_);
+    if (error_.empty()) {
+        error_ = message;
+    }
+}
+
+std::string OffloadState::take_error() {
+    std::lock_guard<std::mutex> lock(error_mutex_);
+    std::string out;
+    out.swap(error_);
+    return out;
+}
+
+}  // namespace llamaflash

@@ -1,0 +1,92 @@
+// offload_state.h — what a model served under a RAM budget (flash offload) adds to the in-memory
+// engine: the neuron cache (neuron_cache.h) that serves the sparse lane's up and down_t rows, the
+// streamed gate and its read-ahead, the release of prefill pages, and the I/O error that failed a
+// compute. Layers are addressed by position (index in FlashModel::layers()).
+//
+// Pages. The weight store (weight_store.h) maps, per served layer, the base file's up and down
+// (and, with stream_gate, gate) as read-only views; they are page cache, touched by dense (prefill)
+// splits and, for a streamed gate, by every decode split's gate GEMV. The split executor calls the
+// hooks around each split of a served layer at position p:
+//   before_split(p, sparse)   sparse: start reading the next served layer's gate (MADV_WILLNEED,
+//                             asynchronous), so it arrives while p computes
+//   after_split(p, sparse, failure)
+//                             sparse: drop p's streamed gate pages; dense: drop p's up/down (and gate)
+//                             pages (MADV_DONTNEED on the mapping, POSIX_FADV_DONTNEED on the file
+//                             range), so prefill streams instead of accumulating. A non-empty
+//                             `failure` (an I/O error of the sparse lane) is kept for take_error()
+//                             and the split reports failure (returns false).
+// So at most about two layers' gates (the computing one and the next) are resident at a time.
+//
+// Errors: set_error keeps the first message until take_error (Python raises it as FlashIoError
+// after llama_decode reports the failed compute). Thread-safe; the hooks are called by the backend
+// thread computing the split (one split at a time per context).
+#pragma once
+
+#include "engine_config.h"
+#include "file_reader.h"
+#include "neuron_cache.h"
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace llamaflash {
+
+class WeightStore;
+
+class OffloadState {
+public:
+    // Opens the neuron cache over the layers' base up rows and sidecar down_t rows with the
+    // config's sizing (cluster size = config.sparse.cluster_size) and collects the store's base-file
+    // views to release. Needs the store's dense weights and sparse views loaded in the offload
+    // layout and a sidecar in base neuron order. Throws std::invalid_argument / IoError.
+    OffloadState(const EngineConfig & config, const WeightStore & store);
+    ~OffloadState();
+    OffloadState(const OffloadState &) = delete;
+    OffloadState & operator=(const OffloadState &) = delete;
+
+    void load_hot();  // reads the cache's pinned clusters (blocking); throws IoError
+    NeuronCache & cache() const { return *cache_; }
+
+    bool stream_gate() const { return stream_gate_; }
+    // Gate bytes a decode token reads from flash: Σ over served layers of n_ff · gate_row_bytes
+    // when the gate is streamed, else 0.
+    uint64_t streamed_gate_bytes() const { return streamed_gate_bytes_; }
+
+    void before_split(int pos, bool sparse);
+    bool after_split(int pos, bool sparse, const std::string & failure);
+
+    void set_error(const std::string & message);
+    std::string take_error();
+
+    // Draft mode: while set, the sparse lane computes each decode split from the clusters resident
+    // in the cache only (NeuronCache::plan_resident): no flash read, no wait, the cache untouched;
+    // the skipped clusters' terms are dropped, so the outputs approximate the model, for drafting
+    // tokens that exact passes then verify. Set by the caller around its draft evaluations (one
+    // evaluation at a time per model).
+    void set_draft(bool draft) { draft_.store(draft, std::memory_order_release); }
+    bool draft() const { return draft_.load(std::memory_order_acquire); }
+
+private:
+    struct Region {
+        const MappedFile * map;
+        uint64_t offset, length;  // in the base file
+    };
+    void release(const Region & r) const;
+
+    std::unique_ptr<NeuronCache> cache_;
+    std::vector<int> next_;                     // [pos] -> position of the next served layer id, cyclic
+    std::vector<std::vector<Region>> streamed_;  // [pos] -> its up/down (and gate) views
+    std::vector<std::vector<Region>> gate_;      // [pos] -> its gate view when streamed (0 or 1)
+    bool stream_gate_ = false;
+    uint64_t streamed_gate_bytes_ = 0;
+    std::unique_ptr<FileReader> base_file_;      // for dropping streamed pages
+    std::mutex error_mutex_;
+    std::string error_;
+    std::atomic<bool> draft_{false};
+};
+
+}  // namespace llamaflash

@@ -1,0 +1,99 @@
+// weight_store.h — the bytes a served model computes with: file mappings of the sidecar and the
+// base GGUF, repacked or gathered copies, the dense weights as ggml tensors, and the sparse lane's
+// per-layer views. Layers are addressed by position (index in the layout given at construction).
+//
+// Dense weights (the exact lane): for each served layer at position p
+//   gate[p] : ggml ne = [n_embd, n_ff]  (n_ff rows; row i = base gate row i)  from the sidecar bundles
+//   up[p]   : ggml ne = [n_embd, n_ff]                                        from the sidecar bundles
+//   down[p] : ggml ne = [n_ff, n_embd]  (n_embd rows)                          from the base GGUF
+// Bundle k of the sidecar holds gate/up row order[k]; rows are put back in base order here, so the
+// dense lane computes exactly   y = down · act(gate · x) ⊙ (up · x)   with the base model's bytes.
+// down comes from the base file because the sidecar stores it transposed and requantized (for the
+// sparse lane); reading it from the base keeps the dense lane bit-exact with stock llama.cpp.
+//
+// Placement (load_dense), mirroring what stock llama.cpp does with the base GGUF:
+//   in memory : a weight the CPU backend repacks (e.g. Q4_K 8x8) → an anonymous repacked copy; else a
+//               view into a read-only shared mapping (page cache): down into the base file, gate/up
+//               into the sidecar bundles (row stride = bundle stride) when the bundles are in base
+//               order; else (hot-first bundle order) a plain copy gathered back into base order.
+//   offload   : gate resident (repacked or plain copy), or with stream_gate a view of the base file's
+//               gate; up and down views of the base file (page cache, touched only by prefill).
+// Every mapping covers just the byte range it serves, mapped once (a whole-file mapping would let
+// fault-around map neighbouring tensors' pages too).
+//
+// Lifetime: owned by FlashModel; the tensors and mappings live as long as the store.
+#pragma once
+
+#include "engine_config.h"
+#include "file_reader.h"
+#include "ggml-backend.h"
+#include "sparse_ffn.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace llamaflash {
+
+// One layer as the sparse lane sees it: views into the sidecar mapping.
+struct SparseLayerView {
+    SparseFfnLayer kernel;           // bundles + down_t, bundle order
+    bool base_order = true;          // bundle k holds base neuron k (gate values from ggml usable)
+};
+
+class WeightStore {
+public:
+    WeightStore(std::vector<LayerSpec> layers, std::string sidecar_path, std::string base_path);
+    ~WeightStore();
+    WeightStore(const WeightStore &) = delete;
+    WeightStore & operator=(const WeightStore &) = delete;
+
+    // Reads or maps every layer's dense weights (see Placement). Throws IoError (truncated file,
+    // unreadable), std::runtime_error (order not a permutation, allocation failed).
+    // repack false: plain CPU copies only (EngineConfig::repack).
+    void load_dense(bool offload, bool stream_gate, bool repack = true);
+    // Maps every layer's bundle and down_t regions for the kernel (in memory), or leaves the kernel's
+    // rows to the neuron cache (offload: placeholders until the lane points them at slots). Needs
+    // load_dense. Throws std::invalid_argument (down_t row size) / IoError.
+    void load_sparse(FfnActivation activation, bool offload);
+
+    bool dense_loaded() const { return !weights_.empty(); }
+    bool sparse_loaded() const { return !sparse_.empty(); }
+
+    // Resident dense weight of the layer at `pos`; nullptr before load_dense.
+    ggml_tensor * dense_weight(size_t pos, FfnWeightKind kind) const;
+    // For a layer whose gate and up weights are used in place from unpadded bundles of one type: the
+    // bundle region as one matrix, ggml ne = [n_embd, 2·n_ff], rows gate_0, up_0, gate_1, up_1, ...
+    // (row 2i = gate row i, row 2i+1 = up row i, in base order). nullptr otherwise.
+    ggml_tensor * fused_gate_up(size_t pos) const;
+    const SparseLayerView & sparse_view(size_t pos) const { return sparse_.at(pos); }
+
+    // The mapping of the base file that starts at `offset` (a dense view's region), or nullptr.
+    const MappedFile * base_region(uint64_t offset) const;
+
+    // bytes of anonymous memory holding copies (repacked or gathered) of FFN weights; weights used
+    // in place from a file mapping are not counted (they are page cache, as in stock llama.cpp)
+    size_t resident_bytes() const { return copied_bytes_; }
+
+private:
+    enum File : int { kSidecar = 0, kBase = 1 };
+    const uint8_t * map_region(File file, uint64_t offset, uint64_t length);
+    std::vector<std::vector<int32_t>> read_orders(const FileReader & sidecar, std::vector<bool> & identity) const;
+
+    std::vector<LayerSpec> layers_;
+    std::string sidecar_path_;
+    std::string base_path_;
+
+    ggml_context * ctx_ = nullptr;
+    std::vector<ggml_backend_buffer_t> buffers_;
+    std::vector<ggml_tensor *> weights_;  // 3 per layer, in layers_ order
+    std::vector<ggml_tensor *> fused_;    // 1 per layer (or nullptr), see fused_gate_up()
+    std::vector<std::unique_ptr<MappedFile>> maps_;           // one per mapped region
+    std::map<std::pair<int, uint64_t>, MappedFile *> regions_;  // (File, offset) -> its mapping
+    std::vector<SparseLayerView> sparse_;  // 1 per layer once load_sparse ran
+    size_t copied_bytes_ = 0;
+};
+
+}  // namespace llamaflash
