@@ -21,6 +21,7 @@ import gguf
 import numpy as np
 
 from llamaflash import sidecar_format as fmt
+from llamaflash.sidecar_format import DEFAULT_DOWN_T, DOWN_T_CHOICES
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan
 from llamaflash.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
 
@@ -32,16 +33,6 @@ def bundle_stride(ffn: FfnLayer) -> int:
                              gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ffn.up.ggml_type)][1])
 
 
-#: ``down_t_type`` choices: "auto" (the default: Q4_K where its 256-value blocks divide n_embd, else
-#: as "q8_0"; measured on Qwen2.5-Coder-1.5B at sparsity 0.3: perplexity +0.5% vs stock against -1.3%
-#: for Q8_0, teacher-forced top-1 agreement 83.3% against 87.6%, and 47% fewer down_t bytes:
-#: in-memory FFN 7% faster, flash offload 3.1 instead of 2.0 tok/s at 900 MiB; the converter's
-#: quality measurement runs with the stored type, and its +2% budget then stops at sparsity 0.2
-#: instead of 0.3), "q8_0" (Q8_0 where its blocks divide n_embd, else F16;
-#: near-lossless), "base" (the base down's own type when its blocks divide n_embd, e.g. Q4_K/Q6_K),
-#: or a ggml type name. Every type but Q8_0 quantizes already quantized weights a second time.
-DOWN_T_CHOICES = ("auto", "q8_0", "base", "f16", "q6_k", "q5_k", "q4_k", "q5_0", "q4_1", "q4_0")
-DEFAULT_DOWN_T = "auto"
 _NAMED = {
     "f16": gguf.GGMLQuantizationType.F16, "q6_k": gguf.GGMLQuantizationType.Q6_K,
     "q5_k": gguf.GGMLQuantizationType.Q5_K, "q4_k": gguf.GGMLQuantizationType.Q4_K,

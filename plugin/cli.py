@@ -14,16 +14,10 @@ import sys
 from pathlib import Path
 
 import click
-import gguf
-import llama_cpp
-import numpy as np
 
 from llamaflash import __version__
 from llamaflash import sidecar_format as fmt
-from llamaflash.converters import convert as run_convert
-from llamaflash.converters.bundle import DEFAULT_DOWN_T, DOWN_T_CHOICES
 from llamaflash.errors import LlamaflashError
-from llamaflash.sidecar import default_sidecar_path, read_layer_vectors, read_sidecar
 
 #: Exit status of a command that failed with a LlamaflashError.
 EXIT_LLAMAFLASH_ERROR = 2
@@ -40,9 +34,18 @@ class _Group(click.Group):
             ctx.exit(EXIT_LLAMAFLASH_ERROR)
 
 
+def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    import importlib.metadata
+
+    click.echo(f"llamaflash {__version__} (llama-cpp-python {importlib.metadata.version('llama_cpp_python')})")
+    ctx.exit()
+
+
 @click.group(cls=_Group)
-@click.version_option(__version__, "--version", prog_name="llamaflash",
-                      message=f"%(prog)s %(version)s (llama-cpp-python {llama_cpp.__version__})")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and exit.")
 def main() -> None:
     """llamaflash: serve the FFN layers of llama.cpp models from a neuron-bundled sidecar."""
 
@@ -85,7 +88,8 @@ class _Sparsity(click.ParamType):
 @click.option("--order", type=click.Choice(["base", "hot"]), default="base", show_default=True,
               help="Bundle order: base neuron order (the dense lane maps bundles in place) or hot-first "
                    "(most frequently active neurons first; the dense lane then copies gate/up).")
-@click.option("--down-t-type", type=click.Choice(list(DOWN_T_CHOICES)), default=DEFAULT_DOWN_T, show_default=True,
+@click.option("--down-t-type", type=click.Choice(list(fmt.DOWN_T_CHOICES)), default=fmt.DEFAULT_DOWN_T,
+              show_default=True,
               help="Type of the transposed down rows the sparse lane reads: auto (Q4_K where its 256-value blocks "
                    "divide n_embd, else Q8_0), q8_0 (near-lossless), base (the base down's type, e.g. Q4_K/Q6_K), "
                    "or a type. Every type but Q8_0 quantizes the base weights a second time.")
@@ -118,6 +122,7 @@ def convert(model: Path, output: Path | None, force: bool, calib: Path | None, v
     """
     if no_quality and sparsity == "auto":
         raise click.UsageError("--no-quality needs a fixed --sparsity (auto measures perplexity to choose).")
+    from llamaflash.converters import convert as run_convert
     from llamaflash.models_by_name import is_registry_name, resolve_model
 
     if is_registry_name(str(model)):
@@ -161,7 +166,7 @@ def tune(model: Path, sidecar: Path | None, reps: int, threads: int) -> None:
     sparse lane measured at least 3% faster at decode and not slower at prefill). The result is kept
     in <sidecar>.tuning.json, one entry per machine. Time it on a quiet machine."""
     from llamaflash import lane_decision
-    from llamaflash.sidecar import validate_pair
+    from llamaflash.sidecar import default_sidecar_path, validate_pair
 
     sidecar = sidecar or default_sidecar_path(model)
     info = validate_pair(model, sidecar)
@@ -179,6 +184,11 @@ def tune(model: Path, sidecar: Path | None, reps: int, threads: int) -> None:
 @click.argument("sidecar", type=click.Path(path_type=Path))
 def inspect(sidecar: Path) -> None:
     """Describe the llamaflash sidecar SIDECAR (.flash.gguf)."""
+    import gguf
+    import numpy as np
+
+    from llamaflash.sidecar import read_layer_vectors, read_sidecar
+
     info = read_sidecar(sidecar)
     click.echo(f"sidecar:          {info.path}")
     click.echo(f"format version:   {info.format_version}")

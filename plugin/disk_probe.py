@@ -30,7 +30,6 @@ from typing import Any, Iterable
 import numpy as np
 
 from .errors import FlashIoError
-from .flash_io import aligned_empty, io_uring_available, open_reader
 
 DEFAULT_SIZES_KIB = (4, 16, 32, 64, 256)
 DEFAULT_DEPTHS = (1, 4, 16, 32)
@@ -155,6 +154,8 @@ def probe_disk(
     Raises :class:`~llamaflash.errors.FlashIoError` when the scratch file cannot be written (the
     message names the directory) or read.
     """
+    from .flash_io import io_uring_available, open_reader  # the native reader: loads llama.cpp's ggml
+
     seconds = min(max(float(seconds), 0.05), MAX_SECONDS_PER_POINT)
     sizes = sorted({int(s) for s in sizes_kib})
     depth_list = sorted({int(d) for d in depths})
@@ -217,6 +218,8 @@ def probe_disk(
 
 def _sequential_mb_s(path: Path, engine: str, seconds: float) -> float:
     """Streaming throughput: 1 MiB reads in file order, 8 in flight, for about ``seconds``."""
+    from .flash_io import aligned_empty, open_reader
+
     _evict(path)
     size = path.stat().st_size
     block, depth = 1 << 20, 8

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -45,9 +46,8 @@ SPARSE = "sparse"
 
 def machine_key() -> str:
     """A short id of what makes speed comparable: CPU model and ISA features, core count, and the
-    versions of llama-cpp-python and llamaflash."""
-    import llama_cpp
-
+    versions of llama-cpp-python and llamaflash (read from the installed distribution, so that a
+    stored decision is found without loading llama.cpp)."""
     from . import __version__
 
     cpu, flags = platform.processor() or platform.machine(), set()
@@ -65,7 +65,8 @@ def machine_key() -> str:
     except OSError:
         pass
     isa = ",".join(f for f in _ISA_FLAGS if f in flags)
-    text = f"{cpu}|{isa}|{os.cpu_count()}|llama-cpp-python {llama_cpp.__version__}|llamaflash {__version__}"
+    llama_cpp_version = importlib.metadata.version("llama_cpp_python")
+    text = f"{cpu}|{isa}|{os.cpu_count()}|llama-cpp-python {llama_cpp_version}|llamaflash {__version__}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
