@@ -8,7 +8,8 @@ The pipeline (``docs/SIDECAR.md``):
 3. **profile** the stock model through llama.cpp (:mod:`.llama_runner`): the FFN input x of
    every served layer for up to ``calib_tokens`` calibration tokens (float16);
 4. **analyse** each layer in NumPy (:mod:`.analysis`): thresholds for every sparsity level,
-   held-out sparsity and FFN output error, per-neuron frequency/magnitude, predictors;
+   held-out sparsity and FFN output error, per-neuron frequency/magnitude, and with
+   ``selection`` "auto" or "predictor" low-rank activation predictors;
 5. choose the **operating point**: a fixed ``sparsity``, or ``"auto"``: the highest level whose
    perplexity on the validation text stays within ``quality_budget`` of dense (:mod:`.quality`:
    measured with llamaflash's sparse engine on a temporary measurement sidecar beside the output,
@@ -86,8 +87,11 @@ class ConvertOptions:
     sparsity: float | str = "auto"
     #: --sparsity auto: perplexity may rise at most this much over dense (0.02 = +2%)
     quality_budget: float = 0.02
-    #: "auto", "gate" or "predictor" (see llamaflash.converters.sparsity)
-    selection: str = "auto"
+    #: "gate" (gate-first, what the engine runs: no predictors are trained or stored), or "auto" /
+    #: "predictor": also train low-rank activation predictors, store them and record per layer the
+    #: mode that moves fewer bytes (auto) or predictor-first (see llamaflash.converters.sparsity);
+    #: the engine does not read predictors, they are kept for experiments with predictor-first engines
+    selection: str = fmt.SELECTION_GATE
     #: bundle order: "base" (identity; the dense lane maps the bundles in place) or "hot"
     #: (most frequently active neuron first; this version's dense lane then copies gate/up)
     order: str = "base"
@@ -107,7 +111,7 @@ class ConvertOptions:
     report: bool = True
     #: sparsity levels analysed (and, for "auto", evaluated in increasing order)
     levels: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-    #: predictor ranks tried
+    #: predictor ranks tried (selection "auto" or "predictor")
     ranks: tuple[int, ...] = (16, 64, 256)
     #: recall the predictor threshold is calibrated for
     recall_target: float = 0.95

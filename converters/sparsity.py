@@ -9,8 +9,9 @@ tensors ``blk.L.ffn_freq``, ``blk.L.ffn_mag`` and (rank > 0) ``blk.L.ffn_pred_in
 :class:`~llamaflash.converters.bundle.BundleStage`, so bundles, down_t rows, statistics and
 predictor rows all share one order.
 
-Selection mode (per layer, ``selection="auto"``): the mode that moves fewer bytes per decoded
-token, among those whose held-out recall is at least ``min_recall``:
+Selection mode: gate-first unless predictors were asked for (the converter's default
+``selection="gate"`` trains none). With ``selection="auto"``, per layer the mode that moves fewer
+bytes per decoded token, among those whose held-out recall is at least ``min_recall``:
 
 * gate-first: gate rows of all n_ff neurons, then up and down_t rows of the active ones
   (exact: recall 1);

@@ -82,9 +82,10 @@ class _Sparsity(click.ParamType):
                    "perplexity stays within --quality-budget of dense.")
 @click.option("--quality-budget", type=click.FloatRange(min=0.0, min_open=True), default=2.0, show_default=True,
               help="--sparsity auto: allowed perplexity increase over dense, in percent.")
-@click.option("--selection", type=click.Choice(["auto", "gate", "predictor"]), default="auto", show_default=True,
-              help="How the engine selects active neurons: gate-first (exact), predictor-first (low-rank "
-                   "predictor), or per layer whichever moves fewer bytes (auto).")
+@click.option("--selection", type=click.Choice(["auto", "gate", "predictor"]), default="gate", show_default=True,
+              help="Selection mode recorded per layer: gate-first (exact; what the engine runs). auto and "
+                   "predictor also train and store low-rank activation predictors (auto: per layer whichever "
+                   "mode moves fewer bytes; predictor: predictor-first), which this engine does not read.")
 @click.option("--order", type=click.Choice(["base", "hot"]), default="base", show_default=True,
               help="Bundle order: base neuron order (the dense lane maps bundles in place) or hot-first "
                    "(most frequently active neurons first; the dense lane then copies gate/up).")
@@ -117,8 +118,8 @@ def convert(model: Path, output: Path | None, force: bool, calib: Path | None, v
     """Convert base model MODEL (.gguf) into its llamaflash sidecar.
 
     Profiles MODEL through llama.cpp on calibration text, chooses per-layer thresholds for the
-    target sparsity, orders neurons hot-first, trains activation predictors, measures the quality
-    cost, and writes the sidecar plus a report (<sidecar>.report.json).
+    target sparsity, measures the quality cost, and writes the sidecar plus a report
+    (<sidecar>.report.json).
     """
     if no_quality and sparsity == "auto":
         raise click.UsageError("--no-quality needs a fixed --sparsity (auto measures perplexity to choose).")

@@ -28,10 +28,9 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 #: killed at 700 MiB; flash offload needs at least 636 MiB (planner minimum, n_ctx 512).
 DEFAULT_LIMITS_MB = (900, 700)
 #: The quick conversion of the demo: the settings that cost minutes are cut (one level instead of
-#: nine, gate-first selection so no predictors are trained, no perplexity/agreement measurement, the
-#: minimum calibration). 0.3 measured +2.3% perplexity on Qwen2.5-Coder-1.5B with the full converter.
-DEMO_CONVERT = dict(sparsity=0.3, levels=(0.3,), ranks=(16,), selection="gate", measure_quality=False,
-                    calib_tokens=3072)
+#: nine, no perplexity/agreement measurement, the minimum calibration). 0.3 measured +2.3% perplexity
+#: on Qwen2.5-Coder-1.5B with the full converter.
+DEMO_CONVERT = dict(sparsity=0.3, levels=(0.3,), measure_quality=False, calib_tokens=3072)
 
 
 def demo_sidecar_path(model: Path) -> Path:

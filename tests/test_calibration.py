@@ -33,6 +33,7 @@ from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.sparsity import SparsityStage, decide_layer
 from llamaflash.converters.writer import write_sidecar_atomically
 from llamaflash.errors import SidecarFormatError
+from llamaflash.gguf_header import read_gguf_header
 from llamaflash.gguf_model import base_identity, read_base_model
 from llamaflash.sidecar import read_layer_vectors, read_sidecar, validate_pair
 from synth import synthetic_text
@@ -348,6 +349,21 @@ def test_convert_records_the_operating_point_and_quality(tiny_llama_q8_0, tmp_pa
         v = read_layer_vectors(info, lay)
         assert np.all(np.diff(v["freq"]) <= 0)
         assert np.mean(v["freq"]) == pytest.approx(1 - sp.target, abs=0.05)
+
+
+def test_default_conversion_trains_no_predictors(tiny_llama_q8_0, tmp_path):
+    """The engine selects gate-first: by default the converter neither trains nor stores predictors,
+    and the report measures none."""
+    import json
+
+    out = convert(tiny_llama_q8_0, tmp_path / "g.flash.gguf", progress=False, **dict(FAST_CONVERT, sparsity=0.5))
+    info = read_sidecar(out)
+    assert all(lay.selection == "gate" and lay.pred_rank == 0 and lay.pred_recall == 0 for lay in info.layers)
+    assert not any("pred" in t.name for t in read_gguf_header(out).tensors)
+    report = json.loads((tmp_path / "g.flash.gguf.report.json").read_text())
+    assert all(entry["pred_rank"] == 0 and entry["pred_recall"] is None and entry["curve"]["predictors"] == []
+               for entry in report["layers"])
+    assert report["operating_point"]["layers_predictor"] == 0
 
 
 @pytest.mark.parametrize("method", ["emulated", "engine"])

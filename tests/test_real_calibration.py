@@ -21,7 +21,7 @@ pytestmark = pytest.mark.real_model
 def test_real_model_calibration(name, tmp_path):
     model = assets.fetch_model(name, progress=False)
     out = convert(model, tmp_path / "m.flash.gguf", progress=False, calib_tokens=2048, valid_tokens=512,
-                  sparsity=0.3, levels=(0.3,), ranks=(16,), order="hot")
+                  sparsity=0.3, levels=(0.3,), ranks=(16,), selection="auto", order="hot")
     info = validate_pair(model, out)
     report = json.loads((tmp_path / "m.flash.gguf.report.json").read_text())
     assert info.format_version == 2 and info.sparsity.target == pytest.approx(0.3)

@@ -117,11 +117,12 @@ def write_floats(path: Path, offset: int, index: int, value: float) -> None:
 
 @pytest.fixture(scope="module")
 def clean_pair(tiny_llama_q8_0, tmp_path_factory) -> tuple[Path, Path]:
-    """A converted format-2 pair (base order, threshold table), read-only: copy before editing."""
+    """A converted format-2 pair (base order, threshold table, activation predictors: the readers
+    check their tensors too), read-only: copy before editing."""
     d = tmp_path_factory.mktemp("clean-pair")
     model = d / "model.gguf"
     shutil.copyfile(tiny_llama_q8_0, model)
-    return model, convert(model, progress=False, **FAST_CONVERT)
+    return model, convert(model, progress=False, selection="auto", **FAST_CONVERT)
 
 
 @pytest.fixture
