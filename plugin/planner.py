@@ -129,8 +129,7 @@ def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int
     but the served layers' ffn_gate/up/down: mmapped or repacked, resident either way), ``kv_cache``
     (f16 K and V for every layer and cell; n_ctx rounded up to 256), ``compute_buffers`` (CPU:
     n_ubatch x 4 x max(n_vocab + 3 n_embd, (n_head + 2) n_ctx + 6 n_embd), fitted to llama.cpp's log;
-    LLAMAFLASH device: n_ubatch x 3 n_ff x 4; logits output: VERIFY_ROWS x n_vocab x 4 (a speculative
-    verify batch keeps the logits of its rows); all x COMPUTE_SAFETY),
+    LLAMAFLASH device: n_ubatch x 3 n_ff x 4; logits output: n_vocab x 4; all x COMPUTE_SAFETY),
     ``prefill_window`` (one served layer's base up + down bytes, page cache during dense prefill).
     ``header``: the base model's (:func:`~llamaflash.gguf_header.read_gguf_header`)."""
     h = header
@@ -158,7 +157,7 @@ def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int
         "llama_vocab": VOCAB_FIXED_BYTES + VOCAB_BYTES_PER_ENTRY * entries,
         "llama_weights": sum(b for name, b in size.items() if name not in served),
         "kv_cache": int(kv_heads.sum()) * cells * (k_len + v_len) * 2,
-        "compute_buffers": int(COMPUTE_SAFETY * (cpu + n_ubatch * 3 * n_ff * 4 + VERIFY_ROWS * n_vocab * 4)),
+        "compute_buffers": int(COMPUTE_SAFETY * (cpu + n_ubatch * 3 * n_ff * 4 + n_vocab * 4)),
         "prefill_window": max(size[fmt.base_ffn_up_name(lay.layer)] + size[fmt.base_ffn_down_name(lay.layer)]
                               for lay in info.layers),
     }
@@ -240,7 +239,9 @@ def _io(cl: _Clusters, hot: list[np.ndarray], disk: _Disk, pmin: float, depth: i
 class OffloadPlan:
     """A RAM plan for the flash-offload engine; sizes in bytes. ``parts`` (name → bytes, in order)
     sums to ``budget_bytes``; ``reasons`` says why each part has its size. ``minimum_bytes`` is every
-    part but ``hot_slots`` with the cold region at its minimum. ``hot_clusters[i]`` / ``cluster_prob[i]``
+    part but ``hot_slots`` with the cold region at its minimum, at this plan's n_ubatch and gate
+    placement; ``least_budget_bytes`` the least budget the planner accepts for the model and settings
+    (the smallest n_ubatch, the gate streamed when allowed): one number whatever budget was asked. ``hot_clusters[i]`` / ``cluster_prob[i]``
     belong to ``layers[i]`` (the sidecar's layer order). ``hit_rate``: share of the cluster reads a
     token needs that the hot slots serve; ``neuron_hit_rate``: the same weighted by active neurons;
     ``flash_bytes_per_token``: expected bytes read per decoded token (read-ahead included);
@@ -250,6 +251,7 @@ class OffloadPlan:
     sidecar_path: str
     budget_bytes: int
     minimum_bytes: int
+    least_budget_bytes: int  # the one minimum of the model and settings (smallest n_ubatch, gate streamed if allowed)
     parts: dict[str, int]
     reasons: dict[str, str]
     cluster_size: int
@@ -293,8 +295,8 @@ class OffloadPlan:
                  f"n_ubatch {self.n_ubatch}", "", f"  {'part':<16}{'MiB':>9}  why"]
         lines += [f"  {name:<16}{mib(b)}  {self.reasons[name]}" for name, b in self.parts.items()]
         lines += [f"  {'total':<16}{mib(sum(self.parts.values()))}  = the budget",
-                  f"  {'minimum':<16}{mib(self.minimum_bytes)}  the least budget this model and these settings "
-                  "run in (smallest n_ubatch, no hot_slots, cold region at its minimum)", "",
+                  f"  {'minimum':<16}{mib(self.least_budget_bytes)}  the least budget this model and these settings "
+                  "run in (smallest n_ubatch, gate streamed if allowed, no hot_slots, cold region at its minimum)", "",
                   f"cluster size {self.cluster_size} neurons, slot {self.slot_bytes / 1024:.0f} KiB; "
                   f"{self.hot_slots} of {self.total_clusters} clusters pinned, {self.cold_slots} cold slots; "
                   f"queue depth {self.queue_depth}; gate {'streamed from flash, one layer ahead' if self.stream_gate else 'resident'}; read-ahead: "
@@ -404,13 +406,16 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     n_embd_max = max(lay.n_embd for lay in info.layers)
 
     def cold_bytes(cl: _Clusters) -> int:
-        # the cold region, and the sparse lane's cluster partial sums for a verify batch
-        # (sparse_ffn.h, cluster phase: n_tokens x n_clusters x n_embd floats)
-        partials = VERIFY_ROWS * max(len(p) for p in cl.prob) * n_embd_max * 4
-        return (1 + prefetch_layers) * max(len(p) for p in cl.prob) * cl.slot_bytes + partials
+        return (1 + prefetch_layers) * max(len(p) for p in cl.prob) * cl.slot_bytes
+
+    def partial_bytes(cl: _Clusters) -> int:
+        # a speculative verify batch: the logits of its other rows (llama.cpp's output buffer), and
+        # the sparse lane's per-(cluster, token) partial sums (sparse_ffn.h, cluster phase)
+        n_vocab = int(_meta(header, "tokenizer.ggml.tokens", 0) or 0)
+        return (VERIFY_ROWS - 1) * n_vocab * 4 + VERIFY_ROWS * max(len(p) for p in cl.prob) * n_embd_max * 4
 
     def minimum(fixed: dict[str, int], cl: _Clusters) -> int:
-        rest = sum(fixed.values()) + cold_bytes(cl)
+        rest = sum(fixed.values()) + cold_bytes(cl) + partial_bytes(cl)
         return rest + MARGIN_FIXED_BYTES + int(MARGIN_FRACTION * rest)
 
     ubatches = [u for u in UBATCH_CHOICES if u <= n_ctx] or [n_ctx] if n_ubatch is None else [min(n_ubatch, n_ctx)]
@@ -475,9 +480,10 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
             best = ((key, -low), cl, hot, row)
     _, cl, hot, row = best
     cold = cold_bytes(cl)
-    parts = {**fixed, "cold_slots": cold, "hot_slots": row["hot_slots"] * cl.slot_bytes}
+    parts = {**fixed, "cold_slots": cold, "verify_buffers": partial_bytes(cl),
+             "hot_slots": row["hot_slots"] * cl.slot_bytes}
     parts["margin"] = budget - sum(parts.values())
-    spare = parts["margin"] - (minimum(fixed, cl) - sum(fixed.values()) - cold)
+    spare = parts["margin"] - (minimum(fixed, cl) - sum(fixed.values()) - cold - partial_bytes(cl))
     max_clusters = max(len(p) for p in cl.prob)
     lay0 = info.layers[0]
     reasons = {
@@ -492,8 +498,9 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         "gate_window": f"streamed gate: {GATE_WINDOW_LAYERS} layers x {lay0.n_ff} x {lay0.gate_row_bytes} B in the page "
                        f"cache (the layer computing, the next read ahead); {gate / 1e6:.0f} MB of gate rows read "
                        "from flash per token",
-        "cold_slots": f"{1 + prefetch_layers} layers x {max_clusters} clusters: current layer + read-ahead; and "
-                      f"the sparse lane's partial sums for a {VERIFY_ROWS}-token verify batch",
+        "cold_slots": f"{1 + prefetch_layers} layers x {max_clusters} clusters: current layer + read-ahead",
+        "verify_buffers": f"a {VERIFY_ROWS}-token speculative verify batch: {VERIFY_ROWS - 1} more logits rows, and the "
+                          f"sparse lane's partial sums ({VERIFY_ROWS} tokens x {max_clusters} clusters x n_embd floats)",
         "hot_slots": f"{row['hot_slots']} pinned clusters x {cl.slot_bytes // 1024} KiB, by P(needed) then sum f",
         "margin": f"{MARGIN_FIXED_BYTES // MiB} MiB + {MARGIN_FRACTION:.0%} of the rest, + {spare / MiB:.1f} MiB "
                   "left over (slot rounding, or more than all clusters need)",
@@ -513,7 +520,7 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
                  f"(sparsity target {info.sparsity.target:g}); the I/O bound ignores compute and cross-token reuse")
     return OffloadPlan(
         model_path=str(model_path), sidecar_path=str(sidecar), budget_bytes=budget,
-        minimum_bytes=lowest, parts=parts, reasons={k: reasons[k] for k in parts}, cluster_size=cl.size,
+        minimum_bytes=minimum(fixed, cl), least_budget_bytes=lowest, parts=parts, reasons={k: reasons[k] for k in parts}, cluster_size=cl.size,
         slot_bytes=cl.slot_bytes, hot_slots=row["hot_slots"], cold_slots=(1 + prefetch_layers) * max_clusters,
         total_clusters=sum(len(p) for p in cl.prob), queue_depth=row["queue_depth"],
         prefetch_layers=prefetch_layers, prefetch_min_prob=row["prefetch_min_prob"], n_ctx=n_ctx, n_batch=u,

@@ -25,7 +25,7 @@ from llamaflash.sidecar import read_sidecar
 
 N_LAYER, N_FF = 3, 256
 PARTS = ("runtime", "llama_vocab", "llama_weights", "kv_cache", "compute_buffers", "prefill_window",
-         "gate_rows", "cold_slots", "hot_slots", "margin")
+         "gate_rows", "cold_slots", "verify_buffers", "hot_slots", "margin")
 RUNTIME = 40 * MiB
 
 
@@ -221,9 +221,18 @@ def test_format_1_sidecar_is_refused_naming_convert(model, tmp_path):
         plan_offload(model, v1, 1000, runtime_rss_bytes=RUNTIME)
 
 
-def test_runtime_defaults_to_this_process(pair):
-    p = plan_offload(*pair, 10_000, cluster_size=8, n_ubatch=32)
-    assert 10 * MiB < p.parts["runtime"] < 4096 * MiB and "RSS" in p.reasons["runtime"]
+def test_the_plan_does_not_depend_on_the_process(pair):
+    """The runtime is the measured constant, not this process's RSS: the same plan (and the same
+    one minimum) before and after the process grows by 256 MiB, and for any budget asked."""
+    from llamaflash.planner import RUNTIME_RSS_BYTES
+
+    before = plan_offload(*pair, 300)
+    ballast = np.ones(256 * MiB, dtype=np.uint8)  # touched: resident
+    after = plan_offload(*pair, 300)
+    assert int(ballast.sum()) == 256 * MiB
+    assert after.parts == before.parts and after.parts["runtime"] == RUNTIME_RSS_BYTES
+    assert [list(h) for h in after.hot_clusters] == [list(h) for h in before.hot_clusters]
+    assert len({plan_offload(*pair, b).least_budget_bytes for b in (300, 600, 10_000)}) == 1
 
 
 def run_cli(*args):
