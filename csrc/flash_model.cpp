@@ -106,4 +106,16 @@ std::string FlashModel::take_error() {
     return offload_ ? offload_->take_error() : std::string();
 }
 
+void FlashModel::set_non_finite(const std::string & message) {
+    std::lock_guard<std::mutex> lock(non_finite_mutex_);
+    if (non_finite_.empty()) non_finite_ = message;
+}
+
+std::string FlashModel::take_non_finite() {
+    std::lock_guard<std::mutex> lock(non_finite_mutex_);
+    std::string out;
+    out.swap(non_finite_);
+    return out;
+}
+
 }  // namespace llamaflash

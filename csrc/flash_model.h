@@ -24,6 +24,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -72,6 +73,10 @@ public:
     OffloadState * offload() const { return offload_.get(); }  // nullptr in memory
     // The error that failed the last graph compute (offload I/O), cleared; "" if none.
     std::string take_error();
+    // A served FFN that produced a NaN or an infinity (the split executor checks every output):
+    // kept until taken, so Python raises it naming the layer after llama_decode reports the failure.
+    void set_non_finite(const std::string & message);
+    std::string take_non_finite();
 
     // number of llama.cpp weight tensors bound to this model (3 per served layer when loaded)
     void count_bound() { bound_.fetch_add(1, std::memory_order_relaxed); }
@@ -87,6 +92,8 @@ private:
     std::unique_ptr<OffloadState> offload_;
     SparseConfig sparse_config_;
     FfnActivation activation_ = FfnActivation::silu;
+    std::mutex non_finite_mutex_;
+    std::string non_finite_;
     std::atomic<int> bound_{0};
 };
 

@@ -6,6 +6,7 @@
 #include "weight_registry.h"
 
 #include <chrono>
+#include <cmath>
 #include <exception>
 #include <string>
 
@@ -27,6 +28,26 @@ const BoundWeight * first_bound_weight(const ggml_cgraph * split, const WeightRe
         }
     }
     return nullptr;
+}
+
+// Where the split's output (its last node: the FFN's y, [n_embd, T] f32) first holds a NaN or an
+// infinity, as "token t, value i"; "" when every value is finite (or the output is not f32 rows).
+std::string first_non_finite(const ggml_cgraph * split) {
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    const ggml_tensor * y = ggml_graph_node(g, ggml_graph_n_nodes(g) - 1);
+    if (y->type != GGML_TYPE_F32 || y->nb[0] != sizeof(float) || y->data == nullptr) {
+        return std::string();
+    }
+    for (int64_t t = 0; t < ggml_nrows(y); ++t) {
+        const float * row = reinterpret_cast<const float *>(static_cast<const char *>(y->data) + t * y->nb[1]);
+        for (int64_t i = 0; i < y->ne[0]; ++i) {
+            if (!std::isfinite(row[i])) {
+                return "token " + std::to_string(t) + ", value " + std::to_string(i) + " is " +
+                       (std::isnan(row[i]) ? "NaN" : "infinite");
+            }
+        }
+    }
+    return std::string();
 }
 
 // The split's lane and the served layer it computes.
@@ -138,6 +159,14 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
     const bool ok = offload != nullptr ? offload->after_split(pos, sparse, failure) : failure.empty();
     if (!ok) {  // an I/O error in the offload lane: the split's result is not valid
         status = GGML_STATUS_FAILED;
+    }
+    if (status == GGML_STATUS_SUCCESS && r.model != nullptr) {
+        // a NaN or infinity would otherwise flow on silently (generation then just stops)
+        const std::string where = first_non_finite(split);
+        if (!where.empty()) {
+            r.model->set_non_finite("layer " + std::to_string(r.layer) + "'s FFN output: " + where);
+            status = GGML_STATUS_FAILED;
+        }
     }
 
     // 4. count

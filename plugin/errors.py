@@ -81,6 +81,12 @@ class CalibrationError(ConversionError):
 # --------------------------------------------------------------------------------------
 
 
+class NonFiniteOutputError(LlamaflashError, ArithmeticError):
+    """A served FFN layer produced a NaN or an infinity: the message names the layer, the token and
+    the value. The weights read were not what the sidecar describes (re-copy or re-convert it:
+    `llamaflash convert MODEL --force`), or the model itself overflows at this input."""
+
+
 class FlashIoError(LlamaflashError, OSError):
     """Reading FFN bundles from flash failed: the file cannot be opened or is not a file, the
     device reported an error (EIO, ...), or the file was truncated, rewritten or replaced while

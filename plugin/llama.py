@@ -71,7 +71,7 @@ from . import gguf_model
 from . import lane_decision
 from . import offload
 from . import speculative
-from .errors import FlashIoError, LlamaflashError, SidecarNotFoundError
+from .errors import FlashIoError, LlamaflashError, NonFiniteOutputError, SidecarNotFoundError
 from .flash_io import ENGINES
 from .gguf_model import BaseModelInfo
 from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
@@ -362,10 +362,20 @@ class Llama(llama_cpp.Llama):
             else:
                 super().eval(tokens)
         except RuntimeError as e:
-            message = self._flash.take_error() if self._flash is not None else ""
-            if message:
-                raise FlashIoError(f"llamaflash: reading FFN weights from flash failed: {message}") from e
-            raise
+            raise self._decode_failure(e) from e
+
+    def _decode_failure(self, e: RuntimeError) -> Exception:
+        """What a failed llama_decode means: a served FFN's NaN/inf (NonFiniteOutputError, naming the
+        layer), a flash read error (FlashIoError), else `e` itself."""
+        bad = self._flash.take_non_finite() if self._flash is not None else ""
+        if bad:
+            return NonFiniteOutputError(
+                f"llamaflash: {bad}. The served weights are not what the sidecar describes (re-copy it, or "
+                f"re-create it with `llamaflash convert --force`), or the model overflows at this input")
+        message = self._flash.take_error() if self._flash is not None else ""
+        if message:
+            return FlashIoError(f"llamaflash: reading FFN weights from flash failed: {message}")
+        return e
 
     def _dense_up(self, info: SidecarInfo, level: Optional[float]) -> bool:
         """up·x by ggml's dense GEMV (flash_dense_up, or chosen from the level's sparsity)."""

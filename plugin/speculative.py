@@ -343,7 +343,10 @@ def make_self_draft(llama_ref: "weakref.ReferenceType", n_vocab: int) -> Callabl
             pos = n_past
             for _ in range(k):
                 batch.set_batch(batch=[token], n_past=pos, logits_all=False)
-                ctx.decode(batch)
+                try:
+                    ctx.decode(batch)
+                except RuntimeError as e:
+                    raise llama._decode_failure(e) from e
                 row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, -1), shape=(n_vocab,))
                 token, p = softmax_top(row)
                 out.append(token)

@@ -180,6 +180,8 @@ void bind_engine(py::module_ & m) {
         .def_property("thresholds", &FlashModel::thresholds, &FlashModel::set_thresholds,
                       "Per served layer (in served_layers order): skip neuron k when |act(gate_k·x)| <= "
                       "threshold; a negative threshold runs that layer dense.")
+        .def("take_non_finite", &FlashModel::take_non_finite,
+             "Which served FFN produced a NaN or an infinity in the last failed compute, cleared; '' if none.")
         .def("take_error", &FlashModel::take_error,
              "The error that failed the last graph compute (an I/O error in the offload lane), cleared; '' if none.");
 }

@@ -1,0 +1,52 @@
+"""A served FFN that produces a NaN or an infinity raises NonFiniteOutputError naming the layer,
+in memory and under flash offload, instead of letting generation run on (or stop) silently."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+import llamaflash
+from conftest import FAST_CONVERT
+from llamaflash.converters import convert
+from llamaflash.errors import NonFiniteOutputError
+from llamaflash.sidecar import read_sidecar
+
+KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
+NAN_F16 = struct.pack("<e", float("nan"))
+
+
+@pytest.fixture(scope="module")
+def poisoned(tiny_model_factory, tmp_path_factory):
+    """A Q8_0 model and a sidecar whose layer-1 down_t rows all have a NaN block scale (every active
+    neuron of that layer then adds NaN to y)."""
+    src = tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192)
+    d = tmp_path_factory.mktemp("nonfinite")
+    model = d / "m.gguf"
+    shutil.copy(src, model)
+    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
+    layer = read_sidecar(sidecar).layers[1]
+    data = bytearray(sidecar.read_bytes())
+    for row in range(layer.n_ff):
+        at = layer.down_t_offset + row * layer.down_t_row_bytes
+        data[at:at + 2] = NAN_F16  # the first Q8_0 block's f16 scale
+    sidecar.write_bytes(bytes(data))
+    return model, sidecar, layer.layer
+
+
+def _decode(llm):
+    llm.eval(llm.tokenize(b"hello there, how are you"))
+    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))] if llm._logits_all else [1])
+
+
+@pytest.mark.parametrize("budget", [None, 2000], ids=["in-memory", "offload"])
+def test_nan_from_a_served_layer_raises_naming_it(poisoned, budget):
+    model, sidecar, layer = poisoned
+    kw = dict(flash_mode="sparse") if budget is None else dict(ram_budget_mb=budget, flash_speculative=False)
+    llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), **kw, **KW)
+    with pytest.raises(NonFiniteOutputError, match=rf"layer {layer}'s FFN output: token 0, value \d+ is NaN"):
+        _decode(llm)
+    llm.close()
