@@ -33,6 +33,7 @@ from llamaflash.gguf_model import read_base_model
 from llamaflash.sidecar import read_sidecar, validate_pair
 from click.testing import CliRunner
 from conftest import FAST_CONVERT
+from fuzz_cases import edit_tensor_info, relative_offsets
 from synth import write_unsupported_architecture
 
 BLOCK_COUNT_KEY = "llama.block_count"
@@ -81,31 +82,6 @@ def set_array_count(path: Path, key: str, count: int) -> None:
     reader = gguf.GGUFReader(path, "r+")
     reader.fields[key].parts[4][0] = count
     reader.data.flush()
-
-
-def edit_tensor_info(path: Path, name: str, *, offset: int | None = None, dims: list[int] | None = None,
-                     ggml_type: int | None = None, new_name: str | None = None) -> None:
-    """Overwrite parts of tensor ``name``'s info in place: its data offset (relative to the data
-    section), its ggml ne (same number of dimensions), its type, or its name (same length).
-    Info parts: name length, name, n_dims, ne, type, offset."""
-    reader = gguf.GGUFReader(path, "r+")
-    parts = next(t for t in reader.tensors if t.name == name).field.parts
-    if offset is not None:
-        parts[5][0] = offset
-    if dims is not None:
-        parts[3][:] = dims
-    if ggml_type is not None:
-        parts[4][0] = ggml_type
-    if new_name is not None:
-        assert len(new_name) == len(name)
-        parts[1][:] = np.frombuffer(new_name.encode(), dtype=np.uint8)
-    reader.data.flush()
-
-
-def relative_offsets(path: Path) -> dict[str, int]:
-    """Every tensor's data offset relative to the data section, as stored."""
-    header = read_gguf_header(path)
-    return {t.name: t.offset - header.data_offset for t in header.tensors}
 
 
 def write_floats(path: Path, offset: int, index: int, value: float) -> None:
