@@ -18,6 +18,10 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
+int64_t neuron_cache_min_cold_slots(int prefetch_layers, int64_t max_clusters_per_layer) {
+    return (1 + static_cast<int64_t>(prefetch_layers)) * max_clusters_per_layer;
+}
+
 size_t neuron_cache_slot_bytes(int64_t cluster_size, uint64_t up_row_bytes, uint64_t down_t_row_bytes) {
     const size_t C = static_cast<size_t>(cluster_size);
     return round_up(C * up_row_bytes, kSlotAlign) + round_up(C * down_t_row_bytes, kSlotAlign);
@@ -52,7 +56,7 @@ NeuronCache::NeuronCache(const std::string & sidecar_path, const std::string & u
         max_clusters = std::max(max_clusters, nc);
         n_hot += static_cast<int64_t>(L.hot.size());
     }
-    const int64_t min_cold = (1 + config_.prefetch_layers) * max_clusters;
+    const int64_t min_cold = neuron_cache_min_cold_slots(config_.prefetch_layers, max_clusters);
     if (config_.cold_slots < min_cold) {
         fail("the cold region needs at least " + std::to_string(min_cold) + " slots ((1 + prefetch_layers) x " +
              std::to_string(max_clusters) + " clusters), got " + std::to_string(config_.cold_slots));

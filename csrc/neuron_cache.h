@@ -62,6 +62,11 @@ struct CacheLayerSource {
 // (plugin/planner.py, through llamaflash._native.cache_slot_bytes) budgets with it.
 size_t neuron_cache_slot_bytes(int64_t cluster_size, uint64_t up_row_bytes, uint64_t down_t_row_bytes);
 
+// The fewest cold slots the cache accepts: (1 + prefetch_layers) · the most clusters of a layer (the
+// layer computing and the layers read ahead each have room for all their clusters). The one formula:
+// the planner (through llamaflash._native.cache_min_cold_slots) sizes the cold region with it.
+int64_t neuron_cache_min_cold_slots(int prefetch_layers, int64_t max_clusters_per_layer);
+
 struct NeuronCacheConfig {
     int cluster_size = 32;          // neurons per cluster (= the kernel's cluster size)
     int64_t cold_slots = 0;         // >= (1 + prefetch_layers) · max clusters per layer

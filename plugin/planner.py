@@ -406,7 +406,7 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     n_embd_max = max(lay.n_embd for lay in info.layers)
 
     def cold_bytes(cl: _Clusters) -> int:
-        return (1 + prefetch_layers) * max(len(p) for p in cl.prob) * cl.slot_bytes
+        return int(_native.cache_min_cold_slots(prefetch_layers, max(len(p) for p in cl.prob))) * cl.slot_bytes
 
     def partial_bytes(cl: _Clusters) -> int:
         # a speculative verify batch: the logits of its other rows (llama.cpp's output buffer), and
@@ -521,7 +521,7 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     return OffloadPlan(
         model_path=str(model_path), sidecar_path=str(sidecar), budget_bytes=budget,
         minimum_bytes=minimum(fixed, cl), least_budget_bytes=lowest, parts=parts, reasons={k: reasons[k] for k in parts}, cluster_size=cl.size,
-        slot_bytes=cl.slot_bytes, hot_slots=row["hot_slots"], cold_slots=(1 + prefetch_layers) * max_clusters,
+        slot_bytes=cl.slot_bytes, hot_slots=row["hot_slots"], cold_slots=int(_native.cache_min_cold_slots(prefetch_layers, max_clusters)),
         total_clusters=sum(len(p) for p in cl.prob), queue_depth=row["queue_depth"],
         prefetch_layers=prefetch_layers, prefetch_min_prob=row["prefetch_min_prob"], n_ctx=n_ctx, n_batch=u,
         n_ubatch=u, layers=[lay.layer for lay in info.layers],

@@ -48,6 +48,10 @@ py::dict cache_stats(const NeuronCacheStats & s) {
 }  // namespace
 
 void bind_offload(py::module_ & m) {
+    m.def("cache_min_cold_slots", &neuron_cache_min_cold_slots, py::arg("prefetch_layers"),
+          py::arg("max_clusters_per_layer"),
+          "The fewest cold slots the neuron cache accepts (neuron_cache.h): (1 + prefetch_layers) x the most "
+          "clusters of a layer.");
     m.def("cache_slot_bytes", &neuron_cache_slot_bytes, py::arg("cluster_size"), py::arg("up_row_bytes"),
           py::arg("down_t_row_bytes"),
           "Bytes of one neuron-cache slot (neuron_cache.h): round_up(C·up_row_bytes, 4096) + "
