@@ -36,6 +36,7 @@ from typing import Protocol, TextIO
 
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters.bundle import DEFAULT_DOWN_T, DOWN_T_CHOICES, BundleStage
+from llamaflash.converters.draft_copy import DraftCopyStage, draft_type
 from llamaflash.converters.writer import (
     PlannedTensor,
     SidecarPlan,
@@ -97,6 +98,9 @@ class ConvertOptions:
     order: str = "base"
     #: type of the transposed down rows the sparse lane reads (llamaflash.converters.bundle.DOWN_T_CHOICES)
     down_t_type: str = DEFAULT_DOWN_T
+    #: type of the draft copy a speculative self-draft computes from under a RAM budget
+    #: (llamaflash.sidecar_format.DRAFT_CHOICES; "none": no copy)
+    draft_type: str = fmt.DEFAULT_DRAFT
     #: a predictor is only used when its held-out recall is at least this
     min_recall: float = 0.9
     #: measure perplexity/greedy agreement for a fixed sparsity too (always for "auto")
@@ -159,6 +163,7 @@ def convert(
     model_path = Path(model_path)
     model = read_base_model(model_path)
     require_supported(model)
+    draft_type(model.n_embd, opts.draft_type)  # a named type must divide n_embd: refused before any work
     out = Path(out_path) if out_path is not None else default_sidecar_path(model_path)
     if out.exists() and os.path.samefile(out, model_path):
         raise ConversionError(
@@ -195,7 +200,7 @@ def _convert(model_path: Path, model: BaseModelInfo, out: Path, force: bool, str
         write_sidecar_atomically(sidecar_plan(model, identity, res), path, force=True)
 
     result = calibrate(model, opts, stream, out=out, write_sidecar=write_measurement)
-    plan = sidecar_plan(model, identity, result)
+    plan = sidecar_plan(model, identity, result, draft=opts.draft_type)
     t_write = time.perf_counter()
     write_sidecar_atomically(plan, out, force=force,
                              progress=_LayerProgress(plan, stream) if stream else None)
@@ -210,10 +215,14 @@ def _convert(model_path: Path, model: BaseModelInfo, out: Path, force: bool, str
     return out
 
 
-def sidecar_plan(model: BaseModelInfo, identity: str, result) -> SidecarPlan:
+def sidecar_plan(model: BaseModelInfo, identity: str, result, draft: str = "none") -> SidecarPlan:
     """The plan of the format-2 sidecar a :class:`~llamaflash.converters.calibrate.CalibrationResult`
-    describes: bundles and sparsity content in its decisions' orders, then its header keys."""
+    describes: bundles and sparsity content in its decisions' orders, the draft copy of type
+    ``draft`` (a DRAFT_CHOICES entry; the quality measurement's sidecar has none), then its header keys."""
     stages = [BundleStage(result.stage.orders, down_t=result.options.down_t_type), result.stage]
+    dtype = draft_type(model.n_embd, draft)
+    if dtype is not None:
+        stages.append(DraftCopyStage(result.stage.orders, dtype))
     plan = plan_sidecar(model, identity, stages)
     result.add_header_keys(plan)
     return plan
@@ -244,6 +253,8 @@ def plan_sidecar(model: BaseModelInfo, identity: str, stages: list[ConverterStag
 
 
 def _check_options(opts: ConvertOptions) -> None:
+    if opts.draft_type not in fmt.DRAFT_CHOICES:
+        raise ValueError(f"draft_type {opts.draft_type!r}: use one of {', '.join(fmt.DRAFT_CHOICES)}")
     if opts.down_t_type not in DOWN_T_CHOICES:
         raise ValueError(f"down_t_type {opts.down_t_type!r}: use one of {', '.join(DOWN_T_CHOICES)}")
     if isinstance(opts.sparsity, str):

@@ -52,6 +52,15 @@ void validate_offload(const EngineConfig & c) {
     if (o.cold_slots < 1) {
         invalid("offload.cold_slots must be >= 1, got " + std::to_string(o.cold_slots));
     }
+    if (o.draft_copy) {
+        for (const LayerSpec & s : c.layers) {
+            if (s.draft_type == GGML_TYPE_COUNT) {
+                invalid("offload.draft_copy: layer " + std::to_string(s.layer) + " has no draft copy in the sidecar "
+                        "(convert with --draft-type auto)");
+            }
+            check_row_bytes(s, s.draft_type, s.n_embd, s.draft_row_bytes, "draft copy");
+        }
+    }
     if (o.queue_depth < 1) {
         invalid("offload.queue_depth must be >= 1");
     }

@@ -45,6 +45,13 @@ struct LayerSpec {
     // sparsity: neuron k is skipped for input x when |act(gate_k·x)| <= threshold; threshold < 0
     // (no threshold) = the layer always runs dense
     float threshold = -1.0f;
+    // the draft copy (optional): n_ff rows of draft_row_bytes bytes of type draft_type at
+    // draft_up_offset (row k = up row order[k]) and at draft_down_t_offset (row k = down column
+    // order[k]) in the sidecar; draft_type GGML_TYPE_COUNT = the layer has none
+    ggml_type draft_type = GGML_TYPE_COUNT;
+    uint64_t draft_row_bytes = 0;
+    uint64_t draft_up_offset = 0;
+    uint64_t draft_down_t_offset = 0;
 };
 
 // How the sparse lane runs. The lane of a split is fixed by this and the layer's threshold: a
@@ -76,6 +83,9 @@ struct OffloadConfig {
     std::string engine = "auto";     // "auto" | "io_uring" | "pool"
     std::vector<std::vector<int32_t>> hot;       // per layer: clusters to pin
     std::vector<std::vector<float>> cluster_prob;  // per layer: P(cluster needed), one per cluster
+    // keep every layer's draft copy resident (read at open) and compute draft-mode splits from it
+    // (offload_state.h); needs a draft copy in every layer
+    bool draft_copy = false;
 };
 
 struct EngineConfig {

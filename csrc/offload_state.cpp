@@ -92,6 +92,36 @@ OffloadState::OffloadState(const EngineConfig & config, const WeightStore & stor
         }
     }
     base_file_ = std::make_unique<FileReader>(config.base_path);
+    if (o.draft_copy) {
+        load_draft_copy(config);
+    }
+}
+
+void OffloadState::load_draft_copy(const EngineConfig & config) {
+    const size_t kAlign = 4096;
+    auto aligned = [&](uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
+    size_t total = 0;
+    for (const LayerSpec & s : config.layers) {
+        total += 2 * aligned(static_cast<uint64_t>(s.n_ff) * s.draft_row_bytes);
+    }
+    draft_copy_ = AlignedBuffer(total, kAlign);
+    FileReader sidecar(config.sidecar_path);
+    size_t at = 0;
+    draft_rows_.resize(config.layers.size());
+    for (size_t p = 0; p < config.layers.size(); ++p) {
+        const LayerSpec & s = config.layers[p];
+        const uint64_t bytes = static_cast<uint64_t>(s.n_ff) * s.draft_row_bytes;
+        DraftRows & r = draft_rows_[p];
+        r.type = s.draft_type;
+        r.row_bytes = s.draft_row_bytes;
+        for (auto [offset, dst] : {std::pair<uint64_t, const uint8_t **>{s.draft_up_offset, &r.up},
+                                   std::pair<uint64_t, const uint8_t **>{s.draft_down_t_offset, &r.down_t}}) {
+            sidecar.read_exact(draft_copy_.data() + at, bytes, offset);  // IoError: truncated or unreadable
+            sidecar.drop_cache(offset, bytes);  // resident once, in the copy, not also in the page cache
+            *dst = draft_copy_.data() + at;
+            at += aligned(bytes);
+        }
+    }
 }
 
 OffloadState::~OffloadState() = default;

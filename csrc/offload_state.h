@@ -17,6 +17,11 @@
 //                             and the split reports failure (returns false).
 // So at most about two layers' gates (the computing one and the next) are resident at a time.
 //
+// Draft copy (OffloadConfig::draft_copy): every layer's draft up and down_t rows (n_ff rows each of
+// one compact type, sidecar tensors blk.L.ffn_draft_up / ffn_draft_down_t, bundle order) read at
+// construction into one resident buffer of draft_copy_bytes(). In draft mode the sparse lane then
+// computes every needed cluster from it instead of from the resident clusters only.
+//
 // Errors: set_error keeps the first message until take_error (Python raises it as FlashIoError
 // after llama_decode reports the failed compute). Thread-safe; the hooks are called by the backend
 // thread computing the split (one split at a time per context).
@@ -70,12 +75,26 @@ public:
     void set_draft(bool draft) { draft_.store(draft, std::memory_order_release); }
     bool draft() const { return draft_.load(std::memory_order_acquire); }
 
+    // The draft copy of the layer at `pos`: row k of up at up + k·row_bytes, of down_t at
+    // down_t + k·row_bytes, both of `type`. nullptr without a draft copy.
+    struct DraftRows {
+        const uint8_t * up = nullptr;
+        const uint8_t * down_t = nullptr;
+        ggml_type type = GGML_TYPE_COUNT;
+        size_t row_bytes = 0;
+    };
+    const DraftRows * draft_rows(int pos) const {
+        return draft_rows_.empty() ? nullptr : &draft_rows_.at(static_cast<size_t>(pos));
+    }
+    size_t draft_copy_bytes() const { return draft_copy_.size(); }
+
 private:
     struct Region {
         const MappedFile * map;
         uint64_t offset, length;  // in the base file
     };
     void release(const Region & r) const;
+    void load_draft_copy(const EngineConfig & config);
 
     std::unique_ptr<NeuronCache> cache_;
     std::vector<int> next_;                     // [pos] -> position of the next served layer id, cyclic
@@ -87,6 +106,8 @@ private:
     std::mutex error_mutex_;
     std::string error_;
     std::atomic<bool> draft_{false};
+    AlignedBuffer draft_copy_;
+    std::vector<DraftRows> draft_rows_;  // [pos], empty without a draft copy
 };
 
 }  // namespace llamaflash

@@ -54,7 +54,7 @@ struct OffloadPhases {
         if (ith != 0) return;
         try {
             sparse_ffn_needed_clusters(lane.scratch_, lane.needed_.data());
-            if (lane.cache_ == nullptr) {  // in memory: every needed cluster is ready
+            if (lane.cache_ == nullptr || lane.draft_copy_) {  // in memory or the draft copy: all ready
                 lane.plan_.ready.clear();
                 lane.plan_.pending.clear();
                 for (size_t c = 0; c < lane.needed_.size(); ++c) {
@@ -216,6 +216,7 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     OffloadState * offload = ffn.model->offload();
     cache_ = offload != nullptr ? &offload->cache() : nullptr;
     draft_ = offload != nullptr && offload->draft();
+    draft_copy_ = false;
     if (cache_ != nullptr) {
         if (gate == nullptr || up != nullptr) {
             throw std::invalid_argument("flash offload needs the gate values from ggml and the up rows from the cache");
@@ -228,6 +229,19 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
         plan_.up.assign(nc, nullptr);  // plan() refills them in place: the kernel keeps these pointers
         plan_.down_t.assign(nc, nullptr);
         needed_.assign(nc, 0);
+        const OffloadState::DraftRows * copy = draft_ ? offload->draft_rows(cache_layer_) : nullptr;
+        if (copy != nullptr) {
+            // draft from the resident low-bit copy: every cluster's rows are there (slot c = rows
+            // [c·C, (c+1)·C) of the copy), in the copy's type; nothing is read, the cache untouched
+            draft_copy_ = true;
+            const size_t span = static_cast<size_t>(cluster_size) * copy->row_bytes;
+            for (size_t c = 0; c < nc; ++c) {
+                plan_.up[c] = copy->up + c * span;
+                plan_.down_t[c] = copy->down_t + c * span;
+            }
+            layer_.up_type = layer_.down_t_type = copy->type;
+            layer_.up_row_bytes = layer_.down_t_row_bytes = copy->row_bytes;
+        }
         layer_.up_slots = plan_.up.data();
         layer_.down_t_slots = plan_.down_t.data();
     }

@@ -34,7 +34,9 @@
 //   y'   = CUSTOM(a2)                  y = Σ cluster partials in cluster order
 // A failed read fails the compute (failure() says why); no cluster is computed from a failed read.
 // In draft mode (OffloadState::draft) the plan is NeuronCache::plan_resident: only resident
-// clusters, no read and no wait; the result approximates the model, to draft tokens.
+// clusters, no read and no wait; the result approximates the model, to draft tokens. With a draft
+// copy (OffloadState::draft_rows) every needed cluster is computed instead, from the copy's
+// low-bit up and down_t rows (same selection by the resident gate, same cluster-order reduction).
 //
 // Anything else (another op in the split, a fused gate_up weight, GEGLU_ERF, bias adds, batches
 // over max_tokens) is left to the dense lane, which stays bit-identical to stock llama.cpp.
@@ -103,6 +105,7 @@ private:
     int cache_layer_ = -1;  // position of the layer in the cache
     NeuronCache::LayerPlan plan_;
     bool draft_ = false;    // OffloadState::draft() when the nodes were appended
+    bool draft_copy_ = false;  // ... and the rows come from the draft copy (OffloadState::draft_rows)
     std::vector<uint8_t> needed_;
     std::atomic<bool> failed_{false};
     std::string failure_;

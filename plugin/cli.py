@@ -94,6 +94,11 @@ class _Sparsity(click.ParamType):
               help="Type of the transposed down rows the sparse lane reads: auto (Q4_K where its 256-value blocks "
                    "divide n_embd, else Q8_0), q8_0 (near-lossless), base (the base down's type, e.g. Q4_K/Q6_K), "
                    "or a type. Every type but Q8_0 quantizes the base weights a second time.")
+@click.option("--draft-type", type=click.Choice(list(fmt.DRAFT_CHOICES)), default=fmt.DEFAULT_DRAFT,
+              show_default=True,
+              help="Draft copy: a low-bit copy of every neuron's up and down rows that a speculative self-draft "
+                   "computes from under a RAM budget (never the verified tokens): auto (Q2_K where its 256-value "
+                   "blocks divide n_embd, else Q4_0), none, or a type.")
 @click.option("--calib-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Calibration tokens to profile.")
 @click.option("--valid-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
@@ -112,7 +117,8 @@ class _Sparsity(click.ParamType):
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="llama.cpp threads (default: all cores).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress, per-layer lines or report table on stderr.")
 def convert(model: Path, output: Path | None, force: bool, calib: Path | None, valid: Path | None,
-            sparsity, quality_budget: float, selection: str, order: str, down_t_type: str, calib_tokens: int,
+            sparsity, quality_budget: float, selection: str, order: str, down_t_type: str, draft_type: str,
+            calib_tokens: int,
             valid_tokens: int, quality_method: str,
             no_quality: bool, no_calibration: bool, no_report: bool, threads: int | None, quiet: bool) -> None:
     """Convert base model MODEL (.gguf) into its llamaflash sidecar.
@@ -131,7 +137,7 @@ def convert(model: Path, output: Path | None, force: bool, calib: Path | None, v
     out = run_convert(
         model, output, force=force, progress=not quiet,
         calib_path=calib, valid_path=valid, sparsity=sparsity, quality_budget=quality_budget / 100.0,
-        selection=selection, order=order, down_t_type=down_t_type, calib_tokens=calib_tokens,
+        selection=selection, order=order, down_t_type=down_t_type, draft_type=draft_type, calib_tokens=calib_tokens,
         valid_tokens=valid_tokens,
         measure_quality=not no_quality, quality=quality_method, profile=not no_calibration, report=not no_report, n_threads=threads,
     )
@@ -338,6 +344,10 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
 @click.option("--gate", "gate", type=click.Choice(["auto", "resident", "streamed"]), default="auto", show_default=True,
               help="Gate matrices: resident, or read from flash every token one layer ahead (streamed); auto: "
                    "resident when they fit the budget.")
+@click.option("--draft-copy", "draft_copy", type=click.Choice(["auto", "on", "off"]), default="auto",
+              show_default=True,
+              help="Keep the sidecar's draft copy resident for speculative self-drafts: auto (whichever of the copy "
+                   "and the same memory as pinned clusters predicts the faster delivered decode), on, off.")
 @click.option("--runtime-mb", type=click.FloatRange(min=0), default=None,
               help="RSS of the process before the model loads, in MiB (default: this process's RSS).")
 @click.option("--probe-disk", is_flag=True,
@@ -351,7 +361,8 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of the table.")
 @click.option("--json-arrays", is_flag=True, help="With --json: include hot_clusters and cluster_prob per layer.")
 def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatch: int | None,
-         cluster_size: int | None, prefetch_layers: int, gate: str, runtime_mb: float | None, probe_disk: bool,
+         cluster_size: int | None, prefetch_layers: int, gate: str, draft_copy: str, runtime_mb: float | None,
+         probe_disk: bool,
          probe_dir: Path | None, disk_profile: Path | None, as_json: bool, json_arrays: bool) -> None:
     """Plan the RAM of the flash-offload engine for MODEL (a .gguf, or a registry model name) under
     --ram-budget-mb: every part of the budget and why, the minimum, the cluster size, the clusters to
@@ -379,7 +390,8 @@ def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatc
     result = plan_offload(model_path, sidecar_path, budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch, disk=disk,
                           runtime_rss_bytes=None if runtime_mb is None else int(runtime_mb * (1 << 20)),
                           cluster_size=cluster_size, prefetch_layers=prefetch_layers,
-                          stream_gate={"auto": None, "resident": False, "streamed": True}[gate])
+                          stream_gate={"auto": None, "resident": False, "streamed": True}[gate],
+                          draft_copy={"auto": None, "on": True, "off": False}[draft_copy])
     click.echo(json.dumps(result.to_dict(arrays=json_arrays), indent=1) if as_json else result.explain())
 
 

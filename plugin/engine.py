@@ -11,7 +11,8 @@ flash offload, the planner's :class:`~llamaflash.planner.OffloadPlan`:
                 cluster_size, gate_by_ggml, up_by_ggml
   offload       None in memory; else ``_native.OffloadConfig``: stream_gate, cold_slots,
                 prefetch_layers, prefetch_min_prob, queue_depth, direct, engine, hot and
-                cluster_prob (one array per served layer)
+                cluster_prob (one array per served layer), draft_copy (the sidecar's draft copy kept
+                resident for speculative self-drafts)
 
 ``_native.FlashModel.open(config)`` validates it (ValueError naming the field) and loads everything
 in order: the dense weights (offload: gate resident or streamed, up and down streamed from the base
@@ -41,6 +42,11 @@ def layer_spec(layout: LayerLayout, threshold: Optional[float]) -> "_native.Laye
     for name in _SPEC_FIELDS:
         setattr(spec, name, int(values[_RENAMED.get(name, name)]))
     spec.threshold = -1.0 if threshold is None else float(threshold)
+    if layout.draft_type is not None:
+        spec.draft_type = int(layout.draft_type)
+        spec.draft_row_bytes = int(layout.draft_row_bytes)
+        spec.draft_up_offset = int(layout.draft_up_offset)
+        spec.draft_down_t_offset = int(layout.draft_down_t_offset)
     return spec
 
 
@@ -62,6 +68,7 @@ def offload_config(plan: Any, engine: str = "auto", direct: bool = True) -> "_na
     o.engine = engine
     o.hot = list(plan.hot_clusters)
     o.cluster_prob = list(plan.cluster_prob)
+    o.draft_copy = bool(getattr(plan, "draft_copy", False))
     return o
 
 

@@ -46,6 +46,11 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  from the context (prompt lookup), from the model itself in draft mode (offload: FFN
                  from the RAM-resident clusters only), or from a `draft_model=` the caller passes;
                  the target model verifies them, so the tokens are the non-speculative ones.
+  flash_draft_copy  offload only: the sidecar's draft copy (every neuron's up and down rows at low bit
+                 width, `llamaflash convert --draft-type`) kept resident for the self-draft: None = the
+                 planner's choice (the copy or the same memory as pinned clusters, whichever predicts
+                 the faster delivered decode; plugin/draft_plan.py); True / False force it. Only drafts
+                 use it, so it never changes the tokens.
   flash_batch_invariant  None = on under ram_budget_mb, off in memory. On: flash attention
                  (flash_attn=True unless given) and llama.cpp's and llamaflash's weights in plain, not
                  repacked, CPU memory, so that each row of a batch of up to 7 tokens is computed with
@@ -126,7 +131,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens, flash_dense_up, ram_budget_mb,
-                          flash_io_engine, flash_stream_gate) -> None:
+                          flash_io_engine, flash_stream_gate, flash_draft_copy=None) -> None:
     """Every llamaflash argument's type and range, before anything is read: a ValueError naming the
     argument, the value given and what is accepted."""
     if sidecar_path is not None and not isinstance(sidecar_path, (str, os.PathLike)):
@@ -140,7 +145,8 @@ def _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens,
     if isinstance(flash_max_sparse_tokens, bool) or not isinstance(flash_max_sparse_tokens, int) or \
             flash_max_sparse_tokens < 1:
         raise ValueError(f"flash_max_sparse_tokens={flash_max_sparse_tokens!r} must be an integer >= 1")
-    for name, value in (("flash_dense_up", flash_dense_up), ("flash_stream_gate", flash_stream_gate)):
+    for name, value in (("flash_dense_up", flash_dense_up), ("flash_stream_gate", flash_stream_gate),
+                        ("flash_draft_copy", flash_draft_copy)):
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be True, False or None")
     if flash_io_engine not in ENGINES:
@@ -212,6 +218,7 @@ class Llama(llama_cpp.Llama):
         flash_disk_profile: Any = None,
         flash_speculative: Any = None,
         flash_batch_invariant: Optional[bool] = None,
+        flash_draft_copy: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
         self._flash: Optional[_native.FlashModel] = None
@@ -228,12 +235,14 @@ class Llama(llama_cpp.Llama):
                             "flash_max_sparse_tokens": flash_max_sparse_tokens, "flash_dense_up": flash_dense_up,
                             "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine,
                             "flash_stream_gate": flash_stream_gate, "flash_disk_profile": flash_disk_profile,
-                            "flash_speculative": flash_speculative, "flash_batch_invariant": flash_batch_invariant}
+                            "flash_speculative": flash_speculative, "flash_batch_invariant": flash_batch_invariant,
+                            "flash_draft_copy": flash_draft_copy}
         _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens, flash_dense_up, ram_budget_mb,
-                              flash_io_engine, flash_stream_gate)
-        if ram_budget_mb is None and (flash_stream_gate is not None or flash_disk_profile is not None):
-            raise ValueError("flash_stream_gate and flash_disk_profile are flash-offload settings: pass ram_budget_mb "
-                             "too, or leave them unset")
+                              flash_io_engine, flash_stream_gate, flash_draft_copy)
+        if ram_budget_mb is None and (flash_stream_gate is not None or flash_disk_profile is not None or
+                                      flash_draft_copy is not None):
+            raise ValueError("flash_stream_gate, flash_disk_profile and flash_draft_copy are flash-offload settings: "
+                             "pass ram_budget_mb too, or leave them unset")
         if ram_budget_mb is not None:
             if self._flash_mode == "dense":
                 raise ValueError(
@@ -286,7 +295,7 @@ class Llama(llama_cpp.Llama):
                                         n_ctx=int(kwargs.get("n_ctx", 512)),
                                         n_ubatch=kwargs.get("n_ubatch"), stream_gate=flash_stream_gate,
                                         disk=disk_probe.resolve_profile(flash_disk_profile, sidecar),
-                                        info=info, header=base.header)
+                                        info=info, header=base.header, draft_copy=flash_draft_copy)
             kwargs.setdefault("n_batch", plan.n_batch)
             kwargs.setdefault("n_ubatch", plan.n_ubatch)
             # every decode split of a layer with a threshold runs on the sparse lane (the dense lane
@@ -480,7 +489,12 @@ class Llama(llama_cpp.Llama):
         if self._flash is not None:
             native = self._flash.stats()
             out["draft_tokens_evaluated"] = native.get("draft_tokens", 0)
-        if off.get("draft_plans"):
+        copy_bytes = self._flash.draft_copy_bytes if self._flash is not None and self._flash.offloaded else 0
+        out["self_draft_source"] = "draft_copy" if copy_bytes else "resident_clusters"
+        out["draft_copy_bytes"] = copy_bytes
+        if copy_bytes:
+            out["draft_resident_fraction"] = 1.0  # every needed cluster, from the copy
+        elif off.get("draft_plans"):
             out["draft_resident_fraction"] = off["draft_clusters_resident"] / max(1, off["draft_clusters_needed"])
         out["self_draft_off_reason"] = self._speculation_off_reason
         return out

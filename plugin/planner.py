@@ -277,6 +277,11 @@ class OffloadPlan:
     #: the gate is read from flash every token (one layer ahead) instead of resident
     stream_gate: bool = False
     notes: list[str] = field(default_factory=list)
+    #: the sidecar's draft copy is kept resident (part ``draft_copy``) for speculative self-drafts
+    draft_copy: bool = False
+    #: the predicted decode speeds the draft-copy choice compared (draft_plan.DraftChoice.to_dict); {} when
+    #: there was no choice to make
+    draft_choice: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self, arrays: bool = True) -> dict[str, Any]:
         """Plain JSON-able dict; ``arrays=False`` replaces the per-layer arrays by per-layer pin counts."""
@@ -354,7 +359,7 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
                  n_ctx: int = 512, n_ubatch: int | None = None, disk: dict[str, Any] | None = None,
                  runtime_rss_bytes: int | None = None, cluster_size: int | None = None,
                  prefetch_layers: int = 2, stream_gate: bool | None = None, info: SidecarInfo | None = None,
-                 header: GGUFHeader | None = None) -> OffloadPlan:
+                 header: GGUFHeader | None = None, draft_copy: bool | None = None) -> OffloadPlan:
     """Plan the RAM of the flash-offload engine for ``model_path`` + its format-2 sidecar under
     ``ram_budget_mb`` MiB (see the module docstring and :class:`OffloadPlan`).
 
@@ -365,6 +370,10 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     every token (GATE_WINDOW_LAYERS layers in memory; every gate row read per token). Raises
     :class:`RamBudgetError` below the minimum, :class:`SidecarError` for a sidecar without neuron
     statistics, and what :func:`~llamaflash.sidecar.validate_pair` raises for a bad pair.
+
+    ``draft_copy``: keep the sidecar's draft copy resident for speculative self-drafts (True; the gate
+    then stays resident, SidecarError without a copy), not (False), or None: plan both ways and keep
+    the one with the higher predicted delivered decode speed (:mod:`llamaflash.draft_plan`).
 
     ``info`` / ``header``: the pair's :func:`~llamaflash.sidecar.validate_pair` result and the base
     model's parsed header, when the caller has them (``llamaflash.Llama``), so that one load parses
@@ -377,6 +386,24 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     if info is None:
         model = read_base_model(model_path)
         info, header = validate_pair(model_path, sidecar, model=model), model.header
+    if draft_copy is None:
+        from .draft_plan import choose_draft_copy
+
+        def plan(copy: bool) -> OffloadPlan:
+            return plan_offload(model_path, sidecar, ram_budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch, disk=disk,
+                                runtime_rss_bytes=runtime_rss_bytes, cluster_size=cluster_size,
+                                prefetch_layers=prefetch_layers, stream_gate=stream_gate, info=info, header=header,
+                                draft_copy=copy)
+        return choose_draft_copy(info, plan)
+    copy_bytes = draft_copy_bytes(info) if draft_copy else 0
+    if draft_copy:
+        if copy_bytes is None:
+            raise SidecarError(f"{sidecar}: no draft copy in this sidecar; re-create it with `llamaflash convert "
+                               f"{model_path} --force` (--draft-type auto), or plan without one")
+        if stream_gate:
+            raise ValueError("draft_copy needs the gate resident (a self-draft never waits for flash): "
+                             "stream_gate must not be True")
+        stream_gate = False
     if info.sparsity is None:
         raise SidecarError(f"{sidecar}: format-{info.format_version} sidecar without neuron statistics; the planner "
                            f"needs per-neuron activation frequencies. Re-create it with `llamaflash convert "
@@ -401,6 +428,8 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
 
     def fixed_parts(u: int, streamed: bool) -> dict[str, int]:
         share = {"runtime": int(runtime), **llama_share(header, info, n_ctx, u)}
+        if copy_bytes:
+            share["draft_copy"] = copy_bytes
         return {**share, "gate_window": gate_window} if streamed else {**share, "gate_rows": gate}
 
     n_embd_max = max(lay.n_embd for lay in info.layers)
@@ -494,6 +523,8 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         "kv_cache": f"f16 K+V, every layer, n_ctx {n_ctx} rounded up to 256 cells",
         "compute_buffers": f"llama.cpp CPU + LLAMAFLASH compute at n_ubatch {u}, logits output; +5% (fit, measured)",
         "prefill_window": "one layer's base up + down, mmapped page cache during dense prefill",
+        "draft_copy": (f"the sidecar's draft copy ({_type_name(info.layers[0].draft_type)}): every neuron's up "
+                       "and down_t rows at low bit width, resident, for speculative self-drafts") if copy_bytes else "",
         "gate_rows": f"resident gate matrices, {len(info.layers)} layers x {lay0.n_ff} x {lay0.gate_row_bytes} B",
         "gate_window": f"streamed gate: {GATE_WINDOW_LAYERS} layers x {lay0.n_ff} x {lay0.gate_row_bytes} B in the page "
                        f"cache (the layer computing, the next read ahead); {gate / 1e6:.0f} MB of gate rows read "
@@ -529,4 +560,17 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         hit_rate=row["hit_rate"], neuron_hit_rate=row["neuron_hit_rate"],
         flash_bytes_per_token=row["flash_bytes_per_token"], io_bound_tok_s=row["io_bound_tok_s"],
         disk_source=_disk_source(disk),
-        candidates=candidates, notes=notes, stream_gate=streamed)
+        candidates=candidates, notes=notes, stream_gate=streamed, draft_copy=bool(copy_bytes))
+
+
+def draft_copy_bytes(info: SidecarInfo) -> int | None:
+    """Bytes the engine allocates for the sidecar's draft copy (csrc/offload_state.cpp: both tensors of
+    every layer, each rounded up to a page); None when a served layer has no draft copy."""
+    if any(lay.draft_type is None for lay in info.layers):
+        return None
+    return sum(2 * (-(-lay.n_ff * lay.draft_row_bytes // PAGE) * PAGE) for lay in info.layers)
+
+
+def _type_name(ggml_type: int | None) -> str:
+    import gguf
+    return "none" if ggml_type is None else gguf.GGMLQuantizationType(ggml_type).name

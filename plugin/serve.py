@@ -5,7 +5,7 @@ Pieces, usable from Python as well as from the command line:
 
 * :class:`FlashModelSettings`: llama-cpp-python's ``ModelSettings`` plus llamaflash's keyword arguments
   (``sidecar_path``, ``flash_mode``, ``flash_sparsity``, ``flash_max_sparse_tokens``, ``flash_dense_up``,
-  ``ram_budget_mb``, ``flash_io_engine``, ``flash_stream_gate``, ``flash_disk_profile``). A model may be a
+  ``ram_budget_mb``, ``flash_io_engine``, ``flash_stream_gate``, ``flash_disk_profile``, ``flash_draft_copy``). A model may be a
   registry name (``smollm2-135m``), fetched into the llamaflash cache when it is first loaded; its alias
   (the ``model`` clients ask for) stays the name.
 * :class:`FlashConfigFileSettings`: the server's JSON/YAML config file, its ``models`` entries being
@@ -75,6 +75,9 @@ class FlashModelSettings(ModelSettings):
     flash_disk_profile: Optional[Union[str, Dict[str, Any]]] = Field(
         default=None, description="Flash offload: disk profile: 'probe', 'default', a JSON file, or (config "
                                   "file) an object; default: the saved profile of the sidecar's disk.")
+    flash_draft_copy: Optional[bool] = Field(
+        default=None, description="Flash offload: keep the sidecar's draft copy resident for speculative "
+                                  "self-drafts (true/false); default: the planner's choice.")
 
 
 #: The settings llamaflash adds to llama-cpp-python's ModelSettings (passed to llamaflash.Llama).

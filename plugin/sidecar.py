@@ -111,6 +111,12 @@ class LayerLayout:
     pred_precision: float | None = None
     ffn_rel_error: float | None = None
     threshold_table: tuple[float, ...] | None = None  # threshold at each SparsityInfo.threshold_levels
+    # the draft copy (optional, format 2): n_ff rows of draft_row_bytes of type draft_type each at
+    # draft_up_offset (row k = up row order[k]) and draft_down_t_offset (row k = down column order[k])
+    draft_type: int | None = None
+    draft_row_bytes: int = 0
+    draft_up_offset: int | None = None
+    draft_down_t_offset: int | None = None
 
     @property
     def is_resolved(self) -> bool:
@@ -254,6 +260,8 @@ def read_sidecar(
             per_layer["threshold_table"] = [tuple(table[i * len(levels):(i + 1) * len(levels)])
                                             for i in range(len(layer_ids))]
 
+    draft_types = (fields.uint_array(fmt.KEY_DRAFT_TYPES, length=len(layer_ids))
+                   if sparsity is not None and fields.has(fmt.KEY_DRAFT_TYPES) else None)
     tensors = {t.name: t for t in header.tensors}
     identity_order = sparsity is not None and sparsity.bundle_order == fmt.BUNDLE_ORDER_BASE
     layers = []
@@ -262,6 +270,8 @@ def read_sidecar(
         layout = _layer_layout(fields, tensors, layer, n_embd, meta, identity_order)
         if sparsity is not None:
             layout = _sparsity_layout(fields, tensors, layout, meta)
+        if draft_types is not None:
+            layout = _draft_layout(fields, tensors, layout, draft_types[i])
         layers.append(layout)
 
     return SidecarInfo(
@@ -474,6 +484,19 @@ def _sparsity_layout(
         ffn_rel_error=meta[fmt.KEY_FFN_REL_ERROR],
         threshold_table=meta.get("threshold_table"),
     )
+
+
+def _draft_layout(fields: Fields, tensors: dict[str, TensorInfo], layout: LayerLayout, dtype: int) -> LayerLayout:
+    """``layout`` with its draft copy's tensors found and checked."""
+    try:
+        row = ggml_row_bytes(dtype, layout.n_embd)
+    except (ValueError, KeyError) as exc:
+        fields.fail(f"layer {layout.layer}: bad draft copy type ({exc})")
+    shape = (layout.n_embd, layout.n_ff)
+    up = tensor(fields, tensors, fmt.draft_up_tensor_name(layout.layer), dtype, shape)
+    down_t = tensor(fields, tensors, fmt.draft_down_t_tensor_name(layout.layer), dtype, shape)
+    return dataclasses.replace(layout, draft_type=dtype, draft_row_bytes=row, draft_up_offset=up.offset,
+                               draft_down_t_offset=down_t.offset)
 
 
 def read_layer_vectors(info: SidecarInfo, layout: LayerLayout) -> dict[str, np.ndarray]:

@@ -411,3 +411,39 @@ def predictor_out_tensor_name(layer: int) -> str:
     """Predictor output factor A, F16, ggml ne = [rank, n_ff] (numpy (n_ff, rank)), rows in bundle order:
     score_k = act(A_k · z); neuron k predicted active when |score_k| > the layer's predictor threshold."""
     return f"blk.{layer}.ffn_pred_out"
+
+
+# --------------------------------------------------------------------------------------
+# Optional: the draft copy (a compact low-bit copy of every neuron's up and down_t rows)
+# --------------------------------------------------------------------------------------
+#
+# Under a RAM budget most up/down_t rows live on flash, so a speculative self-draft that must never
+# wait for flash can use only what is resident. The draft copy gives it every neuron, at fewer bits:
+# per served layer, the up rows and the down_t rows requantized to a compact type (Q2_K by
+# default), in bundle order, kept resident by the engine when the planner gives it room. Drafting
+# with it selects neurons with the resident gate exactly as the exact lane does (|act(gate_k·x)| >
+# threshold), then computes h_k = act(g_k)·(up'_k·x) and y = Σ h_k·down_t'_k from the copy. Only
+# drafts use it: verified tokens never do, so it costs no quality, only memory and conversion time.
+# Present in a format-2 file exactly when KEY_DRAFT_TYPES is.
+
+#: uint32 array (per served layer): ggml type id of the draft copy's rows (both tensors).
+KEY_DRAFT_TYPES = KEY_PREFIX + "draft_types"
+
+#: What the converter may store as the draft copy (``--draft-type``): "auto" (Q2_K where its
+#: 256-value blocks divide n_embd, else Q4_0 where 32 does, else none), "none" (no draft copy), or a
+#: type name. K-quants need n_embd divisible by 256, Q4_0 by 32; a type that does not divide n_embd
+#: is refused by name.
+DRAFT_CHOICES = ("auto", "none", "q2_k", "q3_k", "q4_k", "q4_0")
+DEFAULT_DRAFT = "auto"
+
+
+def draft_up_tensor_name(layer: int) -> str:
+    """Name of layer ``layer``'s draft up rows: type ``draft_types[L]``, logical numpy shape
+    (n_ff, n_embd); row k = base up row order[k], dequantized and requantized."""
+    return f"blk.{layer}.ffn_draft_up"
+
+
+def draft_down_t_tensor_name(layer: int) -> str:
+    """Name of layer ``layer``'s draft down_t rows: type ``draft_types[L]``, logical numpy shape
+    (n_ff, n_embd); row k = base down column order[k], dequantized and requantized."""
+    return f"blk.{layer}.ffn_draft_down_t"

@@ -62,7 +62,11 @@ void bind_config(py::module_ & m) {
         .def_readwrite("base_down_row_bytes", &LayerSpec::base_down_row_bytes)
         .def_readwrite("base_up_offset", &LayerSpec::base_up_offset)
         .def_readwrite("base_gate_offset", &LayerSpec::base_gate_offset)
-        .def_readwrite("threshold", &LayerSpec::threshold);
+        .def_readwrite("threshold", &LayerSpec::threshold)
+        .LAYER_TYPE_FIELD(draft_type)
+        .def_readwrite("draft_row_bytes", &LayerSpec::draft_row_bytes)
+        .def_readwrite("draft_up_offset", &LayerSpec::draft_up_offset)
+        .def_readwrite("draft_down_t_offset", &LayerSpec::draft_down_t_offset);
 
     py::class_<SparseConfig>(m, "SparseConfig", "How the sparse lane runs (engine_config.h).")
         .def(py::init([](bool enabled, int64_t max_tokens, int cluster_size, bool gate_by_ggml, bool up_by_ggml) {
@@ -85,6 +89,7 @@ void bind_config(py::module_ & m) {
         .def_readwrite("queue_depth", &OffloadConfig::queue_depth)
         .def_readwrite("direct", &OffloadConfig::direct)
         .def_readwrite("engine", &OffloadConfig::engine)
+        .def_readwrite("draft_copy", &OffloadConfig::draft_copy)
         .def_property("hot", [](const OffloadConfig & o) { return o.hot; },
                       [](OffloadConfig & o, const py::sequence & v) { o.hot = to_vectors<int32_t>(v); },
                       "per served layer: the clusters to pin (int32)")

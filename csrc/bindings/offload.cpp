@@ -72,6 +72,10 @@ void bind_offload(py::module_ & m) {
             },
             "Draft mode (offload_state.h): decode splits use only the clusters resident in the neuron cache "
             "(no flash read, the cache untouched); an approximation, for drafting tokens.")
+        .def_property_readonly(
+            "draft_copy_bytes",
+            [](const FlashModel & fm) { return fm.offload() ? fm.offload()->draft_copy_bytes() : size_t{0}; },
+            "Bytes of the resident draft copy (0: none); draft-mode splits compute from it.")
         .def("cache_stats",
              [](const FlashModel & fm) -> py::object {
                  if (fm.offload() == nullptr) return py::none();

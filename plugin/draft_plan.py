@@ -1,0 +1,123 @@
+"""Whether the sidecar's draft copy earns its memory under a RAM budget.
+
+The same memory can hold either the draft copy (every neuron's up and down_t rows at low bit width,
+so a speculative self-draft computes the whole FFN and agrees with the model more often) or more
+pinned clusters (fewer bytes read from flash per verify pass, and a resident-only self-draft that
+sees more of each layer). :func:`choose_draft_copy` plans both and keeps the one with the higher
+predicted delivered decode speed; ``llamaflash plan`` prints both predictions.
+
+Model of one speculative step (docs/SPECULATIVE.md, "Draft length"), per plan:
+
+    pass_s   = 1 / io_bound_tok_s + resident_bytes / MEMORY_BYTES_PER_S        one verify pass
+    step_s   = (resident_bytes + draft_bytes) / MEMORY_BYTES_PER_S             one draft token
+    T(k)     = pass_s · (1 + VERIFY_EXTRA_PER_TOKEN · k) + k · step_s
+    E(k)     = (1 − a^(k+1)) / (1 − a)                                          tokens per pass
+    tok/s    = max over k in 0..MAX_DRAFT of E(k) / T(k)
+
+with acceptance a = COPY_ACCEPTANCE[type] for the draft copy, and for the resident-only self-draft the
+share of active neurons the hot slots hold (``neuron_hit_rate``) times RESIDENT_ACCEPTANCE_SLOPE.
+``resident_bytes`` = llama.cpp's weights + the resident gate (what every token reads from memory),
+``draft_bytes`` = what the self-draft computes from the FFN rows (the copy, or the hot slots).
+Prompt-lookup drafts are the same for both plans and left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
+
+import gguf
+
+from .errors import RamBudgetError
+
+if TYPE_CHECKING:
+    from .planner import OffloadPlan
+    from .sidecar import SidecarInfo
+
+_Q = gguf.GGMLQuantizationType
+
+#: Greedy acceptance of a self-draft from the draft copy, by its type (fraction of drafted tokens
+#: the model keeps). Measured on Qwen2.5-Coder-1.5B Q4_K_M (bench/bench_draft.py, docs/BENCHMARKS.md);
+#: types not measured are assumed no better than Q2_K.
+COPY_ACCEPTANCE: dict[int, float] = {int(_Q.Q2_K): 0.55, int(_Q.Q3_K): 0.55, int(_Q.Q4_K): 0.55, int(_Q.Q4_0): 0.55}
+#: Resident-only self-draft: acceptance ≈ this × the neuron-weighted resident share (measured at a
+#: 15% share on Qwen2.5-1.5B: 7–17% accepted).
+RESIDENT_ACCEPTANCE_SLOPE = 0.8
+#: Bytes per second a draft token or a pass's compute streams from memory (2 threads; stock Qwen2.5-1.5B
+#: decodes ~29 tok/s reading ~1.1 GB per token).
+MEMORY_BYTES_PER_S = 25e9
+#: A verify pass of 1 + k tokens costs (1 + this · k) passes of one token (measured at 900 MiB on
+#: Qwen2.5-1.5B: 270 ms for 1 token, 300 ms for 7).
+VERIFY_EXTRA_PER_TOKEN = 0.02
+#: The longest draft the engine verifies (speculative.BATCH_INVARIANT_MAX - 1).
+MAX_DRAFT = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Predicted decode of one plan: acceptance a, verify pass and draft step seconds, best k, tok/s."""
+
+    acceptance: float
+    pass_seconds: float
+    step_seconds: float
+    draft: int
+    tok_s: float
+
+
+def predict(pass_s: float, step_s: float, acceptance: float) -> Prediction:
+    """The best draft length and its delivered tok/s under the model in the module docstring."""
+    a = min(max(acceptance, 0.0), 0.999)
+    best = Prediction(a, pass_s, step_s, 0, 1.0 / pass_s)
+    for k in range(1, MAX_DRAFT + 1):
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        tok_s = tokens / (pass_s * (1 + VERIFY_EXTRA_PER_TOKEN * k) + k * step_s)
+        if tok_s > best.tok_s:
+            best = Prediction(a, pass_s, step_s, k, tok_s)
+    return best
+
+
+def predict_plan(plan: "OffloadPlan", info: "SidecarInfo") -> Prediction | None:
+    """The prediction for ``plan`` (None when nothing is read from flash: no pass to amortize)."""
+    if plan.io_bound_tok_s is None:
+        return None
+    resident = plan.parts.get("llama_weights", 0) + plan.parts.get("gate_rows", 0)
+    pass_s = 1.0 / plan.io_bound_tok_s + resident / MEMORY_BYTES_PER_S
+    if plan.draft_copy:
+        draft = plan.parts["draft_copy"]
+        acceptance = COPY_ACCEPTANCE.get(int(info.layers[0].draft_type), min(COPY_ACCEPTANCE.values()))
+    else:
+        draft = plan.parts.get("hot_slots", 0)
+        acceptance = RESIDENT_ACCEPTANCE_SLOPE * plan.neuron_hit_rate
+    return predict(pass_s, (resident + draft) / MEMORY_BYTES_PER_S, acceptance)
+
+
+def choose_draft_copy(info: "SidecarInfo", plan: Callable[[bool], "OffloadPlan"]) -> "OffloadPlan":
+    """``plan(False)``, or ``plan(True)`` when the sidecar has a draft copy, it fits the budget and its
+    predicted delivered tok/s is higher. The returned plan's ``draft_choice`` holds both predictions
+    and its ``least_budget_bytes`` is the one without the copy (the least budget the model runs in)."""
+    from .planner import MiB, draft_copy_bytes
+
+    without = plan(False)
+    copy_bytes = draft_copy_bytes(info)
+    if copy_bytes is None:
+        return without
+    if without.stream_gate:
+        return dataclasses.replace(without, notes=without.notes + [
+            "draft copy unused: the gate is streamed at this budget, and a self-draft needs it resident"])
+    try:
+        with_copy = plan(True)
+    except RamBudgetError:
+        return dataclasses.replace(without, notes=without.notes + [
+            f"draft copy unused: its {copy_bytes / MiB:.0f} MiB do not fit this budget beside the minimum "
+            f"(it would need about {(without.minimum_bytes + copy_bytes) / MiB:.0f} MiB)"])
+    p0, p1 = predict_plan(without, info), predict_plan(with_copy, info)
+    if p0 is None or p1 is None:
+        return without
+    choice: dict[str, Any] = {"resident_only": dataclasses.asdict(p0), "draft_copy": dataclasses.asdict(p1),
+                              "chosen": "draft_copy" if p1.tok_s > p0.tok_s else "resident_only"}
+    chosen = with_copy if p1.tok_s > p0.tok_s else without
+    note = (f"draft copy ({copy_bytes / MiB:.0f} MiB) vs the same memory as pinned clusters: predicted "
+            f"{p1.tok_s:.1f} vs {p0.tok_s:.1f} tok/s delivered (acceptance {p1.acceptance:.2f} vs "
+            f"{p0.acceptance:.2f}, draft {p1.draft} vs {p0.draft}): {choice['chosen'].replace('_', ' ')} chosen")
+    return dataclasses.replace(chosen, least_budget_bytes=without.least_budget_bytes, draft_choice=choice,
+                               notes=chosen.notes + [note])

@@ -1,0 +1,177 @@
+"""The draft copy (converters/draft_copy.py, the draft mode of csrc/offload_state.* and
+csrc/sparse_lane.cpp, plugin/draft_plan.py): a low-bit copy of every neuron's up and down_t rows that a
+speculative self-draft computes from under a RAM budget.
+
+What must hold: the converter writes exactly ggml's requantization of the base rows in bundle order;
+the reader finds and checks it; the engine keeps it resident and a draft computes every needed cluster
+from it (so it drafts better than the resident clusters alone); verified tokens never use it (greedy
+output equals non-speculative decoding); the planner counts it and chooses it only when it predicts
+faster delivered decode."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+
+import llamaflash
+from conftest import FAST_CONVERT
+from llamaflash import _native, draft_plan, planner
+from llamaflash.converters import convert
+from llamaflash.converters.draft_copy import draft_type
+from llamaflash.errors import SidecarError
+from llamaflash.gguf_model import read_base_model, read_tensor_rows
+from llamaflash.sidecar import read_sidecar, validate_pair
+from test_offload import forced_plan, make_plan  # noqa: F401  (module fixture reused)
+
+Q = gguf.GGMLQuantizationType
+KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
+PROMPT = "Once upon a time, in a land far away, there lived a"
+N_GEN = 40
+SELF_DRAFT = {"adaptive": False, "max_draft": 4, "prompt_lookup": False, "min_confidence": 0.0}
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_factory, tmp_path_factory):
+    """A Q8_0 fixture (n_embd 96: the auto draft type is Q4_0) and its sidecar with a draft copy."""
+    src = tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192)
+    d = tmp_path_factory.mktemp("draft")
+    model = d / "m.gguf"
+    shutil.copy(src, model)
+    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
+    return model, sidecar
+
+
+def test_draft_type_choices():
+    assert draft_type(1536) == Q.Q2_K and draft_type(576) == Q.Q4_0 and draft_type(100) is None
+    assert draft_type(1536, "none") is None and draft_type(1536, "q3_k") == Q.Q3_K
+    with pytest.raises(ValueError, match="do not divide n_embd 576"):
+        draft_type(576, "q2_k")
+    with pytest.raises(ValueError, match="use one of"):
+        draft_type(576, "q8")
+
+
+def test_the_copy_is_ggmls_requantization_of_the_base_rows(pair):
+    model, sidecar = pair
+    base = read_base_model(model)
+    info = validate_pair(model, sidecar)
+    for lay, ffn in zip(info.layers, base.ffn_layers):
+        assert lay.draft_type == int(Q.Q4_0) and lay.draft_row_bytes == 96 // 32 * 18
+        up = gguf.quants.dequantize(np.asarray(read_tensor_rows(model, ffn.up)), Q(ffn.up.ggml_type))
+        down = gguf.quants.dequantize(np.asarray(read_tensor_rows(model, ffn.down)), Q(ffn.down.ggml_type))
+        n = lay.n_ff * lay.draft_row_bytes
+        got_up = np.fromfile(sidecar, dtype=np.uint8, count=n, offset=lay.draft_up_offset)
+        got_down = np.fromfile(sidecar, dtype=np.uint8, count=n, offset=lay.draft_down_t_offset)
+        want_up = _native.quantize_rows(int(Q.Q4_0), np.ascontiguousarray(up.reshape(lay.n_ff, lay.n_embd)))
+        want_down = _native.quantize_rows(int(Q.Q4_0), np.ascontiguousarray(down.reshape(lay.n_embd, lay.n_ff).T))
+        assert np.array_equal(got_up, want_up.reshape(-1)) and np.array_equal(got_down, want_down.reshape(-1))
+        # and it is close to the base rows: Q4_0 of the dequantized base, within one quantization step
+        back = gguf.quants.dequantize(got_up.reshape(lay.n_ff, -1), Q.Q4_0)
+        step = np.abs(up.reshape(lay.n_ff, -1)).reshape(lay.n_ff, -1, 32).max(-1, keepdims=True) / 7
+        assert np.all(np.abs(back - up.reshape(lay.n_ff, -1)).reshape(lay.n_ff, -1, 32) <= step * 1.01 + 1e-6)
+
+
+def test_no_copy_when_asked_for_none(pair, tmp_path):
+    model, _ = pair
+    out = convert(model, tmp_path / "none.flash.gguf", progress=False, sparsity=0.5, measure_quality=False,
+                  draft_type="none", **FAST_CONVERT)
+    info = read_sidecar(out)
+    assert all(lay.draft_type is None for lay in info.layers)
+    assert planner.draft_copy_bytes(info) is None
+    with pytest.raises(SidecarError, match="no draft copy"):
+        planner.plan_offload(model, out, 4096, draft_copy=True)
+    with pytest.raises(ValueError, match="do not divide n_embd 96"):
+        convert(model, tmp_path / "bad.flash.gguf", progress=False, draft_type="q2_k", **FAST_CONVERT)
+    assert not (tmp_path / "bad.flash.gguf").exists()
+
+
+def greedy(llm, n: int = N_GEN) -> list:
+    out = []
+    for tok in llm.generate(llm.tokenize(PROMPT.encode()), temp=0, top_k=1):
+        out.append(tok)
+        if len(out) >= n:
+            break
+    return out
+
+
+def test_a_draft_from_the_copy_is_exact_and_drafts_better(pair, forced_plan):  # noqa: F811
+    """No cluster pinned: a resident-only self-draft sees no FFN at all; the copy sees every neuron.
+    Either way the verified tokens are the non-speculative ones."""
+    model, sidecar = pair
+    runs = {}
+    for name, copy, spec in (("reference", False, False), ("resident", False, SELF_DRAFT),
+                             ("copy", True, SELF_DRAFT)):
+        plan = make_plan(sidecar, 0, prefetch_layers=1)
+        plan.draft_copy = copy
+        forced_plan(plan)
+        llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_speculative=spec, **KW)
+        try:
+            runs[name] = (greedy(llm), llm.flash_stats()["speculative"])
+            if copy:
+                assert llm._flash.draft_copy_bytes == planner.draft_copy_bytes(read_sidecar(sidecar)) > 0
+        finally:
+            llm.close()
+    ref = runs["reference"][0]
+    assert runs["resident"][0] == ref and runs["copy"][0] == ref
+    resident, copy = runs["resident"][1], runs["copy"][1]
+    assert copy["self_draft_source"] == "draft_copy" and resident["self_draft_source"] == "resident_clusters"
+    assert copy["drafted"] > 0 and copy["accepted"] > 0 and copy["draft_copy_bytes"] > 0
+
+
+def test_a_draft_from_the_copy_is_close_to_the_model(pair, forced_plan):  # noqa: F811
+    """The draft's logits for one token, after the same prompt: with the copy (every neuron, Q4_0 rows)
+    within 15% (relative L2) of the exact logits; from the resident clusters only (none pinned, none
+    cached after a dense prefill: the FFN skipped) several times further off."""
+    model, sidecar = pair
+
+    def last_logits(copy: bool, draft: bool) -> np.ndarray:
+        plan = make_plan(sidecar, 0, prefetch_layers=1)
+        plan.draft_copy = copy
+        forced_plan(plan)
+        llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_speculative=False, logits_all=True,
+                               **KW)
+        try:
+            toks = llm.tokenize(PROMPT.encode())
+            llm.eval(toks[:-1])
+            llm._flash.draft = draft
+            llm.eval(toks[-1:])
+            return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        finally:
+            llm._flash.draft = False
+            llm.close()
+
+    exact = last_logits(False, False)
+    off = {name: np.linalg.norm(last_logits(copy, True) - exact) / np.linalg.norm(exact)
+           for name, copy in (("copy", True), ("resident", False))}
+    assert off["copy"] < 0.15 and off["resident"] > 3 * off["copy"], off
+
+
+def test_the_planner_counts_the_copy_and_explains_the_choice(pair):
+    model, sidecar = pair
+    info = validate_pair(model, sidecar)
+    copy_bytes = planner.draft_copy_bytes(info)
+    without = planner.plan_offload(model, sidecar, 4096, draft_copy=False)
+    with_copy = planner.plan_offload(model, sidecar, 4096, draft_copy=True)
+    assert with_copy.parts["draft_copy"] == copy_bytes and "draft_copy" not in without.parts
+    assert sum(with_copy.parts.values()) == with_copy.budget_bytes and with_copy.draft_copy
+    assert abs(with_copy.minimum_bytes - (without.minimum_bytes + copy_bytes + draft_plan_margin(copy_bytes))) <= 1
+    auto = planner.plan_offload(model, sidecar, 4096)
+    assert auto.least_budget_bytes == without.least_budget_bytes
+
+
+def draft_plan_margin(copy_bytes: int) -> float:
+    return planner.MARGIN_FRACTION * copy_bytes
+
+
+def test_the_choice_follows_the_predicted_speed():
+    """More memory as pinned clusters shortens every pass; the copy raises acceptance: the model keeps
+    whichever delivers more tokens per second."""
+    slow_pass = draft_plan.predict(pass_s=0.3, step_s=0.03, acceptance=0.7)
+    assert slow_pass.draft > 0 and slow_pass.tok_s > 1 / 0.3
+    no_draft = draft_plan.predict(pass_s=0.3, step_s=0.03, acceptance=0.0)
+    assert no_draft.draft == 0 and no_draft.tok_s == pytest.approx(1 / 0.3)
+    fast_pass = draft_plan.predict(pass_s=0.05, step_s=0.05, acceptance=0.3)
+    assert fast_pass.draft == 0
