@@ -36,7 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="qwen2.5-coder-1.5b", help="asset name (llamaflash.assets.MODELS) or a .gguf path")
     p.add_argument("--limits", type=int, nargs="+", default=[1400, 1100, 900, 700], help="memory limits in MB")
     p.add_argument("--configs", default="stock,llamaflash", help="comma-separated: stock, llamaflash (ram_budget_mb = "
-                   "the limit; speculative), llamaflash-nospec (the same without speculative decoding), a flash_mode")
+                   "the limit; speculative), llamaflash-nospec (the same without speculative decoding), llamaflash-copy / "
+                   "llamaflash-resident (speculative, the self-draft from the sidecar's draft copy / from the "
+                   "resident clusters only), a flash_mode")
     p.add_argument("--prompt-set", default=None, choices=["chat", "code"],
                    help="decode the prompt set (llamaflash.bench.prompt_sets) with llm.generate, n_gen tokens or EOS "
                         "per prompt, instead of one text prompt token by token")

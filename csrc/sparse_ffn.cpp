@@ -553,6 +553,30 @@ void sparse_ffn_needed_clusters(const SparseFfnScratch & scratch, uint8_t * need
     SparseFfnImpl::needed_clusters(scratch, needed);
 }
 
+bool sparse_ffn_can_rebind(const SparseFfnLayer & layer, ggml_type up_type, ggml_type down_t_type) {
+    for (ggml_type t : {up_type, down_t_type}) {
+        if (t < 0 || t >= GGML_TYPE_COUNT || ggml_blck_size(t) <= 0 || layer.n_embd % ggml_blck_size(t) != 0) {
+            return false;
+        }
+    }
+    const auto * up = ggml_get_type_traits_cpu(up_type);
+    if (up->vec_dot == nullptr || up->vec_dot_type != ggml_get_type_traits_cpu(layer.up_type)->vec_dot_type) {
+        return false;
+    }
+    return pick_axpy(down_t_type, SparseIsa::scalar) != nullptr || ggml_get_type_traits(down_t_type)->to_float != nullptr;
+}
+
+void sparse_ffn_rebind_cluster_rows(SparseFfnScratch & scratch, ggml_type up_type, ggml_type down_t_type,
+                                    const uint8_t * const * up_slots, const uint8_t * const * down_t_slots) {
+    SparseFfnLayer & L = scratch.layer_;
+    L.up_type = up_type;
+    L.up_row_bytes = ggml_row_size(up_type, L.n_embd);
+    L.down_t_type = down_t_type;
+    L.down_t_row_bytes = ggml_row_size(down_t_type, L.n_embd);
+    L.up_slots = up_slots;
+    L.down_t_slots = down_t_slots;
+}
+
 void sparse_ffn_forward(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
                         SparseFfnScratch & scratch) {
     SparseFfnImpl::begin(layer, params, io, scratch);

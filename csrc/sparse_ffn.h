@@ -160,6 +160,8 @@ public:
 
 private:
     friend struct SparseFfnImpl;
+    friend void sparse_ffn_rebind_cluster_rows(SparseFfnScratch &, ggml_type, ggml_type, const uint8_t * const *,
+                                               const uint8_t * const *);
     std::vector<uint8_t> buf_;
     // carved out of buf_ by reserve()
     uint8_t * xq_ = nullptr;        // [n_tokens][xq_gate_bytes + xq_up_bytes] quantized activations
@@ -230,6 +232,17 @@ void sparse_ffn_reduce_clusters(SparseFfnScratch & scratch, int ith, int nth);
 // makes active for at least one token of the call, else 0 (ceil(n_ff / C) entries). One thread, after
 // sparse_ffn_begin, once the gate values are final.
 void sparse_ffn_needed_clusters(const SparseFfnScratch & scratch, uint8_t * needed);
+
+// Cluster phase only: rows of other types for the clusters listed from now on. Between two
+// sparse_ffn_accumulate_clusters calls (one thread, barriers around it), the clusters listed after it
+// take their up and down_t rows from up_slots[c] / down_t_slots[c] (rows of n_embd values of
+// up_type / down_t_type, row i − c·C of the cluster at + (i − c·C)·row bytes), e.g. a draft computing
+// the clusters not resident from a low-bit copy. Partials computed so far stay; the reduction is the
+// same. Allowed only when sparse_ffn_can_rebind(layer, up_type, down_t_type): x is quantized once per
+// call, so the new up type must dot against the same vec_dot type. Never throws, never allocates.
+bool sparse_ffn_can_rebind(const SparseFfnLayer & layer, ggml_type up_type, ggml_type down_t_type);
+void sparse_ffn_rebind_cluster_rows(SparseFfnScratch & scratch, ggml_type up_type, ggml_type down_t_type,
+                                    const uint8_t * const * up_slots, const uint8_t * const * down_t_slots);
 
 
 }  // namespace llamaflash

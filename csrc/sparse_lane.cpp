@@ -62,6 +62,12 @@ struct OffloadPhases {
                 }
             } else if (lane.draft_) {
                 lane.cache_->plan_resident(lane.cache_layer_, lane.needed_.data(), lane.plan_);
+                if (lane.draft_mixed_) {  // the needed clusters not resident: from the draft copy
+                    for (int32_t c : lane.plan_.ready) lane.needed_[static_cast<size_t>(c)] = 0;
+                    for (size_t c = 0; c < lane.needed_.size(); ++c) {
+                        if (lane.needed_[c]) lane.plan_.pending.push_back(static_cast<int32_t>(c));
+                    }
+                }
             } else {
                 lane.cache_->plan(lane.cache_layer_, lane.needed_.data(), lane.plan_);
             }
@@ -82,6 +88,11 @@ struct OffloadPhases {
     }
     static void wait_reads(ggml_tensor *, int ith, int, void * userdata) {
         SparseLane & lane = *static_cast<SparseLane *>(userdata);
+        if (ith == 0 && lane.draft_mixed_) {  // the pending clusters are the draft copy's
+            sparse_ffn_rebind_cluster_rows(lane.scratch_, lane.copy_type_, lane.copy_type_, lane.copy_up_.data(),
+                                           lane.copy_down_t_.data());
+            return;
+        }
         if (ith != 0 || lane.cache_ == nullptr || lane.draft_ || lane.failed_.load(std::memory_order_acquire)) return;
         try {
             lane.cache_->wait(lane.cache_layer_);
@@ -216,7 +227,7 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     OffloadState * offload = ffn.model->offload();
     cache_ = offload != nullptr ? &offload->cache() : nullptr;
     draft_ = offload != nullptr && offload->draft();
-    draft_copy_ = false;
+    draft_copy_ = draft_mixed_ = false;
     if (cache_ != nullptr) {
         if (gate == nullptr || up != nullptr) {
             throw std::invalid_argument("flash offload needs the gate values from ggml and the up rows from the cache");
@@ -229,21 +240,30 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
         plan_.up.assign(nc, nullptr);  // plan() refills them in place: the kernel keeps these pointers
         plan_.down_t.assign(nc, nullptr);
         needed_.assign(nc, 0);
-        const OffloadState::DraftRows * copy = draft_ ? offload->draft_rows(cache_layer_) : nullptr;
-        if (copy != nullptr) {
-            // draft from the resident low-bit copy: every cluster's rows are there (slot c = rows
-            // [c·C, (c+1)·C) of the copy), in the copy's type; nothing is read, the cache untouched
-            draft_copy_ = true;
-            const size_t span = static_cast<size_t>(cluster_size) * copy->row_bytes;
-            for (size_t c = 0; c < nc; ++c) {
-                plan_.up[c] = copy->up + c * span;
-                plan_.down_t[c] = copy->down_t + c * span;
-            }
-            layer_.up_type = layer_.down_t_type = copy->type;
-            layer_.up_row_bytes = layer_.down_t_row_bytes = copy->row_bytes;
-        }
         layer_.up_slots = plan_.up.data();
         layer_.down_t_slots = plan_.down_t.data();
+        const OffloadState::DraftRows * copy = draft_ ? offload->draft_rows(cache_layer_) : nullptr;
+        if (copy != nullptr) {
+            // a draft with the resident low-bit copy: every cluster's rows are there (cluster c = rows
+            // [c·C, (c+1)·C) of the copy); nothing is read, the cache untouched
+            const size_t span = static_cast<size_t>(cluster_size) * copy->row_bytes;
+            copy_up_.resize(nc);
+            copy_down_t_.resize(nc);
+            for (size_t c = 0; c < nc; ++c) {
+                copy_up_[c] = copy->up + c * span;
+                copy_down_t_[c] = copy->down_t + c * span;
+            }
+            copy_type_ = copy->type;
+            if (sparse_ffn_can_rebind(layer_, copy->type, copy->type)) {
+                draft_mixed_ = true;  // resident clusters exact, the others from the copy
+            } else {  // x cannot be quantized for both up types at once: every cluster from the copy
+                draft_copy_ = true;
+                layer_.up_type = layer_.down_t_type = copy->type;
+                layer_.up_row_bytes = layer_.down_t_row_bytes = copy->row_bytes;
+                layer_.up_slots = copy_up_.data();
+                layer_.down_t_slots = copy_down_t_.data();
+            }
+        }
     }
     // With gate values from ggml (and u from the kernel) the split runs cluster by cluster and y is
     // reduced in cluster order, in memory as in offload: the same bits whether the rows come from

@@ -35,8 +35,11 @@
 // A failed read fails the compute (failure() says why); no cluster is computed from a failed read.
 // In draft mode (OffloadState::draft) the plan is NeuronCache::plan_resident: only resident
 // clusters, no read and no wait; the result approximates the model, to draft tokens. With a draft
-// copy (OffloadState::draft_rows) every needed cluster is computed instead, from the copy's
-// low-bit up and down_t rows (same selection by the resident gate, same cluster-order reduction).
+// copy (OffloadState::draft_rows) every needed cluster is computed: the resident ones from the cache
+// (exact rows, `ready`), the others from the copy's low-bit up and down_t rows (`pending`; the wait
+// node switches the kernel's rows to the copy, sparse_ffn_rebind_cluster_rows), with the same
+// selection by the resident gate and the same cluster-order reduction. Where x cannot be quantized
+// for both up types at once (their vec_dot types differ) every cluster comes from the copy.
 //
 // Anything else (another op in the split, a fused gate_up weight, GEGLU_ERF, bias adds, batches
 // over max_tokens) is left to the dense lane, which stays bit-identical to stock llama.cpp.
@@ -105,7 +108,13 @@ private:
     int cache_layer_ = -1;  // position of the layer in the cache
     NeuronCache::LayerPlan plan_;
     bool draft_ = false;    // OffloadState::draft() when the nodes were appended
-    bool draft_copy_ = false;  // ... and the rows come from the draft copy (OffloadState::draft_rows)
+    // a draft with the draft copy (OffloadState::draft_rows): mixed = resident clusters from the cache
+    // (ready) and the others from the copy (pending, after the wait node rebinds the kernel's rows);
+    // copy = every cluster from the copy (when x cannot be quantized for both up types at once)
+    bool draft_mixed_ = false;
+    bool draft_copy_ = false;
+    ggml_type copy_type_ = GGML_TYPE_COUNT;
+    std::vector<const uint8_t *> copy_up_, copy_down_t_;  // per cluster: its rows in the copy
     std::vector<uint8_t> needed_;
     std::atomic<bool> failed_{false};
     std::string failure_;

@@ -492,9 +492,7 @@ class Llama(llama_cpp.Llama):
         copy_bytes = self._flash.draft_copy_bytes if self._flash is not None and self._flash.offloaded else 0
         out["self_draft_source"] = "draft_copy" if copy_bytes else "resident_clusters"
         out["draft_copy_bytes"] = copy_bytes
-        if copy_bytes:
-            out["draft_resident_fraction"] = 1.0  # every needed cluster, from the copy
-        elif off.get("draft_plans"):
+        if off.get("draft_plans"):  # the share a draft computed from exact rows (with a copy: the rest from it)
             out["draft_resident_fraction"] = off["draft_clusters_resident"] / max(1, off["draft_clusters_needed"])
         out["self_draft_off_reason"] = self._speculation_off_reason
         return out

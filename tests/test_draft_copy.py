@@ -127,8 +127,8 @@ def test_a_draft_from_the_copy_is_close_to_the_model(pair, forced_plan):  # noqa
     cached after a dense prefill: the FFN skipped) several times further off."""
     model, sidecar = pair
 
-    def last_logits(copy: bool, draft: bool) -> np.ndarray:
-        plan = make_plan(sidecar, 0, prefetch_layers=1)
+    def last_logits(copy: bool, draft: bool, hot: int = 0) -> np.ndarray:
+        plan = make_plan(sidecar, hot, prefetch_layers=1)
         plan.draft_copy = copy
         forced_plan(plan)
         llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_speculative=False, logits_all=True,
@@ -147,6 +147,11 @@ def test_a_draft_from_the_copy_is_close_to_the_model(pair, forced_plan):  # noqa
     off = {name: np.linalg.norm(last_logits(copy, True) - exact) / np.linalg.norm(exact)
            for name, copy in (("copy", True), ("resident", False))}
     assert off["copy"] < 0.15 and off["resident"] > 3 * off["copy"], off
+    # resident clusters are computed from their exact rows, only the others from the copy: with every
+    # cluster pinned the draft is the model, bit for bit; with half pinned it lies between
+    assert np.array_equal(last_logits(True, True, hot=6), last_logits(False, False, hot=6))
+    half = np.linalg.norm(last_logits(True, True, hot=3) - exact) / np.linalg.norm(exact)
+    assert 0 < half < off["copy"], (half, off)
 
 
 def test_the_planner_counts_the_copy_and_explains_the_choice(pair):

@@ -51,6 +51,10 @@ from .pagecache import EVICT_TOLERANCE_BYTES, MiB, evict, evict_files, private_c
 #: and the same without speculative decoding.
 BUDGET_CONFIG = "llamaflash"
 NO_SPECULATION_CONFIG = "llamaflash-nospec"
+#: speculative, with the self-draft forced to compute from the sidecar's draft copy, or from the
+#: resident clusters only (the planner's choice between them overridden)
+DRAFT_COPY_CONFIG = "llamaflash-copy"
+RESIDENT_DRAFT_CONFIG = "llamaflash-resident"
 
 # --------------------------------------------------------------------------------------------
 # the benchmark
@@ -103,6 +107,8 @@ def _config_spec(config: str, limit_mb: int | None) -> dict[str, Any]:
         return {"flash_mode": None, "ram_budget_mb": limit_mb}
     if config == NO_SPECULATION_CONFIG:
         return {"flash_mode": None, "ram_budget_mb": limit_mb, "flash_speculative": False}
+    if config in (DRAFT_COPY_CONFIG, RESIDENT_DRAFT_CONFIG):
+        return {"flash_mode": None, "ram_budget_mb": limit_mb, "flash_draft_copy": config == DRAFT_COPY_CONFIG}
     return {"flash_mode": config}
 
 

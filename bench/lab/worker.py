@@ -149,8 +149,9 @@ def _load(spec: dict):
     if flash_mode == "sparse" and spec.get("mode") == "ppl":
         # every token of the scored batches through the sparse lane, as in decode
         extra["flash_max_sparse_tokens"] = common_kwargs["n_batch"]
-    if "flash_speculative" in spec:
-        extra["flash_speculative"] = spec["flash_speculative"]
+    for key in ("flash_speculative", "flash_draft_copy"):
+        if key in spec:
+            extra[key] = spec[key]
     budget = spec.get("ram_budget_mb")
     spec["_flash_mode"] = flash_mode
     if budget is None:
