@@ -119,6 +119,29 @@ void axpy_q4_k_scalar(float * acc, const uint8_t * const * rows, const float * h
     }
 }
 
+// Q2_K (84 bytes per 256 values): 16 bytes of 4-bit scale (low) and min (high) per 16-value
+// sub-block, 64 bytes of 2-bit quants, f16 d, f16 dmin; value = d·sc·q − dmin·m. Sub-block s of
+// 16 values holds, for half h = s / 8, j = (s % 8) / 2, g = s % 2: bits 2j..2j+1 of bytes
+// qs[32h + 16g .. 32h + 16g + 16), at values 128h + 32j + 16g + l (ggml's dequantize_row_q2_K).
+constexpr size_t kQ2_KBytes = 84;
+
+void axpy_q2_k_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < n_embd / kQK; ++b) {
+            const uint8_t * blk = rows[r] + b * kQ2_KBytes;
+            const float d = ggml_fp16_to_fp32(load_u16(blk + 80)) * h[r];
+            const float dmin = ggml_fp16_to_fp32(load_u16(blk + 82)) * h[r];
+            for (int s = 0; s < 16; ++s) {
+                const int half = s / 8, j = (s % 8) / 2, g = s % 2;
+                const float dl = d * static_cast<float>(blk[s] & 15), ml = dmin * static_cast<float>(blk[s] >> 4);
+                const uint8_t * q = blk + 16 + 32 * half + 16 * g;
+                float * a = acc + b * kQK + 128 * half + 32 * j + 16 * g;
+                for (int l = 0; l < 16; ++l) a[l] += dl * static_cast<float>((q[l] >> (2 * j)) & 3) - ml;
+            }
+        }
+    }
+}
+
 void axpy_q6_k_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
     for (int r = 0; r < n; ++r) {
         for (int64_t b = 0; b < n_embd / kQK; ++b) {
@@ -158,6 +181,31 @@ void axpy_f32(float * acc, const uint8_t * const * rows, const float * h, int n,
 // target("avx512f") functions (GCC bug 105593): silence that false positive for this section only.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// Q2_K, one row at a time (the scalar loop's order per value): 8 floats per FMA.
+__attribute__((target("avx2,f16c,fma"))) void axpy_q2_k_avx2(float * acc, const uint8_t * const * rows,
+                                                             const float * h, int n, int64_t n_embd) {
+    const __m128i three = _mm_set1_epi8(3);
+    for (int r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < n_embd / kQK; ++b) {
+            const uint8_t * blk = rows[r] + b * kQ2_KBytes;
+            const float d = _cvtsh_ss(load_u16(blk + 80)) * h[r];
+            const float dmin = _cvtsh_ss(load_u16(blk + 82)) * h[r];
+            for (int s = 0; s < 16; ++s) {
+                const int half = s / 8, j = (s % 8) / 2, g = s % 2;
+                const __m256 dl = _mm256_set1_ps(d * static_cast<float>(blk[s] & 15));
+                const __m256 ml = _mm256_set1_ps(dmin * static_cast<float>(blk[s] >> 4));
+                const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + 16 + 32 * half + 16 * g));
+                const __m128i v = _mm_and_si128(_mm_srl_epi16(q, _mm_cvtsi32_si128(2 * j)), three);
+                float * a = acc + b * kQK + 128 * half + 32 * j + 16 * g;
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+                _mm256_storeu_ps(a, _mm256_sub_ps(_mm256_fmadd_ps(dl, lo, _mm256_loadu_ps(a)), ml));
+                _mm256_storeu_ps(a + 8, _mm256_sub_ps(_mm256_fmadd_ps(dl, hi, _mm256_loadu_ps(a + 8)), ml));
+            }
+        }
+    }
+}
 
 // R rows (1..4) in one pass over acc.
 template <int R>
@@ -439,7 +487,9 @@ AxpyFn pick_axpy(ggml_type type, SparseIsa isa) {
     // K-quants: AVX-512 or the fused scalar loop (no AVX2 pass)
     if (type == GGML_TYPE_Q4_K) return isa == SparseIsa::avx512 ? axpy_q4_k_avx512 : axpy_q4_k_scalar;
     if (type == GGML_TYPE_Q6_K) return isa == SparseIsa::avx512 ? axpy_q6_k_avx512 : axpy_q6_k_scalar;
+    if (type == GGML_TYPE_Q2_K) return isa == SparseIsa::scalar ? axpy_q2_k_scalar : axpy_q2_k_avx2;
 #else
+    if (type == GGML_TYPE_Q2_K) return axpy_q2_k_scalar;
     if (type == GGML_TYPE_Q4_K) return axpy_q4_k_scalar;
     if (type == GGML_TYPE_Q6_K) return axpy_q6_k_scalar;
     if (type == GGML_TYPE_Q4_0) return axpy_q4_scalar<false>;

@@ -2,7 +2,8 @@
 //     acc[0..n_embd) += Σ_{r < n} h[r] · dequant(rows[r])
 // where rows[r] is one down_t row of n_embd values of the given ggml type, dequantized exactly as
 // ggml's to_float does (Q8_0: d·q; Q4_0: d·(q − 8); Q4_1: d·q + m; Q4_K: d·sc·q − dmin·m per 32-value
-// sub-block; Q6_K: d·sc·(q − 32) per 16-value sub-block; F16: the half value), in f32.
+// sub-block; Q6_K: d·sc·(q − 32) per 16-value sub-block; Q2_K: d·sc·q − dmin·m per 16-value
+// sub-block; F16: the half value), in f32.
 // SIMD passes handle up to 4 rows per load/store of acc; the summation order over rows is fixed for
 // a given (n, ISA), so results are deterministic; ISAs differ only by float rounding (FMA).
 #pragma once
@@ -21,8 +22,9 @@ const char * sparse_isa_name(SparseIsa isa);
 // acc: n_embd floats; rows: n row pointers; h: n scales. n_embd a multiple of the type's block.
 using AxpyFn = void (*)(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd);
 
-// The fused accumulation for `type` on `isa` (not auto_): Q8_0, Q4_0, Q4_1, F16, and Q4_K / Q6_K
-// (AVX-512, else a fused scalar loop; n_embd a multiple of 256), and F32 (plain loop); nullptr for
+// The fused accumulation for `type` on `isa` (not auto_): Q8_0, Q4_0, Q4_1, F16, Q4_K / Q6_K
+// (AVX-512, else a fused scalar loop; n_embd a multiple of 256), Q2_K (AVX2 on AVX2 and AVX-512,
+// else a fused scalar loop; the draft copy's type), and F32 (plain loop); nullptr for
 // any other type (the caller dequantizes with ggml's to_float, then adds).
 AxpyFn pick_axpy(ggml_type type, SparseIsa isa);
 
