@@ -229,6 +229,14 @@ def inspect(sidecar: Path) -> None:
             f"{down_t_bytes:>10}"
         )
     click.echo(f"ffn bytes (bundles + down_t): {total}")
+    copies = {lay.draft_type for lay in info.layers}
+    if copies != {None}:
+        copy_bytes = sum(2 * lay.n_ff * lay.draft_row_bytes for lay in info.layers if lay.draft_type is not None)
+        names = ", ".join(sorted(type_name(t) for t in copies if t is not None))
+        click.echo(f"draft copy:       {names}, {copy_bytes} bytes (up + down_t rows of every neuron, for "
+                   "speculative self-drafts under a RAM budget)")
+    else:
+        click.echo("draft copy:       none")
     if info.sparsity is None:
         click.echo("sparsity:         none (format 1: the backend runs every layer dense)")
         return
