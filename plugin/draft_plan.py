@@ -114,7 +114,10 @@ def choose_draft_copy(info: "SidecarInfo", plan: Callable[[bool], "OffloadPlan"]
             f"draft copy unused: its {copy_bytes / MiB:.0f} MiB do not fit this budget beside the minimum "
             f"(it would need about {(without.minimum_bytes + copy_bytes) / MiB:.0f} MiB)"])
     p0, p1 = predict_plan(without, info), predict_plan(with_copy, info)
-    if p0 is None or p1 is None:
+    if p0 is None:
+        return dataclasses.replace(without, notes=without.notes + [
+            "draft copy unused: every cluster is pinned at this budget, nothing is read from flash"])
+    if p1 is None:  # (unreachable: the copy leaves fewer pinned clusters) nothing to draft for
         return without
     choice: dict[str, Any] = {"resident_only": dataclasses.asdict(p0), "draft_copy": dataclasses.asdict(p1),
                               "chosen": "draft_copy" if p1.tok_s > p0.tok_s else "resident_only"}

@@ -180,3 +180,18 @@ def test_the_choice_follows_the_predicted_speed():
     assert no_draft.draft == 0 and no_draft.tok_s == pytest.approx(1 / 0.3)
     fast_pass = draft_plan.predict(pass_s=0.05, step_s=0.05, acceptance=0.3)
     assert fast_pass.draft == 0
+
+
+def test_command_line_plan_and_inspect(pair):
+    from click.testing import CliRunner
+
+    from llamaflash.cli import main
+    model, sidecar = pair
+    run = lambda *a: CliRunner().invoke(main, [str(x) for x in a])  # noqa: E731
+    on = run("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 4096, "--draft-copy", "on")
+    assert on.exit_code == 0, on.output
+    assert "draft_copy" in on.output and "low bit width" in on.output
+    auto = run("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 4096)
+    assert auto.exit_code == 0 and "draft copy" in auto.output, auto.output
+    shown = run("inspect", sidecar)
+    assert shown.exit_code == 0 and "draft copy:       Q4_0" in shown.output, shown.output
