@@ -94,9 +94,9 @@ def predict_plan(plan: "OffloadPlan", info: "SidecarInfo") -> Prediction | None:
     return predict(pass_s, (resident + draft) / MEMORY_BYTES_PER_S, acceptance)
 
 
-def choose_draft_copy(info: "SidecarInfo", plan: Callable[[bool], "OffloadPlan"]) -> "OffloadPlan":
-    """``plan(False)``, or ``plan(True)`` when the sidecar has a draft copy, it fits the budget and its
-    predicted delivered tok/s is higher. The returned plan's ``draft_choice`` holds both predictions
+def choose_draft_copy(info: "SidecarInfo", plan: Callable[..., "OffloadPlan"]) -> "OffloadPlan":
+    """``plan(False)``, or ``plan(True, n_ubatch)`` (at the first plan's n_ubatch) when the sidecar has a
+    draft copy, it fits the budget and its predicted delivered tok/s is higher. The returned plan's ``draft_choice`` holds both predictions
     and its ``least_budget_bytes`` is the one without the copy (the least budget the model runs in)."""
     from .planner import MiB, draft_copy_bytes
 
@@ -107,8 +107,8 @@ def choose_draft_copy(info: "SidecarInfo", plan: Callable[[bool], "OffloadPlan"]
     if without.stream_gate:
         return dataclasses.replace(without, notes=without.notes + [
             "draft copy unused: the gate is streamed at this budget, and a self-draft needs it resident"])
-    try:
-        with_copy = plan(True)
+    try:  # the same n_ubatch: prefill numerics depend on it, and the copy must not change a token
+        with_copy = plan(True, without.n_ubatch)
     except RamBudgetError:
         return dataclasses.replace(without, notes=without.notes + [
             f"draft copy unused: its {copy_bytes / MiB:.0f} MiB do not fit this budget beside the minimum "

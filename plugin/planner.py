@@ -389,8 +389,8 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     if draft_copy is None:
         from .draft_plan import choose_draft_copy
 
-        def plan(copy: bool) -> OffloadPlan:
-            return plan_offload(model_path, sidecar, ram_budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch, disk=disk,
+        def plan(copy: bool, ubatch: int | None = n_ubatch) -> OffloadPlan:
+            return plan_offload(model_path, sidecar, ram_budget_mb, n_ctx=n_ctx, n_ubatch=ubatch, disk=disk,
                                 runtime_rss_bytes=runtime_rss_bytes, cluster_size=cluster_size,
                                 prefetch_layers=prefetch_layers, stream_gate=stream_gate, info=info, header=header,
                                 draft_copy=copy)
@@ -404,6 +404,13 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
             raise ValueError("draft_copy needs the gate resident (a self-draft never waits for flash): "
                              "stream_gate must not be True")
         stream_gate = False
+        if n_ubatch is None:
+            # the n_ubatch of the plan without the copy: prefill numerics depend on the ubatch size, and
+            # the copy (used by drafts only) must not change a token
+            n_ubatch = plan_offload(model_path, sidecar, ram_budget_mb, n_ctx=n_ctx, disk=disk,
+                                    runtime_rss_bytes=runtime_rss_bytes, cluster_size=cluster_size,
+                                    prefetch_layers=prefetch_layers, info=info, header=header,
+                                    draft_copy=False).n_ubatch
     if info.sparsity is None:
         raise SidecarError(f"{sidecar}: format-{info.format_version} sidecar without neuron statistics; the planner "
                            f"needs per-neuron activation frequencies. Re-create it with `llamaflash convert "

@@ -161,6 +161,10 @@ def test_the_planner_counts_the_copy_and_explains_the_choice(pair):
     without = planner.plan_offload(model, sidecar, 4096, draft_copy=False)
     with_copy = planner.plan_offload(model, sidecar, 4096, draft_copy=True)
     assert with_copy.parts["draft_copy"] == copy_bytes and "draft_copy" not in without.parts
+    # prefill numerics depend on n_ubatch: the copy (drafts only) keeps the plan's, even where a
+    # smaller one would have let it fit
+    tight = planner.plan_offload(model, sidecar, 200, draft_copy=False)
+    assert planner.plan_offload(model, sidecar, 200, draft_copy=True).n_ubatch == tight.n_ubatch
     assert sum(with_copy.parts.values()) == with_copy.budget_bytes and with_copy.draft_copy
     assert abs(with_copy.minimum_bytes - (without.minimum_bytes + copy_bytes + draft_plan_margin(copy_bytes))) <= 1
     auto = planner.plan_offload(model, sidecar, 4096)
