@@ -40,10 +40,16 @@ public:
     // posix_fadvise(DONTNEED) on [offset, offset + n): drops clean cached pages of that range.
     void drop_cache(uint64_t offset, uint64_t n) const;
 
+    // Throws IoError when the open file (this inode) is no longer what was opened: it shrank (was
+    // truncated), grew, or was modified (size or modification time differ). One fstat. A file
+    // replaced under the same name (a new inode) does not count: this reader still has the old one.
+    void check_unchanged() const;
+
 private:
     std::string path_;
     int fd_ = -1;
     uint64_t size_ = 0;
+    int64_t mtime_sec_ = 0, mtime_nsec_ = 0;
 };
 
 class MappedFile {

@@ -73,6 +73,11 @@ public:
     OffloadState * offload() const { return offload_.get(); }  // nullptr in memory
     // The error that failed the last graph compute (offload I/O), cleared; "" if none.
     std::string take_error();
+    // Throws IoError when the sidecar or the base file changed on disk since open (shrank, grew, was
+    // modified: FileReader::check_unchanged; offload also FlashReader::verify). Two or four fstat
+    // calls: called before every evaluation, so that a file truncated between evaluations is an
+    // error, not a SIGBUS on its mapped pages.
+    void check_files() const;
     // A served FFN that produced a NaN or an infinity (the split executor checks every output):
     // kept until taken, so Python raises it naming the layer after llama_decode reports the failure.
     void set_non_finite(const std::string & message);
@@ -90,6 +95,7 @@ private:
     WeightStore store_;
     FlashStats stats_;
     std::unique_ptr<OffloadState> offload_;
+    std::unique_ptr<FileReader> sidecar_watch_, base_watch_;  // opened at open, for check_files
     SparseConfig sparse_config_;
     FfnActivation activation_ = FfnActivation::silu;
     std::mutex non_finite_mutex_;

@@ -194,6 +194,14 @@ void NeuronCache::finish(int li) {
                 if (error.empty()) error = e.what();
             }
         }
+        // checked as each batch arrives, while the later batches' reads (and read-ahead) go on
+        for (size_t k = 0; k < b.slots.size() && error.empty(); ++k) {
+            try {
+                check_slot(b.slots[k]);
+            } catch (const std::exception & e) {
+                error = e.what();
+            }
+        }
         for (int64_t s : b.slots) {
             Slot & slot = slots_[s];
             slot.loading = false;
@@ -204,6 +212,20 @@ void NeuronCache::finish(int li) {
         }
     }
     if (!error.empty()) throw IoError(error);
+}
+
+void NeuronCache::check_slot(int64_t s) {
+    const Slot & slot = slots_[s];
+    const CacheLayerSource & L = layers_[static_cast<size_t>(slot.layer)];
+    if (L.up_crc.empty()) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t C = config_.cluster_size;
+    const int64_t first = static_cast<int64_t>(slot.cluster) * C;
+    const int64_t n = std::min<int64_t>(C, L.n_ff - first);
+    uint64_t bytes = verify_rows(slot_data(s), L.up_row_bytes, first, n, L.up_crc.data(), L.up_source);
+    bytes += verify_rows(slot_data(s) + up_part_, L.down_t_row_bytes, first, n, L.down_t_crc.data(), L.down_t_source);
+    stats_.verified_bytes += bytes;
+    stats_.verify_seconds += seconds_since(t0);
 }
 
 void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {

@@ -26,15 +26,19 @@
 //                    remain (a layer's own demand always has room: the constructor checks the cold
 //                    region holds (1 + prefetch_layers) layers' clusters). Never blocks on I/O.
 //   — the caller computes the `ready` clusters while the reads run —
-//   wait(L)          one thread: blocks until every read holding a cluster of L is complete. Throws
-//                    IoError (file, offset, cause) on a failed read: the slots involved are dropped,
-//                    nothing wrong is ever served from them.
+//   wait(L)          one thread: blocks until every read holding a cluster of L is complete, and checks
+//                    each completed batch's rows against the layer's checksums (when it has them) as
+//                    soon as that batch is in, while later batches are still being read. Throws
+//                    IoError (file, offset, cause) on a failed read, IntegrityError (integrity.h) on a
+//                    checksum mismatch: the slots involved are dropped, nothing unchecked or wrong is
+//                    ever served from them. load_hot() checks the pinned clusters the same way.
 //   — the caller computes the `pending` clusters —
 // Slot addresses stay valid until the next plan() of any layer. Not thread-safe: one plan/wait
 // sequence at a time (the backend computes splits one at a time per model).
 #pragma once
 
 #include "flash_io.h"
+#include "integrity.h"
 
 #include <chrono>
 #include <cstddef>
@@ -55,6 +59,10 @@ struct CacheLayerSource {
     uint64_t down_t_row_bytes = 0;
     std::vector<float> cluster_prob;  // P(cluster needed) per cluster (read-ahead); empty = all 1
     std::vector<int32_t> hot;         // clusters to pin (from the planner)
+    // CRC-32C of every up row / down_t row (n_ff each; integrity.h) and how a mismatch names them;
+    // empty: the rows are not checked
+    std::vector<uint32_t> up_crc, down_t_crc;
+    RowSource up_source, down_t_source;
 };
 
 // Bytes of one slot: round_up(C·up_row_bytes, 4096) + round_up(C·down_t_row_bytes, 4096), with the
@@ -88,6 +96,8 @@ struct NeuronCacheStats {
     uint64_t hot_bytes_loaded = 0;  // by load_hot()
     double io_wait_seconds = 0;     // time blocked in wait()
     double plan_seconds = 0;        // time in plan()
+    uint64_t verified_bytes = 0;    // bytes checked against the checksums (load_hot and reads)
+    double verify_seconds = 0;      // time spent checking them (part of io_wait_seconds after load)
     uint64_t draft_plans = 0;             // plan_resident() calls (draft layer-tokens)
     uint64_t draft_clusters_needed = 0;   // Σ clusters a draft's tokens select
     uint64_t draft_clusters_resident = 0; // of those, resident (computed); the rest were skipped
@@ -155,7 +165,8 @@ private:
     int64_t take_cold_slot(bool for_prefetch);
     // starts the reads of `clusters` of layer li into `slots`; returns the payload bytes requested
     uint64_t submit(int li, const std::vector<int32_t> & clusters, const std::vector<int64_t> & slots, bool prefetch);
-    void finish(int li);  // wait for li's batches; throws IoError after dropping the slots
+    void finish(int li);  // wait for li's batches and check them; throws IoError after dropping the slots
+    void check_slot(int64_t s);  // the slot's rows against its layer's checksums; throws IntegrityError
 
     std::vector<CacheLayerSource> layers_;
     NeuronCacheConfig config_;

@@ -53,6 +53,12 @@ OffloadState::OffloadState(const EngineConfig & config, const WeightStore & stor
         src.down_t_row_bytes = s.down_t_row_bytes;
         src.hot = o.hot[p];
         src.cluster_prob = o.cluster_prob[p];
+        if (store.verifying()) {  // every read checked before its cluster is computed (neuron_cache.h)
+            src.up_crc = store.checksums(p).base_up;
+            src.down_t_crc = store.checksums(p).down_t;
+            src.up_source = row_source(s, RowSet::base_up, config.sidecar_path, config.base_path);
+            src.down_t_source = row_source(s, RowSet::down_t, config.sidecar_path, config.base_path);
+        }
     }
     cache_ = std::make_unique<NeuronCache>(config.sidecar_path, config.base_path, std::move(sources),
                                            cache_config(config));

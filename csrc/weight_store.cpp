@@ -4,6 +4,7 @@
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
 
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 
@@ -43,8 +44,54 @@ ggml_backend_buffer_type_t pick_cpu_weight_buft(ggml_tensor * w) {
 
 }  // namespace
 
-WeightStore::WeightStore(std::vector<LayerSpec> layers, std::string sidecar_path, std::string base_path)
-    : layers_(std::move(layers)), sidecar_path_(std::move(sidecar_path)), base_path_(std::move(base_path)) {}
+WeightStore::WeightStore(std::vector<LayerSpec> layers, std::string sidecar_path, std::string base_path, bool verify)
+    : layers_(std::move(layers)), sidecar_path_(std::move(sidecar_path)), base_path_(std::move(base_path)),
+      verify_(verify) {
+    for (const LayerSpec & s : layers_) has_checksums_ = has_checksums_ || s.crc_offset != 0;
+}
+
+bool WeightStore::needs_check(size_t li, RowSet set) const {
+    return verify_ && checksums_.at(li).present() && checked_.count({li, static_cast<int>(set)}) == 0;
+}
+
+namespace {
+
+const std::vector<uint32_t> & expected_of(const LayerChecksums & c, RowSet set) {
+    switch (set) {
+        case RowSet::bundle: return c.bundle;
+        case RowSet::down_t: return c.down_t;
+        case RowSet::base_gate: return c.base_gate;
+        case RowSet::base_up: return c.base_up;
+        case RowSet::base_down: return c.base_down;
+    }
+    throw std::logic_error("unknown row set");
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+void WeightStore::check_rows(size_t li, RowSet set, const uint8_t * data, size_t stride) {
+    if (!needs_check(li, set)) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<uint32_t> & expected = expected_of(checksums_[li], set);
+    const RowSource src = row_source(layers_[li], set, sidecar_path_, base_path_);
+    verified_bytes_ += verify_rows(data, stride, 0, static_cast<int64_t>(expected.size()), expected.data(), src);
+    checked_.insert({li, static_cast<int>(set)});
+    verify_seconds_ += seconds_since(t0);
+}
+
+void WeightStore::check_file_rows(size_t li, RowSet set, const FileReader & file) {
+    if (!needs_check(li, set)) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<uint32_t> & expected = expected_of(checksums_[li], set);
+    const RowSource src = row_source(layers_[li], set, sidecar_path_, base_path_);
+    verified_bytes_ += verify_file_rows(file, 0, static_cast<int64_t>(expected.size()), expected.data(), src);
+    checked_.insert({li, static_cast<int>(set)});
+    verify_seconds_ += seconds_since(t0);
+}
 
 WeightStore::~WeightStore() {
     for (ggml_backend_buffer_t b : buffers_) {
@@ -89,6 +136,7 @@ void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
 
     std::vector<bool> identity;
     const std::vector<std::vector<int32_t>> orders = read_orders(sidecar, identity);
+    checksums_ = verify_ ? read_checksums(sidecar, layers_) : std::vector<LayerChecksums>(layers_.size());
     for (const LayerSpec & s : layers_) {
         const uint64_t n_ff = static_cast<uint64_t>(s.n_ff);
         sidecar.check_range(s.bundle_offset, n_ff * s.bundle_stride);
@@ -234,6 +282,7 @@ void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
         if (copy_gate || copy_up) {
             bundles.resize(n_ff * s.bundle_stride);
             sidecar.read_exact(bundles.data(), bundles.size(), s.bundle_offset);
+            check_rows(li, RowSet::bundle, bundles.data(), s.bundle_stride);
             // gather bundle k back to base row order[k]
             for (int part = 0; part < 2; ++part) {
                 if (!(part == 0 ? copy_gate : copy_up)) {
@@ -254,7 +303,22 @@ void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
             const size_t down_bytes = static_cast<size_t>(s.n_embd) * s.base_down_row_bytes;
             matrix.resize(down_bytes);
             base.read_exact(matrix.data(), down_bytes, s.base_down_offset);
+            check_rows(li, RowSet::base_down, matrix.data(), s.base_down_row_bytes);
             ggml_backend_tensor_set(weights_[3 * li + 2], matrix.data(), 0, down_bytes);
+        }
+        // what is used in place: in memory the mappings (their pages are read now, as computing would);
+        // offload the base file's prefill views, read in chunks without keeping their pages
+        if (offload) {
+            check_file_rows(li, RowSet::base_up, base);
+            check_file_rows(li, RowSet::base_down, base);
+            if (stream_gate) check_file_rows(li, RowSet::base_gate, base);
+            continue;
+        }
+        auto bundle_map = regions_.find({kSidecar, s.bundle_offset});
+        if (bundle_map != regions_.end()) check_rows(li, RowSet::bundle, bundle_map->second->data(), s.bundle_stride);
+        auto down_map = regions_.find({kBase, s.base_down_offset});
+        if (down_map != regions_.end()) {
+            check_rows(li, RowSet::base_down, down_map->second->data(), s.base_down_row_bytes);
         }
     }
 }
@@ -303,6 +367,8 @@ void WeightStore::load_sparse(FfnActivation activation, bool offload) {
         k.up_row_bytes = s.up_row_bytes;
         if (!offload) {
             k.down_t = map_region(kSidecar, s.down_t_offset, static_cast<uint64_t>(s.n_ff) * s.down_t_row_bytes);
+            check_rows(li, RowSet::bundle, k.bundles, s.bundle_stride);
+            check_rows(li, RowSet::down_t, k.down_t, s.down_t_row_bytes);
         }
         k.down_t_type = s.down_t_type;
         k.down_t_row_bytes = s.down_t_row_bytes;
@@ -318,6 +384,7 @@ void WeightStore::load_sparse(FfnActivation activation, bool offload) {
             // (the bundles interleave gate rows, which the gate-by-ggml path never needs)
             k.up_rows = map_region(kBase, s.base_up_offset, static_cast<uint64_t>(s.n_ff) * s.up_row_bytes);
             k.up_stride = s.up_row_bytes;
+            check_rows(li, RowSet::base_up, k.up_rows, s.up_row_bytes);
         }
     }
     sparse_ = std::move(views);

@@ -22,13 +22,13 @@ import re
 # --------------------------------------------------------------------------------------
 
 #: Format version written by this converter. Version 2 adds the sparsity content (per-layer
-#: thresholds, neuron statistics, selection mode, activation predictors, quality record); a
-#: version 1 file (bundles only, run dense) is still read.
-FORMAT_VERSION = 2
+#: thresholds, neuron statistics, selection mode, activation predictors, quality record); version 3
+#: makes the integrity section (row checksums, below) required. Version 1 and 2 files are still read.
+FORMAT_VERSION = 3
 
 #: Format versions this reader understands. A file with any other version is refused
 #: (re-convert it); versions are never guessed or partially read.
-SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1, 2)
+SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1, 2, 3)
 
 #: First format version that carries the sparsity content (required keys and tensors below).
 SPARSITY_FORMAT_VERSION = 2
@@ -411,3 +411,39 @@ def predictor_out_tensor_name(layer: int) -> str:
     """Predictor output factor A, F16, ggml ne = [rank, n_ff] (numpy (n_ff, rank)), rows in bundle order:
     score_k = act(A_k · z); neuron k predicted active when |score_k| > the layer's predictor threshold."""
     return f"blk.{layer}.ffn_pred_out"
+
+
+# --------------------------------------------------------------------------------------
+# Integrity section: row checksums (required in format 3, optional in formats 1 and 2)
+# --------------------------------------------------------------------------------------
+#
+# The CRC-32C (Castagnoli: reflected polynomial 0x82F63B78, initial value and final XOR 0xFFFFFFFF;
+# crc32c(b"123456789") = 0xE3069283) of every row the engine can read, one checksum per row, so any
+# cluster (a run of whole rows, whatever its size) is checked by its own rows' checksums. Present
+# when :data:`KEY_INTEGRITY_ALGORITHM` is; then every served layer has both tensors below.
+
+#: First format version in which the integrity section is required.
+INTEGRITY_FORMAT_VERSION = 3
+
+#: string: the checksum algorithm; :data:`INTEGRITY_ALGORITHM`.
+KEY_INTEGRITY_ALGORITHM = KEY_PREFIX + "integrity.algorithm"
+INTEGRITY_ALGORITHM = "crc32c"
+
+#: Columns of :func:`checksum_tensor_name`, in order: which rows each checksums (n_ff rows each;
+#: "bundle" and "down_t" in bundle order, the base rows in base neuron order).
+CHECKSUM_COLUMNS: tuple[str, ...] = ("bundle", "down_t", "base_gate", "base_up")
+
+
+def checksum_tensor_name(layer: int) -> str:
+    """Row checksums of layer ``layer``: I32 (uint32 bit patterns), ggml ne = [4, n_ff] (numpy (n_ff, 4)).
+
+    Row k: CRC-32C of bundle row k (all ``bundle_stride`` bytes, padding included), of ``ffn_down_t``
+    row k, of the base ``ffn_gate`` row k and of the base ``ffn_up`` row k (:data:`CHECKSUM_COLUMNS`).
+    """
+    return f"blk.{layer}.ffn_crc"
+
+
+def base_down_checksum_tensor_name(layer: int) -> str:
+    """Row checksums of the base model's ``ffn_down`` of ``layer``: I32, ggml ne = [n_embd]; entry r =
+    CRC-32C of down row r (ggml ne = [n_ff, n_embd]: n_embd rows of n_ff values)."""
+    return f"blk.{layer}.ffn_down_crc"
