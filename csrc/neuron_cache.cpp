@@ -185,6 +185,7 @@ void NeuronCache::finish(int li) {
     std::vector<Batch> batches;
     batches.swap(batches_[static_cast<size_t>(li)]);
     std::string error;
+    bool integrity = false;  // the error is a failed check, not a failed read
     for (Batch & b : batches) {
         for (int pass = 0; pass < 2; ++pass) {
             if (!(pass == 0 ? b.has_up : b.has_down)) continue;
@@ -198,8 +199,9 @@ void NeuronCache::finish(int li) {
         for (size_t k = 0; k < b.slots.size() && error.empty(); ++k) {
             try {
                 check_slot(b.slots[k]);
-            } catch (const std::exception & e) {
+            } catch (const IntegrityError & e) {
                 error = e.what();
+                integrity = true;
             }
         }
         for (int64_t s : b.slots) {
@@ -211,6 +213,7 @@ void NeuronCache::finish(int li) {
             }
         }
     }
+    if (integrity) throw IntegrityError(error);
     if (!error.empty()) throw IoError(error);
 }
 
