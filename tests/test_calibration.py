@@ -277,7 +277,7 @@ def test_v2_sidecar_round_trips_statistics_and_predictors(tiny_llama_q8_0, tmp_p
     plan.set_float32(fmt.KEY_SPARSITY_TARGET, 0.5)
     sidecar = write_sidecar_atomically(plan, tmp_path / "m.flash.gguf")
     info = validate_pair(model_path, sidecar)
-    assert info.format_version == 2 and info.sparsity.target == 0.5 and info.sparsity.quality == {}
+    assert info.format_version == 3 and info.sparsity.target == 0.5 and info.sparsity.quality == {}
     for lay in info.layers:
         d = decisions[lay.layer]
         v = read_layer_vectors(info, lay)
