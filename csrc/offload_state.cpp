@@ -91,9 +91,18 @@ OffloadState::OffloadState(const EngineConfig & config, const WeightStore & stor
             if (map == nullptr) {
                 continue;
             }
-            streamed_[p].push_back({map, offset, length});
+            Region r{map, offset, length};
+            if (store.verifying()) {
+                const RowSet set = offset == s.base_up_offset     ? RowSet::base_up
+                                   : offset == s.base_down_offset ? RowSet::base_down
+                                                                  : RowSet::base_gate;
+                const LayerChecksums & c = store.checksums(p);
+                r.expected = set == RowSet::base_up ? &c.base_up : set == RowSet::base_down ? &c.base_down : &c.base_gate;
+                r.source = row_source(s, set, config.sidecar_path, config.base_path);
+            }
+            streamed_[p].push_back(r);
             if (stream_gate_ && offset == s.base_gate_offset) {
-                gate_[p].push_back({map, offset, length});
+                gate_[p].push_back(r);
             }
         }
     }
@@ -111,13 +120,32 @@ void OffloadState::release(const Region & r) const {
     base_file_->drop_cache(r.offset, r.length);  // advice: pages mapped elsewhere stay
 }
 
-void OffloadState::before_split(int pos, bool sparse) {
-    if (!sparse || pos < 0) {
-        return;
+bool OffloadState::check(const Region & r) {
+    if (r.expected == nullptr || r.expected->empty()) return true;
+    try {
+        verify_rows(r.map->data(), r.source.row_bytes, 0, static_cast<int64_t>(r.expected->size()), r.expected->data(),
+                    r.source);
+    } catch (const IntegrityError & e) {
+        set_error(e.what());
+        return false;
     }
-    for (const Region & r : gate_[next_[pos]]) {
-        (void) madvise(r.map->mapping(), r.map->mapping_size(), MADV_WILLNEED);
+    return true;
+}
+
+bool OffloadState::before_split(int pos, bool sparse) {
+    if (pos < 0) {
+        return true;
     }
+    bool ok = true;
+    for (const Region & r : sparse ? gate_[pos] : streamed_[pos]) {
+        ok = ok && check(r);
+    }
+    if (sparse) {
+        for (const Region & r : gate_[next_[pos]]) {
+            (void) madvise(r.map->mapping(), r.map->mapping_size(), MADV_WILLNEED);
+        }
+    }
+    return ok;
 }
 
 bool OffloadState::after_split(int pos, bool sparse, const std::string & failure) {

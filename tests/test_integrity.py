@@ -206,3 +206,29 @@ def test_a_file_changed_in_use_is_a_flash_io_error_before_compute(converted, tmp
     with pytest.raises(FlashIoError, match="m.flash.gguf.*(shrank|modified)"):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
     llm.close()
+
+
+@pytest.mark.parametrize("what", ["base_down", "base_gate"])
+def test_offload_views_are_checked_at_every_split_that_reads_them(converted, tmp_path, forced_plan, what):
+    """Offload drops the prefill views' pages (and a streamed gate's) after each split, so they come
+    back from the file: each split checks them first. A row rewritten in place with its modification
+    time put back (invisible to the per-evaluation stat) fails the next split that reads it."""
+    m, s, lay = _copies(converted, tmp_path)
+    forced_plan(make_plan(s, 0, prefetch_layers=1, stream_gate=True))
+    llm = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), ram_budget_mb=64, **KW)
+    prompt = llm.tokenize(b"a prompt longer than any verify batch, for the dense lane")
+    llm.eval(prompt)
+    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    st = os.stat(m)
+    offset = lay.base_down_offset + 5 * lay.base_down_row_bytes if what == "base_down" else \
+        lay.base_gate_offset + 9 * lay.gate_row_bytes
+    _flip(m, offset)
+    os.utime(m, ns=(st.st_atime_ns, st.st_mtime_ns))
+    name = fmt.base_ffn_down_name(1) if what == "base_down" else fmt.base_ffn_gate_name(1)
+    with pytest.raises(SidecarIntegrityError, match=name):
+        if what == "base_down":
+            llm.reset()
+            llm.eval(prompt)  # prefill: dense splits read the down view
+        else:
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])  # decode: the streamed gate
+    llm.close()
