@@ -27,7 +27,7 @@ FileReader::FileReader(const std::string & path) : path_(path) {
     mtime_nsec_ = static_cast<int64_t>(st.st_mtim.tv_nsec);
 }
 
-void FileReader::check_unchanged() const {
+void FileReader::check_size() const {
     struct stat st {};
     std::string what;
     if (::fstat(fd_, &st) != 0) {
@@ -36,12 +36,23 @@ void FileReader::check_unchanged() const {
         what = "it shrank from " + std::to_string(size_) + " to " + std::to_string(st.st_size) + " bytes (truncated)";
     } else if (static_cast<uint64_t>(st.st_size) != size_) {
         what = "its size changed from " + std::to_string(size_) + " to " + std::to_string(st.st_size) + " bytes";
-    } else if (st.st_mtim.tv_sec != mtime_sec_ || st.st_mtim.tv_nsec != mtime_nsec_) {
-        what = "it was modified";
     }
     if (!what.empty()) {
         throw IoError("'" + path_ + "' changed while in use: " + what +
                       "; restore the file or re-create it (llamaflash convert --force), then load the model again");
+    }
+}
+
+bool FileReader::modified() const {
+    struct stat st {};
+    return ::fstat(fd_, &st) != 0 || st.st_mtim.tv_sec != mtime_sec_ || st.st_mtim.tv_nsec != mtime_nsec_;
+}
+
+void FileReader::accept_modified() {
+    struct stat st {};
+    if (::fstat(fd_, &st) == 0) {
+        mtime_sec_ = static_cast<int64_t>(st.st_mtim.tv_sec);
+        mtime_nsec_ = static_cast<int64_t>(st.st_mtim.tv_nsec);
     }
 }
 

@@ -40,10 +40,14 @@ public:
     // posix_fadvise(DONTNEED) on [offset, offset + n): drops clean cached pages of that range.
     void drop_cache(uint64_t offset, uint64_t n) const;
 
-    // Throws IoError when the open file (this inode) is no longer what was opened: it shrank (was
-    // truncated), grew, or was modified (size or modification time differ). One fstat. A file
-    // replaced under the same name (a new inode) does not count: this reader still has the old one.
-    void check_unchanged() const;
+    // The open file (this inode) against what it was at open (or at the last accept_modified), one
+    // fstat each. check_size throws IoError when its size differs (it shrank: truncated, or grew) or
+    // it cannot be inspected; modified() says whether its modification time moved (rewritten in
+    // place); accept_modified() takes the current time as the new reference. A file replaced under
+    // the same name (a new inode) does not count: this reader still has the old one.
+    void check_size() const;
+    bool modified() const;
+    void accept_modified();
 
 private:
     std::string path_;

@@ -105,10 +105,19 @@ const SparseLayerView * FlashModel::sparse_layer(int layer) const {
     return &store_.sparse_view(static_cast<size_t>(pos));
 }
 
-void FlashModel::check_files() const {
-    sidecar_watch_->check_unchanged();
-    base_watch_->check_unchanged();
-    if (offload_) offload_->cache().verify();
+void FlashModel::check_files() {
+    sidecar_watch_->check_size();
+    base_watch_->check_size();
+    for (FileReader * f : {sidecar_watch_.get(), base_watch_.get()}) {
+        if (!f->modified()) continue;
+        if (!store_.verifying()) {
+            throw IoError("'" + f->path() + "' changed while in use: it was modified (its bytes are not checked: the "
+                          "sidecar has no checksums, or flash_verify is off); restore the file or re-create it "
+                          "(llamaflash convert --force), then load the model again");
+        }
+        if (!offload_) store_.recheck_mapped();
+        f->accept_modified();
+    }
 }
 
 std::string FlashModel::take_error() {

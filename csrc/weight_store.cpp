@@ -398,6 +398,25 @@ ggml_tensor * WeightStore::fused_gate_up(size_t pos) const {
     return pos < fused_.size() ? fused_[pos] : nullptr;
 }
 
+void WeightStore::recheck_mapped() {
+    if (!verifying()) return;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+        const LayerSpec & s = layers_[li];
+        const struct { RowSet set; File file; uint64_t offset; uint64_t stride; } sets[] = {
+            {RowSet::bundle, kSidecar, s.bundle_offset, s.bundle_stride},
+            {RowSet::down_t, kSidecar, s.down_t_offset, s.down_t_row_bytes},
+            {RowSet::base_gate, kBase, s.base_gate_offset, s.gate_row_bytes},
+            {RowSet::base_up, kBase, s.base_up_offset, s.up_row_bytes},
+            {RowSet::base_down, kBase, s.base_down_offset, s.base_down_row_bytes}};
+        for (const auto & r : sets) {
+            auto it = regions_.find({r.file, r.offset});
+            if (it == regions_.end()) continue;
+            checked_.erase({li, static_cast<int>(r.set)});
+            check_rows(li, r.set, it->second->data(), r.stride);
+        }
+    }
+}
+
 const MappedFile * WeightStore::base_region(uint64_t offset) const {
     auto it = regions_.find({kBase, offset});
     return it == regions_.end() ? nullptr : it->second;

@@ -90,7 +90,10 @@ public:
     const LayerChecksums & checksums(size_t pos) const { return checksums_.at(pos); }
     bool has_checksums() const { return has_checksums_; }   // the sidecar carries them
     bool verifying() const { return verify_ && has_checksums_; }
-    uint64_t verified_bytes() const { return verified_bytes_; }  // checked at load
+    uint64_t verified_bytes() const { return verified_bytes_; }  // checked at load (and by recheck_mapped)
+    // Checks again every row set used in place from a file mapping (the files changed on disk: a
+    // shared mapping shows the new bytes). Throws IntegrityError. No-op unless verifying().
+    void recheck_mapped();
     double verify_seconds() const { return verify_seconds_; }    // time spent checking at load
 
 private:

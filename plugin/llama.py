@@ -56,8 +56,9 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  offload on every flash read); a mismatch raises SidecarIntegrityError naming the file,
                  tensor and offset. False skips the checks (for measuring their cost). A sidecar
                  without checksums (format 1/2 from an older converter) is served unchecked, with a
-                 warning once. Before every evaluation both files are also checked (one fstat each) for
-                 having shrunk or changed since load: FlashIoError.
+                 warning once. Before every evaluation both files are also checked (one fstat each): one
+                 that shrank or grew since load is a FlashIoError; one rewritten in place is checked
+                 against the checksums again (docs/SIDECAR.md, "Files that change while in use").
 """
 from __future__ import annotations
 
@@ -384,7 +385,8 @@ class Llama(llama_cpp.Llama):
         inside the offload lane (which fails llama_decode) is raised as FlashIoError naming the file
         and the cause (a failed checksum as SidecarIntegrityError), instead of a bare RuntimeError; the
         context keeps its earlier tokens. First, the sidecar and the model file are checked for having
-        shrunk or changed since load (FlashIoError), before any of their pages is computed with."""
+        changed since load (FlashIoError, or SidecarIntegrityError for a rewritten row), before any of
+        their pages is computed with."""
         if self._flash is not None:
             self._flash.check_files()
         try:

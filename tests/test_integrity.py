@@ -191,21 +191,40 @@ def test_flash_verify_must_be_a_bool(converted):
         llamaflash.Llama(model_path=str(model), flash_mode="dense", flash_verify="yes", **KW)
 
 
-@pytest.mark.parametrize("change", ["shrink", "rewrite"])
 @pytest.mark.parametrize("lane", ["dense", "sparse"])
-def test_a_file_changed_in_use_is_a_flash_io_error_before_compute(converted, tmp_path, change, lane):
+def test_a_file_that_shrinks_in_use_is_a_flash_io_error_before_compute(converted, tmp_path, lane):
     """In memory the weights are mapped: a truncated file would be a SIGBUS when touched. The check
-    before every evaluation turns it (and an in-place rewrite) into FlashIoError first."""
+    before every evaluation turns it into FlashIoError first."""
     m, s, _ = _copies(converted, tmp_path)
     llm = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode=lane, **KW)
     llm.eval(llm.tokenize(b"hello"))
-    if change == "shrink":
-        os.truncate(s, os.path.getsize(s) // 2)
-    else:
-        os.utime(s, ns=(0, 1))  # as an in-place rewrite leaves it: same inode, new modification time
-    with pytest.raises(FlashIoError, match="m.flash.gguf.*(shrank|modified)"):
+    os.truncate(s, os.path.getsize(s) // 2)
+    with pytest.raises(FlashIoError, match="m.flash.gguf.*shrank"):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
     llm.close()
+
+
+@pytest.mark.parametrize("lane", ["dense", "sparse"])
+def test_a_file_rewritten_in_place_is_checked_again_in_memory(converted, tmp_path, lane):
+    """Same size, new modification time: the mapped rows are checked again before the evaluation. The
+    same bytes pass (and the model goes on); a changed row is SidecarIntegrityError; without checks
+    (flash_verify=False) the change itself is a FlashIoError."""
+    m, s, lay = _copies(converted, tmp_path)
+    llm = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode=lane, **KW)
+    llm.eval(llm.tokenize(b"hello"))
+    s.write_bytes(s.read_bytes())  # rewritten with the same bytes
+    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    # a row both lanes map in place here (plain weights: flash_batch_invariant): the bundles
+    _flip(s, lay.bundle_offset + 11 * lay.bundle_stride + 2)
+    with pytest.raises(SidecarIntegrityError, match=f"{fmt.bundle_tensor_name(1)} row 11 "):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    llm.close()
+    unchecked = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode=lane, flash_verify=False, **KW)
+    unchecked.eval(unchecked.tokenize(b"hello"))
+    os.utime(s, ns=(0, 1))
+    with pytest.raises(FlashIoError, match="m.flash.gguf.*modified"):
+        unchecked.eval([1])
+    unchecked.close()
 
 
 @pytest.mark.parametrize("what", ["base_down", "base_gate"])

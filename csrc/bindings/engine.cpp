@@ -197,15 +197,18 @@ void bind_engine(py::module_ & m) {
         .def("take_non_finite", &FlashModel::take_non_finite,
              "Which served FFN produced a NaN or an infinity in the last failed compute, cleared; '' if none.")
         .def("check_files",
-             [](const FlashModel & fm) {
+             [](FlashModel & fm) {
                  try {
                      fm.check_files();
+                 } catch (const IntegrityError & e) {
+                     raise_integrity_error(e.what());
                  } catch (const IoError & e) {
                      raise_flash_io_error(e.what());
                  }
              },
-             "Raise FlashIoError when the sidecar or the base model changed on disk (shrank, grew, was modified) "
-             "since the model was opened.")
+             "Raise FlashIoError when the sidecar or the base model changed size on disk since the model was "
+             "opened, or was modified in place without checksums to check it against; SidecarIntegrityError "
+             "when a row modified in place no longer matches its checksum (flash_model.h).")
         .def_property_readonly("integrity", [](const FlashModel & fm) {
             const WeightStore & w = fm.weights();
             py::dict d;
