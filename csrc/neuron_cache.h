@@ -28,7 +28,9 @@
 //   — the caller computes the `ready` clusters while the reads run —
 //   wait(L)          one thread: blocks until every read holding a cluster of L is complete, and checks
 //                    each completed batch's rows against the layer's checksums (when it has them) as
-//                    soon as that batch is in, while later batches are still being read. Throws
+//                    soon as that batch is in, while later batches are still being read; while a batch
+//                    of L is still being read it checks batches of other layers (read-ahead) that
+//                    have arrived, so checking fills time otherwise spent blocked on flash. Throws
 //                    IoError (file, offset, cause) on a failed read, IntegrityError (integrity.h) on a
 //                    checksum mismatch: the slots involved are dropped, nothing unchecked or wrong is
 //                    ever served from them. load_hot() checks the pinned clusters the same way.
@@ -159,6 +161,9 @@ private:
         FlashReader::Ticket up = 0, down = 0;
         bool has_up = false, has_down = false;
         std::vector<int64_t> slots;
+        bool done = false;          // waited for and checked (maybe early, by another layer's wait)
+        std::string error;          // its read or check failure, kept until its layer's finish
+        bool integrity = false;     // the error is a failed check
     };
 
     uint8_t * slot_data(int64_t s) const { return pool_.data() + static_cast<size_t>(s) * slot_bytes_; }
@@ -167,6 +172,9 @@ private:
     uint64_t submit(int li, const std::vector<int32_t> & clusters, const std::vector<int64_t> & slots, bool prefetch);
     void finish(int li);  // wait for li's batches and check them; throws IoError after dropping the slots
     void check_slot(int64_t s);  // the slot's rows against its layer's checksums; throws IntegrityError
+    bool arrived(const Batch & b) const;  // every read of the batch complete (poll, no blocking)
+    void complete(Batch & b);             // wait for the batch's reads, then check its slots
+    bool complete_one_arrived();          // complete one arrived batch of any layer; false if none
 
     std::vector<CacheLayerSource> layers_;
     NeuronCacheConfig config_;
