@@ -5,7 +5,9 @@ and without the checks (``flash_verify``), plus the CRC-32C throughput of this m
     .venv/bin/python bench/bench_integrity.py --reps 7 --budget-mb 300
 
 Every run is a fresh subprocess (this script with ``--worker``); runs with and without the checks
-alternate, and medians are reported (timings on a shared 2-core machine are noisy). Runs:
+alternate, each rep starts when the machine is quiet (or after --max-wait), and medians are reported
+(timings on a shared 2-core machine are noisy), also of the per-rep paired ratios. The engine's own
+time spent checking (``read_verify_seconds``) bounds what the checks can add to decode. Runs:
 
 * load: ``Llama(flash_mode="sparse")`` in memory, the time of the constructor; the checks read every
   bundle, down_t, base up and base down row once (the engine's own ``load_verify_seconds`` is reported
@@ -100,6 +102,7 @@ def main() -> int:
     p.add_argument("--budget-mb", type=float, default=300.0)
     p.add_argument("--n-gen", type=int, default=48)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine before a rep")
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -121,15 +124,26 @@ def main() -> int:
     assert offline.ok, "the sidecar does not match its checksums"
     runs: dict[str, list] = {"load_on": [], "load_off": [], "offload_on": [], "offload_off": []}
     base = {"model": str(model), "sidecar": str(sidecar), "budget_mb": args.budget_mb, "n_gen": args.n_gen}
+    from llamaflash.bench.benchkit import wait_until_quiet
+
+    busy = []
     for rep in range(args.reps):
+        busy.append(round(wait_until_quiet(args.max_wait), 3))  # another process's load ruins a pair
         for verify in ((True, False) if rep % 2 == 0 else (False, True)):  # alternated order
             key = "on" if verify else "off"
             runs[f"load_{key}"].append(run_worker({**base, "run": "load", "verify": verify}))
             runs[f"offload_{key}"].append(run_worker({**base, "run": "offload", "verify": verify}))
-        print(f"rep {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
+        print(f"rep {rep + 1}/{args.reps} (machine busy {busy[-1]:.2f} before it)", file=sys.stderr, flush=True)
     tokens = {tuple(r["tokens"]) for k in ("offload_on", "offload_off") for r in runs[k]}
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0] if f != "tokens"} for k, v in runs.items()}
+    # per rep, the two settings ran back to back: their ratio is less exposed to drifting load
+    paired_load = [100 * (a["load_s"] / b["load_s"] - 1) for a, b in zip(runs["load_on"], runs["load_off"])]
+    paired_decode = [100 * (1 - a["tok_s"] / b["tok_s"]) for a, b in zip(runs["offload_on"], runs["offload_off"])]
     summary = {
+        "load_cost_pct_paired_median": statistics.median(paired_load),
+        "decode_cost_pct_paired_median": statistics.median(paired_decode),
+        "read_verify_share_of_decode_time_pct": 100 * med["offload_on"]["read_verify_s"] / args.n_gen
+        * med["offload_off"]["tok_s"],
         "load_s_off": med["load_off"]["load_s"], "load_s_on": med["load_on"]["load_s"],
         "load_cost_pct": 100 * (med["load_on"]["load_s"] / med["load_off"]["load_s"] - 1),
         "load_verify_s": med["load_on"]["load_verify_s"], "load_verified_bytes": med["load_on"]["load_verified_bytes"],
@@ -142,7 +156,7 @@ def main() -> int:
         "offline_verify_s": offline_s,
     }
     payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "time": time.strftime("%Y-%m-%d %H:%M"),
-               "settings": {**base, "reps": args.reps, "order": "alternated, medians"},
+               "settings": {**base, "reps": args.reps, "order": "alternated, medians"}, "machine_busy_before_rep": busy,
                "crc32c": crc_throughput(), "summary": summary, "medians": med,
                "runs": {k: [{f: x for f, x in r.items() if f != "tokens"} for r in v] for k, v in runs.items()}}
     out = args.json or REPO / "bench" / "results" / f"integrity-{model.stem.split('.')[0].lower()}.json"

@@ -35,7 +35,7 @@ uint64_t verify_rows(const uint8_t * data, size_t stride, int64_t first, int64_t
 }
 
 uint64_t verify_file_rows(const FileReader & file, int64_t first, int64_t n, const uint32_t * expected,
-                          const RowSource & src, size_t chunk_bytes) {
+                          const RowSource & src, size_t chunk_bytes, bool drop) {
     const int64_t per_chunk = std::max<int64_t>(1, static_cast<int64_t>(chunk_bytes / src.row_bytes));
     std::vector<uint8_t> buf(static_cast<size_t>(std::min(per_chunk, n)) * src.row_bytes);
     uint64_t checked = 0;
@@ -45,7 +45,7 @@ uint64_t verify_file_rows(const FileReader & file, int64_t first, int64_t n, con
         const size_t bytes = static_cast<size_t>(k) * src.row_bytes;
         file.read_exact(buf.data(), bytes, at);
         checked += verify_rows(buf.data(), src.row_bytes, r, k, expected, src);
-        file.drop_cache(at, bytes);
+        if (drop) file.drop_cache(at, bytes);
     }
     return checked;
 }

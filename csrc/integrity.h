@@ -48,9 +48,10 @@ uint64_t verify_rows(const uint8_t * data, size_t stride, int64_t first, int64_t
                      const RowSource & src);
 
 // Checks rows [first, first + n) of `src` by reading them from `file` in chunks of about `chunk_bytes`
-// (then dropping their page cache: advice). Throws IoError (read) / IntegrityError. Returns the bytes.
+// (then, with drop, dropping their page cache: advice). Throws IoError (read) / IntegrityError.
+// Returns the bytes checked.
 uint64_t verify_file_rows(const FileReader & file, int64_t first, int64_t n, const uint32_t * expected,
-                          const RowSource & src, size_t chunk_bytes = size_t{4} << 20);
+                          const RowSource & src, size_t chunk_bytes = size_t{4} << 20, bool drop = true);
 
 // A served layer's expected checksums (empty vectors: the sidecar has none).
 struct LayerChecksums {

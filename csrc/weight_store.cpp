@@ -83,6 +83,46 @@ void WeightStore::check_rows(size_t li, RowSet set, const uint8_t * data, size_t
     verify_seconds_ += seconds_since(t0);
 }
 
+void WeightStore::check_mapped(size_t li, RowSet set) {
+    if (!needs_check(li, set)) return;
+    pending_.push_back({li, set});
+    checked_.insert({li, static_cast<int>(set)});
+}
+
+// The deferred checks of mapped row sets, spread over the OpenMP threads, each row set one task.
+// The rows are read with pread from the file (the page cache pages the mapping shows, as a mapping
+// of the file is coherent with it) rather than through the mapping: copying them costs less than
+// faulting every page into the process now, and the pages are faulted in when first computed with,
+// as without the check. The first mismatch found is thrown after all tasks ran.
+void WeightStore::run_checks() {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<PendingCheck> work;
+    work.swap(pending_);
+    if (work.empty()) return;
+    const FileReader sidecar(sidecar_path_), base(base_path_);
+    std::string error;
+    uint64_t bytes = 0;
+    const int64_t n = static_cast<int64_t>(work.size());
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : bytes)
+    for (int64_t i = 0; i < n; ++i) {
+        const PendingCheck & c = work[static_cast<size_t>(i)];
+        const std::vector<uint32_t> & expected = expected_of(checksums_[c.li], c.set);
+        const bool in_sidecar = c.set == RowSet::bundle || c.set == RowSet::down_t;
+        try {
+            bytes += verify_file_rows(in_sidecar ? sidecar : base, 0, static_cast<int64_t>(expected.size()),
+                                      expected.data(), row_source(layers_[c.li], c.set, sidecar_path_, base_path_),
+                                      size_t{1} << 20, /*drop=*/false);
+        } catch (const IoError & e) {  // IntegrityError, or a read failure
+#pragma omp critical(llamaflash_weight_store_checks)
+            if (error.empty()) error = e.what();
+        }
+    }
+    verified_bytes_ += bytes;
+    verify_seconds_ += seconds_since(t0);
+    if (error.rfind(kIntegrityErrorPrefix, 0) == 0) throw IntegrityError(error);
+    if (!error.empty()) throw IoError(error);
+}
+
 void WeightStore::check_file_rows(size_t li, RowSet set, const FileReader & file) {
     if (!needs_check(li, set)) return;
     const auto t0 = std::chrono::steady_clock::now();
@@ -315,12 +355,13 @@ void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
             continue;
         }
         auto bundle_map = regions_.find({kSidecar, s.bundle_offset});
-        if (bundle_map != regions_.end()) check_rows(li, RowSet::bundle, bundle_map->second->data(), s.bundle_stride);
+        if (bundle_map != regions_.end()) check_mapped(li, RowSet::bundle);
         auto down_map = regions_.find({kBase, s.base_down_offset});
         if (down_map != regions_.end()) {
-            check_rows(li, RowSet::base_down, down_map->second->data(), s.base_down_row_bytes);
+            check_mapped(li, RowSet::base_down);
         }
     }
+    run_checks();
 }
 
 const uint8_t * WeightStore::map_region(File file, uint64_t offset, uint64_t length) {
@@ -367,8 +408,8 @@ void WeightStore::load_sparse(FfnActivation activation, bool offload) {
         k.up_row_bytes = s.up_row_bytes;
         if (!offload) {
             k.down_t = map_region(kSidecar, s.down_t_offset, static_cast<uint64_t>(s.n_ff) * s.down_t_row_bytes);
-            check_rows(li, RowSet::bundle, k.bundles, s.bundle_stride);
-            check_rows(li, RowSet::down_t, k.down_t, s.down_t_row_bytes);
+            check_mapped(li, RowSet::bundle);
+            check_mapped(li, RowSet::down_t);
         }
         k.down_t_type = s.down_t_type;
         k.down_t_row_bytes = s.down_t_row_bytes;
@@ -384,9 +425,10 @@ void WeightStore::load_sparse(FfnActivation activation, bool offload) {
             // (the bundles interleave gate rows, which the gate-by-ggml path never needs)
             k.up_rows = map_region(kBase, s.base_up_offset, static_cast<uint64_t>(s.n_ff) * s.up_row_bytes);
             k.up_stride = s.up_row_bytes;
-            check_rows(li, RowSet::base_up, k.up_rows, s.up_row_bytes);
+            check_mapped(li, RowSet::base_up);
         }
     }
+    run_checks();
     sparse_ = std::move(views);
 }
 
@@ -412,9 +454,10 @@ void WeightStore::recheck_mapped() {
             auto it = regions_.find({r.file, r.offset});
             if (it == regions_.end()) continue;
             checked_.erase({li, static_cast<int>(r.set)});
-            check_rows(li, r.set, it->second->data(), r.stride);
+            check_mapped(li, r.set);
         }
     }
+    run_checks();
 }
 
 const MappedFile * WeightStore::base_region(uint64_t offset) const {

@@ -22,8 +22,9 @@
 // fault-around map neighbouring tensors' pages too).
 //
 // Integrity (integrity.h), with verify on and checksums in the sidecar: every row set a load reads is
-// checked once, before anything computes with it: in memory over the mapping or the copy's read
-// buffer (bundles, down_t, base up and down, as used); offload: the gate copy's bundle reads, and the
+// checked once, before anything computes with it: in memory the mapped rows read from the file (the
+// same page cache the mapping shows) or the copy's read buffer (bundles, down_t, base up and down,
+// as used); offload: the gate copy's bundle reads, and the
 // base file's up, down (and streamed gate) prefill views read in chunks and dropped from the page
 // cache again. The neuron cache checks its own reads (neuron_cache.h) with checksums() of the store.
 //
@@ -103,6 +104,14 @@ private:
     // from `file`; no-op without checksums or when checked already
     void check_rows(size_t li, RowSet set, const uint8_t * data, size_t stride);
     void check_file_rows(size_t li, RowSet set, const FileReader & file);
+    // a row set used in place from a mapping: deferred to run_checks, which checks them all in parallel
+    void check_mapped(size_t li, RowSet set);
+    void run_checks();  // throws IntegrityError (the first mismatch found) or IoError
+    struct PendingCheck {
+        size_t li;
+        RowSet set;
+    };
+    std::vector<PendingCheck> pending_;
     bool needs_check(size_t li, RowSet set) const;
     std::vector<std::vector<int32_t>> read_orders(const FileReader & sidecar, std::vector<bool> & identity) const;
 
