@@ -9,7 +9,8 @@ alternate, each rep starts when the machine is quiet (or after --max-wait), and 
 (timings on a shared 2-core machine are noisy), also of the per-rep paired ratios. The engine's own
 time spent checking (``read_verify_seconds``) bounds what the checks can add to decode. Runs:
 
-* load: ``Llama(flash_mode="sparse")`` in memory, the time of the constructor; the checks read every
+* load: ``Llama(flash_mode="sparse")`` in memory, files in the page cache (read once before each
+  run, as stock's load reads the whole model), the time of the constructor; the checks read every
   bundle, down_t, base up and base down row once (the engine's own ``load_verify_seconds`` is reported
   beside the wall time);
 * offload: ``Llama(ram_budget_mb=B, flash_speculative=False)``, a fixed prompt, then N greedy tokens
@@ -124,13 +125,15 @@ def main() -> int:
     assert offline.ok, "the sidecar does not match its checksums"
     runs: dict[str, list] = {"load_on": [], "load_off": [], "offload_on": [], "offload_off": []}
     base = {"model": str(model), "sidecar": str(sidecar), "budget_mb": args.budget_mb, "n_gen": args.n_gen}
-    from llamaflash.bench.benchkit import wait_until_quiet
+    from llamaflash.bench.benchkit import wait_until_quiet, warm_page_cache
 
     busy = []
     for rep in range(args.reps):
         busy.append(round(wait_until_quiet(args.max_wait), 3))  # another process's load ruins a pair
         for verify in ((True, False) if rep % 2 == 0 else (False, True)):  # alternated order
             key = "on" if verify else "off"
+            for path in (model, sidecar):  # in memory the files are in the page cache (stock's load reads
+                warm_page_cache(path)     # the whole model); the offload runs drop pages of both
             runs[f"load_{key}"].append(run_worker({**base, "run": "load", "verify": verify}))
             runs[f"offload_{key}"].append(run_worker({**base, "run": "offload", "verify": verify}))
         print(f"rep {rep + 1}/{args.reps} (machine busy {busy[-1]:.2f} before it)", file=sys.stderr, flush=True)
