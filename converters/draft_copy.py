@@ -6,6 +6,8 @@ order ``order``, two tensors of type ``draft_types[L]`` (see ``docs/SIDECAR.md``
 
 * ``blk.L.ffn_draft_up``     (n_ff × n_embd): row k = base up row order[k], dequantized and requantized;
 * ``blk.L.ffn_draft_down_t`` (n_ff × n_embd): row k = base down column order[k], likewise;
+* ``blk.L.ffn_draft_crc`` (I32, n_ff × 2): the CRC-32C of each row of the two (the integrity section's
+  algorithm), checked when the engine loads the copy;
 
 Only drafts read them; verified tokens never do, so the copy costs memory and conversion time, not
 quality. Qwen2.5-1.5B Q4_K_M with Q2_K: 504 B per row, 2 x 28 x 8960 rows = 253 MB (the up/down_t rows
@@ -18,6 +20,7 @@ import gguf
 import numpy as np
 
 from llamaflash import sidecar_format as fmt
+from llamaflash.converters.integrity import row_checksums
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan
 from llamaflash.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
 
@@ -66,6 +69,19 @@ class DraftCopyStage:
         plan.add_tensor(PlannedTensor(
             name=fmt.draft_down_t_tensor_name(ffn.layer), ggml_type=dtype, shape=(ffn.n_ff, ffn.n_embd),
             produce=lambda: build_draft_down_t(model, ffn, order, dtype), layer=ffn.layer))
+        # row checksums of the very bytes written (the integrity section's algorithm)
+        seen: dict[int, np.ndarray] = {}
+        for column, name in enumerate((fmt.draft_up_tensor_name(ffn.layer), fmt.draft_down_t_tensor_name(ffn.layer))):
+            plan.observe_tensor(name, lambda data, column=column, n=ffn.n_ff:
+                                seen.__setitem__(column, row_checksums(data.reshape(n, -1))))
+
+        def table() -> np.ndarray:
+            if len(seen) != 2:
+                raise RuntimeError(f"layer {ffn.layer}: draft copy not written before its checksums")
+            return np.stack([seen[0], seen[1]], axis=1).astype(np.uint32).view(np.int32)
+        plan.add_tensor(PlannedTensor(
+            name=fmt.draft_checksum_tensor_name(ffn.layer), ggml_type=gguf.GGMLQuantizationType.I32,
+            shape=(ffn.n_ff, 2), produce=table, layer=ffn.layer))
 
 
 def _requantize(rows: np.ndarray, dtype: gguf.GGMLQuantizationType) -> np.ndarray:

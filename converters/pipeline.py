@@ -44,6 +44,7 @@ from llamaflash.converters.writer import (
     removing_temporaries_on_signal,
     write_sidecar_atomically,
 )
+from llamaflash.converters.integrity import IntegrityStage
 from llamaflash.errors import ConversionError, OutputExistsError
 from llamaflash.gguf_model import (
     BaseModelInfo,
@@ -188,7 +189,7 @@ def _convert(model_path: Path, model: BaseModelInfo, out: Path, force: bool, str
              opts: ConvertOptions, t_start: float) -> Path:
     identity = base_identity(model_path, model)
     if not opts.profile:
-        plan = plan_sidecar(model, identity, [BundleStage(down_t=opts.down_t_type)])
+        plan = plan_sidecar(model, identity, [BundleStage(down_t=opts.down_t_type), IntegrityStage()])
         write_sidecar_atomically(plan, out, force=force,
                                  progress=_LayerProgress(plan, stream) if stream else None)
         _say(stream, f"llamaflash convert: wrote {out} ({out.stat().st_size} bytes)")
@@ -218,11 +219,13 @@ def _convert(model_path: Path, model: BaseModelInfo, out: Path, force: bool, str
 def sidecar_plan(model: BaseModelInfo, identity: str, result, draft: str = "none") -> SidecarPlan:
     """The plan of the format-2 sidecar a :class:`~llamaflash.converters.calibrate.CalibrationResult`
     describes: bundles and sparsity content in its decisions' orders, the draft copy of type
-    ``draft`` (a DRAFT_CHOICES entry; the quality measurement's sidecar has none), then its header keys."""
+    ``draft`` (a DRAFT_CHOICES entry; the quality measurement's sidecar has none), the row checksums,
+    then its header keys."""
     stages = [BundleStage(result.stage.orders, down_t=result.options.down_t_type), result.stage]
     dtype = draft_type(model.n_embd, draft)
     if dtype is not None:
         stages.append(DraftCopyStage(result.stage.orders, dtype))
+    stages.append(IntegrityStage())
     plan = plan_sidecar(model, identity, stages)
     result.add_header_keys(plan)
     return plan
@@ -233,6 +236,10 @@ def plan_sidecar(model: BaseModelInfo, identity: str, stages: list[ConverterStag
     through every stage, in layer order. The format version is the largest
     ``min_format_version`` of the stages."""
     version = max([1] + [getattr(stage, "min_format_version", 1) for stage in stages])
+    # the integrity section is optional before format 3 and required from it: a file with the
+    # sparsity content and checksums is format 3; a bundle-only one stays format 1 (with checksums)
+    if version >= fmt.SPARSITY_FORMAT_VERSION and any(isinstance(s, IntegrityStage) for s in stages):
+        version = max(version, fmt.INTEGRITY_FORMAT_VERSION)
     if version not in fmt.SUPPORTED_FORMAT_VERSIONS:
         raise ValueError(f"stages need format version {version}, which this llamaflash cannot read")
     plan = SidecarPlan()

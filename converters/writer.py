@@ -78,6 +78,7 @@ class SidecarPlan:
         self._metadata: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]] = {}
         self._layer_arrays: dict[str, tuple[list[Any], gguf.GGUFValueType]] = {}
         self.tensors: list[PlannedTensor] = []
+        self._observers: dict[str, list[Callable[[np.ndarray], None]]] = {}
 
     # metadata -------------------------------------------------------------------------
 
@@ -141,6 +142,16 @@ class SidecarPlan:
         if any(t.name == tensor.name for t in self.tensors):
             raise ValueError(f"tensor '{tensor.name}' is planned twice")
         self.tensors.append(tensor)
+
+    def observe_tensor(self, name: str, callback: Callable[[np.ndarray], None]) -> None:
+        """Call ``callback(data)`` with the bytes produced for the planned tensor ``name`` when it is
+        written (so before any tensor planned after it is produced), e.g. to checksum them."""
+        if not any(t.name == name for t in self.tensors):
+            raise ValueError(f"tensor '{name}' is not planned (yet)")
+        self._observers.setdefault(name, []).append(callback)
+
+    def observers(self, name: str) -> list[Callable[[np.ndarray], None]]:
+        return self._observers.get(name, [])
 
 
 def write_sidecar_atomically(
@@ -206,6 +217,8 @@ def _write_gguf(plan: SidecarPlan, path: Path, progress: ProgressCallback | None
                 raise ValueError(
                     f"tensor '{t.name}': produced {data.nbytes} bytes, planned {t.nbytes}"
                 )
+            for observe in plan.observers(t.name):
+                observe(data)
             writer.write_tensor_data(data)
             if progress is not None:
                 progress(i + 1, len(plan.tensors), t)

@@ -52,6 +52,13 @@ struct LayerSpec {
     uint64_t draft_row_bytes = 0;
     uint64_t draft_up_offset = 0;
     uint64_t draft_down_t_offset = 0;
+    uint64_t draft_crc_offset = 0;  // uint32 [n_ff][2]: draft up, draft down_t rows (0: no checksums)
+    std::string draft_up_name, draft_down_t_name;  // tensor names for messages
+    // integrity (integrity.h): absolute sidecar offsets of the layer's row-checksum tables, both 0 when
+    // the sidecar has none; and the tensor names the checks' messages use
+    uint64_t crc_offset = 0;            // uint32 [n_ff][4]: bundle, down_t, base gate, base up rows
+    uint64_t base_down_crc_offset = 0;  // uint32 [n_embd]: base down rows
+    std::string bundle_name, down_t_name, base_gate_name, base_up_name, base_down_name;
 };
 
 // How the sparse lane runs. The lane of a split is fixed by this and the layer's threshold: a
@@ -100,6 +107,10 @@ struct EngineConfig {
     // rows with another summation order than one row; plain ones give each row the same bits
     // whatever the batch (what a speculative verify batch needs to equal one-token decoding).
     bool repack = true;
+    // true: check every row read against the sidecar's checksums before it is computed with (loads
+    // in memory check what they map or copy once; offload checks each flash read). false: no check
+    // (for measuring its cost). Without checksums in the sidecar there is nothing to check.
+    bool verify = true;
 
     // Throws std::invalid_argument naming the field and what it accepts: empty paths or layers, a
     // layer listed twice, an empty shape, an unknown ggml type, row sizes that do not match the

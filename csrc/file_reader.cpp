@@ -23,6 +23,37 @@ FileReader::FileReader(const std::string & path) : path_(path) {
         throw IoError("cannot stat '" + path + "': " + std::strerror(err));
     }
     size_ = static_cast<uint64_t>(st.st_size);
+    mtime_sec_ = static_cast<int64_t>(st.st_mtim.tv_sec);
+    mtime_nsec_ = static_cast<int64_t>(st.st_mtim.tv_nsec);
+}
+
+void FileReader::check_size() const {
+    struct stat st {};
+    std::string what;
+    if (::fstat(fd_, &st) != 0) {
+        what = std::string("it cannot be inspected: ") + std::strerror(errno);
+    } else if (static_cast<uint64_t>(st.st_size) < size_) {
+        what = "it shrank from " + std::to_string(size_) + " to " + std::to_string(st.st_size) + " bytes (truncated)";
+    } else if (static_cast<uint64_t>(st.st_size) != size_) {
+        what = "its size changed from " + std::to_string(size_) + " to " + std::to_string(st.st_size) + " bytes";
+    }
+    if (!what.empty()) {
+        throw IoError("'" + path_ + "' changed while in use: " + what +
+                      "; restore the file or re-create it (llamaflash convert --force), then load the model again");
+    }
+}
+
+bool FileReader::modified() const {
+    struct stat st {};
+    return ::fstat(fd_, &st) != 0 || st.st_mtim.tv_sec != mtime_sec_ || st.st_mtim.tv_nsec != mtime_nsec_;
+}
+
+void FileReader::accept_modified() {
+    struct stat st {};
+    if (::fstat(fd_, &st) == 0) {
+        mtime_sec_ = static_cast<int64_t>(st.st_mtim.tv_sec);
+        mtime_nsec_ = static_cast<int64_t>(st.st_mtim.tv_nsec);
+    }
 }
 
 FileReader::~FileReader() {

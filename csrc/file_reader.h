@@ -40,10 +40,20 @@ public:
     // posix_fadvise(DONTNEED) on [offset, offset + n): drops clean cached pages of that range.
     void drop_cache(uint64_t offset, uint64_t n) const;
 
+    // The open file (this inode) against what it was at open (or at the last accept_modified), one
+    // fstat each. check_size throws IoError when its size differs (it shrank: truncated, or grew) or
+    // it cannot be inspected; modified() says whether its modification time moved (rewritten in
+    // place); accept_modified() takes the current time as the new reference. A file replaced under
+    // the same name (a new inode) does not count: this reader still has the old one.
+    void check_size() const;
+    bool modified() const;
+    void accept_modified();
+
 private:
     std::string path_;
     int fd_ = -1;
     uint64_t size_ = 0;
+    int64_t mtime_sec_ = 0, mtime_nsec_ = 0;
 };
 
 class MappedFile {

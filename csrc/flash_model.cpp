@@ -19,7 +19,7 @@ std::vector<int> layer_ids(const std::vector<LayerSpec> & layers) {
 
 FlashModel::FlashModel(const EngineConfig & config)
     : layers_(config.layers),
-      store_(config.layers, config.sidecar_path, config.base_path),
+      store_(config.layers, config.sidecar_path, config.base_path, config.verify),
       stats_(layer_ids(config.layers)),
       activation_(parse_ffn_activation(config.activation)) {
     for (size_t p = 0; p < layers_.size(); ++p) {
@@ -32,6 +32,9 @@ FlashModel::~FlashModel() = default;
 std::shared_ptr<FlashModel> FlashModel::open(EngineConfig config) {
     config.validate();
     std::shared_ptr<FlashModel> model(new FlashModel(config));
+    // opened first: check_files compares against the files as they were when loading began
+    model->sidecar_watch_ = std::make_unique<FileReader>(config.sidecar_path);
+    model->base_watch_ = std::make_unique<FileReader>(config.base_path);
     const bool offload = config.offload.has_value();
     model->store_.load_dense(offload, offload && config.offload->stream_gate, config.repack);
     if (config.sparse.enabled) {
@@ -100,6 +103,21 @@ const SparseLayerView * FlashModel::sparse_layer(int layer) const {
         return nullptr;
     }
     return &store_.sparse_view(static_cast<size_t>(pos));
+}
+
+void FlashModel::check_files() {
+    sidecar_watch_->check_size();
+    base_watch_->check_size();
+    for (FileReader * f : {sidecar_watch_.get(), base_watch_.get()}) {
+        if (!f->modified()) continue;
+        if (!store_.verifying()) {
+            throw IoError("'" + f->path() + "' changed while in use: it was modified (its bytes are not checked: the "
+                          "sidecar has no checksums, or flash_verify is off); restore the file or re-create it "
+                          "(llamaflash convert --force), then load the model again");
+        }
+        if (!offload_) store_.recheck_mapped();
+        f->accept_modified();
+    }
 }
 
 std::string FlashModel::take_error() {

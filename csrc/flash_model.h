@@ -73,6 +73,13 @@ public:
     OffloadState * offload() const { return offload_.get(); }  // nullptr in memory
     // The error that failed the last graph compute (offload I/O), cleared; "" if none.
     std::string take_error();
+    // Called before every evaluation (a few fstat calls), so that a file truncated between
+    // evaluations is an error, not a SIGBUS on its mapped pages. Throws IoError when the sidecar or
+    // the base file changed size since open. A file modified in place (same size, new modification
+    // time): with checksums being checked, offload checks every row when it reads it anyway, and in
+    // memory the mapped rows are checked again now (IntegrityError on a mismatch; if all match the
+    // new time is accepted); without checks it throws IoError (its bytes cannot be vouched for).
+    void check_files();
     // A served FFN that produced a NaN or an infinity (the split executor checks every output):
     // kept until taken, so Python raises it naming the layer after llama_decode reports the failure.
     void set_non_finite(const std::string & message);
@@ -90,6 +97,7 @@ private:
     WeightStore store_;
     FlashStats stats_;
     std::unique_ptr<OffloadState> offload_;
+    std::unique_ptr<FileReader> sidecar_watch_, base_watch_;  // opened at open, for check_files
     SparseConfig sparse_config_;
     FfnActivation activation_ = FfnActivation::silu;
     std::mutex non_finite_mutex_;

@@ -181,18 +181,56 @@ uint64_t NeuronCache::submit(int li, const std::vector<int32_t> & clusters, cons
     return bytes;
 }
 
+bool NeuronCache::arrived(const Batch & b) const {
+    return (!b.has_up || up_file_->poll(b.up)) && (!b.has_down || sidecar_->poll(b.down));
+}
+
+void NeuronCache::complete(Batch & b) {
+    if (b.done) return;
+    for (int pass = 0; pass < 2; ++pass) {
+        if (!(pass == 0 ? b.has_up : b.has_down)) continue;
+        try {
+            (pass == 0 ? up_file_ : sidecar_)->wait(pass == 0 ? b.up : b.down);
+        } catch (const std::exception & e) {
+            if (b.error.empty()) b.error = e.what();
+        }
+    }
+    for (size_t k = 0; k < b.slots.size() && b.error.empty(); ++k) {
+        try {
+            check_slot(b.slots[k]);
+        } catch (const IntegrityError & e) {
+            b.error = e.what();
+            b.integrity = true;
+        }
+    }
+    b.done = true;
+}
+
+bool NeuronCache::complete_one_arrived() {
+    for (std::vector<Batch> & layer : batches_) {
+        for (Batch & b : layer) {
+            if (!b.done && arrived(b)) {
+                complete(b);
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
 void NeuronCache::finish(int li) {
     std::vector<Batch> batches;
     batches.swap(batches_[static_cast<size_t>(li)]);
     std::string error;
+    bool integrity = false;  // the error is a failed check, not a failed read
     for (Batch & b : batches) {
-        for (int pass = 0; pass < 2; ++pass) {
-            if (!(pass == 0 ? b.has_up : b.has_down)) continue;
-            try {
-                (pass == 0 ? up_file_ : sidecar_)->wait(pass == 0 ? b.up : b.down);
-            } catch (const std::exception & e) {
-                if (error.empty()) error = e.what();
-            }
+        // while this batch is still being read, check others that arrived (read-ahead of later layers)
+        while (!b.done && !arrived(b) && complete_one_arrived()) {
+        }
+        complete(b);
+        if (error.empty() && !b.error.empty()) {
+            error = b.error;
+            integrity = b.integrity;
         }
         for (int64_t s : b.slots) {
             Slot & slot = slots_[s];
@@ -203,7 +241,22 @@ void NeuronCache::finish(int li) {
             }
         }
     }
+    if (integrity) throw IntegrityError(error);
     if (!error.empty()) throw IoError(error);
+}
+
+void NeuronCache::check_slot(int64_t s) {
+    const Slot & slot = slots_[s];
+    const CacheLayerSource & L = layers_[static_cast<size_t>(slot.layer)];
+    if (L.up_crc.empty()) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t C = config_.cluster_size;
+    const int64_t first = static_cast<int64_t>(slot.cluster) * C;
+    const int64_t n = std::min<int64_t>(C, L.n_ff - first);
+    uint64_t bytes = verify_rows(slot_data(s), L.up_row_bytes, first, n, L.up_crc.data(), L.up_source);
+    bytes += verify_rows(slot_data(s) + up_part_, L.down_t_row_bytes, first, n, L.down_t_crc.data(), L.down_t_source);
+    stats_.verified_bytes += bytes;
+    stats_.verify_seconds += seconds_since(t0);
 }
 
 void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {

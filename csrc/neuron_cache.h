@@ -26,15 +26,21 @@
 //                    remain (a layer's own demand always has room: the constructor checks the cold
 //                    region holds (1 + prefetch_layers) layers' clusters). Never blocks on I/O.
 //   — the caller computes the `ready` clusters while the reads run —
-//   wait(L)          one thread: blocks until every read holding a cluster of L is complete. Throws
-//                    IoError (file, offset, cause) on a failed read: the slots involved are dropped,
-//                    nothing wrong is ever served from them.
+//   wait(L)          one thread: blocks until every read holding a cluster of L is complete, and checks
+//                    each completed batch's rows against the layer's checksums (when it has them) as
+//                    soon as that batch is in, while later batches are still being read; while a batch
+//                    of L is still being read it checks batches of other layers (read-ahead) that
+//                    have arrived, so checking fills time otherwise spent blocked on flash. Throws
+//                    IoError (file, offset, cause) on a failed read, IntegrityError (integrity.h) on a
+//                    checksum mismatch: the slots involved are dropped, nothing unchecked or wrong is
+//                    ever served from them. load_hot() checks the pinned clusters the same way.
 //   — the caller computes the `pending` clusters —
 // Slot addresses stay valid until the next plan() of any layer. Not thread-safe: one plan/wait
 // sequence at a time (the backend computes splits one at a time per model).
 #pragma once
 
 #include "flash_io.h"
+#include "integrity.h"
 
 #include <chrono>
 #include <cstddef>
@@ -55,6 +61,10 @@ struct CacheLayerSource {
     uint64_t down_t_row_bytes = 0;
     std::vector<float> cluster_prob;  // P(cluster needed) per cluster (read-ahead); empty = all 1
     std::vector<int32_t> hot;         // clusters to pin (from the planner)
+    // CRC-32C of every up row / down_t row (n_ff each; integrity.h) and how a mismatch names them;
+    // empty: the rows are not checked
+    std::vector<uint32_t> up_crc, down_t_crc;
+    RowSource up_source, down_t_source;
 };
 
 // Bytes of one slot: round_up(C·up_row_bytes, 4096) + round_up(C·down_t_row_bytes, 4096), with the
@@ -88,6 +98,8 @@ struct NeuronCacheStats {
     uint64_t hot_bytes_loaded = 0;  // by load_hot()
     double io_wait_seconds = 0;     // time blocked in wait()
     double plan_seconds = 0;        // time in plan()
+    uint64_t verified_bytes = 0;    // bytes checked against the checksums (load_hot and reads)
+    double verify_seconds = 0;      // time spent checking them (part of io_wait_seconds after load)
     uint64_t draft_plans = 0;             // plan_resident() calls (draft layer-tokens)
     uint64_t draft_clusters_needed = 0;   // Σ clusters a draft's tokens select
     uint64_t draft_clusters_resident = 0; // of those, resident (computed); the rest were skipped
@@ -149,13 +161,20 @@ private:
         FlashReader::Ticket up = 0, down = 0;
         bool has_up = false, has_down = false;
         std::vector<int64_t> slots;
+        bool done = false;          // waited for and checked (maybe early, by another layer's wait)
+        std::string error;          // its read or check failure, kept until its layer's finish
+        bool integrity = false;     // the error is a failed check
     };
 
     uint8_t * slot_data(int64_t s) const { return pool_.data() + static_cast<size_t>(s) * slot_bytes_; }
     int64_t take_cold_slot(bool for_prefetch);
     // starts the reads of `clusters` of layer li into `slots`; returns the payload bytes requested
     uint64_t submit(int li, const std::vector<int32_t> & clusters, const std::vector<int64_t> & slots, bool prefetch);
-    void finish(int li);  // wait for li's batches; throws IoError after dropping the slots
+    void finish(int li);  // wait for li's batches and check them; throws IoError after dropping the slots
+    void check_slot(int64_t s);  // the slot's rows against its layer's checksums; throws IntegrityError
+    bool arrived(const Batch & b) const;  // every read of the batch complete (poll, no blocking)
+    void complete(Batch & b);             // wait for the batch's reads, then check its slots
+    bool complete_one_arrived();          // complete one arrived batch of any layer; false if none
 
     std::vector<CacheLayerSource> layers_;
     NeuronCacheConfig config_;

@@ -53,6 +53,12 @@ OffloadState::OffloadState(const EngineConfig & config, const WeightStore & stor
         src.down_t_row_bytes = s.down_t_row_bytes;
         src.hot = o.hot[p];
         src.cluster_prob = o.cluster_prob[p];
+        if (store.verifying()) {  // every read checked before its cluster is computed (neuron_cache.h)
+            src.up_crc = store.checksums(p).base_up;
+            src.down_t_crc = store.checksums(p).down_t;
+            src.up_source = row_source(s, RowSet::base_up, config.sidecar_path, config.base_path);
+            src.down_t_source = row_source(s, RowSet::down_t, config.sidecar_path, config.base_path);
+        }
     }
     cache_ = std::make_unique<NeuronCache>(config.sidecar_path, config.base_path, std::move(sources),
                                            cache_config(config));
@@ -85,19 +91,28 @@ OffloadState::OffloadState(const EngineConfig & config, const WeightStore & stor
             if (map == nullptr) {
                 continue;
             }
-            streamed_[p].push_back({map, offset, length});
+            Region r{map, offset, length};
+            if (store.verifying()) {
+                const RowSet set = offset == s.base_up_offset     ? RowSet::base_up
+                                   : offset == s.base_down_offset ? RowSet::base_down
+                                                                  : RowSet::base_gate;
+                const LayerChecksums & c = store.checksums(p);
+                r.expected = set == RowSet::base_up ? &c.base_up : set == RowSet::base_down ? &c.base_down : &c.base_gate;
+                r.source = row_source(s, set, config.sidecar_path, config.base_path);
+            }
+            streamed_[p].push_back(r);
             if (stream_gate_ && offset == s.base_gate_offset) {
-                gate_[p].push_back({map, offset, length});
+                gate_[p].push_back(r);
             }
         }
     }
     base_file_ = std::make_unique<FileReader>(config.base_path);
     if (o.draft_copy) {
-        load_draft_copy(config);
+        load_draft_copy(config, store.verifying());
     }
 }
 
-void OffloadState::load_draft_copy(const EngineConfig & config) {
+void OffloadState::load_draft_copy(const EngineConfig & config, bool verify) {
     const size_t kAlign = 4096;
     auto aligned = [&](uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
     size_t total = 0;
@@ -114,11 +129,23 @@ void OffloadState::load_draft_copy(const EngineConfig & config) {
         DraftRows & r = draft_rows_[p];
         r.type = s.draft_type;
         r.row_bytes = s.draft_row_bytes;
-        for (auto [offset, dst] : {std::pair<uint64_t, const uint8_t **>{s.draft_up_offset, &r.up},
-                                   std::pair<uint64_t, const uint8_t **>{s.draft_down_t_offset, &r.down_t}}) {
-            sidecar.read_exact(draft_copy_.data() + at, bytes, offset);  // IoError: truncated or unreadable
-            sidecar.drop_cache(offset, bytes);  // resident once, in the copy, not also in the page cache
-            *dst = draft_copy_.data() + at;
+        std::vector<uint32_t> table;  // [n_ff][2]: draft up, draft down_t row checksums
+        if (verify && s.draft_crc_offset != 0) {
+            table.resize(2 * static_cast<size_t>(s.n_ff));
+            sidecar.read_exact(table.data(), table.size() * sizeof(uint32_t), s.draft_crc_offset);
+        }
+        const RowSet sets[2] = {RowSet::draft_up, RowSet::draft_down_t};
+        const uint8_t ** dsts[2] = {&r.up, &r.down_t};
+        for (int col = 0; col < 2; ++col) {
+            const RowSource src = row_source(s, sets[col], config.sidecar_path, config.base_path);
+            sidecar.read_exact(draft_copy_.data() + at, bytes, src.offset);  // IoError: truncated or unreadable
+            sidecar.drop_cache(src.offset, bytes);  // resident once, in the copy, not also in the page cache
+            if (!table.empty()) {  // IntegrityError: a draft never computes from unverified bytes
+                std::vector<uint32_t> expected(static_cast<size_t>(s.n_ff));
+                for (size_t k = 0; k < expected.size(); ++k) expected[k] = table[2 * k + col];
+                verify_rows(draft_copy_.data() + at, s.draft_row_bytes, 0, s.n_ff, expected.data(), src);
+            }
+            *dsts[col] = draft_copy_.data() + at;
             at += aligned(bytes);
         }
     }
@@ -135,13 +162,32 @@ void OffloadState::release(const Region & r) const {
     base_file_->drop_cache(r.offset, r.length);  // advice: pages mapped elsewhere stay
 }
 
-void OffloadState::before_split(int pos, bool sparse) {
-    if (!sparse || pos < 0) {
-        return;
+bool OffloadState::check(const Region & r) {
+    if (r.expected == nullptr || r.expected->empty()) return true;
+    try {
+        verify_rows(r.map->data(), r.source.row_bytes, 0, static_cast<int64_t>(r.expected->size()), r.expected->data(),
+                    r.source);
+    } catch (const IntegrityError & e) {
+        set_error(e.what());
+        return false;
     }
-    for (const Region & r : gate_[next_[pos]]) {
-        (void) madvise(r.map->mapping(), r.map->mapping_size(), MADV_WILLNEED);
+    return true;
+}
+
+bool OffloadState::before_split(int pos, bool sparse) {
+    if (pos < 0) {
+        return true;
     }
+    bool ok = true;
+    for (const Region & r : sparse ? gate_[pos] : streamed_[pos]) {
+        ok = ok && check(r);
+    }
+    if (sparse) {
+        for (const Region & r : gate_[next_[pos]]) {
+            (void) madvise(r.map->mapping(), r.map->mapping_size(), MADV_WILLNEED);
+        }
+    }
+    return ok;
 }
 
 bool OffloadState::after_split(int pos, bool sparse, const std::string & failure) {

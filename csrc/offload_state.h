@@ -8,7 +8,11 @@
 // splits and, for a streamed gate, by every decode split's gate GEMV. The split executor calls the
 // hooks around each split of a served layer at position p:
 //   before_split(p, sparse)   sparse: start reading the next served layer's gate (MADV_WILLNEED,
-//                             asynchronous), so it arrives while p computes
+//                             asynchronous), so it arrives while p computes. With checksums
+//                             (integrity.h), first check the rows of p's views that the split reads
+//                             (sparse: a streamed gate; dense: up, down and a streamed gate): their
+//                             pages were dropped after the last use and come back from the file.
+//                             Returns false after set_error on a mismatch: the split must not run.
 //   after_split(p, sparse, failure)
 //                             sparse: drop p's streamed gate pages; dense: drop p's up/down (and gate)
 //                             pages (MADV_DONTNEED on the mapping, POSIX_FADV_DONTNEED on the file
@@ -19,8 +23,9 @@
 //
 // Draft copy (OffloadConfig::draft_copy): every layer's draft up and down_t rows (n_ff rows each of
 // one compact type, sidecar tensors blk.L.ffn_draft_up / ffn_draft_down_t, bundle order) read at
-// construction into one resident buffer of draft_copy_bytes(). In draft mode the sparse lane then
-// computes every needed cluster from it instead of from the resident clusters only.
+// construction into one resident buffer of draft_copy_bytes(), every row checked against the
+// sidecar's draft checksums when the store verifies (IntegrityError otherwise). In draft mode the
+// sparse lane then computes the needed clusters that are not resident from it.
 //
 // Errors: set_error keeps the first message until take_error (Python raises it as FlashIoError
 // after llama_decode reports the failed compute). Thread-safe; the hooks are called by the backend
@@ -29,6 +34,7 @@
 
 #include "engine_config.h"
 #include "file_reader.h"
+#include "integrity.h"
 #include "neuron_cache.h"
 
 #include <atomic>
@@ -61,7 +67,7 @@ public:
     // when the gate is streamed, else 0.
     uint64_t streamed_gate_bytes() const { return streamed_gate_bytes_; }
 
-    void before_split(int pos, bool sparse);
+    bool before_split(int pos, bool sparse);
     bool after_split(int pos, bool sparse, const std::string & failure);
 
     void set_error(const std::string & message);
@@ -92,9 +98,13 @@ private:
     struct Region {
         const MappedFile * map;
         uint64_t offset, length;  // in the base file
+        const std::vector<uint32_t> * expected = nullptr;  // row checksums (nullptr: not checked)
+        RowSource source;
     };
+    bool check(const Region & r);  // false after set_error on a mismatch
     void release(const Region & r) const;
-    void load_draft_copy(const EngineConfig & config);
+    // reads every layer's draft copy; with `verify`, checks each row against the sidecar's draft checksums
+    void load_draft_copy(const EngineConfig & config, bool verify);
 
     std::unique_ptr<NeuronCache> cache_;
     std::vector<int> next_;                     // [pos] -> position of the next served layer id, cyclic

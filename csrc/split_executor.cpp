@@ -149,15 +149,14 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
     const int pos = r.model != nullptr ? r.model->layer_position(r.layer) : -1;
 
     // 3. run
-    if (offload != nullptr) {
-        offload->before_split(pos, sparse);
-    }
+    // false: a view this split reads failed its checksums (the error is kept): nothing is computed
+    const bool runnable = offload == nullptr || offload->before_split(pos, sparse);
     const auto t0 = std::chrono::steady_clock::now();
-    ggml_status status = ggml_backend_graph_compute(cpu_, graph);
+    ggml_status status = runnable ? ggml_backend_graph_compute(cpu_, graph) : GGML_STATUS_FAILED;
     const double seconds = seconds_between(t0, std::chrono::steady_clock::now());
     const std::string failure = sparse ? sparse_.take_failure() : std::string();
     const bool ok = offload != nullptr ? offload->after_split(pos, sparse, failure) : failure.empty();
-    if (!ok) {  // an I/O error in the offload lane: the split's result is not valid
+    if (!ok || !runnable) {  // an I/O or checksum error in the offload lane: the split's result is not valid
         status = GGML_STATUS_FAILED;
     }
     if (status == GGML_STATUS_SUCCESS && r.model != nullptr) {

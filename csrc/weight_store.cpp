@@ -4,6 +4,7 @@
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
 
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 
@@ -43,8 +44,94 @@ ggml_backend_buffer_type_t pick_cpu_weight_buft(ggml_tensor * w) {
 
 }  // namespace
 
-WeightStore::WeightStore(std::vector<LayerSpec> layers, std::string sidecar_path, std::string base_path)
-    : layers_(std::move(layers)), sidecar_path_(std::move(sidecar_path)), base_path_(std::move(base_path)) {}
+WeightStore::WeightStore(std::vector<LayerSpec> layers, std::string sidecar_path, std::string base_path, bool verify)
+    : layers_(std::move(layers)), sidecar_path_(std::move(sidecar_path)), base_path_(std::move(base_path)),
+      verify_(verify) {
+    for (const LayerSpec & s : layers_) has_checksums_ = has_checksums_ || s.crc_offset != 0;
+}
+
+bool WeightStore::needs_check(size_t li, RowSet set) const {
+    return verify_ && checksums_.at(li).present() && checked_.count({li, static_cast<int>(set)}) == 0;
+}
+
+namespace {
+
+const std::vector<uint32_t> & expected_of(const LayerChecksums & c, RowSet set) {
+    switch (set) {
+        case RowSet::bundle: return c.bundle;
+        case RowSet::down_t: return c.down_t;
+        case RowSet::base_gate: return c.base_gate;
+        case RowSet::base_up: return c.base_up;
+        case RowSet::base_down: return c.base_down;
+    }
+    throw std::logic_error("unknown row set");
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+void WeightStore::check_rows(size_t li, RowSet set, const uint8_t * data, size_t stride) {
+    if (!needs_check(li, set)) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<uint32_t> & expected = expected_of(checksums_[li], set);
+    const RowSource src = row_source(layers_[li], set, sidecar_path_, base_path_);
+    verified_bytes_ += verify_rows(data, stride, 0, static_cast<int64_t>(expected.size()), expected.data(), src);
+    checked_.insert({li, static_cast<int>(set)});
+    verify_seconds_ += seconds_since(t0);
+}
+
+void WeightStore::check_mapped(size_t li, RowSet set) {
+    if (!needs_check(li, set)) return;
+    pending_.push_back({li, set});
+    checked_.insert({li, static_cast<int>(set)});
+}
+
+// The deferred checks of mapped row sets, spread over the OpenMP threads, each row set one task.
+// The rows are read with pread from the file (the page cache pages the mapping shows, as a mapping
+// of the file is coherent with it) rather than through the mapping: copying them costs less than
+// faulting every page into the process now, and the pages are faulted in when first computed with,
+// as without the check. The first mismatch found is thrown after all tasks ran.
+void WeightStore::run_checks() {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<PendingCheck> work;
+    work.swap(pending_);
+    if (work.empty()) return;
+    const FileReader sidecar(sidecar_path_), base(base_path_);
+    std::string error;
+    uint64_t bytes = 0;
+    const int64_t n = static_cast<int64_t>(work.size());
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : bytes)
+    for (int64_t i = 0; i < n; ++i) {
+        const PendingCheck & c = work[static_cast<size_t>(i)];
+        const std::vector<uint32_t> & expected = expected_of(checksums_[c.li], c.set);
+        const bool in_sidecar = c.set == RowSet::bundle || c.set == RowSet::down_t;
+        try {
+            bytes += verify_file_rows(in_sidecar ? sidecar : base, 0, static_cast<int64_t>(expected.size()),
+                                      expected.data(), row_source(layers_[c.li], c.set, sidecar_path_, base_path_),
+                                      size_t{1} << 20, /*drop=*/false);
+        } catch (const IoError & e) {  // IntegrityError, or a read failure
+#pragma omp critical(llamaflash_weight_store_checks)
+            if (error.empty()) error = e.what();
+        }
+    }
+    verified_bytes_ += bytes;
+    verify_seconds_ += seconds_since(t0);
+    if (error.rfind(kIntegrityErrorPrefix, 0) == 0) throw IntegrityError(error);
+    if (!error.empty()) throw IoError(error);
+}
+
+void WeightStore::check_file_rows(size_t li, RowSet set, const FileReader & file) {
+    if (!needs_check(li, set)) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<uint32_t> & expected = expected_of(checksums_[li], set);
+    const RowSource src = row_source(layers_[li], set, sidecar_path_, base_path_);
+    verified_bytes_ += verify_file_rows(file, 0, static_cast<int64_t>(expected.size()), expected.data(), src);
+    checked_.insert({li, static_cast<int>(set)});
+    verify_seconds_ += seconds_since(t0);
+}
 
 WeightStore::~WeightStore() {
     for (ggml_backend_buffer_t b : buffers_) {
@@ -89,6 +176,7 @@ void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
 
     std::vector<bool> identity;
     const std::vector<std::vector<int32_t>> orders = read_orders(sidecar, identity);
+    checksums_ = verify_ ? read_checksums(sidecar, layers_) : std::vector<LayerChecksums>(layers_.size());
     for (const LayerSpec & s : layers_) {
         const uint64_t n_ff = static_cast<uint64_t>(s.n_ff);
         sidecar.check_range(s.bundle_offset, n_ff * s.bundle_stride);
@@ -234,6 +322,7 @@ void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
         if (copy_gate || copy_up) {
             bundles.resize(n_ff * s.bundle_stride);
             sidecar.read_exact(bundles.data(), bundles.size(), s.bundle_offset);
+            check_rows(li, RowSet::bundle, bundles.data(), s.bundle_stride);
             // gather bundle k back to base row order[k]
             for (int part = 0; part < 2; ++part) {
                 if (!(part == 0 ? copy_gate : copy_up)) {
@@ -254,9 +343,25 @@ void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
             const size_t down_bytes = static_cast<size_t>(s.n_embd) * s.base_down_row_bytes;
             matrix.resize(down_bytes);
             base.read_exact(matrix.data(), down_bytes, s.base_down_offset);
+            check_rows(li, RowSet::base_down, matrix.data(), s.base_down_row_bytes);
             ggml_backend_tensor_set(weights_[3 * li + 2], matrix.data(), 0, down_bytes);
         }
+        // what is used in place: in memory the mappings (their pages are read now, as computing would);
+        // offload the base file's prefill views, read in chunks without keeping their pages
+        if (offload) {
+            check_file_rows(li, RowSet::base_up, base);
+            check_file_rows(li, RowSet::base_down, base);
+            if (stream_gate) check_file_rows(li, RowSet::base_gate, base);
+            continue;
+        }
+        auto bundle_map = regions_.find({kSidecar, s.bundle_offset});
+        if (bundle_map != regions_.end()) check_mapped(li, RowSet::bundle);
+        auto down_map = regions_.find({kBase, s.base_down_offset});
+        if (down_map != regions_.end()) {
+            check_mapped(li, RowSet::base_down);
+        }
     }
+    run_checks();
 }
 
 const uint8_t * WeightStore::map_region(File file, uint64_t offset, uint64_t length) {
@@ -303,6 +408,8 @@ void WeightStore::load_sparse(FfnActivation activation, bool offload) {
         k.up_row_bytes = s.up_row_bytes;
         if (!offload) {
             k.down_t = map_region(kSidecar, s.down_t_offset, static_cast<uint64_t>(s.n_ff) * s.down_t_row_bytes);
+            check_mapped(li, RowSet::bundle);
+            check_mapped(li, RowSet::down_t);
         }
         k.down_t_type = s.down_t_type;
         k.down_t_row_bytes = s.down_t_row_bytes;
@@ -318,8 +425,10 @@ void WeightStore::load_sparse(FfnActivation activation, bool offload) {
             // (the bundles interleave gate rows, which the gate-by-ggml path never needs)
             k.up_rows = map_region(kBase, s.base_up_offset, static_cast<uint64_t>(s.n_ff) * s.up_row_bytes);
             k.up_stride = s.up_row_bytes;
+            check_mapped(li, RowSet::base_up);
         }
     }
+    run_checks();
     sparse_ = std::move(views);
 }
 
@@ -329,6 +438,26 @@ ggml_tensor * WeightStore::dense_weight(size_t pos, FfnWeightKind kind) const {
 
 ggml_tensor * WeightStore::fused_gate_up(size_t pos) const {
     return pos < fused_.size() ? fused_[pos] : nullptr;
+}
+
+void WeightStore::recheck_mapped() {
+    if (!verifying()) return;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+        const LayerSpec & s = layers_[li];
+        const struct { RowSet set; File file; uint64_t offset; uint64_t stride; } sets[] = {
+            {RowSet::bundle, kSidecar, s.bundle_offset, s.bundle_stride},
+            {RowSet::down_t, kSidecar, s.down_t_offset, s.down_t_row_bytes},
+            {RowSet::base_gate, kBase, s.base_gate_offset, s.gate_row_bytes},
+            {RowSet::base_up, kBase, s.base_up_offset, s.up_row_bytes},
+            {RowSet::base_down, kBase, s.base_down_offset, s.base_down_row_bytes}};
+        for (const auto & r : sets) {
+            auto it = regions_.find({r.file, r.offset});
+            if (it == regions_.end()) continue;
+            checked_.erase({li, static_cast<int>(r.set)});
+            check_mapped(li, r.set);
+        }
+    }
+    run_checks();
 }
 
 const MappedFile * WeightStore::base_region(uint64_t offset) const {

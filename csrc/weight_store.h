@@ -21,16 +21,25 @@
 // Every mapping covers just the byte range it serves, mapped once (a whole-file mapping would let
 // fault-around map neighbouring tensors' pages too).
 //
+// Integrity (integrity.h), with verify on and checksums in the sidecar: every row set a load reads is
+// checked once, before anything computes with it: in memory the mapped rows read from the file (the
+// same page cache the mapping shows) or the copy's read buffer (bundles, down_t, base up and down,
+// as used); offload: the gate copy's bundle reads, and the
+// base file's up, down (and streamed gate) prefill views read in chunks and dropped from the page
+// cache again. The neuron cache checks its own reads (neuron_cache.h) with checksums() of the store.
+//
 // Lifetime: owned by FlashModel; the tensors and mappings live as long as the store.
 #pragma once
 
 #include "engine_config.h"
 #include "file_reader.h"
+#include "integrity.h"
 #include "ggml-backend.h"
 #include "sparse_ffn.h"
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,7 +54,7 @@ struct SparseLayerView {
 
 class WeightStore {
 public:
-    WeightStore(std::vector<LayerSpec> layers, std::string sidecar_path, std::string base_path);
+    WeightStore(std::vector<LayerSpec> layers, std::string sidecar_path, std::string base_path, bool verify = true);
     ~WeightStore();
     WeightStore(const WeightStore &) = delete;
     WeightStore & operator=(const WeightStore &) = delete;
@@ -77,9 +86,33 @@ public:
     // in place from a file mapping are not counted (they are page cache, as in stock llama.cpp)
     size_t resident_bytes() const { return copied_bytes_; }
 
+    // The sidecar's row checksums of the layer at `pos` (empty when it has none or verify is off);
+    // valid after load_dense.
+    const LayerChecksums & checksums(size_t pos) const { return checksums_.at(pos); }
+    bool has_checksums() const { return has_checksums_; }   // the sidecar carries them
+    bool verifying() const { return verify_ && has_checksums_; }
+    uint64_t verified_bytes() const { return verified_bytes_; }  // checked at load (and by recheck_mapped)
+    // Checks again every row set used in place from a file mapping (the files changed on disk: a
+    // shared mapping shows the new bytes). Throws IntegrityError. No-op unless verifying().
+    void recheck_mapped();
+    double verify_seconds() const { return verify_seconds_; }    // time spent checking at load
+
 private:
     enum File : int { kSidecar = 0, kBase = 1 };
     const uint8_t * map_region(File file, uint64_t offset, uint64_t length);
+    // check row set `set` of the layer at `li` once: over `data` (row r at data + r·stride), or read
+    // from `file`; no-op without checksums or when checked already
+    void check_rows(size_t li, RowSet set, const uint8_t * data, size_t stride);
+    void check_file_rows(size_t li, RowSet set, const FileReader & file);
+    // a row set used in place from a mapping: deferred to run_checks, which checks them all in parallel
+    void check_mapped(size_t li, RowSet set);
+    void run_checks();  // throws IntegrityError (the first mismatch found) or IoError
+    struct PendingCheck {
+        size_t li;
+        RowSet set;
+    };
+    std::vector<PendingCheck> pending_;
+    bool needs_check(size_t li, RowSet set) const;
     std::vector<std::vector<int32_t>> read_orders(const FileReader & sidecar, std::vector<bool> & identity) const;
 
     std::vector<LayerSpec> layers_;
@@ -94,6 +127,12 @@ private:
     std::map<std::pair<int, uint64_t>, MappedFile *> regions_;  // (File, offset) -> its mapping
     std::vector<SparseLayerView> sparse_;  // 1 per layer once load_sparse ran
     size_t copied_bytes_ = 0;
+    bool verify_ = true;
+    bool has_checksums_ = false;
+    std::vector<LayerChecksums> checksums_;           // 1 per layer once load_dense ran
+    std::set<std::pair<size_t, int>> checked_;        // (layer position, RowSet) checked
+    uint64_t verified_bytes_ = 0;
+    double verify_seconds_ = 0;
 };
 
 }  // namespace llamaflash

@@ -1,6 +1,6 @@
 """The ``llamaflash`` command line: ``run`` a prompt, ``chat``, ``serve`` an OpenAI-compatible API,
 list the registry ``models``, ``convert`` a base model, ``inspect`` a sidecar, run the ``demo``, ``bench``
-under memory limits, ``plan`` the flash-offload engine's RAM. Wherever a model file is expected, a
+under memory limits, ``plan`` the flash-offload engine's RAM, ``verify`` a sidecar's checksums. Wherever a model file is expected, a
 registry model name (``llamaflash models``) works too.
 
 Errors llamaflash raises on purpose (:class:`~llamaflash.errors.LlamaflashError`) are
@@ -189,6 +189,39 @@ def tune(model: Path, sidecar: Path | None, reps: int, threads: int) -> None:
 
 @main.command()
 @click.argument("sidecar", type=click.Path(path_type=Path))
+@click.argument("model", type=click.Path(path_type=Path), required=False)
+@click.option("--max-mismatches", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Name at most this many mismatching rows (all are counted).")
+def verify(sidecar: Path, model: Path | None, max_mismatches: int) -> None:
+    """Check SIDECAR's rows (and MODEL's FFN rows, when given) against the sidecar's checksums.
+
+    Exits 0 when every checked row matches; 1 naming the rows that do not (file, tensor, row, byte
+    offset), or when the sidecar has no checksums; 2 for a malformed or mismatched file."""
+    from llamaflash.integrity import verify_files
+
+    report = verify_files(sidecar, model, max_mismatches=max_mismatches)
+    if report.algorithm is None:
+        click.echo(f"{sidecar}: format {report.format_version}, no checksums: nothing to verify. Re-create it "
+                   f"with `llamaflash convert {model or 'MODEL'} -o {sidecar} --force` to add them.", err=True)
+        sys.exit(1)
+    for what, (rows, nbytes) in report.checked.items():
+        click.echo(f"checked {what}: {rows} rows, {nbytes} bytes ({report.algorithm})")
+    if model is None:
+        click.echo("base model rows not checked (pass MODEL to check them too)")
+    if report.ok:
+        click.echo("OK: every checked row matches its checksum")
+        return
+    for m in report.mismatches:
+        click.echo(f"MISMATCH {m.file}: {m.tensor} row {m.row} (bytes {m.offset}..{m.offset + m.length})")
+    more = report.n_mismatches - len(report.mismatches)
+    click.echo(f"{report.n_mismatches} row(s) do not match{f' ({more} not listed)' if more else ''}: copy the "
+               f"damaged file again, or re-create the sidecar with `llamaflash convert` --force from a good model",
+               err=True)
+    sys.exit(1)
+
+
+@main.command()
+@click.argument("sidecar", type=click.Path(path_type=Path))
 def inspect(sidecar: Path) -> None:
     """Describe the llamaflash sidecar SIDECAR (.flash.gguf)."""
     import gguf
@@ -206,6 +239,7 @@ def inspect(sidecar: Path) -> None:
     click.echo(f"base file size:   {info.base_file_size}")
     click.echo(f"ffn activation:   {info.activation}")
     click.echo(f"served layers:    {len(info.layers)}")
+    click.echo(f"checksums:        {info.integrity or 'none (not verified when read; re-convert with --force to add them)'}")
     if info.sparsity is not None:
         from llamaflash.lane_decision import stored_decision
 

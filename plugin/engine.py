@@ -7,6 +7,8 @@ flash offload, the planner's :class:`~llamaflash.planner.OffloadPlan`:
   layers        one ``_native.LayerSpec`` per served layer (the sidecar layout with the base model's
                 offsets resolved, and the layer's threshold: < 0 runs it dense)
   sidecar_path, base_path, activation
+  verify        check every row read against the sidecar's checksums (integrity section; a failed
+                check at open raises SidecarIntegrityError)
   sparse        ``_native.SparseConfig``: enabled (the sparse lane loaded and used), max_tokens,
                 cluster_size, gate_by_ggml, up_by_ggml
   offload       None in memory; else ``_native.OffloadConfig``: stream_gate, cold_slots,
@@ -26,6 +28,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from . import _native
+from . import sidecar_format as fmt
 from .sidecar import LayerLayout, SidecarInfo
 
 #: LayerSpec field <- LayerLayout field, where the names differ
@@ -47,6 +50,16 @@ def layer_spec(layout: LayerLayout, threshold: Optional[float]) -> "_native.Laye
         spec.draft_row_bytes = int(layout.draft_row_bytes)
         spec.draft_up_offset = int(layout.draft_up_offset)
         spec.draft_down_t_offset = int(layout.draft_down_t_offset)
+        spec.draft_crc_offset = int(layout.draft_checksum_offset or 0)
+        spec.draft_up_name = fmt.draft_up_tensor_name(layout.layer)
+        spec.draft_down_t_name = fmt.draft_down_t_tensor_name(layout.layer)
+    spec.crc_offset = int(values["checksum_offset"] or 0)
+    spec.base_down_crc_offset = int(values["down_checksum_offset"] or 0)
+    spec.bundle_name = fmt.bundle_tensor_name(layout.layer)
+    spec.down_t_name = fmt.down_t_tensor_name(layout.layer)
+    spec.base_gate_name = fmt.base_ffn_gate_name(layout.layer)
+    spec.base_up_name = fmt.base_ffn_up_name(layout.layer)
+    spec.base_down_name = fmt.base_ffn_down_name(layout.layer)
     return spec
 
 
@@ -73,10 +86,12 @@ def offload_config(plan: Any, engine: str = "auto", direct: bool = True) -> "_na
 
 
 def engine_config(info: SidecarInfo, model_path: str | os.PathLike, thresholds: Optional[Sequence[float]],
-                  sparse: "_native.SparseConfig", offload: Optional["_native.OffloadConfig"] = None
-                  ) -> "_native.EngineConfig":
-    """The whole configuration; ``thresholds`` None: every layer dense (the sparse lane is not used)."""
+                  sparse: "_native.SparseConfig", offload: Optional["_native.OffloadConfig"] = None,
+                  verify: bool = True) -> "_native.EngineConfig":
+    """The whole configuration; ``thresholds`` None: every layer dense (the sparse lane is not used).
+    ``verify``: check what is read against the sidecar's row checksums (csrc/integrity.h)."""
     config = _native.EngineConfig()
+    config.verify = bool(verify)
     per_layer = thresholds if thresholds is not None else [None] * len(info.layers)
     if len(per_layer) != len(info.layers):
         raise ValueError(f"{len(per_layer)} thresholds for {len(info.layers)} served layers")

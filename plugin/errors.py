@@ -93,6 +93,14 @@ class FlashIoError(LlamaflashError, OSError):
     in use. The message names the file, the byte range and the cause."""
 
 
+class SidecarIntegrityError(SidecarError, FlashIoError):
+    """Bytes the engine read do not match the checksums the converter stored in the sidecar: a row of
+    the sidecar (bundle, down_t) or of the base model's FFN tensors was damaged on disk or in a copy.
+    Raised before anything is computed from those bytes. The message names the file, the tensor, the
+    row, its byte range and the way out (copy the file again, or re-create the sidecar with
+    `llamaflash convert MODEL --force`; a damaged base model must be copied again first)."""
+
+
 # --------------------------------------------------------------------------------------
 # Planning problems
 # --------------------------------------------------------------------------------------

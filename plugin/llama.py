@@ -56,6 +56,14 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  repacked, CPU memory, so that each row of a batch of up to 7 tokens is computed with
                  the bits of decoding it alone (speculative.BATCH_INVARIANT_MAX): verify batches then
                  give exactly the non-speculative tokens. Off: stock llama.cpp's numerics.
+  flash_verify   True (default): every FFN row llamaflash reads is checked against the sidecar's
+                 CRC-32C row checksums before anything is computed with it (in memory once at load,
+                 offload on every flash read); a mismatch raises SidecarIntegrityError naming the file,
+                 tensor and offset. False skips the checks (for measuring their cost). A sidecar
+                 without checksums (format 1/2 from an older converter) is served unchecked, with a
+                 warning once. Before every evaluation both files are also checked (one fstat each): one
+                 that shrank or grew since load is a FlashIoError; one rewritten in place is checked
+                 against the checksums again (docs/SIDECAR.md, "Files that change while in use").
 """
 from __future__ import annotations
 
@@ -76,7 +84,8 @@ from . import gguf_model
 from . import lane_decision
 from . import offload
 from . import speculative
-from .errors import FlashIoError, LlamaflashError, NonFiniteOutputError, SidecarNotFoundError
+from .errors import (FlashIoError, LlamaflashError, NonFiniteOutputError, SidecarIntegrityError,
+                     SidecarNotFoundError)
 from .flash_io import ENGINES
 from .gguf_model import BaseModelInfo
 from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
@@ -106,6 +115,19 @@ def _warn_no_sidecar(model_path: str, expected: Path) -> None:
 
 
 _said: set = set()
+_warned_unchecked: set = set()
+
+
+def _warn_unchecked(info: SidecarInfo, model_path: str) -> None:
+    """Once per sidecar per process: a sidecar without checksums is served unchecked."""
+    key = str(info.path)
+    if key in _warned_unchecked:
+        return
+    _warned_unchecked.add(key)
+    warnings.warn(
+        f"llamaflash: sidecar '{info.path}' (format {info.format_version}) has no checksums, so the weights read "
+        f"from it and from the model are not verified; `llamaflash convert {model_path} --force` re-creates it "
+        f"with them", LlamaflashWarning, stacklevel=4)
 
 
 def _say_once(message: str) -> None:
@@ -131,7 +153,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens, flash_dense_up, ram_budget_mb,
-                          flash_io_engine, flash_stream_gate, flash_draft_copy=None) -> None:
+                          flash_io_engine, flash_stream_gate, flash_draft_copy=None, flash_verify=True) -> None:
     """Every llamaflash argument's type and range, before anything is read: a ValueError naming the
     argument, the value given and what is accepted."""
     if sidecar_path is not None and not isinstance(sidecar_path, (str, os.PathLike)):
@@ -149,6 +171,9 @@ def _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens,
                         ("flash_draft_copy", flash_draft_copy)):
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be True, False or None")
+    if not isinstance(flash_verify, bool):
+        raise ValueError(f"flash_verify={flash_verify!r} must be True (check what is read against the sidecar's "
+                         f"checksums) or False")
     if flash_io_engine not in ENGINES:
         raise ValueError(f"flash_io_engine={flash_io_engine!r} must be one of {', '.join(ENGINES)}")
 
@@ -219,6 +244,7 @@ class Llama(llama_cpp.Llama):
         flash_speculative: Any = None,
         flash_batch_invariant: Optional[bool] = None,
         flash_draft_copy: Optional[bool] = None,
+        flash_verify: bool = True,
         **kwargs: Any,
     ) -> None:
         self._flash: Optional[_native.FlashModel] = None
@@ -236,9 +262,9 @@ class Llama(llama_cpp.Llama):
                             "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine,
                             "flash_stream_gate": flash_stream_gate, "flash_disk_profile": flash_disk_profile,
                             "flash_speculative": flash_speculative, "flash_batch_invariant": flash_batch_invariant,
-                            "flash_draft_copy": flash_draft_copy}
+                            "flash_draft_copy": flash_draft_copy, "flash_verify": flash_verify}
         _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens, flash_dense_up, ram_budget_mb,
-                              flash_io_engine, flash_stream_gate, flash_draft_copy)
+                              flash_io_engine, flash_stream_gate, flash_draft_copy, flash_verify)
         if ram_budget_mb is None and (flash_stream_gate is not None or flash_disk_profile is not None or
                                       flash_draft_copy is not None):
             raise ValueError("flash_stream_gate, flash_disk_profile and flash_draft_copy are flash-offload settings: "
@@ -305,15 +331,17 @@ class Llama(llama_cpp.Llama):
             config = engine.engine_config(
                 info, model_path, thresholds,
                 engine.sparse_config(True, max_tokens, int(plan.cluster_size), up_by_ggml=False),
-                engine.offload_config(plan, engine=flash_io_engine))
+                engine.offload_config(plan, engine=flash_io_engine), verify=flash_verify)
             self._flash_plan = plan
         else:
             sparse = engine.sparse_config(False)
             if thresholds is not None:
                 sparse = engine.sparse_config(True, flash_max_sparse_tokens,
                                               up_by_ggml=self._dense_up(info, flash_sparsity))
-            config = engine.engine_config(info, model_path, thresholds, sparse)
+            config = engine.engine_config(info, model_path, thresholds, sparse, verify=flash_verify)
         config.repack = not self._batch_invariant
+        if info.integrity is None:
+            _warn_unchecked(info, os.fspath(model_path))
         flash = engine.open_engine(config)
 
         _native.register_backend()  # idempotent; the first served model registers the ggml backend
@@ -363,7 +391,12 @@ class Llama(llama_cpp.Llama):
         """`llama_cpp.Llama.eval`; a verify batch (speculation on, up to 1 + max_draft tokens) gets the
         logits of every row and only those (generate samples each position from them). An I/O error
         inside the offload lane (which fails llama_decode) is raised as FlashIoError naming the file
-        and the cause, instead of a bare RuntimeError; the context keeps its earlier tokens."""
+        and the cause (a failed checksum as SidecarIntegrityError), instead of a bare RuntimeError; the
+        context keeps its earlier tokens. First, the sidecar and the model file are checked for having
+        changed since load (FlashIoError, or SidecarIntegrityError for a rewritten row), before any of
+        their pages is computed with."""
+        if self._flash is not None:
+            self._flash.check_files()
         try:
             if self._speculator is not None and not self._logits_all and \
                     1 <= len(tokens) <= min(self.n_batch, self._speculator.max_batch):
@@ -382,6 +415,8 @@ class Llama(llama_cpp.Llama):
                 f"llamaflash: {bad}. The served weights are not what the sidecar describes (re-copy it, or "
                 f"re-create it with `llamaflash convert --force`), or the model overflows at this input")
         message = self._flash.take_error() if self._flash is not None else ""
+        if message.startswith(_native.INTEGRITY_ERROR_PREFIX):
+            return SidecarIntegrityError(f"llamaflash: a flash read failed its check: {message}")
         if message:
             return FlashIoError(f"llamaflash: reading FFN weights from flash failed: {message}")
         return e
@@ -478,8 +513,25 @@ class Llama(llama_cpp.Llama):
             fractions = [f for f in stats["active_fraction"].values() if f is not None]
             stats["mean_active_fraction"] = sum(fractions) / len(fractions) if fractions else None
             stats["offload"] = offload.stats(self._flash, self._flash_plan)
+        stats["integrity"] = self._integrity_stats(stats.get("offload"))
         stats["speculative"] = self._speculation_stats(stats)
         return stats
+
+    def _integrity_stats(self, off: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """What is checked: the sidecar's checksums (algorithm or None), whether this model checks them,
+        bytes and seconds checked at load and, offload, on flash reads since the last reset."""
+        if self._flash_info is None:
+            return None
+        out = {"algorithm": self._flash_info.integrity, "checked": False}
+        if self._flash is not None:
+            native = self._flash.integrity
+            out.update(checked=native["verifying"], load_verified_bytes=native["load_verified_bytes"],
+                       load_verify_seconds=native["load_verify_seconds"], crc32c=native["crc32c"])
+            if off is not None:
+                out.update(read_verified_bytes=off["verified_bytes"], read_verify_seconds=off["verify_seconds"])
+        if self._flash_info.integrity is None:
+            out["note"] = ("the sidecar has no checksums (re-create it with `llamaflash convert MODEL --force`)")
+        return out
 
     def _speculation_stats(self, stats: Dict[str, Any]) -> Dict[str, Any]:
         if self._speculator is None:

@@ -68,6 +68,10 @@ class LayerLayout:
     offsets are None in a layout from :func:`read_sidecar` and set by
     :func:`validate_pair`.
 
+    Integrity (format 3, optional before; None without): ``checksum_offset``, n_ff rows of four
+    uint32 CRC-32C (bundle row, down_t row, base gate row, base up row: ``fmt.CHECKSUM_COLUMNS``)
+    and ``down_checksum_offset``, n_embd uint32 (base down rows).
+
     Sparsity (format v2; None/0 in a v1 sidecar, which carries no thresholds and runs dense):
       * ``threshold``: neuron k is inactive for FFN input x when |act(gate_k·x)| <= threshold;
       * ``sparsity``: fraction of neurons inactive at that threshold on held-out calibration tokens;
@@ -117,6 +121,9 @@ class LayerLayout:
     draft_row_bytes: int = 0
     draft_up_offset: int | None = None
     draft_down_t_offset: int | None = None
+    draft_checksum_offset: int | None = None  # with the integrity section: uint32 (n_ff, 2) draft row checksums
+    checksum_offset: int | None = None       # integrity section: uint32 (n_ff, 4) row checksums
+    down_checksum_offset: int | None = None  # uint32 (n_embd,) checksums of the base down rows
 
     @property
     def is_resolved(self) -> bool:
@@ -178,6 +185,8 @@ class SidecarInfo:
     converter_version: str
     layers: list[LayerLayout] = field(default_factory=list)
     sparsity: SparsityInfo | None = None
+    #: the checksum algorithm of the integrity section (``fmt.INTEGRITY_ALGORITHM``), None without one
+    integrity: str | None = None
 
 
 def default_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
@@ -273,6 +282,13 @@ def read_sidecar(
         if draft_types is not None:
             layout = _draft_layout(fields, tensors, layout, draft_types[i])
         layers.append(layout)
+    integrity = None
+    if version >= fmt.INTEGRITY_FORMAT_VERSION or fields.has(fmt.KEY_INTEGRITY_ALGORITHM):
+        integrity = fields.string(fmt.KEY_INTEGRITY_ALGORITHM)
+        if integrity != fmt.INTEGRITY_ALGORITHM:
+            fields.fail(f"unknown checksum algorithm {integrity!r} in '{fmt.KEY_INTEGRITY_ALGORITHM}' "
+                        f"(this llamaflash knows {fmt.INTEGRITY_ALGORITHM!r})")
+        layers = [_integrity_layout(fields, tensors, layout) for layout in layers]
 
     return SidecarInfo(
         path=path,
@@ -286,6 +302,7 @@ def read_sidecar(
         converter_version=fields.optional_string(fmt.KEY_CONVERTER_VERSION) or "",
         layers=layers,
         sparsity=sparsity,
+        integrity=integrity,
     )
 
 
@@ -497,6 +514,16 @@ def _draft_layout(fields: Fields, tensors: dict[str, TensorInfo], layout: LayerL
     down_t = tensor(fields, tensors, fmt.draft_down_t_tensor_name(layout.layer), dtype, shape)
     return dataclasses.replace(layout, draft_type=dtype, draft_row_bytes=row, draft_up_offset=up.offset,
                                draft_down_t_offset=down_t.offset)
+def _integrity_layout(fields: Fields, tensors: dict[str, TensorInfo], layout: LayerLayout) -> LayerLayout:
+    """``layout`` with its checksum tables located (both required once the file has the section)."""
+    rows = tensor(fields, tensors, fmt.checksum_tensor_name(layout.layer), _I32,
+                  (len(fmt.CHECKSUM_COLUMNS), layout.n_ff))
+    down = tensor(fields, tensors, fmt.base_down_checksum_tensor_name(layout.layer), _I32, (layout.n_embd,))
+    draft = None
+    if layout.draft_type is not None:
+        draft = tensor(fields, tensors, fmt.draft_checksum_tensor_name(layout.layer), _I32, (2, layout.n_ff)).offset
+    return dataclasses.replace(layout, checksum_offset=rows.offset, down_checksum_offset=down.offset,
+                               draft_checksum_offset=draft)
 
 
 def read_layer_vectors(info: SidecarInfo, layout: LayerLayout) -> dict[str, np.ndarray]:

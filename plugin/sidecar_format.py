@@ -22,13 +22,13 @@ import re
 # --------------------------------------------------------------------------------------
 
 #: Format version written by this converter. Version 2 adds the sparsity content (per-layer
-#: thresholds, neuron statistics, selection mode, activation predictors, quality record); a
-#: version 1 file (bundles only, run dense) is still read.
-FORMAT_VERSION = 2
+#: thresholds, neuron statistics, selection mode, activation predictors, quality record); version 3
+#: makes the integrity section (row checksums, below) required. Version 1 and 2 files are still read.
+FORMAT_VERSION = 3
 
 #: Format versions this reader understands. A file with any other version is refused
 #: (re-convert it); versions are never guessed or partially read.
-SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1, 2)
+SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1, 2, 3)
 
 #: First format version that carries the sparsity content (required keys and tensors below).
 SPARSITY_FORMAT_VERSION = 2
@@ -424,7 +424,7 @@ def predictor_out_tensor_name(layer: int) -> str:
 # with it selects neurons with the resident gate exactly as the exact lane does (|act(gate_k·x)| >
 # threshold), then computes h_k = act(g_k)·(up'_k·x) and y = Σ h_k·down_t'_k from the copy. Only
 # drafts use it: verified tokens never do, so it costs no quality, only memory and conversion time.
-# Present in a format-2 file exactly when KEY_DRAFT_TYPES is.
+# Present in a file of format 2 or later exactly when KEY_DRAFT_TYPES is.
 
 #: uint32 array (per served layer): ggml type id of the draft copy's rows (both tensors).
 KEY_DRAFT_TYPES = KEY_PREFIX + "draft_types"
@@ -443,7 +443,46 @@ def draft_up_tensor_name(layer: int) -> str:
     return f"blk.{layer}.ffn_draft_up"
 
 
+def draft_checksum_tensor_name(layer: int) -> str:
+    """Row checksums of layer ``layer``'s draft copy (with the integrity section): I32, ggml ne = [2, n_ff]
+    (numpy (n_ff, 2)); row k = CRC-32C of draft up row k, then of draft down_t row k."""
+    return f"blk.{layer}.ffn_draft_crc"
+
+
 def draft_down_t_tensor_name(layer: int) -> str:
     """Name of layer ``layer``'s draft down_t rows: type ``draft_types[L]``, logical numpy shape
     (n_ff, n_embd); row k = base down column order[k], dequantized and requantized."""
     return f"blk.{layer}.ffn_draft_down_t"
+# Integrity section: row checksums (required in format 3, optional in formats 1 and 2)
+# --------------------------------------------------------------------------------------
+#
+# The CRC-32C (Castagnoli: reflected polynomial 0x82F63B78, initial value and final XOR 0xFFFFFFFF;
+# crc32c(b"123456789") = 0xE3069283) of every row the engine can read, one checksum per row, so any
+# cluster (a run of whole rows, whatever its size) is checked by its own rows' checksums. Present
+# when :data:`KEY_INTEGRITY_ALGORITHM` is; then every served layer has both tensors below.
+
+#: First format version in which the integrity section is required.
+INTEGRITY_FORMAT_VERSION = 3
+
+#: string: the checksum algorithm; :data:`INTEGRITY_ALGORITHM`.
+KEY_INTEGRITY_ALGORITHM = KEY_PREFIX + "integrity.algorithm"
+INTEGRITY_ALGORITHM = "crc32c"
+
+#: Columns of :func:`checksum_tensor_name`, in order: which rows each checksums (n_ff rows each;
+#: "bundle" and "down_t" in bundle order, the base rows in base neuron order).
+CHECKSUM_COLUMNS: tuple[str, ...] = ("bundle", "down_t", "base_gate", "base_up")
+
+
+def checksum_tensor_name(layer: int) -> str:
+    """Row checksums of layer ``layer``: I32 (uint32 bit patterns), ggml ne = [4, n_ff] (numpy (n_ff, 4)).
+
+    Row k: CRC-32C of bundle row k (all ``bundle_stride`` bytes, padding included), of ``ffn_down_t``
+    row k, of the base ``ffn_gate`` row k and of the base ``ffn_up`` row k (:data:`CHECKSUM_COLUMNS`).
+    """
+    return f"blk.{layer}.ffn_crc"
+
+
+def base_down_checksum_tensor_name(layer: int) -> str:
+    """Row checksums of the base model's ``ffn_down`` of ``layer``: I32, ggml ne = [n_embd]; entry r =
+    CRC-32C of down row r (ggml ne = [n_ff, n_embd]: n_embd rows of n_ff values)."""
+    return f"blk.{layer}.ffn_down_crc"

@@ -16,8 +16,11 @@ offload), compared with the clean pair's tokens.
 Outcomes: ``clean error`` (a LlamaflashError, or llama.cpp's own refusal to load: ValueError from
 llama_cpp), ``crash`` (the child died from a signal or from any other exception), ``hang`` (past the
 deadline, killed; time while this process was stopped does not count), ``same output`` (the reader's structure summary, or Llama's tokens, equal the clean
-pair's), ``different output`` (accepted without error, with a different result). Data flips that
-change Llama's output are expected: the format has no checksums.
+pair's), ``different output`` (accepted without error, with a different result). Data flips are
+split by where they land (``fuzz_cases.checked_ranges``): inside the rows the sidecar's checksums
+cover ("data flip, checked rows": their reader is ``fuzz_cases.integrity_summary``, the structure
+plus every row checksum, and each is expected to be a clean error) or elsewhere ("data flip, other":
+statistics and predictors the engine does not compute with, read structurally).
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ from llamaflash.errors import LlamaflashError  # noqa: E402
 from llamaflash.gguf_header import read_gguf_header  # noqa: E402
 
 OUTCOMES = ("clean error", "crash", "hang", "same output", "different output")
-SIDECAR_NAME = "SmolLM2-135M-Instruct.Q4_1.flash.gguf"  # where the test fixture keeps it
+SIDECAR_NAME = "SmolLM2-135M-Instruct.Q4_1.v3.flash.gguf"  # where the test fixture keeps it (format 3)
 PROMPT = "The capital of France is"
 LLAMA_CONFIGS = ({"flash_mode": "sparse"}, {"ram_budget_mb": 400})
 #: Base tensors whose infos are edited (gguf's reader takes seconds per edit on the base's header).
@@ -118,10 +121,12 @@ class Runner:
                        "sidecar": WorkingCopy(sidecar, scratch / f"slot{i}"), "busy": None}
                       for i in range(slots)]
 
-    def read_fn(self, slot: dict, target: str, llama_config: dict | None) -> Callable[[], Any]:
+    def read_fn(self, slot: dict, target: str, llama_config: dict | None, kind: str = "") -> Callable[[], Any]:
         base, side = slot["base"].path, slot["sidecar"].path
         if llama_config is not None:
             return lambda: llama_tokens(base, side, llama_config)
+        if kind == "data flip, checked rows":
+            return lambda: cases.integrity_summary(base, side)
         if target == "sidecar":
             return lambda: cases.sidecar_summary(base, side)
         return lambda: cases.base_summary(base)
@@ -143,7 +148,8 @@ class Runner:
                         job.update(outcome="skipped", detail=f"{type(exc).__name__}: {exc}")
                         on_done(job)
                         continue
-                    fd, pid = self._fork(self.read_fn(slot, job["target"], job["llama_config"]), expected(job))
+                    fd, pid = self._fork(self.read_fn(slot, job["target"], job["llama_config"], job["case"].kind),
+                                         expected(job))
                     slot["busy"] = job
                     running[fd] = (slot, job, pid, time.monotonic() + job["timeout"], bytearray())
             if not running:
@@ -214,11 +220,13 @@ def build_cases(runner: Runner, n: int, seed: int) -> list[tuple[str, cases.Case
     rng = np.random.default_rng(seed)
     slot = runner.slots[0]
     side, base = slot["sidecar"], slot["base"]
+    checked = cases.checked_ranges(base.path, side.path)
     out: list[tuple[str, cases.Case]] = []
     for target, copy, header_share, data_share, trunc_share in (("sidecar", side, 0.35, 0.15, 0.02),
                                                                  ("base", base, 0.20, 0.05, 0.015)):
         out += [(target, c) for c in cases.header_flips(copy.data, copy.data_offset, int(n * header_share), rng)]
-        out += [(target, c) for c in cases.data_flips(copy.data, copy.data_offset, int(n * data_share), rng)]
+        out += [(target, c) for c in cases.data_flips(copy.data, copy.data_offset, int(n * data_share), rng,
+                                                       checked[target])]
         out += [(target, c) for c in cases.truncations(copy.data, copy.data_offset, int(n * trunc_share), rng)]
         out += [(target, c) for c in cases.tensor_info_edits(copy.path, None if target == "sidecar" else BASE_EDITED)]
         out += [(target, c) for c in cases.count_edits()]
@@ -315,7 +323,9 @@ def main() -> int:
                 print(f"{done[0]} cases, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
         def expected(job: dict) -> Any:
-            return clean[json.dumps(job["llama_config"])] if job["llama_config"] else clean[job["target"]]
+            if job["llama_config"]:
+                return clean[json.dumps(job["llama_config"])]
+            return clean["sidecar"] if job["case"].kind == "data flip, checked rows" else clean[job["target"]]
 
         print(f"{len(reader_jobs)} reader cases, {len(llama_jobs)} Llama() cases", file=sys.stderr)
         runner.run(reader_jobs, expected, progress)

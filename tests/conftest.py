@@ -70,7 +70,7 @@ def fast_convert() -> dict:
 
 #: Where the session fixture keeps the calibrated SmolLM2 sidecar between sessions (beside the
 #: registry models in the llamaflash cache, never in the repository).
-SMOLLM2_SIDECAR_NAME = "SmolLM2-135M-Instruct.Q4_1.flash.gguf"
+SMOLLM2_SIDECAR_NAME = "SmolLM2-135M-Instruct.Q4_1.v3.flash.gguf"
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,10 @@ Kinds: header bit flips before the data section; truncations (header and data); 
 every tensor's info (offset moved by one alignment unit, pointed at another tensor, row count
 doubled, type changed); neuron-order edits (two entries swapped, a duplicate, a full shuffle); huge
 or zero header counts; the base's block count; and bit flips inside the data section (weights,
-orders, statistics), which no structural check can see.
+orders, statistics), which no structural check can see: those inside the rows the sidecar's
+checksums cover (:func:`checked_ranges`; kind "data flip, checked rows") must be caught by
+:func:`integrity_summary`, the others (statistics, predictors, tensors the engine does not read)
+are kind "data flip, other".
 
 Only the standard library, NumPy, gguf and llamaflash's readers are imported (no pytest).
 """
@@ -29,7 +32,10 @@ import gguf
 import numpy as np
 
 from llamaflash.gguf_header import read_gguf_header
+from llamaflash import sidecar_format as fmt
+from llamaflash.errors import SidecarIntegrityError
 from llamaflash.gguf_model import read_base_model
+from llamaflash.integrity import verify_files
 from llamaflash.sidecar import read_sidecar, validate_pair
 
 #: LayerLayout fields holding measured or calibrated values, not structure: a flip inside one of
@@ -65,6 +71,35 @@ def sidecar_summary(model: Path, sidecar: Path) -> tuple:
                    for lay in info.layers)
     order = info.sparsity.bundle_order if info.sparsity else None
     return info.format_version, info.activation, info.n_embd, info.base_identity, order, layers
+
+
+def integrity_summary(model: Path, sidecar: Path) -> tuple:
+    """:func:`sidecar_summary`, then every checksummed row of both files (``llamaflash verify``):
+    a mismatch raises SidecarIntegrityError, as loading the pair in memory would."""
+    summary = sidecar_summary(model, sidecar)
+    report = verify_files(sidecar, model, max_mismatches=1)
+    if not report.ok:
+        m = report.mismatches[0] if report.mismatches else None
+        raise SidecarIntegrityError(f"{report.n_mismatches} rows do not match their checksums"
+                                    + (f", first {m.tensor} row {m.row}" if m else ""))
+    return summary
+
+
+def checked_ranges(model: Path, sidecar: Path) -> dict[str, list[tuple[int, int]]]:
+    """Byte ranges [start, end) of each file that the checksums cover: per served layer the sidecar's
+    bundle, down_t and checksum tables, the base model's ffn_gate, ffn_up and ffn_down."""
+    info = validate_pair(model, sidecar)
+    side, base = [], []
+    for lay in info.layers:
+        side += [(lay.bundle_offset, lay.bundle_offset + lay.n_ff * lay.bundle_stride),
+                 (lay.down_t_offset, lay.down_t_offset + lay.n_ff * lay.down_t_row_bytes)]
+        if lay.checksum_offset is not None:
+            side += [(lay.checksum_offset, lay.checksum_offset + 4 * len(fmt.CHECKSUM_COLUMNS) * lay.n_ff),
+                     (lay.down_checksum_offset, lay.down_checksum_offset + 4 * lay.n_embd)]
+        base += [(lay.base_gate_offset, lay.base_gate_offset + lay.n_ff * lay.gate_row_bytes),
+                 (lay.base_up_offset, lay.base_up_offset + lay.n_ff * lay.up_row_bytes),
+                 (lay.base_down_offset, lay.base_down_offset + lay.n_embd * lay.base_down_row_bytes)]
+    return {"sidecar": sorted(side), "base": sorted(base)}
 
 
 def base_summary(model: Path) -> tuple:
@@ -117,9 +152,26 @@ def header_flips(data: bytes, data_offset: int, n: int, rng: np.random.Generator
         yield Case(f"flip byte {pos} bit {bit}", "header flip", _flip(data, int(pos), int(bit)))
 
 
-def data_flips(data: bytes, data_offset: int, n: int, rng: np.random.Generator) -> Iterator[Case]:
+def data_flips(data: bytes, data_offset: int, n: int, rng: np.random.Generator,
+               checked: list[tuple[int, int]] | None = None) -> Iterator[Case]:
+    """Bit flips anywhere in the data section; with ``checked`` (:func:`checked_ranges`) each is kind
+    "data flip, checked rows" or "data flip, other" by where it lands."""
     for pos, bit in zip(rng.integers(data_offset, len(data), n), rng.integers(0, 8, n)):
-        yield Case(f"flip data byte {pos} bit {bit}", "data flip", _flip(data, int(pos), int(bit)))
+        kind = "data flip"
+        if checked is not None:
+            inside = any(a <= pos < b for a, b in checked)
+            kind = "data flip, checked rows" if inside else "data flip, other"
+        yield Case(f"flip data byte {pos} bit {bit}", kind, _flip(data, int(pos), int(bit)))
+
+
+def checked_flips(data: bytes, ranges: list[tuple[int, int]], n: int, rng: np.random.Generator) -> Iterator[Case]:
+    """Bit flips inside the checksummed rows only (``ranges`` from :func:`checked_ranges`), spread over
+    the ranges in proportion to their sizes."""
+    sizes = np.array([b - a for a, b in ranges], dtype=np.int64)
+    for k, bit in zip(rng.integers(0, int(sizes.sum()), n), rng.integers(0, 8, n)):
+        i = int(np.searchsorted(np.cumsum(sizes), k, side="right"))
+        pos = ranges[i][0] + int(k - (sizes[:i].sum()))
+        yield Case(f"flip checked byte {pos} bit {bit}", "data flip, checked rows", _flip(data, pos, int(bit)))
 
 
 def truncations(data: bytes, data_offset: int, n: int, rng: np.random.Generator) -> Iterator[Case]:

@@ -20,6 +20,7 @@ from llamaflash.converters.analysis import (
     predictor_quality,
     train_predictor,
 )
+from llamaflash.converters.integrity import IntegrityStage
 from llamaflash.converters.bundle import BundleStage
 from llamaflash.converters.calibrate import dequantize
 from llamaflash.converters.llama_runner import (
@@ -269,7 +270,7 @@ def test_v2_sidecar_round_trips_statistics_and_predictors(tiny_llama_q8_0, tmp_p
     decisions = {f.layer: decide_layer(analyses[f.layer], f, 0.5, "predictor", bundle_order="hot")
                  for f in model.ffn_layers}
     stage = SparsityStage(decisions)
-    plan = plan_sidecar(model, base_identity(model_path, model), [BundleStage(stage.orders), stage])
+    plan = plan_sidecar(model, base_identity(model_path, model), [BundleStage(stage.orders), stage, IntegrityStage()])
     for key, value in ((fmt.KEY_SPARSITY_CRITERION, fmt.CRITERION_ACT_GATE),
                        (fmt.KEY_SPARSITY_METHOD, fmt.SPARSITY_METHOD_FIXED),
                        (fmt.KEY_BUNDLE_ORDER, fmt.BUNDLE_ORDER_HOT)):
@@ -277,7 +278,8 @@ def test_v2_sidecar_round_trips_statistics_and_predictors(tiny_llama_q8_0, tmp_p
     plan.set_float32(fmt.KEY_SPARSITY_TARGET, 0.5)
     sidecar = write_sidecar_atomically(plan, tmp_path / "m.flash.gguf")
     info = validate_pair(model_path, sidecar)
-    assert info.format_version == 2 and info.sparsity.target == 0.5 and info.sparsity.quality == {}
+    assert info.format_version == 3 and info.sparsity.target == 0.5 and info.sparsity.quality == {}
+    assert info.integrity == fmt.INTEGRITY_ALGORITHM
     for lay in info.layers:
         d = decisions[lay.layer]
         v = read_layer_vectors(info, lay)

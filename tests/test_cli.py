@@ -135,7 +135,7 @@ def test_inspect_describes_sparsity_per_layer(tiny_llama_q8_0, tmp_path, texts):
     result = run("inspect", out)
     assert result.exit_code == 0, result.output
     text = result.stdout
-    assert "format version:   2" in text
+    assert "format version:   3" in text and "checksums:        crc32c" in text
     assert "sparsity:         fixed, target 0.500, criterion act_gate" in text
     assert "quality method:   engine (measured with the sparse engine)" in text and "curve: sparsity 0.50" in text
     info = read_sidecar(out)

@@ -199,3 +199,24 @@ def test_command_line_plan_and_inspect(pair):
     assert auto.exit_code == 0 and "draft copy" in auto.output, auto.output
     shown = run("inspect", sidecar)
     assert shown.exit_code == 0 and "draft copy:       Q4_0" in shown.output, shown.output
+
+
+def test_a_damaged_draft_copy_is_refused_at_load(pair, forced_plan, tmp_path):  # noqa: F811
+    """The copy is checked row by row against the sidecar's draft checksums when it is read: a flipped
+    byte in one draft row is a SidecarIntegrityError naming the tensor, before any token."""
+    from llamaflash.errors import SidecarIntegrityError
+    model, sidecar = pair
+    damaged = tmp_path / "m.flash.gguf"
+    shutil.copy(sidecar, damaged)
+    lay = read_sidecar(damaged).layers[1]
+    assert lay.draft_checksum_offset is not None
+    with open(damaged, "r+b") as f:
+        f.seek(lay.draft_down_t_offset + 5 * lay.draft_row_bytes + 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    plan = make_plan(damaged, 0, prefetch_layers=1)
+    plan.draft_copy = True
+    forced_plan(plan)
+    with pytest.raises(SidecarIntegrityError, match=f"blk.{lay.layer}.ffn_draft_down_t"):
+        llamaflash.Llama(model_path=str(model), sidecar_path=str(damaged), ram_budget_mb=64, **KW)

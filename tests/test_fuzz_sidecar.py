@@ -15,11 +15,13 @@ Any other exception (numpy, struct, KeyError, MemoryError...) is a failure. The 
 values (thresholds, measured sparsity, predictor thresholds and quality, FFN errors) are left out
 of the comparison: a flip inside one of them that keeps it within its checked range (finite,
 non-negative, a fraction, bracketed by the threshold table) is a value corruption, like a flip in
-the tensor data. Data-byte flips are run too, but the bytes of weights and statistics are
-structurally valid whatever their value: such a flip is refused only where the reader checks data
-(the neuron order must be a permutation); elsewhere only checksums of the data (not written by this
-format version) could catch it, so a run through ``Llama()`` may change its output
-(``scripts/fuzz_long.py`` measures that).
+the tensor data. Data-byte flips are run too: the bytes of weights and statistics are structurally
+valid whatever their value, so the readers refuse such a flip only where they check data (the neuron
+order must be a permutation). The rows the engine computes with are covered by the sidecar's row
+checksums instead: every flip inside them (sidecar bundles and down_t, the checksum tables, the base
+model's FFN gate/up/down) must be caught by the integrity check (``integrity_summary``: what
+``llamaflash verify`` and loading the pair run), and a few are loaded through ``Llama()`` in memory,
+which must refuse them with SidecarIntegrityError.
 
 The readers are pure Python (no native code runs before llama.cpp starts), so a crash of the
 process is not possible here and every case runs in-process, under a SIGALRM deadline.
@@ -136,3 +138,52 @@ def test_sidecar_data_flips_are_refused_or_leave_the_structure(sidecar_fuzzer):
     print(f.report())
     assert not f.failures, "\n".join(f.failures[:20])
     assert f.refused + f.accepted == 300
+
+
+def test_data_flips_in_checked_rows_are_caught_by_the_checksums(clean_pair, tmp_path):
+    """0 silent acceptances: every flip inside a checksummed row is an integrity error."""
+    model, sidecar = clean_pair
+    ranges = cases.checked_ranges(model, sidecar)
+    rng = np.random.default_rng(SEED + 3)
+    side_copy, base_copy = tmp_path / sidecar.name, tmp_path / model.name
+    base_copy.write_bytes(model.read_bytes())
+    f = Fuzzer(sidecar, side_copy, lambda path: cases.integrity_summary(base_copy, path))
+    f.run_all(cases.checked_flips(f.data, ranges["sidecar"], 150, rng))
+    f.run_all(cases.data_flips(f.data, f.data_offset, 100, rng, ranges["sidecar"]))  # anywhere: some unchecked
+    side_copy.write_bytes(sidecar.read_bytes())
+    g = Fuzzer(model, base_copy, lambda path: cases.integrity_summary(path, side_copy))
+    g.run_all(cases.checked_flips(g.data, ranges["base"], 100, rng))
+    print(f.report(), "|", g.report())
+    for fuzzer in (f, g):
+        assert not fuzzer.failures, "\n".join(fuzzer.failures[:20])
+    assert g.refused == 100 and f.refused >= 150  # every checked flip; unchecked ones may pass
+
+
+@pytest.mark.parametrize("target", ["sidecar", "base"])
+def test_checked_data_flips_through_llama_are_refused(clean_pair, tmp_path, target):
+    """In memory (the sparse lane reads bundles, down_t, base up; the dense lane base down): a flip in
+    any checked row that lane reads is refused at load, before a token is computed."""
+    import llamaflash
+    from llamaflash.errors import SidecarIntegrityError
+
+    model, sidecar = clean_pair
+    m, s = tmp_path / model.name, tmp_path / sidecar.name
+    info = cases.validate_pair(model, sidecar)
+    lay = info.layers[-1]
+    rows = {"sidecar": [(lay.bundle_offset, lay.n_ff * lay.bundle_stride),
+                        (lay.down_t_offset, lay.n_ff * lay.down_t_row_bytes)],
+            "base": [(lay.base_up_offset, lay.n_ff * lay.up_row_bytes),
+                     (lay.base_down_offset, lay.n_embd * lay.base_down_row_bytes)]}[target]
+    rng = np.random.default_rng(SEED + 4)
+    for start, length in rows:
+        for _ in range(3):
+            pos, bit = start + int(rng.integers(0, length)), int(rng.integers(0, 8))
+            m.write_bytes(model.read_bytes())
+            s.write_bytes(sidecar.read_bytes())
+            path = s if target == "sidecar" else m
+            data = bytearray(path.read_bytes())
+            data[pos] ^= 1 << bit
+            path.write_bytes(bytes(data))
+            with pytest.raises(SidecarIntegrityError, match="row"):
+                llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode="sparse", n_ctx=64,
+                                 verbose=False)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import llamaflash
+from llamaflash import _native
+from llamaflash import sidecar_format as fmt
 from conftest import FAST_CONVERT
 from llamaflash.converters import convert
 from llamaflash.errors import NonFiniteOutputError
@@ -33,6 +35,14 @@ def poisoned(tiny_model_factory, tmp_path_factory):
     for row in range(layer.n_ff):
         at = layer.down_t_offset + row * layer.down_t_row_bytes
         data[at:at + 2] = NAN_F16  # the first Q8_0 block's f16 scale
+    # the row checksums re-made for the poisoned rows, as a converter writing NaN weights would: the
+    # integrity check passes, and what runs into the NaN is the engine's output check
+    rows = np.frombuffer(bytes(data[layer.down_t_offset:layer.down_t_offset + layer.n_ff * layer.down_t_row_bytes]),
+                         dtype=np.uint8)
+    table = np.frombuffer(bytes(data[layer.checksum_offset:layer.checksum_offset + 16 * layer.n_ff]),
+                          dtype="<u4").reshape(layer.n_ff, 4).copy()
+    table[:, fmt.CHECKSUM_COLUMNS.index("down_t")] = _native.crc32c_rows(rows, layer.down_t_row_bytes)
+    data[layer.checksum_offset:layer.checksum_offset + table.nbytes] = table.tobytes()
     sidecar.write_bytes(bytes(data))
     return model, sidecar, layer.layer
 

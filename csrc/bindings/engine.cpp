@@ -1,9 +1,12 @@
 // bindings/engine.cpp — the engine-open protocol: the typed configuration (engine_config.h) as
 // Python classes with named, typed fields, and FlashModel (flash_model.h) opened from it in one call,
 // with its run-time settings (thresholds, sparse configuration) and statistics.
-// IoError during open becomes llamaflash.errors.FlashIoError; std::invalid_argument a ValueError.
+// IoError during open becomes llamaflash.errors.FlashIoError (IntegrityError SidecarIntegrityError);
+// std::invalid_argument a ValueError.
 #include "../engine_config.h"
+#include "../crc32c.h"
 #include "../flash_model.h"
+#include "../integrity.h"
 #include "flash_io_py.h"
 
 #include <pybind11/numpy.h>
@@ -17,6 +20,7 @@
 namespace py = pybind11;
 using namespace llamaflash;
 using llamaflash_py::raise_flash_io_error;
+using llamaflash_py::raise_integrity_error;
 
 namespace {
 
@@ -66,7 +70,17 @@ void bind_config(py::module_ & m) {
         .LAYER_TYPE_FIELD(draft_type)
         .def_readwrite("draft_row_bytes", &LayerSpec::draft_row_bytes)
         .def_readwrite("draft_up_offset", &LayerSpec::draft_up_offset)
-        .def_readwrite("draft_down_t_offset", &LayerSpec::draft_down_t_offset);
+        .def_readwrite("draft_down_t_offset", &LayerSpec::draft_down_t_offset)
+        .def_readwrite("draft_crc_offset", &LayerSpec::draft_crc_offset)
+        .def_readwrite("draft_up_name", &LayerSpec::draft_up_name)
+        .def_readwrite("draft_down_t_name", &LayerSpec::draft_down_t_name)
+        .def_readwrite("crc_offset", &LayerSpec::crc_offset)
+        .def_readwrite("base_down_crc_offset", &LayerSpec::base_down_crc_offset)
+        .def_readwrite("bundle_name", &LayerSpec::bundle_name)
+        .def_readwrite("down_t_name", &LayerSpec::down_t_name)
+        .def_readwrite("base_gate_name", &LayerSpec::base_gate_name)
+        .def_readwrite("base_up_name", &LayerSpec::base_up_name)
+        .def_readwrite("base_down_name", &LayerSpec::base_down_name);
 
     py::class_<SparseConfig>(m, "SparseConfig", "How the sparse lane runs (engine_config.h).")
         .def(py::init([](bool enabled, int64_t max_tokens, int cluster_size, bool gate_by_ggml, bool up_by_ggml) {
@@ -108,6 +122,7 @@ void bind_config(py::module_ & m) {
         .def_readwrite("sparse", &EngineConfig::sparse)
         .def_readwrite("offload", &EngineConfig::offload)
         .def_readwrite("repack", &EngineConfig::repack)
+        .def_readwrite("verify", &EngineConfig::verify)
         .def("validate", &EngineConfig::validate, "ValueError naming the field unless the configuration is usable.");
 }
 
@@ -143,6 +158,8 @@ void bind_engine(py::module_ & m) {
                 try {
                     py::gil_scoped_release release;
                     model = FlashModel::open(config);
+                } catch (const IntegrityError & e) {
+                    raise_integrity_error(e.what());
                 } catch (const IoError & e) {
                     raise_flash_io_error(e.what());
                 }
@@ -187,6 +204,29 @@ void bind_engine(py::module_ & m) {
                       "threshold; a negative threshold runs that layer dense.")
         .def("take_non_finite", &FlashModel::take_non_finite,
              "Which served FFN produced a NaN or an infinity in the last failed compute, cleared; '' if none.")
+        .def("check_files",
+             [](FlashModel & fm) {
+                 try {
+                     fm.check_files();
+                 } catch (const IntegrityError & e) {
+                     raise_integrity_error(e.what());
+                 } catch (const IoError & e) {
+                     raise_flash_io_error(e.what());
+                 }
+             },
+             "Raise FlashIoError when the sidecar or the base model changed size on disk since the model was "
+             "opened, or was modified in place without checksums to check it against; SidecarIntegrityError "
+             "when a row modified in place no longer matches its checksum (flash_model.h).")
+        .def_property_readonly("integrity", [](const FlashModel & fm) {
+            const WeightStore & w = fm.weights();
+            py::dict d;
+            d["checksums"] = w.has_checksums();
+            d["verifying"] = w.verifying();
+            d["load_verified_bytes"] = w.verified_bytes();
+            d["load_verify_seconds"] = w.verify_seconds();
+            d["crc32c"] = std::string(crc32c_implementation());
+            return d;
+        }, "The sidecar has checksums; they are checked; bytes and time checked at load; the CRC-32C code in use.")
         .def("take_error", &FlashModel::take_error,
              "The error that failed the last graph compute (an I/O error in the offload lane), cleared; '' if none.");
 }

@@ -1,5 +1,6 @@
 // bindings/flash_io_py.h — what the bindings that read flash share: IoError as Python's
-// llamaflash.errors.FlashIoError, and the engine names of FlashReaderOptions.
+// llamaflash.errors.FlashIoError (a failed checksum as SidecarIntegrityError), and the engine names of
+// FlashReaderOptions.
 #pragma once
 
 #include "../flash_io.h"
@@ -13,6 +14,13 @@ namespace llamaflash_py {
 // Raises llamaflash.errors.FlashIoError(msg) in Python (throws py::error_already_set).
 [[noreturn]] inline void raise_flash_io_error(const std::string & msg) {
     pybind11::object cls = pybind11::module_::import("llamaflash.errors").attr("FlashIoError");
+    PyErr_SetString(cls.ptr(), msg.c_str());
+    throw pybind11::error_already_set();
+}
+
+// Raises llamaflash.errors.SidecarIntegrityError(msg) (a row failed its checksum, integrity.h).
+[[noreturn]] inline void raise_integrity_error(const std::string & msg) {
+    pybind11::object cls = pybind11::module_::import("llamaflash.errors").attr("SidecarIntegrityError");
     PyErr_SetString(cls.ptr(), msg.c_str());
     throw pybind11::error_already_set();
 }

@@ -2,7 +2,9 @@
 // the runtime package (plugin/, converters/) calls. Test and benchmark hooks live in
 // llamaflash._native_testing (bindings/testing.cpp). Python owns lifetimes: FlashModel is held by
 // shared_ptr (llamaflash.Llama keeps one; the weight registry keeps one per llama.cpp buffer bound to it).
+#include "../crc32c.h"
 #include "../file_reader.h"
+#include "../integrity.h"
 #include "../flash_backend.h"
 #include "../flash_model.h"
 #include "../weight_registry.h"
@@ -42,6 +44,44 @@ PYBIND11_MODULE(_native, m) {
         WeightRegistry::instance().set_pending(std::move(model));
     }, "Make `model` the one whose FFN weights llama.cpp's next model load places on the device.");
     m.def("end_model_load", [] { WeightRegistry::instance().clear_pending(); });
+
+    m.attr("INTEGRITY_ERROR_PREFIX") = std::string(kIntegrityErrorPrefix);
+    m.def("crc32c_implementation", &crc32c_implementation,
+          "What computes CRC-32C on this machine: 'sse4.2' (the crc32 instruction) or 'table' (portable).");
+    m.def("crc32c_rows",
+          [](py::buffer data, size_t row_bytes, const std::string & impl) {
+              const py::buffer_info info = data.request();
+              if (row_bytes == 0) throw py::value_error("row_bytes must be positive");
+              const size_t n = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+              bool contiguous = true;
+              for (py::ssize_t d = info.ndim - 1, expect = info.itemsize; d >= 0; --d) {
+                  contiguous = contiguous && info.strides[d] == expect;
+                  expect *= info.shape[d];
+              }
+              if (!contiguous) throw py::value_error("data must be C-contiguous");
+              if (n % row_bytes != 0) {
+                  throw py::value_error(std::to_string(n) + " bytes are not a whole number of " +
+                                        std::to_string(row_bytes) + "-byte rows");
+              }
+              const Crc32cImpl which = impl == "auto" ? Crc32cImpl::automatic
+                                       : impl == "table" ? Crc32cImpl::table
+                                       : impl == "hardware" ? Crc32cImpl::hardware
+                                       : throw py::value_error("impl must be 'auto', 'table' or 'hardware'");
+              const int64_t rows = static_cast<int64_t>(n / row_bytes);
+              py::array_t<uint32_t> out(rows);
+              const auto * p = static_cast<const uint8_t *>(info.ptr);
+              uint32_t * o = out.mutable_data();
+              try {
+                  py::gil_scoped_release release;
+                  crc32c_rows(p, rows, row_bytes, row_bytes, o, which);
+              } catch (const std::invalid_argument & e) {
+                  throw py::value_error(e.what());
+              }
+              return out;
+          },
+          py::arg("data"), py::arg("row_bytes"), py::arg("impl") = "auto",
+          "CRC-32C (Castagnoli) of each `row_bytes`-byte row of a C-contiguous buffer, as uint32 (crc32c.h). "
+          "impl: 'auto', 'table' (portable) or 'hardware' (SSE4.2; ValueError without it).");
 
     m.def("quantize_rows",
           [](int type, const F32Array & values) {

@@ -33,6 +33,8 @@ py::dict cache_stats(const NeuronCacheStats & s) {
     d["hot_bytes_loaded"] = s.hot_bytes_loaded;
     d["io_wait_seconds"] = s.io_wait_seconds;
     d["plan_seconds"] = s.plan_seconds;
+    d["verified_bytes"] = s.verified_bytes;
+    d["verify_seconds"] = s.verify_seconds;
     d["draft_plans"] = s.draft_plans;
     d["draft_clusters_needed"] = s.draft_clusters_needed;
     d["draft_clusters_resident"] = s.draft_clusters_resident;

@@ -1,0 +1,253 @@
+"""Row checksums (sidecar integrity section, csrc/crc32c.*, csrc/integrity.*, plugin/integrity.py): the
+converter stores the CRC-32C of every row the engine reads; the engine checks them before computing
+(in memory at load, offload on every flash read); `llamaflash verify` checks them offline. A flipped
+byte in any checked row is an error naming the file, the tensor and the row, never a wrong output.
+A file that shrinks or changes while in use is a FlashIoError at the next evaluation."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import llamaflash
+from conftest import FAST_CONVERT
+from llamaflash import _native
+from llamaflash import sidecar_format as fmt
+from llamaflash.cli import main
+from llamaflash.converters import convert
+from llamaflash.converters.bundle import BundleStage
+from llamaflash.converters.pipeline import plan_sidecar
+from llamaflash.converters.writer import write_sidecar_atomically
+from llamaflash.errors import FlashIoError, SidecarIntegrityError
+from llamaflash.gguf_model import base_identity, read_base_model
+from llamaflash.integrity import verify_files
+from llamaflash.sidecar import read_sidecar, validate_pair
+from test_offload import KW, forced_plan, make_plan  # noqa: F401  (fixture)
+
+
+def crc32c_reference(data: bytes) -> int:
+    """Bitwise CRC-32C (reflected 0x82F63B78, init and final XOR 0xFFFFFFFF): the definition."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_crc32c_matches_its_definition_in_every_implementation():
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 256, size=(37, 203), dtype=np.uint8)  # odd sizes: the byte tails too
+    expected = [crc32c_reference(r.tobytes()) for r in rows]
+    impls = ["auto", "table"] + (["hardware"] if _native.crc32c_implementation() == "sse4.2" else [])
+    for impl in impls:
+        assert list(_native.crc32c_rows(rows, 203, impl)) == expected, impl
+    assert _native.crc32c_rows(b"123456789", 9)[0] == 0xE3069283  # the published check value
+    with pytest.raises(ValueError, match="whole number"):
+        _native.crc32c_rows(b"12345", 2)
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_model_factory, tmp_path_factory):
+    src = tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192)
+    d = tmp_path_factory.mktemp("integrity")
+    model = d / "m.gguf"
+    shutil.copy(src, model)
+    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
+    return model, sidecar
+
+
+def test_the_converter_checksums_every_row_the_engine_reads(converted):
+    model, sidecar = converted
+    info = validate_pair(model, sidecar)
+    assert info.format_version == fmt.INTEGRITY_FORMAT_VERSION and info.integrity == fmt.INTEGRITY_ALGORITHM
+    for lay in info.layers:
+        table = np.fromfile(sidecar, "<u4", lay.n_ff * 4, offset=lay.checksum_offset).reshape(lay.n_ff, 4)
+        down = np.fromfile(sidecar, "<u4", lay.n_embd, offset=lay.down_checksum_offset)
+        sets = [(sidecar, lay.bundle_offset, lay.bundle_stride, table[:, 0]),
+                (sidecar, lay.down_t_offset, lay.down_t_row_bytes, table[:, 1]),
+                (model, lay.base_gate_offset, lay.gate_row_bytes, table[:, 2]),
+                (model, lay.base_up_offset, lay.up_row_bytes, table[:, 3]),
+                (model, lay.base_down_offset, lay.base_down_row_bytes, down)]
+        for path, offset, row_bytes, expected in sets:
+            data = path.read_bytes()
+            for r in (0, 1, len(expected) - 1):
+                row = data[offset + r * row_bytes: offset + (r + 1) * row_bytes]
+                assert crc32c_reference(row) == expected[r]
+
+
+def test_a_bundle_only_sidecar_carries_checksums_too(converted, tmp_path):
+    model, _ = converted
+    out = convert(model, tmp_path / "v1.flash.gguf", progress=False, profile=False)
+    info = read_sidecar(out)
+    assert info.format_version == 1 and info.integrity == fmt.INTEGRITY_ALGORITHM
+    assert verify_files(out, model).ok
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _copies(converted, tmp_path):
+    model, sidecar = converted
+    m, s = tmp_path / "m.gguf", tmp_path / "m.flash.gguf"
+    shutil.copy(model, m)
+    shutil.copy(sidecar, s)
+    return m, s, validate_pair(m, s).layers[1]
+
+
+# (row set, the lane that reads it in memory, byte offset of the flip inside that row set)
+FLIPS = [
+    ("bundle", "dense", lambda lay: (lay.bundle_offset + 7 * lay.bundle_stride + 3, fmt.bundle_tensor_name(1), 7)),
+    ("down_t", "sparse", lambda lay: (lay.down_t_offset + 40 * lay.down_t_row_bytes + 5, fmt.down_t_tensor_name(1), 40)),
+    ("base_up", "sparse", lambda lay: (lay.base_up_offset + 100 * lay.up_row_bytes + 9, fmt.base_ffn_up_name(1), 100)),
+    ("base_down", "dense", lambda lay: (lay.base_down_offset + 2 * lay.base_down_row_bytes, fmt.base_ffn_down_name(1), 2)),
+]
+
+
+@pytest.mark.parametrize("what,lane,where", FLIPS, ids=[f[0] for f in FLIPS])
+def test_a_flipped_byte_in_memory_is_refused_at_load(converted, tmp_path, what, lane, where):
+    m, s, lay = _copies(converted, tmp_path)
+    offset, tensor, row = where(lay)
+    _flip(m if what.startswith("base") else s, offset)
+    with pytest.raises(SidecarIntegrityError) as e:
+        llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode=lane, **KW)
+    msg = str(e.value)
+    assert tensor in msg and f"row {row} " in msg and ("m.gguf" if what.startswith("base") else "m.flash.gguf") in msg
+    assert ("copy" in msg) and (what.startswith("base") or "--force" in msg)
+    # the measuring switch: the same files load unchecked
+    llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode=lane, flash_verify=False, **KW).close()
+    # offline, `llamaflash verify` names the same row
+    result = CliRunner().invoke(main, ["verify", str(s), str(m)])
+    assert result.exit_code == 1 and f"{tensor} row {row} " in result.output
+
+
+def test_offload_checks_each_flash_read_before_its_cluster_is_used(converted, tmp_path, forced_plan):
+    m, s, lay = _copies(converted, tmp_path)
+    forced_plan(make_plan(s, 0, prefetch_layers=0))  # nothing pinned: every cluster read at decode
+    clean = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), ram_budget_mb=64, **KW)
+    clean.eval(clean.tokenize(b"hello there"))
+    clean.eval([int(np.argmax(clean.scores[clean.n_tokens - 1]))])
+    stats = clean.flash_stats()["integrity"]
+    assert stats["checked"] and stats["read_verified_bytes"] > 0 and stats["load_verified_bytes"] > 0
+    clean.close()
+    for row in range(lay.n_ff):  # every down_t row of layer 1 damaged: whatever the token needs
+        _flip(s, lay.down_t_offset + row * lay.down_t_row_bytes)
+    llm = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), ram_budget_mb=64, **KW)
+    with pytest.raises(SidecarIntegrityError, match=fmt.down_t_tensor_name(1)):
+        llm.eval(llm.tokenize(b"hello there"))  # short batches run on the sparse lane (verify batches)
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    llm.close()
+
+
+def test_offload_checks_pinned_clusters_at_load(converted, tmp_path, forced_plan):
+    m, s, lay = _copies(converted, tmp_path)
+    _flip(s, lay.down_t_offset + 3)
+    forced_plan(make_plan(s, 6, prefetch_layers=1))  # everything pinned
+    with pytest.raises(SidecarIntegrityError, match="row 0 "):
+        llamaflash.Llama(model_path=str(m), sidecar_path=str(s), ram_budget_mb=64, **KW)
+
+
+def test_a_sidecar_without_checksums_loads_with_a_warning(converted, tmp_path):
+    model, _ = converted
+    base = read_base_model(model)
+    old = tmp_path / "old.flash.gguf"
+    write_sidecar_atomically(plan_sidecar(base, base_identity(model, base), [BundleStage()]), old)
+    assert read_sidecar(old).integrity is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(old), flash_mode="dense", **KW)
+    assert any("no checksums" in str(w.message) for w in caught)
+    assert llm.flash_stats()["integrity"]["algorithm"] is None and not llm.flash_stats()["integrity"]["checked"]
+    llm.close()
+    result = CliRunner().invoke(main, ["verify", str(old)])
+    assert result.exit_code == 1 and "no checksums" in result.output
+    assert "checksums:        none" in CliRunner().invoke(main, ["inspect", str(old)]).output
+
+
+def test_verify_command_reports_what_it_checked(converted):
+    model, sidecar = converted
+    result = CliRunner().invoke(main, ["verify", str(sidecar), str(model)])
+    assert result.exit_code == 0, result.output
+    for kind in ("ffn_bundle", "ffn_down_t", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+        assert kind in result.output
+    assert "OK" in result.output
+    alone = CliRunner().invoke(main, ["verify", str(sidecar)])
+    assert alone.exit_code == 0 and "base model rows not checked" in alone.output
+
+
+def test_flash_verify_must_be_a_bool(converted):
+    model, _ = converted
+    with pytest.raises(ValueError, match="flash_verify"):
+        llamaflash.Llama(model_path=str(model), flash_mode="dense", flash_verify="yes", **KW)
+
+
+@pytest.mark.parametrize("lane", ["dense", "sparse"])
+def test_a_file_that_shrinks_in_use_is_a_flash_io_error_before_compute(converted, tmp_path, lane):
+    """In memory the weights are mapped: a truncated file would be a SIGBUS when touched. The check
+    before every evaluation turns it into FlashIoError first."""
+    m, s, _ = _copies(converted, tmp_path)
+    llm = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode=lane, **KW)
+    llm.eval(llm.tokenize(b"hello"))
+    os.truncate(s, os.path.getsize(s) // 2)
+    with pytest.raises(FlashIoError, match="m.flash.gguf.*shrank"):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    llm.close()
+
+
+@pytest.mark.parametrize("lane", ["dense", "sparse"])
+def test_a_file_rewritten_in_place_is_checked_again_in_memory(converted, tmp_path, lane):
+    """Same size, new modification time: the mapped rows are checked again before the evaluation. The
+    same bytes pass (and the model goes on); a changed row is SidecarIntegrityError; without checks
+    (flash_verify=False) the change itself is a FlashIoError."""
+    m, s, lay = _copies(converted, tmp_path)
+    llm = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode=lane, **KW)
+    llm.eval(llm.tokenize(b"hello"))
+    s.write_bytes(s.read_bytes())  # rewritten with the same bytes
+    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    # a row both lanes map in place here (plain weights: flash_batch_invariant): the bundles
+    _flip(s, lay.bundle_offset + 11 * lay.bundle_stride + 2)
+    with pytest.raises(SidecarIntegrityError, match=f"{fmt.bundle_tensor_name(1)} row 11 "):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    llm.close()
+    unchecked = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode=lane, flash_verify=False, **KW)
+    unchecked.eval(unchecked.tokenize(b"hello"))
+    os.utime(s, ns=(0, 1))
+    with pytest.raises(FlashIoError, match="m.flash.gguf.*modified"):
+        unchecked.eval([1])
+    unchecked.close()
+
+
+@pytest.mark.parametrize("what", ["base_down", "base_gate"])
+def test_offload_views_are_checked_at_every_split_that_reads_them(converted, tmp_path, forced_plan, what):
+    """Offload drops the prefill views' pages (and a streamed gate's) after each split, so they come
+    back from the file: each split checks them first. A row rewritten in place with its modification
+    time put back (invisible to the per-evaluation stat) fails the next split that reads it."""
+    m, s, lay = _copies(converted, tmp_path)
+    forced_plan(make_plan(s, 0, prefetch_layers=1, stream_gate=True))
+    llm = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), ram_budget_mb=64, **KW)
+    prompt = llm.tokenize(b"a prompt longer than any verify batch, for the dense lane")
+    llm.eval(prompt)
+    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    st = os.stat(m)
+    offset = lay.base_down_offset + 5 * lay.base_down_row_bytes if what == "base_down" else \
+        lay.base_gate_offset + 9 * lay.gate_row_bytes
+    _flip(m, offset)
+    os.utime(m, ns=(st.st_atime_ns, st.st_mtime_ns))
+    name = fmt.base_ffn_down_name(1) if what == "base_down" else fmt.base_ffn_gate_name(1)
+    with pytest.raises(SidecarIntegrityError, match=name):
+        if what == "base_down":
+            llm.reset()
+            llm.eval(prompt)  # prefill: dense splits read the down view
+        else:
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])  # decode: the streamed gate
+    llm.close()
