@@ -26,12 +26,10 @@ from llamaflash.errors import SidecarError
 from llamaflash.gguf_model import read_base_model, read_tensor_rows
 from llamaflash.sidecar import read_sidecar, validate_pair
 from test_offload import forced_plan, make_plan  # noqa: F401  (module fixture reused)
+from test_speculative import PROMPT, SELF_DRAFT, greedy
 
 Q = gguf.GGMLQuantizationType
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
-PROMPT = "Once upon a time, in a land far away, there lived a"
-N_GEN = 40
-SELF_DRAFT = {"adaptive": False, "max_draft": 4, "prompt_lookup": False, "min_confidence": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +84,6 @@ def test_no_copy_when_asked_for_none(pair, tmp_path):
     with pytest.raises(ValueError, match="do not divide n_embd 96"):
         convert(model, tmp_path / "bad.flash.gguf", progress=False, draft_type="q2_k", **FAST_CONVERT)
     assert not (tmp_path / "bad.flash.gguf").exists()
-
-
-def greedy(llm, n: int = N_GEN) -> list:
-    out = []
-    for tok in llm.generate(llm.tokenize(PROMPT.encode()), temp=0, top_k=1):
-        out.append(tok)
-        if len(out) >= n:
-            break
-    return out
 
 
 def test_a_draft_from_the_copy_is_exact_and_drafts_better(pair, forced_plan):  # noqa: F811
