@@ -72,6 +72,12 @@ def _row_sets(info: SidecarInfo, layout: LayerLayout, model: Optional[Path]):
            col["bundle"])
     yield (info.path, fmt.down_t_tensor_name(L), "ffn_down_t", layout.down_t_offset, n_ff, layout.down_t_row_bytes,
            col["down_t"])
+    if layout.draft_checksum_offset is not None:  # the draft copy: (n_ff, 2) table, up then down_t
+        draft = np.fromfile(info.path, dtype="<u4", count=2 * n_ff, offset=layout.draft_checksum_offset).reshape(n_ff, 2)
+        yield (info.path, fmt.draft_up_tensor_name(L), "ffn_draft_up", layout.draft_up_offset, n_ff,
+               layout.draft_row_bytes, draft[:, 0])
+        yield (info.path, fmt.draft_down_t_tensor_name(L), "ffn_draft_down_t", layout.draft_down_t_offset, n_ff,
+               layout.draft_row_bytes, draft[:, 1])
     if model is None:
         return
     yield (model, fmt.base_ffn_gate_name(L), "ffn_gate.weight", layout.base_gate_offset, n_ff,

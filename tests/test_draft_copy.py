@@ -209,3 +209,8 @@ def test_a_damaged_draft_copy_is_refused_at_load(pair, forced_plan, tmp_path):  
     forced_plan(plan)
     with pytest.raises(SidecarIntegrityError, match=f"blk.{lay.layer}.ffn_draft_down_t"):
         llamaflash.Llama(model_path=str(model), sidecar_path=str(damaged), ram_budget_mb=64, **KW)
+    # `llamaflash verify` checks the copy's rows too, and names the damaged one
+    from llamaflash.integrity import verify_files
+    assert verify_files(sidecar).ok
+    report = verify_files(damaged)
+    assert [(m.tensor, m.row) for m in report.mismatches] == [(f"blk.{lay.layer}.ffn_draft_down_t", 5)]
