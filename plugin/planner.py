@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 from . import _native
@@ -530,8 +531,9 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         "kv_cache": f"f16 K+V, every layer, n_ctx {n_ctx} rounded up to 256 cells",
         "compute_buffers": f"llama.cpp CPU + LLAMAFLASH compute at n_ubatch {u}, logits output; +5% (fit, measured)",
         "prefill_window": "one layer's base up + down, mmapped page cache during dense prefill",
-        "draft_copy": (f"the sidecar's draft copy ({_type_name(info.layers[0].draft_type)}): every neuron's up "
-                       "and down_t rows at low bit width, resident, for speculative self-drafts") if copy_bytes else "",
+        "draft_copy": (f"the sidecar's draft copy ({gguf.GGMLQuantizationType(lay0.draft_type).name}): every "
+                       "neuron's up and down_t rows at low bit width, resident, for speculative self-drafts"
+                       ) if copy_bytes else "",
         "gate_rows": f"resident gate matrices, {len(info.layers)} layers x {lay0.n_ff} x {lay0.gate_row_bytes} B",
         "gate_window": f"streamed gate: {GATE_WINDOW_LAYERS} layers x {lay0.n_ff} x {lay0.gate_row_bytes} B in the page "
                        f"cache (the layer computing, the next read ahead); {gate / 1e6:.0f} MB of gate rows read "
@@ -577,7 +579,3 @@ def draft_copy_bytes(info: SidecarInfo) -> int | None:
         return None
     return sum(2 * (-(-lay.n_ff * lay.draft_row_bytes // PAGE) * PAGE) for lay in info.layers)
 
-
-def _type_name(ggml_type: int | None) -> str:
-    import gguf
-    return "none" if ggml_type is None else gguf.GGMLQuantizationType(ggml_type).name
