@@ -16,6 +16,9 @@ time spent checking (``read_verify_seconds``) bounds what the checks can add to 
 * offload: ``Llama(ram_budget_mb=B, flash_speculative=False)``, a fixed prompt, then N greedy tokens
   one at a time; decode tok/s over those tokens. Every flash read is checked before its cluster is
   used. The tokens of both settings must be identical (checked).
+* offload, interleaved: both settings loaded in one process and decoding token by token in turn
+  (on/off, then off/on): the ratio of their decode times is the least exposed to the machine's
+  drifting load and the disk's run-to-run spread (the headline decode cost).
 
 Writes bench/results/integrity-<model>.json (or --json).
 """
@@ -49,6 +52,8 @@ def worker(spec: dict) -> dict:
         llm.close()
         return {"load_s": load_s, "load_verify_s": integrity["load_verify_seconds"],
                 "load_verified_bytes": integrity["load_verified_bytes"]}
+    if spec["run"] == "offload_pair":
+        return offload_pair(spec, common)
     llm = llamaflash.Llama(ram_budget_mb=spec["budget_mb"], flash_speculative=False, **common)
     llm.eval(llm.tokenize(PROMPT.encode()))
     llm.reset_flash_stats()
@@ -64,7 +69,39 @@ def worker(spec: dict) -> dict:
     llm.close()
     return {"tok_s": spec["n_gen"] / decode_s, "tokens": tokens, "bytes_read": off["bytes_read"],
             "io_wait_s": off["io_wait_seconds"], "read_verify_s": integrity.get("read_verify_seconds", 0.0),
-            "read_verified_bytes": integrity.get("read_verified_bytes", 0)}
+            "read_verified_bytes": integrity.get("read_verified_bytes", 0),
+            "read_clusters_checked_by_compute": integrity.get("read_clusters_checked_by_compute", 0)}
+
+
+def offload_pair(spec: dict, common: dict) -> dict:
+    """Both settings in one process, token by token in turn (on, off; then off, on): drifting load on
+    a shared machine hits both alike. Each model decodes its own greedy tokens (the same ones)."""
+    import numpy as np
+    import llamaflash
+
+    models = {key: llamaflash.Llama(ram_budget_mb=spec["budget_mb"], flash_speculative=False,
+                                    **{**common, "flash_verify": key == "on"}) for key in ("on", "off")}
+    for llm in models.values():
+        llm.eval(llm.tokenize(PROMPT.encode()))
+        llm.reset_flash_stats()
+    seconds = {key: [] for key in models}
+    tokens = {key: [] for key in models}
+    for i in range(spec["n_gen"]):
+        for key in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            llm = models[key]
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tokens[key].append(tok)
+            t0 = time.perf_counter()
+            llm.eval([tok])
+            seconds[key].append(time.perf_counter() - t0)
+    integrity = models["on"].flash_stats()["integrity"]
+    for llm in models.values():
+        llm.close()
+    return {"decode_s_on": sum(seconds["on"]), "decode_s_off": sum(seconds["off"]),
+            "token_ratio_median": statistics.median(a / b for a, b in zip(seconds["on"], seconds["off"])),
+            "same_tokens": tokens["on"] == tokens["off"], "tokens": tokens["on"],
+            "read_verify_s": integrity.get("read_verify_seconds", 0.0),
+            "read_clusters_checked_by_compute": integrity.get("read_clusters_checked_by_compute", 0)}
 
 
 def run_worker(spec: dict) -> dict:
@@ -123,7 +160,7 @@ def main() -> int:
     offline = verify_files(sidecar, model)
     offline_s = time.perf_counter() - t0
     assert offline.ok, "the sidecar does not match its checksums"
-    runs: dict[str, list] = {"load_on": [], "load_off": [], "offload_on": [], "offload_off": []}
+    runs: dict[str, list] = {"load_on": [], "load_off": [], "offload_on": [], "offload_off": [], "offload_pair": []}
     base = {"model": str(model), "sidecar": str(sidecar), "budget_mb": args.budget_mb, "n_gen": args.n_gen}
     from llamaflash.bench.benchkit import wait_until_quiet, warm_page_cache
 
@@ -136,8 +173,10 @@ def main() -> int:
                 warm_page_cache(path)     # the whole model); the offload runs drop pages of both
             runs[f"load_{key}"].append(run_worker({**base, "run": "load", "verify": verify}))
             runs[f"offload_{key}"].append(run_worker({**base, "run": "offload", "verify": verify}))
+        runs["offload_pair"].append(run_worker({**base, "run": "offload_pair", "verify": True}))
         print(f"rep {rep + 1}/{args.reps} (machine busy {busy[-1]:.2f} before it)", file=sys.stderr, flush=True)
-    tokens = {tuple(r["tokens"]) for k in ("offload_on", "offload_off") for r in runs[k]}
+    tokens = {tuple(r["tokens"]) for k in ("offload_on", "offload_off", "offload_pair") for r in runs[k]}
+    pair_ratio = [100 * (r["decode_s_on"] / r["decode_s_off"] - 1) for r in runs["offload_pair"]]
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0] if f != "tokens"} for k, v in runs.items()}
     # per rep, the two settings ran back to back: their ratio is less exposed to drifting load
     paired_load = [100 * (a["load_s"] / b["load_s"] - 1) for a, b in zip(runs["load_on"], runs["load_off"])]
@@ -145,6 +184,11 @@ def main() -> int:
     summary = {
         "load_cost_pct_paired_median": statistics.median(paired_load),
         "decode_cost_pct_paired_median": statistics.median(paired_decode),
+        # one process, both models, token by token in turn: median over reps of (time on / time off − 1)
+        "decode_cost_pct_interleaved_median": statistics.median(pair_ratio),
+        "decode_cost_pct_interleaved_runs": [round(x, 2) for x in pair_ratio],
+        "decode_cost_pct_interleaved_token_median": 100 * (
+            statistics.median(r["token_ratio_median"] for r in runs["offload_pair"]) - 1),
         "read_verify_share_of_decode_time_pct": 100 * med["offload_on"]["read_verify_s"] / args.n_gen
         * med["offload_off"]["tok_s"],
         "load_s_off": med["load_off"]["load_s"], "load_s_on": med["load_on"]["load_s"],
@@ -155,7 +199,7 @@ def main() -> int:
         "read_verify_s_per_token": med["offload_on"]["read_verify_s"] / args.n_gen,
         "bytes_read_per_token": med["offload_on"]["bytes_read"] / args.n_gen,
         "io_wait_s_per_token_on": med["offload_on"]["io_wait_s"] / args.n_gen,
-        "same_tokens": len(tokens) == 1,
+        "same_tokens": len(tokens) == 1 and all(r["same_tokens"] for r in runs["offload_pair"]),
         "offline_verify_s": offline_s,
     }
     payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "time": time.strftime("%Y-%m-%d %H:%M"),

@@ -18,7 +18,9 @@ enum class Crc32cImpl : int { automatic = 0, table = 1, hardware = 2 };
 // CPU without it throws std::invalid_argument.
 uint32_t crc32c(const void * data, size_t n, Crc32cImpl impl = Crc32cImpl::automatic);
 
-// out[r] = crc32c(data + r·stride, row_bytes) for r in [0, n_rows).
+// out[r] = crc32c(data + r·stride, row_bytes) for r in [0, n_rows). With the instruction, rows of
+// 192 bytes or more are checksummed in three interleaved lanes joined by a precomputed shift (the
+// same function, about twice as fast; tables kept per row size, see crc32c.cpp).
 void crc32c_rows(const uint8_t * data, int64_t n_rows, size_t row_bytes, size_t stride, uint32_t * out,
                  Crc32cImpl impl = Crc32cImpl::automatic);
 

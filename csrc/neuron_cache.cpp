@@ -114,7 +114,7 @@ void NeuronCache::load_hot() {
         }
         if (clusters.empty()) continue;
         stats_.hot_bytes_loaded += submit(static_cast<int>(li), clusters, slots, false);
-        finish(static_cast<int>(li));
+        finish(static_cast<int>(li), true);
     }
 }
 
@@ -174,7 +174,7 @@ uint64_t NeuronCache::submit(int li, const std::vector<int32_t> & clusters, cons
         // the up reads are in flight into these slots: wait for them and drop the slots (finish
         // throws a read failure of its own first), then report the failed submission
         batches_[li].push_back(std::move(batch));
-        finish(li);
+        finish(li, true);
         throw;
     }
     batches_[li].push_back(std::move(batch));
@@ -182,11 +182,11 @@ uint64_t NeuronCache::submit(int li, const std::vector<int32_t> & clusters, cons
 }
 
 bool NeuronCache::arrived(const Batch & b) const {
-    return (!b.has_up || up_file_->poll(b.up)) && (!b.has_down || sidecar_->poll(b.down));
+    return b.in || ((!b.has_up || up_file_->poll(b.up)) && (!b.has_down || sidecar_->poll(b.down)));
 }
 
-void NeuronCache::complete(Batch & b) {
-    if (b.done) return;
+void NeuronCache::await_reads(Batch & b) {
+    if (b.in) return;
     for (int pass = 0; pass < 2; ++pass) {
         if (!(pass == 0 ? b.has_up : b.has_down)) continue;
         try {
@@ -195,7 +195,18 @@ void NeuronCache::complete(Batch & b) {
             if (b.error.empty()) b.error = e.what();
         }
     }
+    b.in = true;
+}
+
+void NeuronCache::complete(Batch & b, bool check) {
+    if (b.done) return;
+    await_reads(b);
+    const bool checked = !layers_[static_cast<size_t>(slots_[b.slots.front()].layer)].up_crc.empty();
     for (size_t k = 0; k < b.slots.size() && b.error.empty(); ++k) {
+        if (!check) {
+            slots_[b.slots[k]].unchecked = checked;
+            continue;
+        }
         try {
             check_slot(b.slots[k]);
         } catch (const IntegrityError & e) {
@@ -210,7 +221,7 @@ bool NeuronCache::complete_one_arrived() {
     for (std::vector<Batch> & layer : batches_) {
         for (Batch & b : layer) {
             if (!b.done && arrived(b)) {
-                complete(b);
+                complete(b, true);
                 return true;
             }
         }
@@ -218,16 +229,27 @@ bool NeuronCache::complete_one_arrived() {
     return false;
 }
 
-void NeuronCache::finish(int li) {
+void NeuronCache::finish(int li, bool check_all) {
     std::vector<Batch> batches;
     batches.swap(batches_[static_cast<size_t>(li)]);
+    // While a read of li is in flight, check what has arrived (li's batches first, then read-ahead of
+    // other layers); with nothing to check, block on the first batch in flight.
+    for (;;) {
+        Batch * in_flight = nullptr;
+        Batch * arrived_here = nullptr;
+        for (Batch & b : batches) {
+            if (b.done) continue;
+            if (arrived(b)) arrived_here = &b;
+            else if (in_flight == nullptr) in_flight = &b;
+        }
+        if (in_flight == nullptr) break;
+        if (arrived_here != nullptr) complete(*arrived_here, true);
+        else if (!complete_one_arrived()) await_reads(*in_flight);
+    }
     std::string error;
     bool integrity = false;  // the error is a failed check, not a failed read
     for (Batch & b : batches) {
-        // while this batch is still being read, check others that arrived (read-ahead of later layers)
-        while (!b.done && !arrived(b) && complete_one_arrived()) {
-        }
-        complete(b);
+        complete(b, check_all);  // every read is in: checked now, or left to check_cluster
         if (error.empty() && !b.error.empty()) {
             error = b.error;
             integrity = b.integrity;
@@ -255,12 +277,38 @@ void NeuronCache::check_slot(int64_t s) {
     const int64_t n = std::min<int64_t>(C, L.n_ff - first);
     uint64_t bytes = verify_rows(slot_data(s), L.up_row_bytes, first, n, L.up_crc.data(), L.up_source);
     bytes += verify_rows(slot_data(s) + up_part_, L.down_t_row_bytes, first, n, L.down_t_crc.data(), L.down_t_source);
-    stats_.verified_bytes += bytes;
-    stats_.verify_seconds += seconds_since(t0);
+    checked_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+    check_ns_.fetch_add(static_cast<uint64_t>(seconds_since(t0) * 1e9), std::memory_order_relaxed);
+}
+
+void NeuronCache::check_cluster(int li, int32_t cluster) {
+    const int64_t s = where_[static_cast<size_t>(li)][static_cast<size_t>(cluster)];
+    if (s < 0) return;
+    Slot & slot = slots_[s];
+    if (!slot.unchecked) return;
+    try {
+        check_slot(s);
+    } catch (const IntegrityError &) {
+        slot.bad = true;
+        any_bad_.store(true, std::memory_order_relaxed);
+        throw;
+    }
+    slot.unchecked = false;
+    checked_by_compute_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void NeuronCache::drop_bad_slots() {
+    if (!any_bad_.exchange(false)) return;
+    for (Slot & slot : slots_) {
+        if (!slot.bad) continue;
+        where_[slot.layer][slot.cluster] = -1;
+        slot = Slot{};
+    }
 }
 
 void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {
     const auto t0 = std::chrono::steady_clock::now();
+    drop_bad_slots();
     ++clock_;
     ++stats_.plans;
     const int64_t nc = n_clusters(li);
@@ -349,7 +397,7 @@ void NeuronCache::plan_resident(int li, const uint8_t * needed, LayerPlan & out)
 void NeuronCache::wait(int li) {
     const auto t0 = std::chrono::steady_clock::now();
     try {
-        finish(li);
+        finish(li, false);
     } catch (...) {
         stats_.io_wait_seconds += seconds_since(t0);
         throw;
@@ -359,6 +407,9 @@ void NeuronCache::wait(int li) {
 
 NeuronCacheStats NeuronCache::stats() const {
     NeuronCacheStats s = stats_;
+    s.verified_bytes = checked_bytes_.load(std::memory_order_relaxed);
+    s.verify_seconds = static_cast<double>(check_ns_.load(std::memory_order_relaxed)) * 1e-9;
+    s.clusters_checked_by_compute = checked_by_compute_.load(std::memory_order_relaxed);
     const FlashReaderStats io = sidecar_->stats();
     s.engine = io.engine;
     s.direct = io.direct && up_file_->direct();
@@ -373,6 +424,9 @@ void NeuronCache::reset_stats() {
     fresh.slot_bytes = stats_.slot_bytes;
     fresh.hot_bytes_loaded = stats_.hot_bytes_loaded;
     stats_ = fresh;
+    checked_bytes_ = 0;
+    check_ns_ = 0;
+    checked_by_compute_ = 0;
 }
 
 void NeuronCache::verify() const {

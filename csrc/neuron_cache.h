@@ -26,22 +26,32 @@
 //                    remain (a layer's own demand always has room: the constructor checks the cold
 //                    region holds (1 + prefetch_layers) layers' clusters). Never blocks on I/O.
 //   — the caller computes the `ready` clusters while the reads run —
-//   wait(L)          one thread: blocks until every read holding a cluster of L is complete, and checks
-//                    each completed batch's rows against the layer's checksums (when it has them) as
-//                    soon as that batch is in, while later batches are still being read; while a batch
-//                    of L is still being read it checks batches of other layers (read-ahead) that
-//                    have arrived, so checking fills time otherwise spent blocked on flash. Throws
-//                    IoError (file, offset, cause) on a failed read, IntegrityError (integrity.h) on a
-//                    checksum mismatch: the slots involved are dropped, nothing unchecked or wrong is
-//                    ever served from them. load_hot() checks the pinned clusters the same way.
+//   wait(L)          one thread: blocks until every read holding a cluster of L is complete. While a
+//                    read of L is still in flight it checks (below) the batches of any layer that have
+//                    arrived, so checking fills time otherwise spent blocked on flash; a batch of L
+//                    it finds complete without having waited is left *unchecked*: its clusters are
+//                    checked by the threads that compute them (check_cluster), spread over the
+//                    compute threads and right before the rows are used (they are then in cache).
+//                    Throws IoError (file, offset, cause) on a failed read: the slots involved are
+//                    dropped, nothing is served from them.
 //   — the caller computes the `pending` clusters —
-// Slot addresses stay valid until the next plan() of any layer. Not thread-safe: one plan/wait
-// sequence at a time (the backend computes splits one at a time per model).
+// Checking (integrity.h): a slot's up and down_t rows are compared with the layer's checksums (when
+// it has them) once, after its reads complete and before any cluster is computed from it.
+//   check_cluster(L, c)  any thread, for the clusters that thread is about to compute (the threads of
+//                    one phase must pass disjoint clusters; no plan/wait runs meanwhile): returns at
+//                    once when the slot is checked, else checks it. Throws IntegrityError on a
+//                    mismatch; the slot is dropped at the next plan() and read again when needed.
+//                    The caller must call it for every cluster of `ready` and `pending` before
+//                    computing the cluster: a slot filled by a read may still be unchecked.
+// load_hot() checks the pinned clusters itself (they are never unchecked).
+// Slot addresses stay valid until the next plan() of any layer. Not thread-safe apart from
+// check_cluster: one plan/wait sequence at a time (the backend computes splits one at a time per model).
 #pragma once
 
 #include "flash_io.h"
 #include "integrity.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -99,7 +109,9 @@ struct NeuronCacheStats {
     double io_wait_seconds = 0;     // time blocked in wait()
     double plan_seconds = 0;        // time in plan()
     uint64_t verified_bytes = 0;    // bytes checked against the checksums (load_hot and reads)
-    double verify_seconds = 0;      // time spent checking them (part of io_wait_seconds after load)
+    double verify_seconds = 0;      // time spent checking them, on every thread (the checks run by
+                                    // wait() are part of io_wait_seconds, those of check_cluster not)
+    uint64_t clusters_checked_by_compute = 0;  // slots checked by check_cluster (not while waiting)
     uint64_t draft_plans = 0;             // plan_resident() calls (draft layer-tokens)
     uint64_t draft_clusters_needed = 0;   // Σ clusters a draft's tokens select
     uint64_t draft_clusters_resident = 0; // of those, resident (computed); the rest were skipped
@@ -137,6 +149,8 @@ public:
     // waits for flash and never evicts what the exact passes use. Counted in draft_clusters_*.
     void plan_resident(int li, const uint8_t * needed, LayerPlan & out);
     void wait(int li);
+    // See "Checking" above. Thread-safe for distinct clusters while no plan/wait runs.
+    void check_cluster(int li, int32_t cluster);
 
     int cluster_size() const { return config_.cluster_size; }
     int64_t n_clusters(int li) const;
@@ -154,6 +168,8 @@ private:
         bool hot = false;
         bool loading = false;   // reads submitted, not yet waited for
         bool prefetched = false;  // filled by read-ahead and not yet needed
+        bool unchecked = false; // reads complete, rows not yet checked (check_cluster checks them)
+        bool bad = false;       // a check failed: dropped at the next plan()
         uint64_t last_use = 0;  // plan counter of the last use (LRU)
         uint64_t locked = 0;    // plan counter of the plan that uses it (not replaceable then)
     };
@@ -161,7 +177,9 @@ private:
         FlashReader::Ticket up = 0, down = 0;
         bool has_up = false, has_down = false;
         std::vector<int64_t> slots;
-        bool done = false;          // waited for and checked (maybe early, by another layer's wait)
+        bool in = false;            // its reads waited for (complete)
+        bool done = false;          // complete and checked or marked unchecked (maybe early, by
+                                    // another layer's wait)
         std::string error;          // its read or check failure, kept until its layer's finish
         bool integrity = false;     // the error is a failed check
     };
@@ -170,10 +188,15 @@ private:
     int64_t take_cold_slot(bool for_prefetch);
     // starts the reads of `clusters` of layer li into `slots`; returns the payload bytes requested
     uint64_t submit(int li, const std::vector<int32_t> & clusters, const std::vector<int64_t> & slots, bool prefetch);
-    void finish(int li);  // wait for li's batches and check them; throws IoError after dropping the slots
+    // wait for li's batches; check those that arrive while waiting (all of them with check_all, else
+    // leave the others unchecked); throws IoError / IntegrityError after dropping the slots
+    void finish(int li, bool check_all);
     void check_slot(int64_t s);  // the slot's rows against its layer's checksums; throws IntegrityError
     bool arrived(const Batch & b) const;  // every read of the batch complete (poll, no blocking)
-    void complete(Batch & b);             // wait for the batch's reads, then check its slots
+    void await_reads(Batch & b);  // block until the batch's reads are complete (a failure kept in b.error)
+    // await_reads, then check its slots (check) or mark them unchecked
+    void complete(Batch & b, bool check);
+    void drop_bad_slots();                // forget the slots whose check failed (plan())
     bool complete_one_arrived();          // complete one arrived batch of any layer; false if none
 
     std::vector<CacheLayerSource> layers_;
@@ -188,6 +211,9 @@ private:
     std::vector<int64_t> lru_;                 // cold slot ids (scan order for replacement)
     uint64_t clock_ = 0;
     NeuronCacheStats stats_;
+    // updated by check_cluster on any thread
+    std::atomic<uint64_t> checked_bytes_{0}, check_ns_{0}, checked_by_compute_{0};
+    std::atomic<bool> any_bad_{false};
 };
 
 }  // namespace llamaflash

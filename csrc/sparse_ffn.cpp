@@ -265,7 +265,7 @@ struct SparseFfnImpl {
     static void quantize(SparseFfnScratch & S, int ith, int nth);
     static void accumulate(SparseFfnScratch & S, int ith, int nth);
     static void reduce(SparseFfnScratch & S, int ith, int nth);
-    static void accumulate_clusters(SparseFfnScratch & S, int ith, int nth, const int32_t * clusters, int64_t n);
+    static void accumulate_clusters(SparseFfnScratch & S, int ith, const int32_t * clusters, int64_t n);
     static void needed_clusters(const SparseFfnScratch & S, uint8_t * needed);
     static void reduce_clusters(SparseFfnScratch & S, int ith, int nth);
     static float * partial(SparseFfnScratch & S, int64_t t, int th) {
@@ -426,7 +426,8 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
 
 // Same selection and arithmetic as accumulate() (gate values from the caller), over whole clusters
 // of the given list; rows from the cluster slots when the layer has them.
-void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, const int32_t * clusters, int64_t n) {
+// clusters[0, n) on thread ith's scratch (the caller has split the list among the threads)
+void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, const int32_t * clusters, int64_t n) {
     const SparseFfnLayer & L = S.layer_;
     const SparseFfnParams & P = S.params_;
     const SparseFfnIo & io = S.io_;
@@ -438,11 +439,10 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, int nth, 
     const bool slotted = L.up_slots != nullptr;
     const uint8_t * const up_base = L.up_rows != nullptr ? L.up_rows : L.bundles + L.gate_row_bytes;
     const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
-    const int64_t part_begin = n * ith / nth, part_end = n * (ith + 1) / nth;
 
     // as in accumulate(): cluster by cluster, the batch's tokens in turn (one read of each row),
     // each (cluster, token) into its own partial (see reduce_clusters)
-    for (int64_t k = part_begin; k < part_end; ++k) {
+    for (int64_t k = 0; k < n; ++k) {
         const int64_t c = clusters[k];
         const int64_t i0 = c * cs, i1 = std::min<int64_t>(i0 + cs, L.n_ff);
         S.listed_[c] = 1;
@@ -542,7 +542,13 @@ void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth) {
 
 void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, int nth, const int32_t * clusters,
                                     int64_t n_clusters) {
-    SparseFfnImpl::accumulate_clusters(scratch, ith, nth, clusters, n_clusters);
+    const int64_t begin = n_clusters * ith / nth, end = n_clusters * (ith + 1) / nth;
+    SparseFfnImpl::accumulate_clusters(scratch, ith, clusters + begin, end - begin);
+}
+
+void sparse_ffn_accumulate_thread_clusters(SparseFfnScratch & scratch, int ith, const int32_t * clusters,
+                                           int64_t n_clusters) {
+    SparseFfnImpl::accumulate_clusters(scratch, ith, clusters, n_clusters);
 }
 
 void sparse_ffn_reduce_clusters(SparseFfnScratch & scratch, int ith, int nth) {

@@ -227,6 +227,12 @@ void sparse_ffn_accumulate(SparseFfnScratch & scratch, int ith, int nth);
 void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth);
 void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, int nth, const int32_t * clusters,
                                     int64_t n_clusters);
+// The same computation with the split made by the caller: thread ith computes exactly the listed
+// clusters (all of them, with its own scratch), e.g. one at a time, each right after the caller has
+// done something to its rows. The lists of one call's threads must be disjoint (no cluster twice);
+// the result is the same as with sparse_ffn_accumulate_clusters over their union.
+void sparse_ffn_accumulate_thread_clusters(SparseFfnScratch & scratch, int ith, const int32_t * clusters,
+                                           int64_t n_clusters);
 void sparse_ffn_reduce_clusters(SparseFfnScratch & scratch, int ith, int nth);
 // For the cluster phase: needed[c] = 1 when cluster c holds a neuron that the kernel's selection rule
 // makes active for at least one token of the call, else 0 (ceil(n_ff / C) entries). One thread, after

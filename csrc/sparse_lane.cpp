@@ -75,16 +75,34 @@ struct OffloadPhases {
             lane.fail(e.what());
         }
     }
-    // the listed clusters of the plan, unless an earlier phase failed
+    // the listed clusters of the plan, unless an earlier phase failed: thread ith takes a contiguous
+    // part of the list and, when the rows are the cache's, checks each cluster's slot right before
+    // computing it (NeuronCache::check_cluster: a no-op for a checked slot; the rows are then in this
+    // core's cache for the computation). A failed check fails the compute before the cluster is used.
     static void accumulate(void * userdata, const std::vector<int32_t> NeuronCache::LayerPlan::*list, int ith,
-                           int nth) {
+                           int nth, bool cache_rows) {
         SparseLane & lane = *static_cast<SparseLane *>(userdata);
         if (lane.failed_.load(std::memory_order_acquire)) return;
         const std::vector<int32_t> & clusters = lane.plan_.*list;
-        sparse_ffn_accumulate_clusters(lane.scratch_, ith, nth, clusters.data(), static_cast<int64_t>(clusters.size()));
+        const int64_t n = static_cast<int64_t>(clusters.size());
+        const int64_t begin = n * ith / nth, end = n * (ith + 1) / nth;
+        if (!cache_rows) {
+            sparse_ffn_accumulate_thread_clusters(lane.scratch_, ith, clusters.data() + begin, end - begin);
+            return;
+        }
+        for (int64_t k = begin; k < end; ++k) {
+            try {
+                lane.cache_->check_cluster(lane.cache_layer_, clusters[static_cast<size_t>(k)]);
+            } catch (const std::exception & e) {
+                lane.fail(e.what());
+                return;
+            }
+            sparse_ffn_accumulate_thread_clusters(lane.scratch_, ith, clusters.data() + k, 1);
+        }
     }
     static void accumulate_ready(ggml_tensor *, int ith, int nth, void * userdata) {
-        accumulate(userdata, &NeuronCache::LayerPlan::ready, ith, nth);
+        const SparseLane & lane = *static_cast<const SparseLane *>(userdata);
+        accumulate(userdata, &NeuronCache::LayerPlan::ready, ith, nth, lane.cache_ != nullptr && !lane.draft_copy_);
     }
     static void wait_reads(ggml_tensor *, int ith, int, void * userdata) {
         SparseLane & lane = *static_cast<SparseLane *>(userdata);
@@ -101,7 +119,9 @@ struct OffloadPhases {
         }
     }
     static void accumulate_pending(ggml_tensor *, int ith, int nth, void * userdata) {
-        accumulate(userdata, &NeuronCache::LayerPlan::pending, ith, nth);
+        const SparseLane & lane = *static_cast<const SparseLane *>(userdata);
+        accumulate(userdata, &NeuronCache::LayerPlan::pending, ith, nth,
+                   lane.cache_ != nullptr && !lane.draft_copy_ && !lane.draft_mixed_);
     }
     static void reduce(ggml_tensor *, int ith, int nth, void * userdata) {
         sparse_ffn_reduce_clusters(static_cast<SparseLane *>(userdata)->scratch_, ith, nth);

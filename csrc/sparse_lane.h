@@ -29,10 +29,14 @@
 //   q    = CUSTOM(x, g)                phase 1, then (thread 0) the clusters holding an active neuron
 //                                      are planned: resident ones ready, missing ones read (async)
 //   a1   = CUSTOM(q)                   accumulate the ready clusters while the reads run
-//   w    = CUSTOM(a1)                  thread 0 waits for the layer's reads
+//   w    = CUSTOM(a1)                  thread 0 waits for the layer's reads (checking what arrives
+//                                      meanwhile, neuron_cache.h)
 //   a2   = CUSTOM(w)                   accumulate the clusters that just arrived
 //   y'   = CUSTOM(a2)                  y = Σ cluster partials in cluster order
-// A failed read fails the compute (failure() says why); no cluster is computed from a failed read.
+// In a1 and a2 each thread checks the cache slot of every cluster it is about to compute when the
+// slot's rows are not checked yet (NeuronCache::check_cluster), so the checks of the reads that
+// arrive last are spread over the threads instead of serialised in w.
+// A failed read or check fails the compute (failure() says why); no cluster is computed from it.
 // In draft mode (OffloadState::draft) the plan is NeuronCache::plan_resident: only resident
 // clusters, no read and no wait; the result approximates the model, to draft tokens. With a draft
 // copy (OffloadState::draft_rows) every needed cluster is computed: the resident ones from the cache

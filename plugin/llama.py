@@ -519,7 +519,8 @@ class Llama(llama_cpp.Llama):
 
     def _integrity_stats(self, off: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         """What is checked: the sidecar's checksums (algorithm or None), whether this model checks them,
-        bytes and seconds checked at load and, offload, on flash reads since the last reset."""
+        bytes and seconds checked at load and, offload, on flash reads since the last reset (and how many
+        clusters the compute threads checked right before using them rather than the waiting thread)."""
         if self._flash_info is None:
             return None
         out = {"algorithm": self._flash_info.integrity, "checked": False}
@@ -528,7 +529,8 @@ class Llama(llama_cpp.Llama):
             out.update(checked=native["verifying"], load_verified_bytes=native["load_verified_bytes"],
                        load_verify_seconds=native["load_verify_seconds"], crc32c=native["crc32c"])
             if off is not None:
-                out.update(read_verified_bytes=off["verified_bytes"], read_verify_seconds=off["verify_seconds"])
+                out.update(read_verified_bytes=off["verified_bytes"], read_verify_seconds=off["verify_seconds"],
+                           read_clusters_checked_by_compute=off["clusters_checked_by_compute"])
         if self._flash_info.integrity is None:
             out["note"] = ("the sidecar has no checksums (re-create it with `llamaflash convert MODEL --force`)")
         return out

@@ -47,6 +47,13 @@ def test_crc32c_matches_its_definition_in_every_implementation():
     impls = ["auto", "table"] + (["hardware"] if _native.crc32c_implementation() == "sse4.2" else [])
     for impl in impls:
         assert list(_native.crc32c_rows(rows, 203, impl)) == expected, impl
+    # rows of 192 bytes and more run in three lanes joined by a shift table per row size: every
+    # remainder modulo 24 around the switch, and row sizes of real models (Q4_1 576, Q4_K 1536 ...)
+    for size in list(range(180, 230)) + [360, 720, 864, 1536, 4097]:
+        data = rng.integers(0, 256, size=(3, size), dtype=np.uint8)
+        want = [crc32c_reference(r.tobytes()) for r in data]
+        for impl in impls:
+            assert list(_native.crc32c_rows(data, size, impl)) == want, (impl, size)
     assert _native.crc32c_rows(b"123456789", 9)[0] == 0xE3069283  # the published check value
     with pytest.raises(ValueError, match="whole number"):
         _native.crc32c_rows(b"12345", 2)
@@ -139,6 +146,9 @@ def test_offload_checks_each_flash_read_before_its_cluster_is_used(converted, tm
     clean.eval([int(np.argmax(clean.scores[clean.n_tokens - 1]))])
     stats = clean.flash_stats()["integrity"]
     assert stats["checked"] and stats["read_verified_bytes"] > 0 and stats["load_verified_bytes"] > 0
+    # without read-ahead a layer's reads are all its own demand: the waiting thread leaves every one
+    # of them to the threads that compute the clusters
+    assert stats["read_clusters_checked_by_compute"] > 0
     clean.close()
     for row in range(lay.n_ff):  # every down_t row of layer 1 damaged: whatever the token needs
         _flip(s, lay.down_t_offset + row * lay.down_t_row_bytes)

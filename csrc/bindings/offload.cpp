@@ -35,6 +35,7 @@ py::dict cache_stats(const NeuronCacheStats & s) {
     d["plan_seconds"] = s.plan_seconds;
     d["verified_bytes"] = s.verified_bytes;
     d["verify_seconds"] = s.verify_seconds;
+    d["clusters_checked_by_compute"] = s.clusters_checked_by_compute;
     d["draft_plans"] = s.draft_plans;
     d["draft_clusters_needed"] = s.draft_clusters_needed;
     d["draft_clusters_resident"] = s.draft_clusters_resident;
