@@ -97,6 +97,10 @@ struct Batch {
     std::atomic<size_t> pending{0};
     bool complete = false;   // guarded by Impl::mu
     std::string error;       // first failure; guarded by Impl::mu
+    // per ReadRequest (by index in the submitted array): ops not finished, and whether one failed
+    std::unique_ptr<std::atomic<uint32_t>[]> request_pending;
+    std::vector<uint8_t> request_failed;  // guarded by Impl::mu
+    size_t n_requests = 0;
 };
 
 std::string errno_text(int err) {
@@ -124,7 +128,7 @@ struct FlashReader::Impl {
     std::atomic<uint64_t> wait_calls{0}, wait_ns{0};
 
     mutable std::mutex mu;
-    std::condition_variable cv;
+    mutable std::condition_variable cv;
     std::unordered_map<Ticket, std::unique_ptr<Batch>> batches_by_ticket;
     Ticket next_ticket = 1;
     std::vector<std::pair<uint64_t, int>> faults;  // test hook; guarded by mu
@@ -254,10 +258,15 @@ void FlashReader::Impl::on_complete(IoOp * op) {
         std::string msg = describe_failure(*op);
         std::lock_guard<std::mutex> lock(mu);
         if (batch->error.empty()) batch->error = std::move(msg);
+        batch->request_failed[op->request] = 1;
     }
+    const bool request_done = batch->request_pending[op->request].fetch_sub(1, std::memory_order_acq_rel) == 1;
     if (batch->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         std::lock_guard<std::mutex> lock(mu);
         batch->complete = true;
+        cv.notify_all();
+    } else if (request_done) {
+        std::lock_guard<std::mutex> lock(mu);  // wait_request() sleeps on cv under mu
         cv.notify_all();
     }
 }
@@ -341,13 +350,18 @@ FlashReader::Ticket FlashReader::submit(const ReadRequest * requests, size_t n) 
         ++n_req;
     }
     batch->ops.resize(n_ops);
+    batch->n_requests = n;
+    batch->request_pending = std::make_unique<std::atomic<uint32_t>[]>(n);
+    batch->request_failed.assign(n, 0);
     size_t k = 0;
     uint64_t bounced = 0;
     for (size_t i = 0; i < n; ++i) {
         const ReadRequest & r = requests[i];
+        batch->request_pending[i].store(static_cast<uint32_t>((r.length + chunk - 1) / chunk), std::memory_order_relaxed);
         for (uint64_t pos = 0; pos < r.length; pos += chunk) {
             IoOp & op = batch->ops[k++];
             op.batch = batch.get();
+            op.request = i;
             op.user_offset = r.offset + pos;
             op.user_length = std::min(chunk, r.length - pos);
             uint8_t * dst = static_cast<uint8_t *>(r.dst) + pos;
@@ -420,6 +434,23 @@ bool FlashReader::poll(Ticket ticket) const {
         throw std::invalid_argument("unknown read ticket " + std::to_string(ticket));
     }
     return it->second->complete;
+}
+
+bool FlashReader::wait_request(Ticket ticket, size_t request) const {
+    const Impl & m = *impl_;
+    std::unique_lock<std::mutex> lock(m.mu);
+    auto it = m.batches_by_ticket.find(ticket);
+    if (it == m.batches_by_ticket.end()) {
+        throw std::invalid_argument("unknown read ticket " + std::to_string(ticket));
+    }
+    Batch * b = it->second.get();
+    if (request >= b->n_requests) {
+        throw std::invalid_argument("read ticket " + std::to_string(ticket) + " has no request " + std::to_string(request));
+    }
+    m.cv.wait(lock, [b, request] {
+        return b->complete || b->request_pending[request].load(std::memory_order_acquire) == 0;
+    });
+    return b->request_failed[request] == 0;
 }
 
 void FlashReader::read(const std::vector<ReadRequest> & requests) { wait(submit(requests)); }

@@ -124,6 +124,12 @@ public:
     // ticket (wait() still has to be called). Throws std::invalid_argument for an unknown ticket.
     bool poll(Ticket ticket) const;
 
+    // Blocks until request `request` (its index in the submitted array) of the batch has finished;
+    // true when it succeeded (its bytes are at dst), false when it failed (wait() reports why). Does
+    // not forget the ticket: wait() still has to be called. Throws std::invalid_argument for an
+    // unknown ticket or index. Lets a caller use the first parts of a batch while the rest is read.
+    bool wait_request(Ticket ticket, size_t request) const;
+
     // submit() + wait().
     void read(const std::vector<ReadRequest> & requests);
 

@@ -35,6 +35,7 @@ struct IoOp {
 
     // reader bookkeeping
     void * batch = nullptr;
+    size_t request = 0;          // index of the ReadRequest in its batch
     uint64_t user_offset = 0;    // the caller's range this op serves (for copies and messages)
     uint64_t user_length = 0;
     uint8_t * copy_dst = nullptr;  // non-null: copy buf[user_offset - offset, +user_length) here

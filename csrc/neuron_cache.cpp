@@ -159,6 +159,7 @@ uint64_t NeuronCache::submit(int li, const std::vector<int32_t> & clusters, cons
         slot.layer = li;
         slot.cluster = static_cast<int32_t>(c);
         slot.loading = true;
+        slot.unchecked = !L.up_crc.empty();  // checked once its reads are in (finish / check_cluster)
         slot.prefetched = prefetch;
         slot.last_use = clock_;
         where_[li][c] = s;
@@ -198,58 +199,60 @@ void NeuronCache::await_reads(Batch & b) {
     b.in = true;
 }
 
-void NeuronCache::complete(Batch & b, bool check) {
-    if (b.done) return;
-    await_reads(b);
-    const bool checked = !layers_[static_cast<size_t>(slots_[b.slots.front()].layer)].up_crc.empty();
-    for (size_t k = 0; k < b.slots.size() && b.error.empty(); ++k) {
-        if (!check) {
-            slots_[b.slots[k]].unchecked = checked;
-            continue;
-        }
-        try {
-            check_slot(b.slots[k]);
-        } catch (const IntegrityError & e) {
-            b.error = e.what();
-            b.integrity = true;
-        }
-    }
-    b.done = true;
-}
-
-bool NeuronCache::complete_one_arrived() {
-    for (std::vector<Batch> & layer : batches_) {
-        for (Batch & b : layer) {
-            if (!b.done && arrived(b)) {
-                complete(b, true);
-                return true;
-            }
-        }
-    }
-    return false;
-}
-
 void NeuronCache::finish(int li, bool check_all) {
     std::vector<Batch> batches;
     batches.swap(batches_[static_cast<size_t>(li)]);
-    // While a read of li is in flight, check what has arrived (li's batches first, then read-ahead of
-    // other layers); with nothing to check, block on the first batch in flight.
-    for (;;) {
-        Batch * in_flight = nullptr;
-        Batch * arrived_here = nullptr;
-        for (Batch & b : batches) {
-            if (b.done) continue;
-            if (arrived(b)) arrived_here = &b;
-            else if (in_flight == nullptr) in_flight = &b;
+    // In submission order, slot by slot: block until the slot's two reads are in, then check it while
+    // the layer's later reads are still in flight. Once every read of the layer is in, the waiting
+    // thread stops: what is unchecked is left to the compute threads (check_cluster), or with
+    // check_all checked here.
+    auto in_flight = [&] {
+        for (const Batch & b : batches) {
+            if (!arrived(b)) return true;
         }
-        if (in_flight == nullptr) break;
-        if (arrived_here != nullptr) complete(*arrived_here, true);
-        else if (!complete_one_arrived()) await_reads(*in_flight);
+        return false;
+    };
+    bool overlap = true;
+    for (Batch & b : batches) {
+        for (; overlap && b.next < b.slots.size() && b.error.empty(); ++b.next) {
+            const size_t k = b.next;
+            const int64_t s = b.slots[k];
+            if (!slots_[s].unchecked) continue;
+            if (!in_flight()) {
+                overlap = false;
+                break;
+            }
+            const bool ok = (!b.has_up || up_file_->wait_request(b.up, k)) &&
+                            (!b.has_down || sidecar_->wait_request(b.down, k));
+            if (!ok) break;  // a failed read: wait() below reports it
+            if (!in_flight()) {  // that was the layer's last read: nothing left to overlap with
+                overlap = false;
+                break;
+            }
+            try {
+                check_slot(s);
+                slots_[s].unchecked = false;
+            } catch (const IntegrityError & e) {
+                b.error = e.what();
+                b.integrity = true;
+            }
+        }
     }
     std::string error;
     bool integrity = false;  // the error is a failed check, not a failed read
     for (Batch & b : batches) {
-        complete(b, check_all);  // every read is in: checked now, or left to check_cluster
+        await_reads(b);
+        for (size_t k = 0; check_all && b.error.empty() && k < b.slots.size(); ++k) {
+            const int64_t s = b.slots[k];
+            if (!slots_[s].unchecked) continue;
+            try {
+                check_slot(s);
+                slots_[s].unchecked = false;
+            } catch (const IntegrityError & e) {
+                b.error = e.what();
+                b.integrity = true;
+            }
+        }
         if (error.empty() && !b.error.empty()) {
             error = b.error;
             integrity = b.integrity;
@@ -267,10 +270,10 @@ void NeuronCache::finish(int li, bool check_all) {
     if (!error.empty()) throw IoError(error);
 }
 
-void NeuronCache::check_slot(int64_t s) {
+uint64_t NeuronCache::check_slot(int64_t s) {
     const Slot & slot = slots_[s];
     const CacheLayerSource & L = layers_[static_cast<size_t>(slot.layer)];
-    if (L.up_crc.empty()) return;
+    if (L.up_crc.empty()) return 0;
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t C = config_.cluster_size;
     const int64_t first = static_cast<int64_t>(slot.cluster) * C;
@@ -278,7 +281,9 @@ void NeuronCache::check_slot(int64_t s) {
     uint64_t bytes = verify_rows(slot_data(s), L.up_row_bytes, first, n, L.up_crc.data(), L.up_source);
     bytes += verify_rows(slot_data(s) + up_part_, L.down_t_row_bytes, first, n, L.down_t_crc.data(), L.down_t_source);
     checked_bytes_.fetch_add(bytes, std::memory_order_relaxed);
-    check_ns_.fetch_add(static_cast<uint64_t>(seconds_since(t0) * 1e9), std::memory_order_relaxed);
+    const uint64_t ns = static_cast<uint64_t>(seconds_since(t0) * 1e9);
+    check_ns_.fetch_add(ns, std::memory_order_relaxed);
+    return ns;
 }
 
 void NeuronCache::check_cluster(int li, int32_t cluster) {
@@ -286,8 +291,9 @@ void NeuronCache::check_cluster(int li, int32_t cluster) {
     if (s < 0) return;
     Slot & slot = slots_[s];
     if (!slot.unchecked) return;
+    uint64_t ns = 0;
     try {
-        check_slot(s);
+        ns = check_slot(s);
     } catch (const IntegrityError &) {
         slot.bad = true;
         any_bad_.store(true, std::memory_order_relaxed);
@@ -295,6 +301,7 @@ void NeuronCache::check_cluster(int li, int32_t cluster) {
     }
     slot.unchecked = false;
     checked_by_compute_.fetch_add(1, std::memory_order_relaxed);
+    compute_check_ns_.fetch_add(ns, std::memory_order_relaxed);
 }
 
 void NeuronCache::drop_bad_slots() {
@@ -410,6 +417,7 @@ NeuronCacheStats NeuronCache::stats() const {
     s.verified_bytes = checked_bytes_.load(std::memory_order_relaxed);
     s.verify_seconds = static_cast<double>(check_ns_.load(std::memory_order_relaxed)) * 1e-9;
     s.clusters_checked_by_compute = checked_by_compute_.load(std::memory_order_relaxed);
+    s.compute_verify_seconds = static_cast<double>(compute_check_ns_.load(std::memory_order_relaxed)) * 1e-9;
     const FlashReaderStats io = sidecar_->stats();
     s.engine = io.engine;
     s.direct = io.direct && up_file_->direct();
@@ -427,6 +435,7 @@ void NeuronCache::reset_stats() {
     checked_bytes_ = 0;
     check_ns_ = 0;
     checked_by_compute_ = 0;
+    compute_check_ns_ = 0;
 }
 
 void NeuronCache::verify() const {

@@ -26,12 +26,13 @@
 //                    remain (a layer's own demand always has room: the constructor checks the cold
 //                    region holds (1 + prefetch_layers) layers' clusters). Never blocks on I/O.
 //   — the caller computes the `ready` clusters while the reads run —
-//   wait(L)          one thread: blocks until every read holding a cluster of L is complete. While a
-//                    read of L is still in flight it checks (below) the batches of any layer that have
-//                    arrived, so checking fills time otherwise spent blocked on flash; a batch of L
-//                    it finds complete without having waited is left *unchecked*: its clusters are
-//                    checked by the threads that compute them (check_cluster), spread over the
-//                    compute threads and right before the rows are used (they are then in cache).
+//   wait(L)          one thread: blocks until every read holding a cluster of L is complete. Slot by
+//                    slot in submission order it waits for the slot's two reads (FlashReader::
+//                    wait_request) and checks (below) the slot while later reads of L are still in
+//                    flight, so checking fills time otherwise spent blocked on flash; once every
+//                    read of L is in it stops. What of L is still unchecked then is left to the
+//                    threads that compute it (check_cluster): spread over the compute threads, right
+//                    before the rows are used (they are then in that core's cache).
 //                    Throws IoError (file, offset, cause) on a failed read: the slots involved are
 //                    dropped, nothing is served from them.
 //   — the caller computes the `pending` clusters —
@@ -112,6 +113,7 @@ struct NeuronCacheStats {
     double verify_seconds = 0;      // time spent checking them, on every thread (the checks run by
                                     // wait() are part of io_wait_seconds, those of check_cluster not)
     uint64_t clusters_checked_by_compute = 0;  // slots checked by check_cluster (not while waiting)
+    double compute_verify_seconds = 0;         // their part of verify_seconds (summed over threads)
     uint64_t draft_plans = 0;             // plan_resident() calls (draft layer-tokens)
     uint64_t draft_clusters_needed = 0;   // Σ clusters a draft's tokens select
     uint64_t draft_clusters_resident = 0; // of those, resident (computed); the rest were skipped
@@ -178,8 +180,7 @@ private:
         bool has_up = false, has_down = false;
         std::vector<int64_t> slots;
         bool in = false;            // its reads waited for (complete)
-        bool done = false;          // complete and checked or marked unchecked (maybe early, by
-                                    // another layer's wait)
+        size_t next = 0;            // slots[0, next) were checked by the waiting thread (or skipped)
         std::string error;          // its read or check failure, kept until its layer's finish
         bool integrity = false;     // the error is a failed check
     };
@@ -188,16 +189,15 @@ private:
     int64_t take_cold_slot(bool for_prefetch);
     // starts the reads of `clusters` of layer li into `slots`; returns the payload bytes requested
     uint64_t submit(int li, const std::vector<int32_t> & clusters, const std::vector<int64_t> & slots, bool prefetch);
-    // wait for li's batches; check those that arrive while waiting (all of them with check_all, else
-    // leave the others unchecked); throws IoError / IntegrityError after dropping the slots
+    // wait for li's batches, checking each slot as its reads come in while others are in flight;
+    // then check the rest (check_all) or leave it unchecked. Throws IoError / IntegrityError after
+    // dropping the slots of li involved.
     void finish(int li, bool check_all);
-    void check_slot(int64_t s);  // the slot's rows against its layer's checksums; throws IntegrityError
+    // the slot's rows against its layer's checksums; throws IntegrityError; returns the nanoseconds taken
+    uint64_t check_slot(int64_t s);
     bool arrived(const Batch & b) const;  // every read of the batch complete (poll, no blocking)
     void await_reads(Batch & b);  // block until the batch's reads are complete (a failure kept in b.error)
-    // await_reads, then check its slots (check) or mark them unchecked
-    void complete(Batch & b, bool check);
-    void drop_bad_slots();                // forget the slots whose check failed (plan())
-    bool complete_one_arrived();          // complete one arrived batch of any layer; false if none
+    void drop_bad_slots();        // forget the slots whose check failed (plan())
 
     std::vector<CacheLayerSource> layers_;
     NeuronCacheConfig config_;
@@ -212,7 +212,7 @@ private:
     uint64_t clock_ = 0;
     NeuronCacheStats stats_;
     // updated by check_cluster on any thread
-    std::atomic<uint64_t> checked_bytes_{0}, check_ns_{0}, checked_by_compute_{0};
+    std::atomic<uint64_t> checked_bytes_{0}, check_ns_{0}, checked_by_compute_{0}, compute_check_ns_{0};
     std::atomic<bool> any_bad_{false};
 };
 

@@ -4,6 +4,7 @@
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -73,12 +74,32 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
+// Rows of a read buffer, split over the OpenMP threads in runs of kRun rows; the mismatch reported
+// is the first row that fails (lowest index), as a serial check would report.
 void WeightStore::check_rows(size_t li, RowSet set, const uint8_t * data, size_t stride) {
     if (!needs_check(li, set)) return;
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<uint32_t> & expected = expected_of(checksums_[li], set);
     const RowSource src = row_source(layers_[li], set, sidecar_path_, base_path_);
-    verified_bytes_ += verify_rows(data, stride, 0, static_cast<int64_t>(expected.size()), expected.data(), src);
+    constexpr int64_t kRun = 256;
+    const int64_t n = static_cast<int64_t>(expected.size()), runs = (n + kRun - 1) / kRun;
+    int64_t failed_run = runs;
+    std::string error;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t k = 0; k < runs; ++k) {
+        const int64_t first = k * kRun, count = std::min(kRun, n - first);
+        try {
+            verify_rows(data + static_cast<size_t>(first) * stride, stride, first, count, expected.data(), src);
+        } catch (const IntegrityError & e) {
+#pragma omp critical(llamaflash_weight_store_rows)
+            if (k < failed_run) {
+                failed_run = k;
+                error = e.what();
+            }
+        }
+    }
+    if (!error.empty()) throw IntegrityError(error);
+    verified_bytes_ += static_cast<uint64_t>(n) * src.row_bytes;
     checked_.insert({li, static_cast<int>(set)});
     verify_seconds_ += seconds_since(t0);
 }

@@ -530,7 +530,8 @@ class Llama(llama_cpp.Llama):
                        load_verify_seconds=native["load_verify_seconds"], crc32c=native["crc32c"])
             if off is not None:
                 out.update(read_verified_bytes=off["verified_bytes"], read_verify_seconds=off["verify_seconds"],
-                           read_clusters_checked_by_compute=off["clusters_checked_by_compute"])
+                           read_clusters_checked_by_compute=off["clusters_checked_by_compute"],
+                           read_compute_verify_seconds=off["compute_verify_seconds"])
         if self._flash_info.integrity is None:
             out["note"] = ("the sidecar has no checksums (re-create it with `llamaflash convert MODEL --force`)")
         return out

@@ -283,6 +283,29 @@ def test_injected_eio_is_a_clear_error(data_file, engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_each_request_of_a_batch_can_be_waited_for_before_the_batch(data_file, engine):
+    def body():
+        reader = open_reader(data_file, engine=engine, queue_depth=2, max_op_bytes=4096)
+        T.inject_fault(reader, 300_000, errno.EIO)
+        offs, lens = [0, 290_000, 500_000, 700_001], [50_000, 20_000, 30_000, 9_999]
+        out = np.zeros(sum(lens), np.uint8)
+        t = reader.submit(offs, lens, out)
+        states = [reader.wait_request(t, i) for i in (3, 0, 2, 1)]
+        assert states == [True, True, True, False]  # the range over the injected fault failed
+        ends = np.cumsum([0] + lens)
+        for i in (0, 2, 3):  # the finished ranges hold their bytes before the batch is waited for
+            assert out[ends[i]:ends[i + 1]].tobytes() == _expected(data_file, [offs[i]], [lens[i]])
+        with pytest.raises(ValueError, match="no request 4"):
+            reader.wait_request(t, 4)
+        with pytest.raises(FlashIoError, match="Input/output error"):
+            reader.wait(t)
+        with pytest.raises(ValueError, match="unknown read ticket"):
+            reader.wait_request(t, 0)
+
+    guarded(body)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_injected_eintr_is_retried(data_file, engine):
     def body():
         reader = open_reader(data_file, engine=engine, queue_depth=2)

@@ -146,8 +146,8 @@ def test_offload_checks_each_flash_read_before_its_cluster_is_used(converted, tm
     clean.eval([int(np.argmax(clean.scores[clean.n_tokens - 1]))])
     stats = clean.flash_stats()["integrity"]
     assert stats["checked"] and stats["read_verified_bytes"] > 0 and stats["load_verified_bytes"] > 0
-    # without read-ahead a layer's reads are all its own demand: the waiting thread leaves every one
-    # of them to the threads that compute the clusters
+    # the waiting thread checks a layer's slots while later reads of the layer are in flight; what
+    # arrives last (at least the layer's last slot) is checked by the threads computing it
     assert stats["read_clusters_checked_by_compute"] > 0
     clean.close()
     for row in range(lay.n_ff):  # every down_t row of layer 1 damaged: whatever the token needs

@@ -22,6 +22,10 @@ void bind_flash_io(py::module_ & m) {
              "other); returns a ticket. `out` must not be touched until wait(ticket).")
         .def("wait", &PyFlashReader::wait, py::arg("ticket"))
         .def("poll", [](const PyFlashReader & r, uint64_t t) { return r.get().poll(t); }, py::arg("ticket"))
+        .def("wait_request", [](const PyFlashReader & r, uint64_t t, size_t i) { return r.get().wait_request(t, i); },
+             py::arg("ticket"), py::arg("request"), py::call_guard<py::gil_scoped_release>(),
+             "Block until range `request` of the batch has finished; True when it was read, False when it "
+             "failed (wait(ticket) reports why and must still be called).")
         .def("read", &PyFlashReader::read, py::arg("offsets"), py::arg("lengths"), py::arg("out"),
              py::arg("dst_offsets") = py::none(), "submit() + wait()")
         .def("verify", &PyFlashReader::verify)
