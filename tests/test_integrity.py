@@ -159,6 +159,27 @@ def test_offload_checks_each_flash_read_before_its_cluster_is_used(converted, tm
     llm.close()
 
 
+def test_a_cluster_checked_by_its_compute_thread_fails_the_eval_every_time(converted, tmp_path, forced_plan):
+    # the layer's last demand read is checked by the thread that computes its cluster (nothing is left
+    # in flight to overlap with): damage only that cluster's rows. The slot is dropped, so the next
+    # eval reads and checks it again and fails again, never computing from it.
+    m, s, lay = _copies(converted, tmp_path)
+    from test_offload import C
+    last = (lay.n_ff - 1) // C
+    for row in range(last * C, lay.n_ff):
+        _flip(s, lay.down_t_offset + row * lay.down_t_row_bytes)
+    forced_plan(make_plan(s, 0, prefetch_layers=0))
+    llm = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), ram_budget_mb=64, **KW)
+    tokens = llm.tokenize(b"hello there")
+    for _ in range(2):
+        with pytest.raises(SidecarIntegrityError, match=fmt.down_t_tensor_name(1)) as e:
+            llm.eval(tokens[:1])
+        assert f"row {last * C} " in str(e.value)
+        llm.reset()
+    assert llm.flash_stats()["integrity"]["read_clusters_checked_by_compute"] > 0
+    llm.close()
+
+
 def test_offload_checks_pinned_clusters_at_load(converted, tmp_path, forced_plan):
     m, s, lay = _copies(converted, tmp_path)
     _flip(s, lay.down_t_offset + 3)
