@@ -424,9 +424,9 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
     }
 }
 
-// Same selection and arithmetic as accumulate() (gate values from the caller), over whole clusters
-// of the given list; rows from the cluster slots when the layer has them.
-// clusters[0, n) on thread ith's scratch (the caller has split the list among the threads)
+// Same selection and arithmetic as accumulate() (gate values from the caller), over whole clusters:
+// clusters[0, n) on thread ith's scratch (the caller has split the list among the threads); rows from
+// the cluster slots when the layer has them.
 void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, const int32_t * clusters, int64_t n) {
     const SparseFfnLayer & L = S.layer_;
     const SparseFfnParams & P = S.params_;

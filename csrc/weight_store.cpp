@@ -465,12 +465,10 @@ void WeightStore::recheck_mapped() {
     if (!verifying()) return;
     for (size_t li = 0; li < layers_.size(); ++li) {
         const LayerSpec & s = layers_[li];
-        const struct { RowSet set; File file; uint64_t offset; uint64_t stride; } sets[] = {
-            {RowSet::bundle, kSidecar, s.bundle_offset, s.bundle_stride},
-            {RowSet::down_t, kSidecar, s.down_t_offset, s.down_t_row_bytes},
-            {RowSet::base_gate, kBase, s.base_gate_offset, s.gate_row_bytes},
-            {RowSet::base_up, kBase, s.base_up_offset, s.up_row_bytes},
-            {RowSet::base_down, kBase, s.base_down_offset, s.base_down_row_bytes}};
+        const struct { RowSet set; File file; uint64_t offset; } sets[] = {
+            {RowSet::bundle, kSidecar, s.bundle_offset},     {RowSet::down_t, kSidecar, s.down_t_offset},
+            {RowSet::base_gate, kBase, s.base_gate_offset}, {RowSet::base_up, kBase, s.base_up_offset},
+            {RowSet::base_down, kBase, s.base_down_offset}};
         for (const auto & r : sets) {
             auto it = regions_.find({r.file, r.offset});
             if (it == regions_.end()) continue;
