@@ -137,10 +137,16 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     when the whole model would fit; refused when those slots do not fit the budget)."""
     from . import _native
     from .errors import RamBudgetError
-    from .planner import MARGIN_FIXED_BYTES, MARGIN_FRACTION, RUNTIME_RSS_BYTES, disk_throughput
+    from .planner import (MARGIN_FIXED_BYTES, MARGIN_FRACTION, RUNTIME_RSS_BYTES, UBATCH_BUDGET_SHARE,
+                          UBATCH_CHOICES, disk_throughput)
 
     budget = int(ram_budget_mb * MiB)
-    n_ubatch = int(n_ubatch or EXPERT_UBATCH)
+    if n_ubatch is None:  # the largest prefill batch whose buffers take at most UBATCH_BUDGET_SHARE of the budget
+        choices = [u for u in UBATCH_CHOICES if u <= EXPERT_UBATCH]
+        n_ubatch = next((u for u in choices
+                         if moe_llama_share(header, moe, n_ctx, u)["compute_buffers"] <= UBATCH_BUDGET_SHARE * budget),
+                        choices[-1])
+    n_ubatch = int(n_ubatch)
     share = moe_llama_share(header, moe, n_ctx, n_ubatch)
     share["python_runtime"] = RUNTIME_RSS_BYTES
     share["margin"] = int(MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget)
