@@ -21,6 +21,7 @@ struct ExpertLane::Matmul {
     std::vector<const uint8_t *> weight;     // by expert: its slice in the cache this round, or nullptr
     std::vector<int32_t> pairs;              // (expert, k, t) triples of the round, by expert then t
     std::vector<std::vector<uint8_t>> qrow;  // per thread: src1's row in the vec_dot type
+    std::vector<float> staged;               // several rounds: every pair's output, kept across rounds
 };
 
 namespace {
@@ -61,6 +62,20 @@ void expert_matmul(ggml_tensor * dst, int ith, int nth, void * userdata) {
         for (int64_t r = r0; r < r1; ++r) {
             mm->vec_dot(static_cast<int>(mm->ne0), &out[r], 0, w + static_cast<size_t>(r) * mm->row_bytes, 0, q, 0, 1);
         }
+    }
+}
+
+// dst (the original node's memory) = src[0] (the staged outputs of all pairs so far), rows split
+// over threads. In-place element-wise ops after a MUL_MAT_ID (ggml-alloc lets ADD_ID, GLU, ... write
+// into their input) then start every round from the exact products, as one pass over all experts would.
+void copy_staged(ggml_tensor * dst, int ith, int nth, void *) {
+    const ggml_tensor * src = dst->src[0];
+    const int64_t rows = ggml_nrows(dst);
+    const size_t row_bytes = static_cast<size_t>(dst->ne[0]) * sizeof(float);
+    for (int64_t r = rows * ith / nth; r < rows * (ith + 1) / nth; ++r) {
+        const int64_t i1 = r % dst->ne[1], i2 = r / dst->ne[1];
+        std::memcpy(static_cast<char *>(dst->data) + i1 * dst->nb[1] + i2 * dst->nb[2],
+                    static_cast<const char *>(src->data) + i1 * src->nb[1] + i2 * src->nb[2], row_bytes);
     }
 }
 
@@ -156,6 +171,38 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         }
     }
 
+    // the rounds: resident experts first, then the misses, at most capacity() per round
+    std::lock_guard<std::mutex> lock(model.lane_mutex());
+    ExpertCache & cache = model.cache();
+    std::vector<int> order;
+    std::vector<char> placed(static_cast<size_t>(spec.n_expert), 0);
+    for (int e : cache.resident_experts(match.position)) {
+        if (needed[static_cast<size_t>(e)]) {
+            order.push_back(e);
+            placed[static_cast<size_t>(e)] = 1;
+        }
+    }
+    for (int e = 0; e < spec.n_expert; ++e) {
+        if (needed[static_cast<size_t>(e)] && !placed[static_cast<size_t>(e)]) {
+            order.push_back(e);
+        }
+    }
+    std::vector<std::vector<int>> rounds_of;
+    for (size_t next = 0; next < order.size();) {
+        std::vector<int> round;
+        while (next < order.size()) {
+            round.push_back(order[next]);
+            if (static_cast<int>(round.size()) > cache.capacity(match.position, round)) {
+                round.pop_back();
+                break;
+            }
+            ++next;
+        }
+        std::sort(round.begin(), round.end());
+        rounds_of.push_back(std::move(round));
+    }
+    const bool staged = rounds_of.size() > 1;
+
     // the private graph: every node mirrored, MUL_MAT_IDs over the cache
     const size_t max_tensors = static_cast<size_t>(n_nodes) * (GGML_MAX_SRC + 1);
     const size_t need = max_tensors * ggml_tensor_overhead() + ggml_graph_overhead_custom(max_tensors, false);
@@ -202,6 +249,13 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
             ggml_tensor * args[2] = {mirror(ctx, src1), mirror(ctx, node->src[2])};
             m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], args, 2,
                                expert_matmul, GGML_N_TASKS_MAX, &mm);
+            if (staged) {  // products land in a private buffer, copied into the node's memory each round
+                mm.staged.resize(static_cast<size_t>(ggml_nelements(node)));
+                m->data = mm.staged.data();
+                ggml_tensor * copy_args[1] = {m};
+                m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], copy_args,
+                                   1, copy_staged, GGML_N_TASKS_MAX, nullptr);
+            }
             std::memcpy(m->nb, node->nb, sizeof(m->nb));
             m->data = node->data;
             m->buffer = node->buffer;
@@ -226,37 +280,10 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         ggml_build_forward_expand(graph, m);
     }
 
-    // the rounds: resident experts first, then the misses, at most capacity() per round
-    std::lock_guard<std::mutex> lock(model.lane_mutex());
-    ExpertCache & cache = model.cache();
-    std::vector<int> order;
-    std::vector<char> placed(static_cast<size_t>(spec.n_expert), 0);
-    for (int e : cache.resident_experts(match.position)) {
-        if (needed[static_cast<size_t>(e)]) {
-            order.push_back(e);
-            placed[static_cast<size_t>(e)] = 1;
-        }
-    }
-    for (int e = 0; e < spec.n_expert; ++e) {
-        if (needed[static_cast<size_t>(e)] && !placed[static_cast<size_t>(e)]) {
-            order.push_back(e);
-        }
-    }
     ggml_status status = GGML_STATUS_SUCCESS;
-    size_t next = 0;
     int rounds = 0;
     double compute_seconds = 0.0;
-    while (next < order.size() && status == GGML_STATUS_SUCCESS) {
-        std::vector<int> round;
-        while (next < order.size()) {
-            round.push_back(order[next]);
-            if (static_cast<int>(round.size()) > cache.capacity(match.position, round)) {
-                round.pop_back();
-                break;
-            }
-            ++next;
-        }
-        std::sort(round.begin(), round.end());
+    for (const std::vector<int> & round : rounds_of) {
         try {
             cache.begin(match.position, round);
             if (rounds == 0 && n_tokens == 1 && x != nullptr) {
@@ -296,6 +323,9 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
             std::fill(matmuls_[j]->weight.begin(), matmuls_[j]->weight.end(), nullptr);
         }
         ++rounds;
+        if (status != GGML_STATUS_SUCCESS) {
+            break;
+        }
     }
     model.count_split(match.position, n_tokens, static_cast<int64_t>(order.size()), rounds, compute_seconds,
                       seconds_since(t_begin));

@@ -15,10 +15,11 @@
 // ExpertCache::capacity experts (decode and small batches: one round). Each round: begin() submits
 // the round's misses, the next layer's predicted experts are prefetched (one-token batches), finish()
 // waits and checks, then the whole private graph runs; the custom nodes compute only the pairs of
-// the round's experts and leave the others as earlier rounds wrote them, and the element-wise nodes,
-// recomputed each round from those outputs, give every pair its final value in the round its
-// expert's down projection ran. Element-wise ops are idempotent here (they read other tensors than
-// they write), so the result equals one pass over all experts.
+// the round's experts. With several rounds each MUL_MAT_ID's products go to a private staging buffer
+// that keeps every pair computed so far, and a copy node puts all of them into the node's memory
+// before the element-wise ops run: ggml-alloc lets ops such as ADD_ID write in place into their
+// input, so every round must start them from exact products. Each pair's final value is the one of
+// the round its expert's down projection ran in, which equals one pass over all experts.
 #pragma once
 
 #include "expert_model.h"
