@@ -40,6 +40,19 @@ def expert_checksums(moe: MoeModelInfo) -> dict[int, dict[str, np.ndarray]]:
     return out
 
 
+def routing_statistics(trace, n_expert: int) -> tuple[dict[int, np.ndarray], dict[int, float]]:
+    """Per layer: selections of each expert (float32 [n_expert]) and the previous-token reuse (the mean
+    share of a token's experts that the token before it in the same sequence also used)."""
+    follows = trace.continues_previous()
+    counts, reuse = {}, {}
+    for layer in trace.layers:
+        ids = trace.experts[layer]
+        counts[layer] = np.bincount(ids.ravel(), minlength=n_expert).astype(np.float32)
+        shared = [len(set(ids[i]) & set(ids[i - 1])) / ids.shape[1] for i in np.flatnonzero(follows)]
+        reuse[layer] = float(np.mean(shared)) if shared else float("nan")
+    return counts, reuse
+
+
 def convert_experts(model_path: Path, model: BaseModelInfo, moe: MoeModelInfo, out: Path, *, force: bool = False,
                     progress: bool = True, calib_text: str | None = None, calib_tokens: int = 2048,
                     calib_source: str = "", n_threads: int | None = None) -> Path:
@@ -70,12 +83,11 @@ def convert_experts(model_path: Path, model: BaseModelInfo, moe: MoeModelInfo, o
         if calib_text:
             from llamaflash.converters import moe_routing
 
-            trace = moe_routing.record_routing(model_path, calib_text, max_tokens=calib_tokens, n_threads=n_threads)
-            counts = {il: moe_routing.popularity(trace, il, moe.n_expert).astype(np.float32) for il in trace.layers}
-            reuse = {il: float(moe_routing.previous_token_reuse(trace, il)) for il in trace.layers}
+            trace = moe_routing.record_text_routing(model_path, n_tokens=calib_tokens, text=calib_text,
+                                                    n_threads=n_threads)
+            counts, reuse = routing_statistics(trace, moe.n_expert)
             tokens = trace.n_tokens
-            say(f"routing measured on {tokens} tokens: previous-token reuse "
-                f"{np.nanmean(list(reuse.values())):.2f}")
+            say(f"routing measured on {tokens} tokens: previous-token reuse {np.nanmean(list(reuse.values())):.2f}")
         path = expert_sidecar.write_expert_sidecar(out, moe, identity, checksums, counts, reuse, tokens, calib_source)
     say(f"wrote {out} ({os.path.getsize(out) / 1024:.0f} KiB)")
     return path

@@ -188,3 +188,53 @@ def test_lru_miss_rate_model():
     assert 0.7 < m < 0.8  # ~1 - 16/64 for independent uniform routing
     skewed = np.array([50.0] * 8 + [1.0] * 56)
     assert lru_miss_rate(skewed, 8, 16, 8) < m  # popular experts pinned
+
+
+def test_speculative_verify_batches_give_the_same_tokens(converted):
+    """Verify batches read the union of their tokens' experts once; each row has the bits of decoding
+    it alone, so speculation changes no token. The draft proposes the true greedy continuation with
+    every third token wrong, so verify batches both accept and reject."""
+    import llama_cpp.llama_speculative as spec_mod
+
+    path = converted("qwen3moe")
+    prompt = "The quick brown fox"
+    ref = Llama(str(path), n_ctx=256, verbose=False, ram_budget_mb=BUDGET_MB, flash_expert_slots=3,
+                flash_speculative=False)
+    p_tokens = ref.tokenize(prompt.encode())
+    greedy = []
+    for t in ref.generate(p_tokens, temp=0.0):
+        greedy.append(t)
+        if len(greedy) == 24:
+            break
+    ref.close()
+    full = list(p_tokens) + greedy
+
+    class Draft(spec_mod.LlamaDraftModel):
+        def __call__(self, input_ids, **kwargs):
+            n = len(input_ids)
+            out = list(full[n:n + 4])
+            if len(out) == 4:
+                out[2] = (out[2] + 1) % 1000  # a wrong third draft: rejected there
+            return np.array(out, dtype=np.intc)
+
+    llm = Llama(str(path), n_ctx=256, verbose=False, ram_budget_mb=BUDGET_MB, flash_expert_slots=3, draft_model=Draft())
+    got = []
+    for t in llm.generate(p_tokens, temp=0.0):
+        got.append(t)
+        if len(got) == 24:
+            break
+    s = llm.flash_stats()["speculative"]
+    assert got == greedy
+    assert s["accepted"] > 0 and s["verify_tokens_mean"] > 1.5
+    llm.close()
+
+
+def test_plan_command_for_moe(converted):
+    from click.testing import CliRunner
+
+    from llamaflash.cli import main
+
+    path = converted("qwen3moe")
+    r = CliRunner().invoke(main, ["plan", str(path), "--ram-budget-mb", "4000"])
+    assert r.exit_code == 0, r.output
+    assert "fits" in r.output and "minimum budget" in r.output
