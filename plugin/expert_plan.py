@@ -9,7 +9,7 @@ I/O: ``_native.expert_slot_bytes``). Slots hold the most popular experts of the 
 pinned (up to half the slots above n_used) and LRU for the rest.
 
 When every expert of every layer fits, llamaflash has nothing to do: the model runs as stock
-llama.cpp (``fits``). Below n_used + 1 slots per layer the budget is refused (RamBudgetError naming
+llama.cpp (``fits``). Below n_used slots per layer the budget is refused (RamBudgetError naming
 the minimum).
 
 The predicted decode rate is I/O bound: per token, n_layers x n_used experts, of which a share misses
@@ -154,7 +154,7 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     slot = max(int(_native.expert_slot_bytes([t.expert_bytes for t in layer.tensors], alignment))
                for layer in moe.layers)
     n_layers = len(moe.layers)
-    min_slots = moe.n_used + 1
+    min_slots = moe.n_used
     min_budget = fixed - share["margin"] + int((MARGIN_FIXED_BYTES + slot * n_layers * min_slots) /
                                                (1 - MARGIN_FRACTION))
     notes: list[str] = []
