@@ -6,7 +6,11 @@ llama-cpp-python 0.3.36) names the selected experts of layer L ``ffn_moe_topk-L`
 rows n_expert * 4 bytes apart. :class:`RoutingRecorder` runs the model through llama-cpp-python's
 llama.cpp (no llamaflash) with the scheduler's eval callback asking for exactly those tensors, and
 copies them out batch by batch. Every batch requests the logits of all its tokens, so that the last
-layer routes every token (otherwise llama.cpp computes only the output rows there).
+layer routes every token (otherwise llama.cpp computes only the output rows there); once the last
+layer's experts are read, the callback ends the graph's computation (returning false, which the
+scheduler takes as "stop"): what is left is that layer's expert FFN, the output norm and the
+vocabulary projection, which change neither the routing nor the KV cache, and the projection of
+every token would cost more than the rest of the model.
 
 Each sequence is evaluated from an empty context, in batches of ``n_batch`` tokens, with the
 KV cache kept between batches: the trace is exactly what stock llama.cpp selects on that text.
@@ -113,6 +117,8 @@ class RoutingRecorder:
         if self.n_expert <= 0:
             self.model.close()
             raise ValueError(f"{path} is not a Mixture-of-Experts model ({arch} has no {arch}.expert_count)")
+        #: the last layer: its routing is the last thing the graph needs to compute
+        self._last_layer = int(meta.get(f"{arch}.block_count", 0)) - 1
         self.n_ctx = int(min(n_ctx, self.model.n_ctx_train() or n_ctx))
         self.n_batch = min(n_batch, self.n_ctx)
         self._rows: dict[int, list[np.ndarray]] = {}
@@ -193,7 +199,7 @@ class RoutingRecorder:
             if ask:
                 return True
             self._rows.setdefault(parsed[1], []).append(_read_topk(t, t_ptr))
-            return True
+            return parsed[1] != self._last_layer
         except BaseException as exc:  # never let an exception cross into C; re-raised by record()
             if self._error is None:
                 self._error = exc

@@ -95,3 +95,23 @@ def smollm2_sidecar() -> tuple[Path, Path]:
         sidecar.parent.mkdir(parents=True, exist_ok=True)
         convert(model, sidecar, force=True, progress=False)
     return model, sidecar
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``make(arch, routing="uniform", **sizes) -> Path``: a synthetic MoE GGUF of the ``tiny``
+    preset of :mod:`llamaflash.bench.moe_synth` (random weights, real tokenizer from the verified
+    llama-cpp-python sdist, cached in ~/.cache/llamaflash/vocab), written once per parameter set per
+    session."""
+    from llamaflash.bench import moe_synth
+
+    root = tmp_path_factory.mktemp("tiny-moe")
+    cache: dict = {}
+
+    def make(arch: str, routing: str = "uniform", **sizes) -> Path:
+        spec = moe_synth.preset_spec("tiny", arch, routing, **sizes)
+        if spec not in cache:
+            cache[spec] = moe_synth.generate(spec, root / f"{arch}-{routing}-{len(cache)}.gguf")
+        return cache[spec]
+
+    return make
