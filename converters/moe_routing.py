@@ -246,3 +246,50 @@ def record_text_routing(model_path: str | os.PathLike[str], n_tokens: int = 4096
     """The routing of ``model_path`` on about ``n_tokens`` tokens of real text (:func:`text_sequences`)."""
     with RoutingRecorder(model_path, n_ctx=seq_len, n_batch=seq_len, n_threads=n_threads) as rec:
         return rec.record(text_sequences(rec, n_tokens, seq_len, cache_dir, text))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m llamaflash.converters.moe_routing MODEL [--tokens N] [--json OUT]``: records the
+    routing of MODEL on the registry calibration text and prints its statistics."""
+    import argparse
+    import json
+    import sys
+
+    from llamaflash.converters import moe_routing_stats
+
+    p = argparse.ArgumentParser(prog="python -m llamaflash.converters.moe_routing", description=main.__doc__)
+    p.add_argument("model", type=Path)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens of text to route (default 4096)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--top-k", type=int, default=8, help="k of the top-k share (default 8)")
+    p.add_argument("--slots", type=str, default="", help="LRU cache sizes per layer to simulate, e.g. 16,32")
+    p.add_argument("--pin", type=int, default=0, help="also simulate with the N most used experts pinned")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the statistics here")
+    a = p.parse_args(argv)
+    try:
+        trace = record_text_routing(a.model, a.tokens, a.seq_len, n_threads=a.threads)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"moe_routing: {e}", file=sys.stderr)
+        return 1
+    slots = [int(s) for s in a.slots.split(",") if s]
+    s = moe_routing_stats.summarize(trace, a.top_k, slots, a.pin)
+    print(f"{a.model}: {s['n_tokens']} tokens in {s['n_sequences']} sequences, {s['n_expert']} experts, "
+          f"{s['n_used']} used (random reuse {s['random_reuse']:.3f})")
+    print(f"  top-{a.top_k} share  mean {s['top_k_share']['mean']:.3f}  min {s['top_k_share']['min']:.3f}  "
+          f"max {s['top_k_share']['max']:.3f}")
+    print(f"  reuse        mean {s['reuse']['mean']:.3f}  min {s['reuse']['min']:.3f}  max {s['reuse']['max']:.3f}")
+    for slot in slots:
+        lru = np.mean([v["lru"][slot] for v in s["layers"].values()])
+        line = f"  LRU {slot} slots/layer: hit rate {lru:.3f}"
+        if a.pin and slot >= a.pin:
+            pinned = np.mean([v["pinned_lru"][slot] for v in s["layers"].values()])
+            line += f"; top-{a.pin} pinned + LRU: {pinned:.3f}"
+        print(line)
+    if a.json:
+        a.json.write_text(json.dumps(s, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

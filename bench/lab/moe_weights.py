@@ -79,7 +79,7 @@ class RoutingShape:
 #: used) with the routing recorder; see bench/lab/moe_synth.py for the measured statistics.
 REGIMES = {
     "uniform": RoutingShape(structured=False),
-    "shaped": RoutingShape(structured=True, popularity=1.0, context=1.0, offsets=(1, 2, 3, 4)),
+    "shaped": RoutingShape(structured=True, popularity=0.7, context=0.4, offsets=(1, 2, 3, 4)),
 }
 
 
