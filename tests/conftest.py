@@ -99,19 +99,20 @@ def smollm2_sidecar() -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_moe_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """``make(arch, routing="uniform", **sizes) -> Path``: a synthetic MoE GGUF of the ``tiny``
-    preset of :mod:`llamaflash.bench.moe_synth` (random weights, real tokenizer from the verified
-    llama-cpp-python sdist, cached in ~/.cache/llamaflash/vocab), written once per parameter set per
-    session."""
-    from llamaflash.bench import moe_synth
+    """``make(arch, routing="uniform", **spec) -> Path``: a tiny synthetic MoE GGUF of a real llama.cpp
+    architecture (llamaflash.bench.moe_synth's "tiny" preset, routing regime ``routing``, with
+    ``spec`` overrides), written once per distinct (arch, routing, spec) per session. The vocabulary
+    comes from the verified llama-cpp-python sdist (cached in ~/.cache/llamaflash/vocab)."""
+    from llamaflash.bench.moe_synth import generate, preset_spec
 
     root = tmp_path_factory.mktemp("tiny-moe")
-    cache: dict = {}
+    cache: dict[tuple, Path] = {}
 
-    def make(arch: str, routing: str = "uniform", **sizes) -> Path:
-        spec = moe_synth.preset_spec("tiny", arch, routing, **sizes)
-        if spec not in cache:
-            cache[spec] = moe_synth.generate(spec, root / f"{arch}-{routing}-{len(cache)}.gguf")
-        return cache[spec]
+    def make(arch: str, routing: str = "uniform", **spec) -> Path:
+        key = (arch, routing, tuple(sorted(spec.items())))
+        if key not in cache:
+            name = "-".join([arch, routing] + [f"{k}{v}" for k, v in sorted(spec.items())]) + ".gguf"
+            cache[key] = generate(preset_spec("tiny", arch, routing, **spec), root / name)
+        return cache[key]
 
     return make
