@@ -407,7 +407,6 @@ class Llama(llama_cpp.Llama):
         plan = setup.plan
         kwargs.setdefault("n_batch", plan.n_ubatch)
         kwargs.setdefault("n_ubatch", plan.n_ubatch)
-        kwargs.setdefault("use_mmap", False)  # the dense part in anonymous memory: not reclaimable
         _native.register_backend()
         _native.begin_expert_model_load(setup.model)
         try:
