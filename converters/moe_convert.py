@@ -41,15 +41,13 @@ def expert_checksums(moe: MoeModelInfo) -> dict[int, dict[str, np.ndarray]]:
 
 
 def routing_statistics(trace, n_expert: int) -> tuple[dict[int, np.ndarray], dict[int, float]]:
-    """Per layer: selections of each expert (float32 [n_expert]) and the previous-token reuse (the mean
-    share of a token's experts that the token before it in the same sequence also used)."""
+    """Per layer: selections of each expert (float32 [n_expert]) and the previous-token reuse
+    (converters/moe_routing_stats.py)."""
+    from llamaflash.converters.moe_routing_stats import expert_counts, reuse_rate
+
     follows = trace.continues_previous()
-    counts, reuse = {}, {}
-    for layer in trace.layers:
-        ids = trace.experts[layer]
-        counts[layer] = np.bincount(ids.ravel(), minlength=n_expert).astype(np.float32)
-        shared = [len(set(ids[i]) & set(ids[i - 1])) / ids.shape[1] for i in np.flatnonzero(follows)]
-        reuse[layer] = float(np.mean(shared)) if shared else float("nan")
+    counts = {il: expert_counts(trace.experts[il], n_expert).astype(np.float32) for il in trace.layers}
+    reuse = {il: float(reuse_rate(trace.experts[il], follows)) for il in trace.layers}
     return counts, reuse
 
 

@@ -174,7 +174,10 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     min_budget = sum(least.values()) + RUNTIME_RSS_BYTES + int((MARGIN_FIXED_BYTES + slot * n_layers * min_slots) /
                                                                 (1 - MARGIN_FRACTION))
     notes: list[str] = []
-    stock_need = fixed - share["llama_weights"] + moe.file_size
+    # stock llama.cpp (plain weights, as under a budget) needs the whole file in the page cache beside its
+    # buffers; the margin is left out: a slight overshoot there costs a few reclaimed clean pages, not an
+    # OOM, while serving experts from flash when everything fits would cost far more
+    stock_need = fixed - share["llama_weights"] - share["margin"] + moe.file_size
     if n_slots is not None:
         if not moe.n_used <= n_slots <= moe.n_expert:
             raise ValueError(f"flash_expert_slots={n_slots} must lie in [n_used, n_expert] = [{moe.n_used}, {moe.n_expert}]")
