@@ -212,6 +212,16 @@ void NeuronCache::finish(int li, bool check_all) {
         }
         return false;
     };
+    // slot s of batch b, its reads in: checked, or the mismatch kept in b
+    auto check_in = [this](Batch & b, int64_t s) {
+        try {
+            check_slot(s);
+            slots_[s].unchecked = false;
+        } catch (const IntegrityError & e) {
+            b.error = e.what();
+            b.integrity = true;
+        }
+    };
     bool overlap = true;
     for (Batch & b : batches) {
         for (; overlap && b.next < b.slots.size() && b.error.empty(); ++b.next) {
@@ -229,13 +239,7 @@ void NeuronCache::finish(int li, bool check_all) {
                 overlap = false;
                 break;
             }
-            try {
-                check_slot(s);
-                slots_[s].unchecked = false;
-            } catch (const IntegrityError & e) {
-                b.error = e.what();
-                b.integrity = true;
-            }
+            check_in(b, s);
         }
     }
     std::string error;
@@ -244,14 +248,7 @@ void NeuronCache::finish(int li, bool check_all) {
         await_reads(b);
         for (size_t k = 0; check_all && b.error.empty() && k < b.slots.size(); ++k) {
             const int64_t s = b.slots[k];
-            if (!slots_[s].unchecked) continue;
-            try {
-                check_slot(s);
-                slots_[s].unchecked = false;
-            } catch (const IntegrityError & e) {
-                b.error = e.what();
-                b.integrity = true;
-            }
+            if (slots_[s].unchecked) check_in(b, s);
         }
         if (error.empty() && !b.error.empty()) {
             error = b.error;
