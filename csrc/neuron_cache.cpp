@@ -183,11 +183,11 @@ uint64_t NeuronCache::submit(int li, const std::vector<int32_t> & clusters, cons
 }
 
 bool NeuronCache::arrived(const Batch & b) const {
-    return b.in || ((!b.has_up || up_file_->poll(b.up)) && (!b.has_down || sidecar_->poll(b.down)));
+    return b.waited || ((!b.has_up || up_file_->poll(b.up)) && (!b.has_down || sidecar_->poll(b.down)));
 }
 
 void NeuronCache::await_reads(Batch & b) {
-    if (b.in) return;
+    if (b.waited) return;
     for (int pass = 0; pass < 2; ++pass) {
         if (!(pass == 0 ? b.has_up : b.has_down)) continue;
         try {
@@ -196,7 +196,7 @@ void NeuronCache::await_reads(Batch & b) {
             if (b.error.empty()) b.error = e.what();
         }
     }
-    b.in = true;
+    b.waited = true;
 }
 
 void NeuronCache::finish(int li, bool check_all) {
@@ -316,10 +316,7 @@ void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {
     ++clock_;
     ++stats_.plans;
     const int64_t nc = n_clusters(li);
-    out.up.assign(static_cast<size_t>(nc), nullptr);
-    out.down_t.assign(static_cast<size_t>(nc), nullptr);
-    out.ready.clear();
-    out.pending.clear();
+    out.reset(nc);
     std::vector<int32_t> missing;
     for (int64_t c = 0; c < nc; ++c) {
         if (!needed[c]) continue;
@@ -382,10 +379,7 @@ void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {
 void NeuronCache::plan_resident(int li, const uint8_t * needed, LayerPlan & out) {
     ++stats_.draft_plans;
     const int64_t nc = n_clusters(li);
-    out.up.assign(static_cast<size_t>(nc), nullptr);
-    out.down_t.assign(static_cast<size_t>(nc), nullptr);
-    out.ready.clear();
-    out.pending.clear();
+    out.reset(nc);
     for (int64_t c = 0; c < nc; ++c) {
         if (!needed[c]) continue;
         ++stats_.draft_clusters_needed;

@@ -261,11 +261,11 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
             throw std::invalid_argument("flash offload needs the gate values from ggml and the up rows from the cache");
         }
         cache_layer_ = ffn.model->layer_position(ffn.layer);
-        if (params_.cluster_size != cache_->cluster_size() || cache_->n_clusters(cache_layer_) != static_cast<int64_t>(nc)) {
-            throw std::invalid_argument("the neuron cache's clusters differ from the kernel's (cluster size or layer shape)");
+        if (params_.cluster_size != cache_->cluster_size() ||
+            cache_->n_clusters(cache_layer_) != static_cast<int64_t>(nc)) {
+            throw std::invalid_argument("the neuron cache's clusters differ from the kernel's (cluster size, layer shape)");
         }
-        plan_.up.assign(nc, nullptr);  // plan() refills them in place: the kernel keeps these pointers
-        plan_.down_t.assign(nc, nullptr);
+        plan_.reset(static_cast<int64_t>(nc));  // plan() refills it in place: the kernel keeps these pointers
         layer_.up_slots = plan_.up.data();
         layer_.down_t_slots = plan_.down_t.data();
         if (offload->draft()) {
