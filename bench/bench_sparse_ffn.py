@@ -2,18 +2,17 @@
 
 Times, per token, one layer's FFN computed by
   * the sparse kernel, gate-first (gate for every neuron, up + down_t for the active ones), with the
-    threshold set per token so that exactly the requested fraction of neurons is active;
-  * the sparse kernel with an explicit active list (predictor-first: only the active neurons' gate,
-    up and down_t are read; the list here is the true top-|act(g)| set, i.e. a perfect predictor);
+    threshold set per token so that exactly the requested fraction of neurons is active (what the
+    sparse lane runs on a sidecar whose bundles are not in base order);
   * hybrid: g for every neuron by ggml's repacked dense gate GEMV (a gate-only ggml graph), then the
-    kernel with those gate values (SparseFfnParams::gate_values) for up + down_t of the active ones;
+    kernel with those gate values (SparseFfnParams::gate_values) for up + down_t of the active ones,
+    summed by cluster (what the sparse lane runs on a base-order sidecar);
   * ggml's own dense FFN graph (MUL_MAT gate, MUL_MAT up, SWIGLU, MUL_MAT down) on the base
     model's weights, on ggml's CPU backend, repacked as stock llama.cpp repacks them: the speed to
     beat (csrc/ffn_dense_ref.h);
 at 1 and 2 threads, and reports microseconds per token (median; p20 = 20th percentile) and effective
 GB/s = bytes the lane must read ÷ median time ("MB read": dense = the three base weights; gate-first
-and hybrid = every gate row + up and down_t rows of the active neurons; list = gate, up and down_t
-rows of the active neurons). Times are taken in C++ around each call (no Python overhead); the hybrid
+and hybrid = every gate row + up and down_t rows of the active neurons). Times are taken in C++ around each call (no Python overhead); the hybrid
 time is the gate graph's compute time plus the kernel's. Configurations are interleaved pass by pass
 and the share of the CPUs other processes used meanwhile is printed: on a shared machine, rerun
 until it is ~0% (2-thread numbers in particular are meaningless when another process competes for
@@ -118,12 +117,9 @@ class Layer:
         g = (xg @ G.T).astype(np.float32)
         return np.abs(np.stack([N.sparse_ffn_activation(self.activation, r) for r in g]))
 
-    def sparse_bytes(self, n_active: int, listed: bool) -> int:
+    def sparse_bytes(self, n_active: int) -> int:
         lay = self.lay
-        per_active = lay.up_row_bytes + lay.down_t_row_bytes
-        if listed:
-            return n_active * (per_active + lay.gate_row_bytes)
-        return lay.n_ff * lay.gate_row_bytes + n_active * per_active
+        return lay.n_ff * lay.gate_row_bytes + n_active * (lay.up_row_bytes + lay.down_t_row_bytes)
 
 
 def selection(abs_act: np.ndarray, fraction: float):
@@ -146,7 +142,6 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15, help="rotations (streamed) / repeats (hot) per config")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--fractions", default="1.0,0.5,0.3,0.1")
-    ap.add_argument("--no-prefetch", action="store_true", help="also time the sparse kernel without prefetch")
     ap.add_argument("--convert-dir", default="/tmp")
     ap.add_argument("--down-t-type", default=None,
                     help="time a bundle-only sidecar with this down_t type (converter --down-t-type), converted "
@@ -197,31 +192,25 @@ def main() -> int:
         print(f"[bench] {lane:<26} {fraction:>5.0%} t={nt}  streamed {row['us_streamed']:8.1f} us "
               f"{row['gbs_streamed']:5.1f} GB/s   hot {row['us_hot']:8.1f} us {row['gbs_hot']:5.1f} GB/s", file=sys.stderr)
 
-    # every configuration: name, fraction, listed?, prefetch?  (None fraction = ggml dense)
-    configs = [("ggml dense (stock)", 1.0, None, True)]
-    variants = [("gate-first", False, True), ("active list", True, True), ("hybrid", "hybrid", True)]
-    if args.no_prefetch:
-        variants += [("gate-first, no prefetch", False, False), ("active list, no prefetch", True, False)]
-    for lane, listed, prefetch in variants:
-        configs += [(f"sparse {lane}", f, listed, prefetch) for f in fractions]
+    # every configuration: name, fraction, kernel ("gate-first", "hybrid"; None = ggml dense)
+    configs = [("ggml dense (stock)", 1.0, None)]
+    for lane in ("gate-first", "hybrid"):
+        configs += [(f"sparse {lane}", f, lane) for f in fractions]
     sel = {(L, t, f): selection(acts[L][t], f) for L in rotation for t in range(args.tokens) for f in fractions}
 
     def call(cfg, L, t, n_iter, nt):
-        _, f, listed, prefetch = cfg
+        _, f, kernel = cfg
         x = xs[L][t : t + 1]
-        if listed is None:
+        if kernel is None:
             return layers[L].dense.run(x, n_iter)[1]
-        thr, lst = sel[(L, t, f)]
-        if listed == "hybrid":  # g by ggml's repacked gate GEMV, then up/down_t of the selected in the kernel
+        thr, _ = sel[(L, t, f)]
+        if kernel == "hybrid":  # g by ggml's repacked gate GEMV, then up/down_t of the selected in the kernel
             out = []
             for _ in range(n_iter):
                 g, (s_gate,) = layers[L].gate_graph.run(x, 1)
-                out.append(s_gate + layers[L].kernel.time(x, thr, n_threads=nt, n_iter=1, prefetch=prefetch,
-                                                           gate_values=g)[0])
+                out.append(s_gate + layers[L].kernel.time(x, thr, n_threads=nt, n_iter=1, gate_values=g)[0])
             return out
-        if listed:
-            return layers[L].kernel.time(x, -1.0, lst, n_threads=nt, n_iter=n_iter, prefetch=prefetch)
-        return layers[L].kernel.time(x, thr, n_threads=nt, n_iter=n_iter, prefetch=prefetch)
+        return layers[L].kernel.time(x, thr, n_threads=nt, n_iter=n_iter)
 
     def cpu_self():
         r = resource.getrusage(resource.RUSAGE_SELF)
@@ -247,13 +236,13 @@ def main() -> int:
                 for t in range(args.tokens):
                     hot[cfg] += call(cfg, target, t, 3, nt)[1:]  # the first of 3 warms the cache
         for cfg in configs:
-            cfg_name, f, listed, _ = cfg
+            cfg_name, f, kernel = cfg
             lay_obj = layers[target]
-            if listed is None:
+            if kernel is None:
                 nbytes, extra = lay_obj.dense_bytes, dict(repacked=lay_obj.dense.repacked)
             else:
                 n_active = int(round(np.mean([len(sel[(target, t, f)][1]) for t in range(args.tokens)])))
-                nbytes, extra = lay_obj.sparse_bytes(n_active, listed is True), dict(n_active=n_active)
+                nbytes, extra = lay_obj.sparse_bytes(n_active), dict(n_active=n_active)
                 extra["threshold_median"] = float(np.median([sel[(target, t, f)][0] for t in range(args.tokens)]))
             record(cfg_name, f, nt, streamed[cfg], hot[cfg], nbytes, extra)
     wall = time.monotonic() - t_wall

@@ -85,9 +85,6 @@ void validate_sparse_config(const SparseConfig & c) {
         invalid("sparse max_tokens must be >= 1 and cluster_size in 1..256, got " + std::to_string(c.max_tokens) +
                 " and " + std::to_string(c.cluster_size));
     }
-    if (c.up_by_ggml && !c.gate_by_ggml) {
-        invalid("sparse up_by_ggml needs gate_by_ggml");
-    }
 }
 
 void EngineConfig::validate() const {

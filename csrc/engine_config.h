@@ -52,12 +52,12 @@ struct LayerSpec {
     uint64_t draft_row_bytes = 0;
     uint64_t draft_up_offset = 0;
     uint64_t draft_down_t_offset = 0;
-    uint64_t draft_crc_offset = 0;  // uint32 [n_ff][2]: draft up, draft down_t rows (0: no checksums)
+    uint64_t draft_checksum_offset = 0;  // uint32 [n_ff][2]: draft up, draft down_t rows (0: no checksums)
     std::string draft_up_name, draft_down_t_name;  // tensor names for messages
     // integrity (integrity.h): absolute sidecar offsets of the layer's row-checksum tables, both 0 when
     // the sidecar has none; and the tensor names the checks' messages use
-    uint64_t crc_offset = 0;            // uint32 [n_ff][4]: bundle, down_t, base gate, base up rows
-    uint64_t base_down_crc_offset = 0;  // uint32 [n_embd]: base down rows
+    uint64_t checksum_offset = 0;            // uint32 [n_ff][4]: bundle, down_t, base gate, base up rows
+    uint64_t base_down_checksum_offset = 0;  // uint32 [n_embd]: base down rows
     std::string bundle_name, down_t_name, base_gate_name, base_up_name, base_down_name;
 };
 
@@ -67,12 +67,11 @@ struct SparseConfig {
     bool enabled = false;       // false: every split runs on the dense lane (and, at open, no sparse lane is loaded)
     int64_t max_tokens = 1;     // batches of more tokens run dense (prefill); >= 1
     int cluster_size = 32;      // neurons per work unit of the kernel (and per neuron-cache slot); 1..256
-    // true: g = gate·x for all neurons by ggml's dense (repacked) GEMV, then the kernel reads only the
-    // selected neurons' up rows and down_t rows; false: the kernel reads the gate rows from the bundles
-    bool gate_by_ggml = true;
-    // true (needs gate_by_ggml): u = up·x for all neurons by ggml's dense GEMV too; the kernel then
-    // reads only the selected neurons' down_t rows. Faster while many neurons are active (ggml
-    // streams a whole matrix faster than the kernel's per-row dots), slower at high sparsity.
+    // g = gate·x comes from ggml's dense (repacked) GEMV whenever the bundles are in base order (the
+    // kernel then reads only the selected neurons' up and down_t rows), else from the kernel.
+    // true (in memory, bundles in base order): u = up·x for all neurons by ggml's dense GEMV too; the
+    // kernel then reads only the selected neurons' down_t rows. Faster while many neurons are active
+    // (ggml streams a whole matrix faster than the kernel's per-row dots), slower at high sparsity.
     bool up_by_ggml = false;
 };
 

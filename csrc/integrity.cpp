@@ -54,14 +54,14 @@ std::vector<LayerChecksums> read_checksums(const FileReader & sidecar, const std
     std::vector<LayerChecksums> out(layers.size());
     for (size_t p = 0; p < layers.size(); ++p) {
         const LayerSpec & s = layers[p];
-        if ((s.crc_offset == 0) != (s.base_down_crc_offset == 0)) {
+        if ((s.checksum_offset == 0) != (s.base_down_checksum_offset == 0)) {
             throw std::invalid_argument("llamaflash: layer " + std::to_string(s.layer) +
-                                        ": crc_offset and base_down_crc_offset must both be set or both be 0");
+                                        ": checksum_offset and base_down_checksum_offset must both be set or both be 0");
         }
-        if (s.crc_offset == 0) continue;
+        if (s.checksum_offset == 0) continue;
         const size_t n_ff = static_cast<size_t>(s.n_ff);
         std::vector<uint32_t> table(4 * n_ff);
-        sidecar.read_exact(table.data(), table.size() * sizeof(uint32_t), s.crc_offset);
+        sidecar.read_exact(table.data(), table.size() * sizeof(uint32_t), s.checksum_offset);
         LayerChecksums & c = out[p];
         std::vector<uint32_t> * columns[4] = {&c.bundle, &c.down_t, &c.base_gate, &c.base_up};
         for (int col = 0; col < 4; ++col) {
@@ -69,7 +69,7 @@ std::vector<LayerChecksums> read_checksums(const FileReader & sidecar, const std
             for (size_t k = 0; k < n_ff; ++k) (*columns[col])[k] = table[4 * k + col];
         }
         c.base_down.resize(static_cast<size_t>(s.n_embd));
-        sidecar.read_exact(c.base_down.data(), c.base_down.size() * sizeof(uint32_t), s.base_down_crc_offset);
+        sidecar.read_exact(c.base_down.data(), c.base_down.size() * sizeof(uint32_t), s.base_down_checksum_offset);
     }
     return out;
 }

@@ -8,8 +8,8 @@
 //   base_up   : n_ff rows of up_row_bytes         (base ffn_up, base neuron order)
 //   base_down : n_embd rows of base_down_row_bytes (base ffn_down)
 // Row granularity fits every cluster size (a cluster is a run of whole rows). Where the tables lie
-// (LayerSpec::crc_offset: uint32 [n_ff][4] in the column order above without base_down;
-// LayerSpec::base_down_crc_offset: uint32 [n_embd]) and the tensor names used in messages come from
+// (LayerSpec::checksum_offset: uint32 [n_ff][4] in the column order above without base_down;
+// LayerSpec::base_down_checksum_offset: uint32 [n_embd]) and the tensor names used in messages come from
 // the configuration (Python's sidecar_format is the one place that spells them).
 //
 // A mismatch throws IntegrityError (an IoError: callers that report read failures report it too)
@@ -64,7 +64,7 @@ struct LayerChecksums {
 enum class RowSet : int { bundle = 0, down_t = 1, base_gate = 2, base_up = 3, base_down = 4, draft_up = 5,
                           draft_down_t = 6 };
 
-// The checksums of every layer with crc_offset != 0, read from the sidecar (one read per table).
+// The checksums of every layer with checksum_offset != 0, read from the sidecar (one read per table).
 // Throws IoError (truncated file) or std::invalid_argument (a layer has one table offset but not the other).
 std::vector<LayerChecksums> read_checksums(const FileReader & sidecar, const std::vector<LayerSpec> & layers);
 

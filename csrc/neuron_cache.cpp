@@ -183,11 +183,11 @@ uint64_t NeuronCache::submit(int li, const std::vector<int32_t> & clusters, cons
 }
 
 bool NeuronCache::arrived(const Batch & b) const {
-    return b.in || ((!b.has_up || up_file_->poll(b.up)) && (!b.has_down || sidecar_->poll(b.down)));
+    return b.waited || ((!b.has_up || up_file_->poll(b.up)) && (!b.has_down || sidecar_->poll(b.down)));
 }
 
 void NeuronCache::await_reads(Batch & b) {
-    if (b.in) return;
+    if (b.waited) return;
     for (int pass = 0; pass < 2; ++pass) {
         if (!(pass == 0 ? b.has_up : b.has_down)) continue;
         try {
@@ -196,7 +196,7 @@ void NeuronCache::await_reads(Batch & b) {
             if (b.error.empty()) b.error = e.what();
         }
     }
-    b.in = true;
+    b.waited = true;
 }
 
 void NeuronCache::finish(int li, bool check_all) {
@@ -211,6 +211,16 @@ void NeuronCache::finish(int li, bool check_all) {
             if (!arrived(b)) return true;
         }
         return false;
+    };
+    // slot s of batch b, its reads in: checked, or the mismatch kept in b
+    auto check_in = [this](Batch & b, int64_t s) {
+        try {
+            check_slot(s);
+            slots_[s].unchecked = false;
+        } catch (const IntegrityError & e) {
+            b.error = e.what();
+            b.integrity = true;
+        }
     };
     bool overlap = true;
     for (Batch & b : batches) {
@@ -229,13 +239,7 @@ void NeuronCache::finish(int li, bool check_all) {
                 overlap = false;
                 break;
             }
-            try {
-                check_slot(s);
-                slots_[s].unchecked = false;
-            } catch (const IntegrityError & e) {
-                b.error = e.what();
-                b.integrity = true;
-            }
+            check_in(b, s);
         }
     }
     std::string error;
@@ -244,14 +248,7 @@ void NeuronCache::finish(int li, bool check_all) {
         await_reads(b);
         for (size_t k = 0; check_all && b.error.empty() && k < b.slots.size(); ++k) {
             const int64_t s = b.slots[k];
-            if (!slots_[s].unchecked) continue;
-            try {
-                check_slot(s);
-                slots_[s].unchecked = false;
-            } catch (const IntegrityError & e) {
-                b.error = e.what();
-                b.integrity = true;
-            }
+            if (slots_[s].unchecked) check_in(b, s);
         }
         if (error.empty() && !b.error.empty()) {
             error = b.error;
@@ -319,10 +316,7 @@ void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {
     ++clock_;
     ++stats_.plans;
     const int64_t nc = n_clusters(li);
-    out.up.assign(static_cast<size_t>(nc), nullptr);
-    out.down_t.assign(static_cast<size_t>(nc), nullptr);
-    out.ready.clear();
-    out.pending.clear();
+    out.reset(nc);
     std::vector<int32_t> missing;
     for (int64_t c = 0; c < nc; ++c) {
         if (!needed[c]) continue;
@@ -385,10 +379,7 @@ void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {
 void NeuronCache::plan_resident(int li, const uint8_t * needed, LayerPlan & out) {
     ++stats_.draft_plans;
     const int64_t nc = n_clusters(li);
-    out.up.assign(static_cast<size_t>(nc), nullptr);
-    out.down_t.assign(static_cast<size_t>(nc), nullptr);
-    out.ready.clear();
-    out.pending.clear();
+    out.reset(nc);
     for (int64_t c = 0; c < nc; ++c) {
         if (!needed[c]) continue;
         ++stats_.draft_clusters_needed;

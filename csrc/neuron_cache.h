@@ -142,6 +142,14 @@ public:
         std::vector<const uint8_t *> down_t;  // likewise down_t rows
         std::vector<int32_t> ready;           // needed clusters resident now
         std::vector<int32_t> pending;         // needed clusters resident after wait()
+        // n_clusters null row addresses, no cluster listed (the vectors keep their memory, so
+        // pointers to up.data() and down_t.data() stay valid while the size does not change)
+        void reset(int64_t n_clusters) {
+            up.assign(static_cast<size_t>(n_clusters), nullptr);
+            down_t.assign(static_cast<size_t>(n_clusters), nullptr);
+            ready.clear();
+            pending.clear();
+        }
     };
     // li: position of the layer in the constructor's list; needed: n_clusters(li) bytes.
     void plan(int li, const uint8_t * needed, LayerPlan & out);
@@ -179,7 +187,7 @@ private:
         FlashReader::Ticket up = 0, down = 0;
         bool has_up = false, has_down = false;
         std::vector<int64_t> slots;
-        bool in = false;            // its reads waited for (complete)
+        bool waited = false;        // its reads waited for (complete)
         size_t next = 0;            // slots[0, next) were checked by the waiting thread (or skipped)
         std::string error;          // its read or check failure, kept until its layer's finish
         bool integrity = false;     // the error is a failed check

@@ -130,9 +130,9 @@ void OffloadState::load_draft_copy(const EngineConfig & config, bool verify) {
         r.type = s.draft_type;
         r.row_bytes = s.draft_row_bytes;
         std::vector<uint32_t> table;  // [n_ff][2]: draft up, draft down_t row checksums
-        if (verify && s.draft_crc_offset != 0) {
+        if (verify && s.draft_checksum_offset != 0) {
             table.resize(2 * static_cast<size_t>(s.n_ff));
-            sidecar.read_exact(table.data(), table.size() * sizeof(uint32_t), s.draft_crc_offset);
+            sidecar.read_exact(table.data(), table.size() * sizeof(uint32_t), s.draft_checksum_offset);
         }
         const RowSet sets[2] = {RowSet::draft_up, RowSet::draft_down_t};
         const uint8_t ** dsts[2] = {&r.up, &r.down_t};

@@ -2,24 +2,22 @@
 //
 // Work decomposition (three phases, barriers between them; see the phase API in the header):
 //   1. quantize: x_t → xq_gate_t, xq_up_t with ggml-cpu's from_float (tokens over threads);
-//   2. accumulate: the candidate neurons (all n_ff, or the explicit list) are cut into nth
-//      contiguous ranges (thread ith streams range ith: sequential reads per thread), each processed
-//      in clusters of `cluster_size` (deterministic); a batch runs every token through a cluster
-//      before the next cluster, so each row of the union of the tokens' active sets is read from
-//      memory once (per-token explicit lists: token by token);
-//   3. per cluster: for each candidate i, g = vec_dot(gate_i, xq_gate) (gate rows prefetched a few
-//      candidates ahead: in a bundle run they are strided), a = act(g); if selected, its up and
-//      down_t rows are prefetched; then u = vec_dot(up_i, xq_up), h_i = a·u for the selected; then
-//      their down_t rows are dequantized, scaled by h_i and added into the thread's partial y, up
-//      to 4 rows per pass over y (one load/store of y per 4 rows);
-//   4. reduce: y_t = Σ_threads partial (chunks of n_embd over threads, fixed thread order); in the
-//      cluster phase y_t = Σ_clusters partial in ascending cluster order instead.
+//   2. accumulate: by range, the n_ff neurons are cut into nth contiguous ranges (thread ith
+//      streams range ith: sequential reads per thread), each processed in clusters of
+//      `cluster_size` (deterministic); by cluster, each thread takes the clusters it is given. A
+//      batch runs every token through a cluster before the next cluster, so each row of the union
+//      of the tokens' active sets is read from memory once;
+//   3. per cluster: for each neuron i, g = the caller's gate value or vec_dot(gate_i, xq_gate)
+//      (gate rows prefetched a few neurons ahead: in a bundle run they are strided), a = act(g); if
+//      selected, its up and down_t rows are prefetched; then u = the caller's up value or
+//      vec_dot(up_i, xq_up), h_i = a·u for the selected; then their down_t rows are dequantized,
+//      scaled by h_i and added into the partial y, up to 4 rows per pass over y (one load/store of
+//      y per 4 rows);
+//   4. reduce: by range y_t = Σ_threads partial (chunks of n_embd over threads, fixed thread
+//      order); by cluster y_t = Σ_clusters partial in ascending cluster order.
 #include "sparse_ffn.h"
 
-
 #include "ggml-cpu.h"
-
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -32,7 +30,7 @@ namespace llamaflash {
 namespace {
 
 constexpr int kMaxCluster = 256;
-constexpr int kGateAhead = 4;  // gate rows prefetched this many candidates ahead
+constexpr int kGateAhead = 4;  // gate rows prefetched this many neurons ahead
 constexpr size_t kAlign = 64;
 
 size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
@@ -206,15 +204,13 @@ struct UnitSelection {
 
     // Appends neuron i; prefetches its down_t row (and its up row when pass 2 dots it).
     void add(int32_t i, float a, const uint8_t * down_t_row, size_t down_t_bytes, const uint8_t * up_row,
-             size_t up_bytes, bool prefetch, bool prefetch_up) {
+             size_t up_bytes, bool prefetch_up) {
         ids[n] = i;
         hs[n] = a;
         rows[n] = down_t_row;
         up_rows[n] = up_row;
-        if (prefetch) {
-            if (prefetch_up) prefetch_l2(up_row, up_bytes);
-            prefetch_l2(down_t_row, down_t_bytes);
-        }
+        if (prefetch_up) prefetch_l2(up_row, up_bytes);
+        prefetch_l2(down_t_row, down_t_bytes);
         ++n;
     }
 };
@@ -261,7 +257,8 @@ UnitPass unit_pass(const SparseFfnLayer & L, SparseIsa isa) {
 
 // Accessor for the phases (friend of SparseFfnScratch).
 struct SparseFfnImpl {
-    static void begin(const SparseFfnLayer & L, const SparseFfnParams & P, const SparseFfnIo & io, SparseFfnScratch & S);
+    static void begin(const SparseFfnLayer & L, const SparseFfnParams & P, const SparseFfnBatch & batch,
+                      SparseFfnScratch & S);
     static void quantize(SparseFfnScratch & S, int ith, int nth);
     static void accumulate(SparseFfnScratch & S, int ith, int nth);
     static void reduce(SparseFfnScratch & S, int ith, int nth);
@@ -283,7 +280,7 @@ struct SparseFfnImpl {
         const uint8_t * xq_up;
         const float * gv;  // caller's gate values, or nullptr
         const float * uv;  // caller's up values, or nullptr
-        uint8_t * mask;    // io.active_mask row, or nullptr
+        uint8_t * mask;    // batch.active_mask row, or nullptr
     };
     static TokenView token(const SparseFfnScratch & S, int64_t t) {
         const SparseFfnLayer & L = S.layer_;
@@ -294,16 +291,16 @@ struct SparseFfnImpl {
                                          : nullptr,
                 P.up_values != nullptr ? P.up_values + t * (P.up_values_stride != 0 ? P.up_values_stride : L.n_ff)
                                        : nullptr,
-                S.io_.active_mask != nullptr ? S.io_.active_mask + t * L.n_ff : nullptr};
+                S.batch_.active_mask != nullptr ? S.batch_.active_mask + t * L.n_ff : nullptr};
     }
 };
 
-void SparseFfnImpl::begin(const SparseFfnLayer & L, const SparseFfnParams & P, const SparseFfnIo & io,
+void SparseFfnImpl::begin(const SparseFfnLayer & L, const SparseFfnParams & P, const SparseFfnBatch & batch,
                           SparseFfnScratch & S) {
     sparse_ffn_validate(L);
     auto fail = [](const std::string & msg) { throw std::invalid_argument("sparse_ffn: " + msg); };
-    if (io.n_tokens < 0) fail("negative n_tokens");
-    if (io.n_tokens > 0 && (io.x == nullptr || io.y == nullptr)) fail("null x or y");
+    if (batch.n_tokens < 0) fail("negative n_tokens");
+    if (batch.n_tokens > 0 && (batch.x == nullptr || batch.y == nullptr)) fail("null x or y");
     if (P.n_threads < 1) fail("n_threads must be >= 1");
     if (P.cluster_size < 1 || P.cluster_size > kMaxCluster) fail("cluster_size must be in 1..256");
     if (std::isnan(P.threshold)) fail("threshold is NaN");
@@ -311,50 +308,34 @@ void SparseFfnImpl::begin(const SparseFfnLayer & L, const SparseFfnParams & P, c
     if (static_cast<int>(isa) > static_cast<int>(sparse_ffn_best_isa())) {
         fail(std::string("ISA ") + sparse_isa_name(isa) + " is not supported by this CPU");
     }
-    if (P.active != nullptr && io.n_tokens > 0) {
-        const int64_t total = P.active_offsets != nullptr ? P.active_offsets[io.n_tokens] : P.n_active;
-        if (P.active_offsets != nullptr) {
-            if (P.active_offsets[0] != 0) fail("active_offsets[0] must be 0");
-            for (int64_t t = 0; t < io.n_tokens; ++t) {
-                if (P.active_offsets[t + 1] < P.active_offsets[t]) fail("active_offsets must be non-decreasing");
-            }
-        }
-        if (total < 0) fail("negative active count");
-        for (int64_t k = 0; k < total; ++k) {
-            if (P.active[k] < 0 || P.active[k] >= L.n_ff) {
-                fail("active index " + std::to_string(P.active[k]) + " out of range [0, " + std::to_string(L.n_ff) + ")");
-            }
-        }
-    }
+    const bool by_cluster = sparse_ffn_by_cluster(P);
+    if (L.up_slots != nullptr && !by_cluster) fail("rows by cluster need caller gate values and no up values");
     ensure_cpu_init();
-    // the cluster phase is possible only with caller gate values and no explicit list
-    const bool cluster_phase = P.gate_values != nullptr && P.active == nullptr;
-    S.reserve(L, io.n_tokens, P.n_threads, cluster_phase ? n_clusters(L, P) : 0);
-    if (cluster_phase) std::memset(S.listed_, 0, static_cast<size_t>(n_clusters(L, P)));
+    S.reserve(L, batch.n_tokens, P.n_threads, by_cluster ? n_clusters(L, P) : 0);
+    if (by_cluster) std::memset(S.listed_, 0, static_cast<size_t>(n_clusters(L, P)));
     S.layer_ = L;
     S.params_ = P;
-    S.io_ = io;
-    if (S.io_.x_stride == 0) S.io_.x_stride = L.n_embd * sizeof(float);
-    if (S.io_.y_stride == 0) S.io_.y_stride = L.n_embd * sizeof(float);
-    if (S.io_.active_counts == nullptr) S.io_.active_counts = S.counts_;
+    S.batch_ = batch;
+    if (S.batch_.x_stride == 0) S.batch_.x_stride = L.n_embd * sizeof(float);
+    if (S.batch_.y_stride == 0) S.batch_.y_stride = L.n_embd * sizeof(float);
+    if (S.batch_.active_counts == nullptr) S.batch_.active_counts = S.counts_;
     S.isa_ = isa;
     S.g_lo_ = prefilter_bound(L.activation, P.threshold);
-    if (L.up_slots != nullptr && (P.gate_values == nullptr || P.active != nullptr)) {
-        fail("rows by cluster need caller gate values and no explicit active list");
+    if (!by_cluster) {
+        for (int64_t t = 0; t < batch.n_tokens; ++t) {
+            for (int th = 0; th < P.n_threads; ++th) std::memset(partial(S, t, th), 0, L.n_embd * sizeof(float));
+        }
     }
-    for (int64_t t = 0; t < io.n_tokens; ++t) {
-        for (int th = 0; th < P.n_threads; ++th) std::memset(partial(S, t, th), 0, L.n_embd * sizeof(float));
-    }
-    std::fill(S.io_.active_counts, S.io_.active_counts + io.n_tokens, 0);
-    if (io.active_mask != nullptr) std::memset(io.active_mask, 0, static_cast<size_t>(io.n_tokens) * L.n_ff);
+    std::fill(S.batch_.active_counts, S.batch_.active_counts + batch.n_tokens, 0);
+    if (batch.active_mask != nullptr) std::memset(batch.active_mask, 0, static_cast<size_t>(batch.n_tokens) * L.n_ff);
 }
 
 void SparseFfnImpl::quantize(SparseFfnScratch & S, int ith, int nth) {
     const SparseFfnLayer & L = S.layer_;
     const ggml_from_float_t gate_q = ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(L.gate_type)->vec_dot_type)->from_float;
     const ggml_from_float_t up_q = ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(L.up_type)->vec_dot_type)->from_float;
-    for (int64_t t = ith; t < S.io_.n_tokens; t += nth) {
-        const float * xt = reinterpret_cast<const float *>(reinterpret_cast<const uint8_t *>(S.io_.x) + t * S.io_.x_stride);
+    for (int64_t t = ith; t < S.batch_.n_tokens; t += nth) {
+        const float * xt = reinterpret_cast<const float *>(reinterpret_cast<const uint8_t *>(S.batch_.x) + t * S.batch_.x_stride);
         uint8_t * q = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
         gate_q(xt, q, L.n_embd);
         if (S.xq_up_bytes_ != 0) up_q(xt, q + S.xq_gate_bytes_, L.n_embd);
@@ -364,7 +345,7 @@ void SparseFfnImpl::quantize(SparseFfnScratch & S, int ith, int nth) {
 void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
     const SparseFfnLayer & L = S.layer_;
     const SparseFfnParams & P = S.params_;
-    const SparseFfnIo & io = S.io_;
+    const SparseFfnBatch & batch = S.batch_;
     const ggml_vec_dot_t gate_dot = ggml_get_type_traits_cpu(L.gate_type)->vec_dot;
     const UnitPass pass2 = unit_pass(L, S.isa_);
     const int n_embd = static_cast<int>(L.n_embd);
@@ -375,62 +356,47 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
     const uint8_t * const up_base = L.up_rows != nullptr ? L.up_rows : L.bundles + L.gate_row_bytes;
     const size_t up_stride = L.up_rows != nullptr ? L.up_stride : L.bundle_stride;
 
-    // Candidates [k0, k1) of token t's candidate list (all n_ff neurons, or the explicit list):
-    // pass 1, gate and selection, prefetching the selected neurons' up and down_t rows so they arrive
-    // while the rest of the cluster's gates are computed; pass 2, h_i = act(g_i) · (up_i · x), then
-    // the down_t rows.
-    auto cluster = [&](int64_t t, const int32_t * list, int64_t n_cand, int64_t k0, int64_t k1) {
+    // Neurons [k0, k1) of token t: pass 1, gate and selection, prefetching the selected neurons' up
+    // and down_t rows so they arrive while the rest of the cluster's gates are computed; pass 2,
+    // h_i = act(g_i) · (up_i · x), then the down_t rows.
+    auto cluster = [&](int64_t t, int64_t k0, int64_t k1) {
         const TokenView tv = token(S, t);
-        const bool prefetch_gate = P.prefetch && tv.gv == nullptr;
         sel.n = 0;
-        for (int64_t k = k0; k < k1; ++k) {
-            const int32_t i = list != nullptr ? list[k] : static_cast<int32_t>(k);
+        for (int64_t i = k0; i < k1; ++i) {
             float g, a;
             if (tv.gv != nullptr) {
                 g = tv.gv[i];
             } else {
-                if (prefetch_gate && k + kGateAhead < n_cand) {  // gate rows are strided (bundles)
-                    const int64_t ahead = list != nullptr ? list[k + kGateAhead] : k + kGateAhead;
-                    prefetch_l2(L.bundles + static_cast<size_t>(ahead) * L.bundle_stride, L.gate_row_bytes);
+                if (i + kGateAhead < L.n_ff) {  // gate rows are strided (bundles)
+                    prefetch_l2(L.bundles + static_cast<size_t>(i + kGateAhead) * L.bundle_stride, L.gate_row_bytes);
                 }
                 gate_dot(n_embd, &g, 0, L.bundles + static_cast<size_t>(i) * L.bundle_stride, 0, tv.xq_gate, 0, 1);
             }
             if (!selected(L.activation, g, g_lo, thr, a)) continue;
-            sel.add(i, a, L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes, L.down_t_row_bytes,
-                    up_base + static_cast<size_t>(i) * up_stride, L.up_row_bytes, P.prefetch, tv.uv == nullptr);
+            sel.add(static_cast<int32_t>(i), a, L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes,
+                    L.down_t_row_bytes, up_base + static_cast<size_t>(i) * up_stride, L.up_row_bytes,
+                    tv.uv == nullptr);
         }
         pass2.run(partial(S, t, ith), tmp, sel, tv.uv, tv.xq_up, tv.mask);  // partial zeroed by begin
-        if (sel.n != 0) __atomic_fetch_add(io.active_counts + t, sel.n, __ATOMIC_RELAXED);
+        if (sel.n != 0) __atomic_fetch_add(batch.active_counts + t, sel.n, __ATOMIC_RELAXED);
     };
 
-    if (P.active != nullptr && P.active_offsets != nullptr) {  // every token its own candidates: token by token
-        for (int64_t t = 0; t < io.n_tokens; ++t) {
-            const int64_t begin = P.active_offsets[t], n_cand = P.active_offsets[t + 1] - begin;
-            const int64_t range_begin = n_cand * ith / nth, range_end = n_cand * (ith + 1) / nth;
-            for (int64_t k0 = range_begin; k0 < range_end; k0 += cs) {
-                cluster(t, P.active + begin, n_cand, k0, std::min<int64_t>(k0 + cs, range_end));
-            }
-        }
-        return;
-    }
-    // Shared candidates: cluster by cluster, every token of the batch in turn, so a batch reads each
-    // row of the union of its active sets from memory once (the later tokens find it in cache). Each
-    // token's summation order is the same as for that token alone.
-    const int64_t n_cand = P.active != nullptr ? P.n_active : L.n_ff;
-    const int64_t range_begin = n_cand * ith / nth, range_end = n_cand * (ith + 1) / nth;
+    // cluster by cluster, every token of the batch in turn, so a batch reads each row of the union
+    // of its active sets from memory once (the later tokens find it in cache). Each token's
+    // summation order is the same as for that token alone.
+    const int64_t range_begin = L.n_ff * ith / nth, range_end = L.n_ff * (ith + 1) / nth;
     for (int64_t k0 = range_begin; k0 < range_end; k0 += cs) {
         const int64_t k1 = std::min<int64_t>(k0 + cs, range_end);
-        for (int64_t t = 0; t < io.n_tokens; ++t) cluster(t, P.active, n_cand, k0, k1);
+        for (int64_t t = 0; t < batch.n_tokens; ++t) cluster(t, k0, k1);
     }
 }
 
 // Same selection and arithmetic as accumulate() (gate values from the caller), over whole clusters:
-// clusters[0, n) on thread ith's scratch (the caller has split the list among the threads); rows from
-// the cluster slots when the layer has them.
+// clusters[0, n) on thread ith's scratch; rows from the cluster slots when the layer has them.
 void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, const int32_t * clusters, int64_t n) {
     const SparseFfnLayer & L = S.layer_;
     const SparseFfnParams & P = S.params_;
-    const SparseFfnIo & io = S.io_;
+    const SparseFfnBatch & batch = S.batch_;
     const UnitPass pass2 = unit_pass(L, S.isa_);
     const float thr = P.threshold, g_lo = S.g_lo_;
     const int64_t cs = P.cluster_size;
@@ -446,7 +412,7 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, const int
         const int64_t c = clusters[k];
         const int64_t i0 = c * cs, i1 = std::min<int64_t>(i0 + cs, L.n_ff);
         S.listed_[c] = 1;
-        for (int64_t t = 0; t < io.n_tokens; ++t) {
+        for (int64_t t = 0; t < batch.n_tokens; ++t) {
             float * acc = cluster_partial(S, c, t);
             std::memset(acc, 0, static_cast<size_t>(L.n_embd) * sizeof(float));
             const TokenView tv = token(S, t);
@@ -458,10 +424,10 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, const int
                 sel.add(static_cast<int32_t>(i), a,
                         (slotted ? L.down_t_slots[c] : L.down_t) + r * L.down_t_row_bytes, L.down_t_row_bytes,
                         slotted ? L.up_slots[c] + r * L.up_row_bytes : up_base + r * up_stride, L.up_row_bytes,
-                        P.prefetch, tv.uv == nullptr);
+                        tv.uv == nullptr);
             }
             pass2.run(acc, tmp, sel, tv.uv, tv.xq_up, tv.mask);
-            if (sel.n != 0) __atomic_fetch_add(io.active_counts + t, sel.n, __ATOMIC_RELAXED);
+            if (sel.n != 0) __atomic_fetch_add(batch.active_counts + t, sel.n, __ATOMIC_RELAXED);
         }
     }
 }
@@ -473,9 +439,9 @@ void SparseFfnImpl::reduce_clusters(SparseFfnScratch & S, int ith, int nth) {
     const int64_t n_embd = S.layer_.n_embd;
     const int64_t nc = n_clusters(S.layer_, S.params_);
     const int64_t per_token = (n_embd + kChunk - 1) / kChunk;
-    for (int64_t q = ith; q < S.io_.n_tokens * per_token; q += nth) {
+    for (int64_t q = ith; q < S.batch_.n_tokens * per_token; q += nth) {
         const int64_t t = q / per_token, j0 = (q % per_token) * kChunk, j1 = std::min(j0 + kChunk, n_embd);
-        float * yt = reinterpret_cast<float *>(reinterpret_cast<uint8_t *>(S.io_.y) + t * S.io_.y_stride);
+        float * yt = reinterpret_cast<float *>(reinterpret_cast<uint8_t *>(S.batch_.y) + t * S.batch_.y_stride);
         for (int64_t j = j0; j < j1; ++j) yt[j] = 0.0f;
         for (int64_t c = 0; c < nc; ++c) {
             if (!S.listed_[c]) continue;
@@ -491,7 +457,7 @@ void SparseFfnImpl::needed_clusters(const SparseFfnScratch & S, uint8_t * needed
     const int64_t cs = P.cluster_size, nc = (L.n_ff + cs - 1) / cs;
     const float thr = P.threshold, g_lo = S.g_lo_;
     std::memset(needed, 0, static_cast<size_t>(nc));
-    for (int64_t t = 0; t < S.io_.n_tokens; ++t) {
+    for (int64_t t = 0; t < S.batch_.n_tokens; ++t) {
         const float * gv = P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff);
         for (int64_t c = 0; c < nc; ++c) {
             if (needed[c]) continue;
@@ -511,9 +477,9 @@ void SparseFfnImpl::reduce(SparseFfnScratch & S, int ith, int nth) {
     constexpr int64_t kChunk = 64;
     const int64_t n_embd = S.layer_.n_embd;
     const int64_t per_token = (n_embd + kChunk - 1) / kChunk;
-    for (int64_t q = ith; q < S.io_.n_tokens * per_token; q += nth) {
+    for (int64_t q = ith; q < S.batch_.n_tokens * per_token; q += nth) {
         const int64_t t = q / per_token, j0 = (q % per_token) * kChunk, j1 = std::min(j0 + kChunk, n_embd);
-        float * yt = reinterpret_cast<float *>(reinterpret_cast<uint8_t *>(S.io_.y) + t * S.io_.y_stride);
+        float * yt = reinterpret_cast<float *>(reinterpret_cast<uint8_t *>(S.batch_.y) + t * S.batch_.y_stride);
         const float * p0 = partial(S, t, 0);
         for (int64_t j = j0; j < j1; ++j) yt[j] = p0[j];
         for (int p = 1; p < nth; ++p) {  // fixed order: deterministic for a given nth
@@ -523,9 +489,9 @@ void SparseFfnImpl::reduce(SparseFfnScratch & S, int ith, int nth) {
     }
 }
 
-void sparse_ffn_begin(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
+void sparse_ffn_begin(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnBatch & batch,
                       SparseFfnScratch & scratch) {
-    SparseFfnImpl::begin(layer, params, io, scratch);
+    SparseFfnImpl::begin(layer, params, batch, scratch);
 }
 
 void sparse_ffn_quantize(SparseFfnScratch & scratch, int ith, int nth) {
@@ -540,15 +506,13 @@ void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth) {
     SparseFfnImpl::reduce(scratch, ith, nth);
 }
 
-void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, int nth, const int32_t * clusters,
+void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, const int32_t * clusters,
                                     int64_t n_clusters) {
-    const int64_t begin = n_clusters * ith / nth, end = n_clusters * (ith + 1) / nth;
-    SparseFfnImpl::accumulate_clusters(scratch, ith, clusters + begin, end - begin);
+    SparseFfnImpl::accumulate_clusters(scratch, ith, clusters, n_clusters);
 }
 
-void sparse_ffn_accumulate_thread_clusters(SparseFfnScratch & scratch, int ith, const int32_t * clusters,
-                                           int64_t n_clusters) {
-    SparseFfnImpl::accumulate_clusters(scratch, ith, clusters, n_clusters);
+bool sparse_ffn_by_cluster(const SparseFfnParams & params) {
+    return params.gate_values != nullptr && params.up_values == nullptr;
 }
 
 void sparse_ffn_reduce_clusters(SparseFfnScratch & scratch, int ith, int nth) {
@@ -581,22 +545,6 @@ void sparse_ffn_rebind_cluster_rows(SparseFfnScratch & scratch, ggml_type up_typ
     L.down_t_row_bytes = ggml_row_size(down_t_type, L.n_embd);
     L.up_slots = up_slots;
     L.down_t_slots = down_t_slots;
-}
-
-void sparse_ffn_forward(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
-                        SparseFfnScratch & scratch) {
-    SparseFfnImpl::begin(layer, params, io, scratch);
-    if (io.n_tokens == 0) return;
-#pragma omp parallel num_threads(params.n_threads)
-    {
-        const int ith = omp_get_thread_num();
-        const int nth = omp_get_num_threads();  // may be fewer than requested: the phases use the real team
-        SparseFfnImpl::quantize(scratch, ith, nth);
-#pragma omp barrier
-        SparseFfnImpl::accumulate(scratch, ith, nth);
-#pragma omp barrier
-        SparseFfnImpl::reduce(scratch, ith, nth);
-    }
 }
 
 }  // namespace llamaflash

@@ -6,13 +6,11 @@
 //     h = act(g) ⊙ u
 //     y = Down·h = Σ_i h_i · down_t[i]   (down_t[i] = column i of the base Down, n_embd values)
 // Sparse: y = Σ_{i ∈ A} h_i · down_t[i], where A (the active set) is
-//   * gate-first (no explicit list): A = { i : |act(g_i)| > threshold } over all n_ff neurons.
-//     threshold 0 → every neuron with act(g_i) ≠ 0 (for relu: exactly its nonzero pattern, so the
-//     result equals the dense formula); threshold < 0 → every neuron (the dense formula itself);
-//   * explicit list (predictor-first selection done by the caller): A = { i ∈ list : |act(g_i)| >
-//     threshold }; gate (and up) are computed for the listed neurons only. With threshold < 0 the
-//     list is taken as is.
-//   Either way g may instead be supplied by the caller (SparseFfnParams::gate_values).
+//   A = { i : |act(g_i)| > threshold } over all n_ff neurons (gate-first selection).
+//   threshold 0 → every neuron with act(g_i) ≠ 0 (for relu: exactly its nonzero pattern, so the
+//   result equals the dense formula); threshold < 0 → every neuron (the dense formula itself).
+//   g is computed by the kernel from the bundles' gate rows, or supplied by the caller
+//   (SparseFfnParams::gate_values), and likewise u (SparseFfnParams::up_values).
 // Neuron indices are positions in the sidecar's bundle order (bundle row k, down_t row k); the
 // caller maps them through `ffn_order` when it needs base indices. y does not depend on the order.
 //
@@ -27,26 +25,25 @@
 //     relu max(x, 0);
 //   * h_i is f32 and the down_t accumulation is f32 (no quantization of h, unlike ggml's down
 //     MUL_MAT, which quantizes h to Q8): down_t row dequantized and scaled by h_i in one pass.
-//   * summation order: the candidate neurons are split into nth contiguous ranges, one per thread
-//     (each thread streams its own part of the weights sequentially), processed in clusters; each
-//     thread accumulates a private partial y, partials are summed in thread order. Results are
-//     deterministic for a given thread count and differ between thread counts only by float
-//     rounding.
+//   * summation order, one of two (the caller picks it, sparse_ffn_by_cluster):
+//       by range: the n_ff neurons are split into nth contiguous ranges, one per thread (each
+//       thread streams its own part of the weights sequentially), processed in clusters of
+//       cluster_size; each thread accumulates a private partial y, partials are summed in thread
+//       order. Deterministic for a given thread count; thread counts differ by float rounding.
+//       by cluster: each cluster's partial y is its own; y = Σ partials in ascending cluster order.
+//       A token's result then depends only on its x, its gate values and the clusters computed:
+//       not on the thread count, on how the clusters were split among calls, or on the batch.
 //
-// Batches: n_tokens > 1 runs every token through a cluster before the next cluster (one OpenMP
-// region), so a row in the union of the tokens' active sets is read from memory once per batch and
-// computed once per token that selects it; each token's result is the same as computed alone. With
-// per-token explicit lists (active_offsets) the tokens run one after the other. Whether a batch is
-// cheaper here or on the dense lane is measured per batch size (SparseConfig::autotune).
+// Batches: n_tokens > 1 runs every token through a cluster before the next cluster, so a row in
+// the union of the tokens' active sets is read from memory once per batch and computed once per
+// token that selects it; each token's result is the same as computed alone.
 //
-// Threads: sparse_ffn_forward runs `#pragma omp parallel num_threads(n_threads)`, i.e. on the same
-// OpenMP runtime (and worker threads) that llama.cpp's ggml-cpu uses (an own pool would fight its spinning workers); call it from
-// outside any OpenMP region (inside one, the nested team has one thread). The phase API below runs
-// the same work on the caller's threads instead.
+// Threads: the phase API below runs on the caller's threads (the sparse lane: the ggml graph's
+// own workers, as custom ops; no thread pool of its own, which would fight ggml's spinning workers).
 //
 // Memory: the layer is a set of views into memory the caller owns (a mapping of the sidecar, cache
 // slots); the kernel allocates nothing once `SparseFfnScratch` has been reserved for the largest
-// (n_tokens, n_threads) it will see (sparse_ffn_forward reserves on demand otherwise).
+// (n_tokens, n_threads) it will see (sparse_ffn_begin reserves on demand otherwise).
 #pragma once
 
 #include "ggml.h"
@@ -82,7 +79,7 @@ struct SparseFfnLayer {
     ggml_type up_type = GGML_TYPE_COUNT;
     size_t gate_row_bytes = 0;  // == ggml_row_size(gate_type, n_embd)
     size_t up_row_bytes = 0;    // == ggml_row_size(up_type, n_embd)
-    // (optional) the up rows elsewhere, up row k at up_rows + k·up_stride (e.g. the base model's
+    // (optional) the up rows elsewhere, up row k at up_rows + k·up_stride (the base model's
     // row-major ffn_up when the bundles are in base order): with gate values supplied by the caller
     // only up rows are read, and a dense run of them streams better than every other half-bundle.
     // nullptr: the up rows inside the bundles.
@@ -110,13 +107,6 @@ void sparse_ffn_validate(const SparseFfnLayer & layer);
 
 struct SparseFfnParams {
     float threshold = 0.0f;  // see the selection rules above
-    // Explicit active list (nullptr: gate-first over all neurons). Indices in [0, n_ff), unique;
-    // ascending order reads the weights sequentially (fastest). Either one list for every token
-    // (active_offsets == nullptr, n_active entries), or per token t the entries
-    // active[active_offsets[t] .. active_offsets[t+1]) (active_offsets has n_tokens + 1 entries).
-    const int32_t * active = nullptr;
-    int64_t n_active = 0;
-    const int64_t * active_offsets = nullptr;
     // Precomputed gate values (nullptr: the kernel computes g = gate_i·x itself). f32, token t's g_i
     // (bundle order) at gate_values[t·gate_values_stride + i]; stride 0 = n_ff. With them the gate
     // rows are not read at all: e.g. g from ggml's repacked dense GEMV (the fast way to get every
@@ -128,17 +118,14 @@ struct SparseFfnParams {
     // sparsity streams the up matrix faster than per-row dots; the kernel then reads down_t only.
     const float * up_values = nullptr;
     size_t up_values_stride = 0;
-    int n_threads = 1;       // OpenMP team size requested (>= 1)
+    int n_threads = 1;       // threads that run the phases (>= 1); see the phase API below
     int cluster_size = 32;   // neurons per work unit, 1..256
     SparseIsa isa = SparseIsa::auto_;  // tests force scalar/avx2 to compare paths
-    // software prefetch (into L2) of a selected neuron's down_t row as soon as its gate passes, and
-    // of the next listed bundles with an explicit list; off only to measure what it buys
-    bool prefetch = true;
 };
 
-// Per-call inputs and outputs. x and y are f32 [n_tokens, n_embd] with the given row strides in
-// bytes (0 = contiguous). y is overwritten.
-struct SparseFfnIo {
+// The tokens of one call: their inputs and outputs. x and y are f32 [n_tokens, n_embd] with the
+// given row strides in bytes (0 = contiguous). y is overwritten.
+struct SparseFfnBatch {
     const float * x = nullptr;
     size_t x_stride = 0;
     float * y = nullptr;
@@ -148,7 +135,7 @@ struct SparseFfnIo {
     uint8_t * active_mask = nullptr;    // optional out [n_tokens, n_ff]: 1 where neuron is in A
 };
 
-// Caller-owned working memory; reuse it across calls (one per concurrently running forward). Also
+// Caller-owned working memory; reuse it across calls (one per concurrently running FFN). Also
 // holds the plan of the call in progress between sparse_ffn_begin and the last phase.
 class SparseFfnScratch {
 public:
@@ -180,60 +167,55 @@ private:
     // plan of the current call (set by sparse_ffn_begin)
     SparseFfnLayer layer_;
     SparseFfnParams params_;
-    SparseFfnIo io_;
+    SparseFfnBatch batch_;
     SparseIsa isa_ = SparseIsa::scalar;
     float g_lo_ = 0.0f;  // selection prefilter bound (see sparse_ffn.cpp)
 };
 
-// Computes y for every token of io (see the contract at the top of this file): sparse_ffn_begin,
-// then an OpenMP team of params.n_threads running the three phases below with barriers between.
-// Throws std::invalid_argument on bad arguments (checked before any work starts).
-void sparse_ffn_forward(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
-                        SparseFfnScratch & scratch);
-
-// Phase API: the same computation cut at its two barriers, for callers that run it on threads of
-// their own, e.g. as three ggml custom ops with n_tasks = nth (ggml's graph executor puts a barrier
-// between consecutive nodes), so the FFN runs inside one ggml graph compute without a fork/join.
-//   sparse_ffn_begin       one thread, before the others: validates (throws), reserves the scratch
-//                          for params.n_threads, zeroes the outputs, records the plan in `scratch`
-//                          (layer, params and io must stay valid until the last phase returns);
+// Phase API: the computation cut at its barriers, run on the caller's threads, e.g. as ggml custom
+// ops with n_tasks = nth (ggml's graph executor puts a barrier between consecutive nodes), so the
+// FFN runs inside one ggml graph compute without a fork/join.
+//   sparse_ffn_begin       one thread, before the others: validates (throws std::invalid_argument
+//                          before any work starts), reserves the scratch for params.n_threads,
+//                          zeroes the outputs, records the plan in `scratch` (layer, params and
+//                          batch must stay valid until the last phase returns);
 //   then every thread ith in [0, nth), nth <= params.n_threads, the same nth throughout:
 //   sparse_ffn_quantize    x → activations in vec_dot types (tokens split over threads)
 //   -- barrier --
-//   sparse_ffn_accumulate  range ith of nth of every token's candidates into thread ith's partial y
+// then, by range (sparse_ffn_by_cluster false):
+//   sparse_ffn_accumulate  range ith of nth of the n_ff neurons, every token, into thread ith's
+//                          partial y
 //   -- barrier --
-//   sparse_ffn_reduce      y = Σ partials (chunks of n_embd split over threads)
-// The phases never throw and never allocate.
-//
-// Cluster phase (flash offload, where a layer's rows arrive in several parts): in place of
-// sparse_ffn_accumulate and sparse_ffn_reduce, any number of
-//   sparse_ffn_accumulate_clusters(scratch, ith, nth, clusters, n)
-// calls (barriers between them), each computing the candidates of the listed clusters (cluster c =
-// neurons [c·C, min((c+1)·C, n_ff)), C = params.cluster_size; the list split into nth contiguous
-// parts, one per thread) into that cluster's own partial y, then
+//   sparse_ffn_reduce      y = Σ partials in thread order (chunks of n_embd split over threads)
+// or by cluster (sparse_ffn_by_cluster true): any number of
+//   sparse_ffn_accumulate_clusters(scratch, ith, clusters, n)
+// calls (barriers between them), thread ith computing exactly the clusters it lists (cluster c =
+// neurons [c·C, min((c+1)·C, n_ff)), C = params.cluster_size) into each cluster's own partial y,
+// e.g. one at a time, each right after the caller has done something to its rows; then
 //   sparse_ffn_reduce_clusters(scratch, ith, nth)
 // y_t = Σ over the listed clusters in ascending cluster order of partial_c,t. So token t's result
 // depends only on its x, its gate values and the set of clusters listed: not on how the clusters
-// were split among calls (resident now vs read later), the thread count, or the other tokens of the
-// batch. No cluster may be listed twice. Exact (the sparse formula) when the union of the lists
-// covers every cluster holding an active neuron; a caller may list fewer on purpose (a draft that
-// uses only resident clusters), which drops the missing clusters' terms. Needs params.gate_values
-// and no explicit active list; rows come from layer.up_slots / down_t_slots when set, else from the
-// flat views. Scratch: n_tokens · ceil(n_ff / C) · n_embd floats more.
-void sparse_ffn_begin(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnIo & io,
+// were split among threads and calls (resident now vs read later), the thread count, or the other
+// tokens of the batch. No cluster may be listed twice in one call of the FFN. Exact (the sparse
+// formula) when the lists cover every cluster holding an active neuron; a caller may list fewer on
+// purpose (a draft that uses only resident clusters), which drops the missing clusters' terms.
+// Rows come from layer.up_slots / down_t_slots when set, else from the flat views. Scratch:
+// n_tokens · ceil(n_ff / C) · n_embd floats more.
+// The phases never throw and never allocate.
+void sparse_ffn_begin(const SparseFfnLayer & layer, const SparseFfnParams & params, const SparseFfnBatch & batch,
                       SparseFfnScratch & scratch);
 void sparse_ffn_quantize(SparseFfnScratch & scratch, int ith, int nth);
 void sparse_ffn_accumulate(SparseFfnScratch & scratch, int ith, int nth);
 void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth);
-void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, int nth, const int32_t * clusters,
+void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, const int32_t * clusters,
                                     int64_t n_clusters);
-// The same computation with the split made by the caller: thread ith computes exactly the listed
-// clusters (all of them, with its own scratch), e.g. one at a time, each right after the caller has
-// done something to its rows. The lists of one call's threads must be disjoint (no cluster twice);
-// the result is the same as with sparse_ffn_accumulate_clusters over their union.
-void sparse_ffn_accumulate_thread_clusters(SparseFfnScratch & scratch, int ith, const int32_t * clusters,
-                                           int64_t n_clusters);
 void sparse_ffn_reduce_clusters(SparseFfnScratch & scratch, int ith, int nth);
+
+// The summation order a call takes: by cluster exactly when the caller supplies the gate values and
+// not the up values (the cluster phase needs g before any row is read, to plan the clusters; with
+// u for every neuron from the caller, by range streams only down_t rows, in one pass).
+bool sparse_ffn_by_cluster(const SparseFfnParams & params);
+
 // For the cluster phase: needed[c] = 1 when cluster c holds a neuron that the kernel's selection rule
 // makes active for at least one token of the call, else 0 (ceil(n_ff / C) entries). One thread, after
 // sparse_ffn_begin, once the gate values are final.
@@ -249,6 +231,5 @@ void sparse_ffn_needed_clusters(const SparseFfnScratch & scratch, uint8_t * need
 bool sparse_ffn_can_rebind(const SparseFfnLayer & layer, ggml_type up_type, ggml_type down_t_type);
 void sparse_ffn_rebind_cluster_rows(SparseFfnScratch & scratch, ggml_type up_type, ggml_type down_t_type,
                                     const uint8_t * const * up_slots, const uint8_t * const * down_t_slots);
-
 
 }  // namespace llamaflash

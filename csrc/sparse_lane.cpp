@@ -45,31 +45,32 @@ void phase_reduce(ggml_tensor *, int ith, int nth, void * userdata) {
 
 }  // namespace
 
-// The offload phase nodes (userdata: the lane). Thread 0 talks to the cache; the graph's barriers
-// between nodes order that with the other threads' work.
-struct OffloadPhases {
+// The cluster phase nodes (userdata: the lane), in memory and offload. Thread 0 plans (and, in
+// offload, talks to the cache); the graph's barriers between nodes order that with the other
+// threads' work.
+struct ClusterPhases {
     static void quantize_plan(ggml_tensor *, int ith, int nth, void * userdata) {
         SparseLane & lane = *static_cast<SparseLane *>(userdata);
         sparse_ffn_quantize(lane.scratch_, ith, nth);
         if (ith != 0) return;
         try {
             sparse_ffn_needed_clusters(lane.scratch_, lane.needed_.data());
-            if (lane.cache_ == nullptr || lane.draft_copy_) {  // in memory or the draft copy: all ready
+            if (lane.cache_ == nullptr || lane.draft_ == DraftMode::copy) {  // every needed cluster is ready
                 lane.plan_.ready.clear();
                 lane.plan_.pending.clear();
                 for (size_t c = 0; c < lane.needed_.size(); ++c) {
                     if (lane.needed_[c]) lane.plan_.ready.push_back(static_cast<int32_t>(c));
                 }
-            } else if (lane.draft_) {
+            } else if (lane.draft_ == DraftMode::none) {
+                lane.cache_->plan(lane.cache_layer_, lane.needed_.data(), lane.plan_);
+            } else {
                 lane.cache_->plan_resident(lane.cache_layer_, lane.needed_.data(), lane.plan_);
-                if (lane.draft_mixed_) {  // the needed clusters not resident: from the draft copy
+                if (lane.draft_ == DraftMode::mixed) {  // the needed clusters not resident: from the draft copy
                     for (int32_t c : lane.plan_.ready) lane.needed_[static_cast<size_t>(c)] = 0;
                     for (size_t c = 0; c < lane.needed_.size(); ++c) {
                         if (lane.needed_[c]) lane.plan_.pending.push_back(static_cast<int32_t>(c));
                     }
                 }
-            } else {
-                lane.cache_->plan(lane.cache_layer_, lane.needed_.data(), lane.plan_);
             }
         } catch (const std::exception & e) {
             lane.fail(e.what());
@@ -79,15 +80,13 @@ struct OffloadPhases {
     // part of the list and, when the rows are the cache's, checks each cluster's slot right before
     // computing it (NeuronCache::check_cluster: a no-op for a checked slot; the rows are then in this
     // core's cache for the computation). A failed check fails the compute before the cluster is used.
-    static void accumulate(void * userdata, const std::vector<int32_t> NeuronCache::LayerPlan::*list, int ith,
-                           int nth, bool cache_rows) {
-        SparseLane & lane = *static_cast<SparseLane *>(userdata);
+    static void accumulate(SparseLane & lane, const std::vector<int32_t> & clusters, int ith, int nth,
+                           bool cache_rows) {
         if (lane.failed_.load(std::memory_order_acquire)) return;
-        const std::vector<int32_t> & clusters = lane.plan_.*list;
         const int64_t n = static_cast<int64_t>(clusters.size());
         const int64_t begin = n * ith / nth, end = n * (ith + 1) / nth;
         if (!cache_rows) {
-            sparse_ffn_accumulate_thread_clusters(lane.scratch_, ith, clusters.data() + begin, end - begin);
+            sparse_ffn_accumulate_clusters(lane.scratch_, ith, clusters.data() + begin, end - begin);
             return;
         }
         for (int64_t k = begin; k < end; ++k) {
@@ -97,21 +96,24 @@ struct OffloadPhases {
                 lane.fail(e.what());
                 return;
             }
-            sparse_ffn_accumulate_thread_clusters(lane.scratch_, ith, clusters.data() + k, 1);
+            sparse_ffn_accumulate_clusters(lane.scratch_, ith, clusters.data() + k, 1);
         }
     }
     static void accumulate_ready(ggml_tensor *, int ith, int nth, void * userdata) {
-        const SparseLane & lane = *static_cast<const SparseLane *>(userdata);
-        accumulate(userdata, &NeuronCache::LayerPlan::ready, ith, nth, lane.cache_ != nullptr && !lane.draft_copy_);
+        SparseLane & lane = *static_cast<SparseLane *>(userdata);
+        accumulate(lane, lane.plan_.ready, ith, nth, lane.ready_from_cache());
     }
+    // offload, an exact pass: thread 0 waits for the layer's reads; a mixed draft: thread 0 points
+    // the kernel's rows at the draft copy for the pending clusters
     static void wait_reads(ggml_tensor *, int ith, int, void * userdata) {
         SparseLane & lane = *static_cast<SparseLane *>(userdata);
-        if (ith == 0 && lane.draft_mixed_) {  // the pending clusters are the draft copy's
+        if (ith != 0 || lane.cache_ == nullptr) return;
+        if (lane.draft_ == DraftMode::mixed) {
             sparse_ffn_rebind_cluster_rows(lane.scratch_, lane.copy_type_, lane.copy_type_, lane.copy_up_.data(),
                                            lane.copy_down_t_.data());
             return;
         }
-        if (ith != 0 || lane.cache_ == nullptr || lane.draft_ || lane.failed_.load(std::memory_order_acquire)) return;
+        if (lane.draft_ != DraftMode::none || lane.failed_.load(std::memory_order_acquire)) return;
         try {
             lane.cache_->wait(lane.cache_layer_);
         } catch (const std::exception & e) {
@@ -119,9 +121,8 @@ struct OffloadPhases {
         }
     }
     static void accumulate_pending(ggml_tensor *, int ith, int nth, void * userdata) {
-        const SparseLane & lane = *static_cast<const SparseLane *>(userdata);
-        accumulate(userdata, &NeuronCache::LayerPlan::pending, ith, nth,
-                   lane.cache_ != nullptr && !lane.draft_copy_ && !lane.draft_mixed_);
+        SparseLane & lane = *static_cast<SparseLane *>(userdata);
+        accumulate(lane, lane.plan_.pending, ith, nth, lane.pending_from_cache());
     }
     static void reduce(ggml_tensor *, int ith, int nth, void * userdata) {
         sparse_ffn_reduce_clusters(static_cast<SparseLane *>(userdata)->scratch_, ith, nth);
@@ -236,87 +237,87 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
         params_.up_values = static_cast<const float *>(up->data);
         params_.up_values_stride = up->nb[1] / sizeof(float);
     }
-    io_ = SparseFfnIo{};
-    io_.x = static_cast<const float *>(ffn.x->data);
-    io_.x_stride = ffn.x->nb[1];
-    io_.y = static_cast<float *>(ffn.down->data);
-    io_.y_stride = ffn.down->nb[1];
-    io_.n_tokens = n_tokens;
+    batch_ = SparseFfnBatch{};
+    batch_.x = static_cast<const float *>(ffn.x->data);
+    batch_.x_stride = ffn.x->nb[1];
+    batch_.y = static_cast<float *>(ffn.down->data);
+    batch_.y_stride = ffn.down->nb[1];
+    batch_.n_tokens = n_tokens;
     counts_.assign(static_cast<size_t>(n_tokens), 0);
-    io_.active_counts = counts_.data();
-    OffloadState * offload = ffn.model->offload();
-    cache_ = offload != nullptr ? &offload->cache() : nullptr;
-    draft_ = offload != nullptr && offload->draft();
-    draft_copy_ = draft_mixed_ = false;
-    if (cache_ != nullptr) {
-        if (gate == nullptr || up != nullptr) {
-            throw std::invalid_argument("flash offload needs the gate values from ggml and the up rows from the cache");
-        }
-        cache_layer_ = ffn.model->layer_position(ffn.layer);
-        const size_t nc = static_cast<size_t>(cache_->n_clusters(cache_layer_));
-        if (params_.cluster_size != cache_->cluster_size()) {
-            throw std::invalid_argument("kernel cluster size differs from the neuron cache's");
-        }
-        plan_.up.assign(nc, nullptr);  // plan() refills them in place: the kernel keeps these pointers
-        plan_.down_t.assign(nc, nullptr);
-        needed_.assign(nc, 0);
-        layer_.up_slots = plan_.up.data();
-        layer_.down_t_slots = plan_.down_t.data();
-        const OffloadState::DraftRows * copy = draft_ ? offload->draft_rows(cache_layer_) : nullptr;
-        if (copy != nullptr) {
-            // a draft with the resident low-bit copy: every cluster's rows are there (cluster c = rows
-            // [c·C, (c+1)·C) of the copy); nothing is read, the cache untouched
-            const size_t span = static_cast<size_t>(cluster_size) * copy->row_bytes;
-            copy_up_.resize(nc);
-            copy_down_t_.resize(nc);
-            for (size_t c = 0; c < nc; ++c) {
-                copy_up_[c] = copy->up + c * span;
-                copy_down_t_[c] = copy->down_t + c * span;
-            }
-            copy_type_ = copy->type;
-            if (sparse_ffn_can_rebind(layer_, copy->type, copy->type)) {
-                draft_mixed_ = true;  // resident clusters exact, the others from the copy
-            } else {  // x cannot be quantized for both up types at once: every cluster from the copy
-                draft_copy_ = true;
-                layer_.up_type = layer_.down_t_type = copy->type;
-                layer_.up_row_bytes = layer_.down_t_row_bytes = copy->row_bytes;
-                layer_.up_slots = copy_up_.data();
-                layer_.down_t_slots = copy_down_t_.data();
-            }
-        }
-    }
+    batch_.active_counts = counts_.data();
     // With gate values from ggml (and u from the kernel) the split runs cluster by cluster and y is
     // reduced in cluster order, in memory as in offload: the same bits whether the rows come from
     // the mapping or from the neuron cache (sparse_ffn.h, cluster phase).
-    const bool by_cluster = cache_ != nullptr || (gate != nullptr && up == nullptr);
-    if (by_cluster && cache_ == nullptr) {
-        needed_.assign(static_cast<size_t>((layer_.n_ff + cluster_size - 1) / cluster_size), 0);
+    const bool by_cluster = sparse_ffn_by_cluster(params_);
+    OffloadState * offload = ffn.model->offload();
+    cache_ = offload != nullptr ? &offload->cache() : nullptr;
+    draft_ = DraftMode::none;
+    const size_t nc = static_cast<size_t>((layer_.n_ff + cluster_size - 1) / cluster_size);
+    if (by_cluster) {
+        needed_.assign(nc, 0);
     }
-    sparse_ffn_begin(layer_, params_, io_, scratch_);
+    if (cache_ != nullptr) {
+        if (!by_cluster) {
+            throw std::invalid_argument("flash offload needs the gate values from ggml and the up rows from the cache");
+        }
+        cache_layer_ = ffn.model->layer_position(ffn.layer);
+        if (params_.cluster_size != cache_->cluster_size() ||
+            cache_->n_clusters(cache_layer_) != static_cast<int64_t>(nc)) {
+            throw std::invalid_argument("the neuron cache's clusters differ from the kernel's (cluster size, layer shape)");
+        }
+        plan_.reset(static_cast<int64_t>(nc));  // plan() refills it in place: the kernel keeps these pointers
+        layer_.up_slots = plan_.up.data();
+        layer_.down_t_slots = plan_.down_t.data();
+        if (offload->draft()) {
+            draft_ = DraftMode::resident;
+            if (const OffloadState::DraftRows * copy = offload->draft_rows(cache_layer_)) {
+                use_draft_copy(*copy, nc, cluster_size);
+            }
+        }
+    }
+    sparse_ffn_begin(layer_, params_, batch_, scratch_);
     if (by_cluster) {
         append_by_cluster(ctx, graph, ffn, x_leaf, gate);
+    } else {
+        append_by_range(ctx, graph, ffn, x_leaf, gate, up);
+    }
+}
+
+void SparseLane::use_draft_copy(const OffloadState::DraftRows & copy, size_t n_clusters, int cluster_size) {
+    // every cluster's rows are in the resident low-bit copy (cluster c = rows [c·C, (c+1)·C) of the
+    // copy); nothing is read, the cache untouched
+    const size_t span = static_cast<size_t>(cluster_size) * copy.row_bytes;
+    copy_up_.resize(n_clusters);
+    copy_down_t_.resize(n_clusters);
+    for (size_t c = 0; c < n_clusters; ++c) {
+        copy_up_[c] = copy.up + c * span;
+        copy_down_t_[c] = copy.down_t + c * span;
+    }
+    copy_type_ = copy.type;
+    if (sparse_ffn_can_rebind(layer_, copy.type, copy.type)) {
+        draft_ = DraftMode::mixed;
         return;
     }
+    draft_ = DraftMode::copy;
+    layer_.up_type = layer_.down_t_type = copy.type;
+    layer_.up_row_bytes = layer_.down_t_row_bytes = copy.row_bytes;
+    layer_.up_slots = copy_up_.data();
+    layer_.down_t_slots = copy_down_t_.data();
+}
 
-    // each phase node depends on the previous one, so the graph keeps them in order; the first
-    // depends on x (and g), so it runs after them
-    ggml_tensor * args_q[3] = {x_leaf, nullptr, nullptr};
-    int n_args = 1;
-    for (ggml_tensor * t : {gate, up}) {
-        if (t != nullptr) args_q[n_args++] = t;
-    }
-    ggml_tensor * q = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args_q, n_args, phase_quantize,
-                                     GGML_N_TASKS_MAX, &scratch_);
-    q->data = sink_;
-    ggml_format_name(q, "llamaflash.sparse.quantize-%d", ffn.layer);
-    ggml_tensor * args_a[1] = {q};
-    ggml_tensor * acc = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args_a, 1, phase_accumulate, GGML_N_TASKS_MAX,
-                                       &scratch_);
-    acc->data = sink_ + 4;
-    ggml_format_name(acc, "llamaflash.sparse.accumulate-%d", ffn.layer);
-    ggml_tensor * args_r[1] = {acc};
-    ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn.down->ne[0], ffn.down->ne[1], 1, 1, args_r, 1,
-                                     phase_reduce, GGML_N_TASKS_MAX, &scratch_);
+ggml_tensor * SparseLane::phase_node(ggml_context * ctx, ggml_tensor ** args, int n_args, ggml_custom_op_t op,
+                                     void * userdata, float * output, const char * name, int layer) {
+    ggml_tensor * node = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, n_args, op, GGML_N_TASKS_MAX, userdata);
+    node->data = output;
+    ggml_format_name(node, "llamaflash.sparse.%s-%d", name, layer);
+    return node;
+}
+
+void SparseLane::append_output(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn, ggml_tensor * prev,
+                               ggml_custom_op_t op, void * userdata) {
+    ggml_tensor * args[1] = {prev};
+    ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn.down->ne[0], ffn.down->ne[1], 1, 1, args, 1, op,
+                                     GGML_N_TASKS_MAX, userdata);
     y->data = ffn.down->data;
     y->buffer = ffn.down->buffer;
     std::memcpy(y->nb, ffn.down->nb, sizeof(y->nb));
@@ -324,32 +325,34 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     ggml_build_forward_expand(graph, y);
 }
 
+// Each phase node depends on the previous one, so the graph keeps them in order; the first depends
+// on x (and g, u), so it runs after them.
+void SparseLane::append_by_range(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
+                                 ggml_tensor * x_leaf, ggml_tensor * gate, ggml_tensor * up) {
+    ggml_tensor * args[3] = {x_leaf, nullptr, nullptr};
+    int n_args = 1;
+    for (ggml_tensor * t : {gate, up}) {
+        if (t != nullptr) args[n_args++] = t;
+    }
+    ggml_tensor * prev = phase_node(ctx, args, n_args, phase_quantize, &scratch_, phase_outputs_, "quantize", ffn.layer);
+    ggml_tensor * args_a[1] = {prev};
+    prev = phase_node(ctx, args_a, 1, phase_accumulate, &scratch_, phase_outputs_ + 4, "accumulate", ffn.layer);
+    append_output(ctx, graph, ffn, prev, phase_reduce, &scratch_);
+}
+
 void SparseLane::append_by_cluster(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
-                                ggml_tensor * x_leaf, ggml_tensor * gate) {
-    using Phase = void (*)(ggml_tensor *, int, int, void *);
-    const Phase phases[4] = {OffloadPhases::accumulate_ready, OffloadPhases::wait_reads,
-                             OffloadPhases::accumulate_pending, nullptr};
+                                   ggml_tensor * x_leaf, ggml_tensor * gate) {
+    const ggml_custom_op_t phases[4] = {ClusterPhases::accumulate_ready, ClusterPhases::wait_reads,
+                                        ClusterPhases::accumulate_pending, nullptr};
     const char * names[4] = {"accumulate-ready", "wait", "accumulate-pending", nullptr};
     ggml_tensor * args_q[2] = {x_leaf, gate};
-    ggml_tensor * prev = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args_q, 2, OffloadPhases::quantize_plan,
-                                        GGML_N_TASKS_MAX, this);
-    prev->data = sink_;
-    ggml_format_name(prev, "llamaflash.offload.quantize-plan-%d", ffn.layer);
+    ggml_tensor * prev = phase_node(ctx, args_q, 2, ClusterPhases::quantize_plan, this, phase_outputs_,
+                                    "quantize-plan", ffn.layer);
     for (int k = 0; phases[k] != nullptr; ++k) {
         ggml_tensor * args[1] = {prev};
-        ggml_tensor * node = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 1, phases[k], GGML_N_TASKS_MAX, this);
-        node->data = sink_ + 4 + 2 * k;
-        ggml_format_name(node, "llamaflash.offload.%s-%d", names[k], ffn.layer);
-        prev = node;
+        prev = phase_node(ctx, args, 1, phases[k], this, phase_outputs_ + 4 + 2 * k, names[k], ffn.layer);
     }
-    ggml_tensor * args_r[1] = {prev};
-    ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, ffn.down->ne[0], ffn.down->ne[1], 1, 1, args_r, 1,
-                                     OffloadPhases::reduce, GGML_N_TASKS_MAX, this);
-    y->data = ffn.down->data;
-    y->buffer = ffn.down->buffer;
-    std::memcpy(y->nb, ffn.down->nb, sizeof(y->nb));
-    std::memcpy(y->name, ffn.down->name, sizeof(y->name));
-    ggml_build_forward_expand(graph, y);
+    append_output(ctx, graph, ffn, prev, ClusterPhases::reduce, this);
 }
 
 }  // namespace llamaflash

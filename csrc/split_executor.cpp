@@ -97,8 +97,8 @@ void SplitExecutor::set_n_threads(int n_threads) {
     n_threads_ = n_threads;
 }
 
-// The sparse lane's nodes: g = gate·x (and u = up·x) by ggml's GEMV when the configuration (or
-// offload, which always takes g from ggml and up from the cache) asks for it, then the kernel's phases.
+// The sparse lane's nodes: g = gate·x by ggml's GEMV when the bundles are in base order (and u = up·x
+// too when the configuration asks for it, in memory), then the kernel's phases (sparse_lane.h).
 void SplitExecutor::append_sparse(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
                                   const SparseLayerView & view) {
     const SparseConfig & config = ffn.model->sparse_config();
@@ -106,7 +106,7 @@ void SplitExecutor::append_sparse(ggml_context * ctx, ggml_cgraph * graph, const
     ggml_tensor * x_leaf = dense_.map_src(ffn.x);
     ggml_tensor * gate = nullptr;
     ggml_tensor * up = nullptr;
-    if ((config.gate_by_ggml || offload) && view.base_order) {
+    if (view.base_order) {
         gate = dense_.mirror_node(ffn.gate);
         ggml_build_forward_expand(graph, gate);
         if (config.up_by_ggml && !offload) {

@@ -48,7 +48,7 @@ ggml_backend_buffer_type_t pick_cpu_weight_buft(ggml_tensor * w) {
 WeightStore::WeightStore(std::vector<LayerSpec> layers, std::string sidecar_path, std::string base_path, bool verify)
     : layers_(std::move(layers)), sidecar_path_(std::move(sidecar_path)), base_path_(std::move(base_path)),
       verify_(verify) {
-    for (const LayerSpec & s : layers_) has_checksums_ = has_checksums_ || s.crc_offset != 0;
+    for (const LayerSpec & s : layers_) has_checksums_ = has_checksums_ || s.checksum_offset != 0;
 }
 
 bool WeightStore::needs_check(size_t li, RowSet set) const {
@@ -443,7 +443,7 @@ void WeightStore::load_sparse(FfnActivation activation, bool offload) {
         }
         if (v.base_order && !offload) {
             // the base file's up rows: contiguous, so a thread's run of active neurons is one stream
-            // (the bundles interleave gate rows, which the gate-by-ggml path never needs)
+            // (the bundles interleave gate rows, which the kernel never reads when g comes from ggml)
             k.up_rows = map_region(kBase, s.base_up_offset, static_cast<uint64_t>(s.n_ff) * s.up_row_bytes);
             k.up_stride = s.up_row_bytes;
             check_mapped(li, RowSet::base_up);

@@ -10,7 +10,7 @@ flash offload, the planner's :class:`~llamaflash.planner.OffloadPlan`:
   verify        check every row read against the sidecar's checksums (integrity section; a failed
                 check at open raises SidecarIntegrityError)
   sparse        ``_native.SparseConfig``: enabled (the sparse lane loaded and used), max_tokens,
-                cluster_size, gate_by_ggml, up_by_ggml
+                cluster_size, up_by_ggml
   offload       None in memory; else ``_native.OffloadConfig``: stream_gate, cold_slots,
                 prefetch_layers, prefetch_min_prob, queue_depth, direct, engine, hot and
                 cluster_prob (one array per served layer), draft_copy (the sidecar's draft copy kept
@@ -50,11 +50,11 @@ def layer_spec(layout: LayerLayout, threshold: Optional[float]) -> "_native.Laye
         spec.draft_row_bytes = int(layout.draft_row_bytes)
         spec.draft_up_offset = int(layout.draft_up_offset)
         spec.draft_down_t_offset = int(layout.draft_down_t_offset)
-        spec.draft_crc_offset = int(layout.draft_checksum_offset or 0)
+        spec.draft_checksum_offset = int(layout.draft_checksum_offset or 0)
         spec.draft_up_name = fmt.draft_up_tensor_name(layout.layer)
         spec.draft_down_t_name = fmt.draft_down_t_tensor_name(layout.layer)
-    spec.crc_offset = int(values["checksum_offset"] or 0)
-    spec.base_down_crc_offset = int(values["down_checksum_offset"] or 0)
+    spec.checksum_offset = int(values["checksum_offset"] or 0)
+    spec.base_down_checksum_offset = int(values["down_checksum_offset"] or 0)
     spec.bundle_name = fmt.bundle_tensor_name(layout.layer)
     spec.down_t_name = fmt.down_t_tensor_name(layout.layer)
     spec.base_gate_name = fmt.base_ffn_gate_name(layout.layer)

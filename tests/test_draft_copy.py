@@ -110,6 +110,24 @@ def test_a_draft_from_the_copy_is_exact_and_drafts_better(pair, forced_plan):  #
     assert copy["drafted"] > 0 and copy["accepted"] > 0 and copy["draft_copy_bytes"] > 0
 
 
+def _last_logits(model, sidecar, forced_plan, copy: bool, draft: bool, hot: int = 0) -> np.ndarray:  # noqa: F811
+    """The logits of the prompt's last token, evaluated alone (in draft mode or not) after the rest of
+    the prompt, under a forced offload plan with `hot` clusters pinned per layer."""
+    plan = make_plan(sidecar, hot, prefetch_layers=1)
+    plan.draft_copy = copy
+    forced_plan(plan)
+    llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_speculative=False, logits_all=True, **KW)
+    try:
+        toks = llm.tokenize(PROMPT.encode())
+        llm.eval(toks[:-1])
+        llm._flash.draft = draft
+        llm.eval(toks[-1:])
+        return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+    finally:
+        llm._flash.draft = False
+        llm.close()
+
+
 def test_a_draft_from_the_copy_is_close_to_the_model(pair, forced_plan):  # noqa: F811
     """The draft's logits for one token, after the same prompt: with the copy (every neuron, Q4_0 rows)
     within 15% (relative L2) of the exact logits; from the resident clusters only (none pinned, none
@@ -117,20 +135,7 @@ def test_a_draft_from_the_copy_is_close_to_the_model(pair, forced_plan):  # noqa
     model, sidecar = pair
 
     def last_logits(copy: bool, draft: bool, hot: int = 0) -> np.ndarray:
-        plan = make_plan(sidecar, hot, prefetch_layers=1)
-        plan.draft_copy = copy
-        forced_plan(plan)
-        llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_speculative=False, logits_all=True,
-                               **KW)
-        try:
-            toks = llm.tokenize(PROMPT.encode())
-            llm.eval(toks[:-1])
-            llm._flash.draft = draft
-            llm.eval(toks[-1:])
-            return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
-        finally:
-            llm._flash.draft = False
-            llm.close()
+        return _last_logits(model, sidecar, forced_plan, copy, draft, hot)
 
     exact = last_logits(False, False)
     off = {name: np.linalg.norm(last_logits(copy, True) - exact) / np.linalg.norm(exact)
@@ -211,3 +216,20 @@ def test_a_damaged_draft_copy_is_refused_at_load(pair, forced_plan, tmp_path):  
     assert verify_files(sidecar).ok
     report = verify_files(damaged)
     assert [(m.tensor, m.row) for m in report.mismatches] == [(f"blk.{lay.layer}.ffn_draft_down_t", 5)]
+
+
+def test_a_draft_takes_every_cluster_from_the_copy_when_x_serves_one_type(tiny_model_factory, tmp_path,
+                                                                          forced_plan):  # noqa: F811
+    """Q4_1 up rows dot against Q8_1 activations, the Q4_0 copy against Q8_0, and x is quantized once
+    per split: a draft then computes every cluster from the copy, the resident ones too. With every
+    cluster pinned the draft differs from the model (the Q8_0 fixture's draft equals it), and stays
+    as close to it as a draft from the copy is."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(tiny_model_factory(weight_type="Q4_1", n_embd=96, n_ff=192), model)
+    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
+    assert all(lay.up_type == int(Q.Q4_1) and lay.draft_type == int(Q.Q4_0) for lay in read_sidecar(sidecar).layers)
+    exact = _last_logits(model, sidecar, forced_plan, False, False, hot=6)
+    draft = _last_logits(model, sidecar, forced_plan, True, True, hot=6)
+    off = np.linalg.norm(draft - exact) / np.linalg.norm(exact)
+    assert 0 < off < 0.15, off
+    assert np.array_equal(_last_logits(model, sidecar, forced_plan, True, False, hot=6), exact)  # exact passes exact

@@ -95,11 +95,13 @@ class Layer:
         self.D = _dq(down_t, self.down_t_type)
         return self
 
-    def run(self, x, threshold=0.0, active=None, n_threads=1, **kw):
+    def run(self, x, threshold=0.0, n_threads=1, **kw):
+        """The kernel's phases in the order the sparse lane runs them for these arguments (by cluster
+        with gate_values and no up_values, else by range)."""
         return N.sparse_ffn_forward(
             self.bundles, self.bundle_stride, int(self.gate_type), int(self.up_type), self.gate_row_bytes,
             self.up_row_bytes, self.down_t, int(self.down_t_type), self.down_t_row_bytes, self.n_embd, self.n_ff,
-            self.activation, x, threshold, active, n_threads, **kw)
+            self.activation, x, threshold, n_threads, **kw)
 
     def act_g_u(self, x):
         """Per token (g, act(g), u) as the kernel's dots see them, float64 [n_tokens, n_ff]."""
@@ -255,44 +257,6 @@ def test_thresholds_around_the_negative_peak(activation):
         assert_close(y, layer.reference(x, mask.astype(bool)), tol(layer))
 
 
-def test_explicit_active_list():
-    rng = np.random.default_rng(4)
-    layer = random_layer(rng, 96, 300, T.Q8_0, T.Q8_0, T.Q8_0, "relu")
-    x = rng.standard_normal((3, 96)).astype(np.float32)
-    g, _, _ = layer.act_g_u(x)
-    listed = rng.permutation(300)[:77].astype(np.int32)  # unsorted on purpose
-    in_list = np.zeros((3, 300), bool)
-    in_list[:, listed] = True
-
-    # threshold < 0: the list as is (gate is still computed: h = act(g) * u)
-    y, counts, mask = layer.run(x, -1.0, listed, return_mask=True)
-    assert counts.tolist() == [77] * 3
-    np.testing.assert_array_equal(mask.astype(bool), in_list)
-    assert_close(y, layer.reference(x, in_list), 1e-5)
-
-    # threshold 0 with relu: the listed neurons whose gate is positive
-    y, counts, mask = layer.run(x, 0.0, listed, return_mask=True)
-    expected = in_list & (g > 0)
-    np.testing.assert_array_equal(mask.astype(bool), expected)
-    assert counts.tolist() == expected.sum(axis=1).tolist()
-    assert_close(y, layer.reference(x, expected), 1e-5)
-
-    # one list per token, one of them empty
-    lists = [np.sort(listed[:40]), np.array([], np.int32), np.array([299, 0, 5], np.int32)]
-    y, counts, mask = layer.run(x, -1.0, lists, return_mask=True)
-    sel = np.zeros((3, 300), bool)
-    for t, lst in enumerate(lists):
-        sel[t, lst] = True
-    assert counts.tolist() == [40, 0, 3]
-    np.testing.assert_array_equal(mask.astype(bool), sel)
-    assert not y[1].any()
-    assert_close(y, layer.reference(x, sel), 1e-5)
-
-    # an empty shared list: y = 0
-    y, counts = layer.run(x, 0.0, np.array([], np.int32))
-    assert not y.any() and counts.tolist() == [0, 0, 0]
-
-
 @pytest.mark.parametrize("down_t_type", [T.Q8_0, T.F16, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q2_K])
 def test_threads_isas_and_clusters_agree(down_t_type):
     rng = np.random.default_rng(5)
@@ -326,7 +290,8 @@ def test_threads_isas_and_clusters_agree(down_t_type):
 
 @pytest.mark.parametrize("activation", ["silu", "relu"])
 def test_precomputed_gate_values(activation):
-    """With gate_values the kernel reads no gate rows: selection and h come from the given g."""
+    """With gate_values the kernel reads no gate rows: selection and h come from the given g, and the
+    sum runs by cluster (what the sparse lane does with g from ggml)."""
     rng = np.random.default_rng(13)
     layer = random_layer(rng, 128, 300, T.Q4_0, T.Q4_0, T.Q8_0, activation)
     x = rng.standard_normal((2, 128)).astype(np.float32)
@@ -344,42 +309,63 @@ def test_precomputed_gate_values(activation):
     spoiled.__dict__.update(layer.__dict__)
     spoiled.bundles = layer.bundles.copy()
     spoiled.bundles[:, : layer.gate_row_bytes] = 0x77
-    listed = np.sort(rng.permutation(300)[:50]).astype(np.int32)
-    y1, _ = layer.run(x, thr, listed, gate_values=g32)
-    y2, _ = spoiled.run(x, thr, listed, gate_values=g32)
+    y1, _ = layer.run(x, thr, gate_values=g32)
+    y2, _ = spoiled.run(x, thr, gate_values=g32)
     np.testing.assert_array_equal(y1, y2)
 
 
-def test_phase_api_equals_openmp_driver():
-    """sparse_ffn_begin + quantize / accumulate / reduce on the caller's threads (what a ggml custom
-    op integration does) gives exactly sparse_ffn_forward's result for the same thread count."""
+def test_precomputed_up_values():
+    """With gate_values and up_values (the sparse lane with u from ggml's GEMV) the kernel reads only
+    down_t rows, summing by range: garbage in the bundles changes nothing."""
+    rng = np.random.default_rng(14)
+    layer = random_layer(rng, 128, 300, T.Q8_0, T.Q8_0, T.Q8_0, "silu")
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    g, a, u = layer.act_g_u(x)
+    thr = gap_threshold(a, 0.4)
+    values = dict(gate_values=g.astype(np.float32), up_values=u.astype(np.float32))
+    y, counts, mask = layer.run(x, thr, return_mask=True, **values)
+    np.testing.assert_array_equal(mask.astype(bool), np.abs(a) > thr)
+    assert_close(y, layer.reference(x, np.abs(a) > thr), 1e-5)
+    spoiled = Layer.__new__(Layer)
+    spoiled.__dict__.update(layer.__dict__)
+    spoiled.bundles = np.full_like(layer.bundles, 0x77)
+    np.testing.assert_array_equal(spoiled.run(x, thr, **values)[0], y)
+
+
+def test_cluster_order_ignores_threads_and_batch():
+    """By cluster (gate values given), y is summed in cluster order: a token's result is the same bits
+    whatever the thread count and whichever tokens share its batch (what lets a speculative verify
+    batch reproduce single-token decoding)."""
     rng = np.random.default_rng(12)
     layer = random_layer(rng, 128, 700, T.Q4_0, T.Q4_0, T.Q8_0, "silu")
-    k = N.SparseFfnKernel(layer.bundles, layer.bundle_stride, int(layer.gate_type), int(layer.up_type),
-                          layer.gate_row_bytes, layer.up_row_bytes, layer.down_t, int(layer.down_t_type),
-                          layer.down_t_row_bytes, 128, 700, "silu")
     x = rng.standard_normal((3, 128)).astype(np.float32)
-    listed = np.sort(rng.permutation(700)[:200]).astype(np.int32)
-    for n_threads in (1, 2, 3):
-        for thr, active in ((0.3, None), (-1.0, listed)):
-            y_omp, c_omp, m_omp = k.forward(x, thr, active, n_threads=n_threads, return_mask=True)
-            y_ph, c_ph, m_ph = k.forward(x, thr, active, n_threads=n_threads, return_mask=True, driver="phases")
-            np.testing.assert_array_equal(y_ph, y_omp)
-            np.testing.assert_array_equal(c_ph, c_omp)
-            np.testing.assert_array_equal(m_ph, m_omp)
+    g, a, _ = layer.act_g_u(x)
+    g32 = g.astype(np.float32)
+    thr = gap_threshold(a, 0.3)
+    y1, c1, m1 = layer.run(x, thr, n_threads=1, gate_values=g32, return_mask=True)
+    for n_threads in (2, 3):
+        y, c, m = layer.run(x, thr, n_threads=n_threads, gate_values=g32, return_mask=True)
+        np.testing.assert_array_equal(y, y1)
+        np.testing.assert_array_equal(c, c1)
+        np.testing.assert_array_equal(m, m1)
+    for t in range(3):
+        yt, ct = layer.run(x[t : t + 1], thr, n_threads=2, gate_values=g32[t : t + 1])
+        np.testing.assert_array_equal(yt[0], y1[t])
+        assert ct[0] == c1[t]
 
 
-@pytest.mark.parametrize("shared_list", [False, True])
-def test_batch_equals_token_by_token(shared_list):
+@pytest.mark.parametrize("by_cluster", [False, True])
+def test_batch_equals_token_by_token(by_cluster):
     """A batch runs cluster by cluster with every token in turn (one read of each row of the union);
     each token's result is bit-identical to that token computed alone."""
     rng = np.random.default_rng(6)
     layer = random_layer(rng, 64, 128, T.Q8_0, T.Q8_0, T.Q8_0, "silu")
     x = rng.standard_normal((5, 64)).astype(np.float32)
-    active = np.sort(rng.choice(128, 70, replace=False)).astype(np.int32) if shared_list else None
-    y, counts = layer.run(x, 0.05, active=active, n_threads=2, cluster_size=8)
+    g = layer.act_g_u(x)[0].astype(np.float32) if by_cluster else None
+    y, counts = layer.run(x, 0.05, n_threads=2, cluster_size=8, gate_values=g)
     for t in range(5):
-        yt, ct = layer.run(x[t : t + 1], 0.05, active=active, n_threads=2, cluster_size=8)
+        gt = None if g is None else g[t : t + 1]
+        yt, ct = layer.run(x[t : t + 1], 0.05, n_threads=2, cluster_size=8, gate_values=gt)
         np.testing.assert_array_equal(yt[0], y[t])
         assert ct[0] == counts[t]
 
@@ -398,9 +384,6 @@ def test_kernel_object_reuses_scratch():
     assert_close(y_big[:1], y_small.astype(np.float64), 1e-6)
     times = k.time(x[:1], 0.0, n_iter=3)
     assert len(times) == 3 and all(t > 0 for t in times)
-    y_nopf, _ = k.forward(x[:1], 0.0, n_threads=1, prefetch=False)
-    assert len(k.time(x[:1], 0.0, n_iter=1, prefetch=False)) == 1
-    np.testing.assert_array_equal(y_nopf, y_small)
 
 
 def test_activation_matches_ggml_semantics():
@@ -424,8 +407,8 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="bundles"):
         N.sparse_ffn_forward(layer.bundles[:10], layer.bundle_stride, 8, 8, layer.gate_row_bytes,
                              layer.up_row_bytes, layer.down_t, 8, layer.down_t_row_bytes, 64, 32, "silu", x)
-    with pytest.raises(ValueError, match="out of range"):
-        layer.run(x, 0.0, np.array([3, 32], np.int32))
+    with pytest.raises(ValueError, match="gate_values"):
+        layer.run(x, 0.0, gate_values=np.zeros((1, 31), np.float32))
     with pytest.raises(ValueError, match="n_embd"):
         layer.run(np.zeros((1, 65), np.float32))
     with pytest.raises(ValueError, match="cluster_size"):

@@ -71,11 +71,11 @@ void bind_config(py::module_ & m) {
         .def_readwrite("draft_row_bytes", &LayerSpec::draft_row_bytes)
         .def_readwrite("draft_up_offset", &LayerSpec::draft_up_offset)
         .def_readwrite("draft_down_t_offset", &LayerSpec::draft_down_t_offset)
-        .def_readwrite("draft_crc_offset", &LayerSpec::draft_crc_offset)
+        .def_readwrite("draft_checksum_offset", &LayerSpec::draft_checksum_offset)
         .def_readwrite("draft_up_name", &LayerSpec::draft_up_name)
         .def_readwrite("draft_down_t_name", &LayerSpec::draft_down_t_name)
-        .def_readwrite("crc_offset", &LayerSpec::crc_offset)
-        .def_readwrite("base_down_crc_offset", &LayerSpec::base_down_crc_offset)
+        .def_readwrite("checksum_offset", &LayerSpec::checksum_offset)
+        .def_readwrite("base_down_checksum_offset", &LayerSpec::base_down_checksum_offset)
         .def_readwrite("bundle_name", &LayerSpec::bundle_name)
         .def_readwrite("down_t_name", &LayerSpec::down_t_name)
         .def_readwrite("base_gate_name", &LayerSpec::base_gate_name)
@@ -83,15 +83,14 @@ void bind_config(py::module_ & m) {
         .def_readwrite("base_down_name", &LayerSpec::base_down_name);
 
     py::class_<SparseConfig>(m, "SparseConfig", "How the sparse lane runs (engine_config.h).")
-        .def(py::init([](bool enabled, int64_t max_tokens, int cluster_size, bool gate_by_ggml, bool up_by_ggml) {
-                 return SparseConfig{enabled, max_tokens, cluster_size, gate_by_ggml, up_by_ggml};
+        .def(py::init([](bool enabled, int64_t max_tokens, int cluster_size, bool up_by_ggml) {
+                 return SparseConfig{enabled, max_tokens, cluster_size, up_by_ggml};
              }),
              py::arg("enabled") = false, py::arg("max_tokens") = 1, py::arg("cluster_size") = 32,
-             py::arg("gate_by_ggml") = true, py::arg("up_by_ggml") = false)
+             py::arg("up_by_ggml") = false)
         .def_readwrite("enabled", &SparseConfig::enabled)
         .def_readwrite("max_tokens", &SparseConfig::max_tokens)
         .def_readwrite("cluster_size", &SparseConfig::cluster_size)
-        .def_readwrite("gate_by_ggml", &SparseConfig::gate_by_ggml)
         .def_readwrite("up_by_ggml", &SparseConfig::up_by_ggml);
 
     py::class_<OffloadConfig>(m, "OffloadConfig", "Flash offload: the neuron cache's sizing (engine_config.h).")
@@ -181,12 +180,10 @@ void bind_engine(py::module_ & m) {
         .def("stats", [](const FlashModel & fm) { return stats_dict(fm.stats().snapshot()); })
         .def("reset_stats", [](FlashModel & fm) { fm.stats().reset(); })
         .def("set_sparse_config",
-             [](FlashModel & fm, bool enabled, int64_t max_tokens, int cluster_size, bool gate_by_ggml,
-                bool up_by_ggml) {
-                 fm.set_sparse_config(SparseConfig{enabled, max_tokens, cluster_size, gate_by_ggml, up_by_ggml});
+             [](FlashModel & fm, bool enabled, int64_t max_tokens, int cluster_size, bool up_by_ggml) {
+                 fm.set_sparse_config(SparseConfig{enabled, max_tokens, cluster_size, up_by_ggml});
              },
-             py::arg("enabled"), py::arg("max_tokens") = 1, py::arg("cluster_size") = 32, py::arg("gate_by_ggml") = true,
-             py::arg("up_by_ggml") = false,
+             py::arg("enabled"), py::arg("max_tokens") = 1, py::arg("cluster_size") = 32, py::arg("up_by_ggml") = false,
              "Route decode batches of up to max_tokens tokens of layers with a threshold to the sparse lane "
              "(loaded at open).")
         .def_property_readonly("sparse_config", [](const FlashModel & fm) {
@@ -195,7 +192,6 @@ void bind_engine(py::module_ & m) {
             d["enabled"] = c.enabled;
             d["max_tokens"] = c.max_tokens;
             d["cluster_size"] = c.cluster_size;
-            d["gate_by_ggml"] = c.gate_by_ggml;
             d["up_by_ggml"] = c.up_by_ggml;
             return d;
         })

@@ -3,7 +3,8 @@
 // as llamaflash._native (one weight registry, one backend per process):
 //   read_phantom_weight     reads a bound phantom weight as another backend would (must abort)
 //   SparseFfnKernel, sparse_ffn_forward, sparse_ffn_best_isa, sparse_ffn_activation
-//                           the sparse FFN kernel (sparse_ffn.h) over Python buffers
+//                           the sparse FFN kernel (sparse_ffn.h) over Python buffers, its phases
+//                           run as the sparse lane runs them
 //   activation_roundtrip, DenseFfnGraph
 //                           the ggml dense reference (ffn_dense_ref.h)
 //   measure_read_bandwidth  DRAM read bandwidth (bandwidth.h)
@@ -32,7 +33,6 @@ using namespace llamaflash;
 namespace {
 
 using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
-using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
 // Read-only bytes of a Python buffer (bytes, bytearray, memoryview, numpy array), kept alive by `owner`.
 struct ByteView {
@@ -56,7 +56,7 @@ ByteView byte_view(const py::object & obj, const char * what) {
     return v;
 }
 
-// A reusable barrier for the phase-API test driver (C++17 has no std::barrier).
+// A reusable barrier for the phase driver (C++17 has no std::barrier).
 class Barrier {
 public:
     explicit Barrier(int n) : n_(n) {}
@@ -78,23 +78,54 @@ private:
     int n_, count_ = 0, gen_ = 0;
 };
 
-// sparse_ffn_begin + the three phases on nth std::threads: what a caller with its own thread pool
-// (e.g. ggml custom ops) does; tests check it gives exactly sparse_ffn_forward's result.
-void forward_with_phases(const SparseFfnLayer & L, const SparseFfnParams & p, const SparseFfnIo & io,
-                         SparseFfnScratch & scratch) {
-    sparse_ffn_begin(L, p, io, scratch);
-    Barrier barrier(p.n_threads);
+// sparse_ffn_begin and the phases on n_threads std::threads, in the summation order the sparse lane
+// takes for the same parameters (sparse_ffn_by_cluster; sparse_lane.h): by range, or by cluster with
+// thread 0 listing the needed clusters and each thread computing a contiguous part of the list.
+void run_phases(const SparseFfnLayer & L, const SparseFfnParams & p, const SparseFfnBatch & batch,
+                SparseFfnScratch & scratch) {
+    sparse_ffn_begin(L, p, batch, scratch);
+    if (batch.n_tokens == 0) return;
+    const int nth = p.n_threads;
+    const bool by_cluster = sparse_ffn_by_cluster(p);
+    std::vector<uint8_t> needed(static_cast<size_t>((L.n_ff + p.cluster_size - 1) / p.cluster_size));
+    std::vector<int32_t> clusters;
+    Barrier barrier(nth);
     auto work = [&](int ith) {
-        sparse_ffn_quantize(scratch, ith, p.n_threads);
+        sparse_ffn_quantize(scratch, ith, nth);
         barrier.wait();
-        sparse_ffn_accumulate(scratch, ith, p.n_threads);
+        if (!by_cluster) {
+            sparse_ffn_accumulate(scratch, ith, nth);
+            barrier.wait();
+            sparse_ffn_reduce(scratch, ith, nth);
+            return;
+        }
+        if (ith == 0) {
+            sparse_ffn_needed_clusters(scratch, needed.data());
+            for (size_t c = 0; c < needed.size(); ++c) {
+                if (needed[c]) clusters.push_back(static_cast<int32_t>(c));
+            }
+        }
         barrier.wait();
-        sparse_ffn_reduce(scratch, ith, p.n_threads);
+        const int64_t n = static_cast<int64_t>(clusters.size());
+        const int64_t begin = n * ith / nth, end = n * (ith + 1) / nth;
+        sparse_ffn_accumulate_clusters(scratch, ith, clusters.data() + begin, end - begin);
+        barrier.wait();
+        sparse_ffn_reduce_clusters(scratch, ith, nth);
     };
     std::vector<std::thread> team;
-    for (int i = 1; i < p.n_threads; ++i) team.emplace_back(work, i);
+    for (int i = 1; i < nth; ++i) team.emplace_back(work, i);
     work(0);
     for (std::thread & t : team) t.join();
+}
+
+// float32 [n_tokens, n_ff] values a caller supplies (gate_values, up_values), or none
+F32Array per_neuron_values(const py::object & values, int64_t n_tokens, int64_t n_ff, const char * what) {
+    if (values.is_none()) return F32Array();
+    F32Array a = values.cast<F32Array>();
+    if (a.ndim() != 2 || a.shape(0) != n_tokens || a.shape(1) != n_ff) {
+        throw py::value_error(std::string(what) + " must be float32 [n_tokens, n_ff]");
+    }
+    return a;
 }
 
 // One layer's weights (views into Python buffers it keeps alive) plus a reusable scratch.
@@ -128,10 +159,8 @@ public:
 
     // Returns (y [n_tokens, n_embd], active_counts [n_tokens]) or, with return_mask, also the
     // active mask [n_tokens, n_ff] (uint8); with n_iter > 0 instead a list of n_iter wall times (s).
-    py::object run(const F32Array & x, float threshold, const py::object & active, int n_threads, int cluster_size,
-                   const std::string & isa, bool return_mask, int n_iter, bool prefetch = true,
-                   const std::string & driver = "omp", const py::object & gate_values = py::none()) {
-        if (driver != "omp" && driver != "phases") throw py::value_error("driver must be 'omp' or 'phases'");
+    py::object run(const F32Array & x, float threshold, int n_threads, int cluster_size, const std::string & isa,
+                   bool return_mask, int n_iter, const py::object & gate_values, const py::object & up_values) {
         if (x.ndim() != 2 || x.shape(1) != L_.n_embd) {
             throw py::value_error("x must be float32 [n_tokens, n_embd=" + std::to_string(L_.n_embd) + "]");
         }
@@ -140,59 +169,27 @@ public:
         p.threshold = threshold;
         p.n_threads = n_threads;
         p.cluster_size = cluster_size;
-        p.prefetch = prefetch;
         p.isa = isa == "auto" ? SparseIsa::auto_ : isa == "scalar" ? SparseIsa::scalar : isa == "avx2" ? SparseIsa::avx2
               : isa == "avx512" ? SparseIsa::avx512 : throw py::value_error("isa must be auto, scalar, avx2 or avx512");
-        std::vector<int32_t> flat;
-        std::vector<int64_t> offsets;
-        I32Array shared;
-        if (py::isinstance<py::list>(active) || py::isinstance<py::tuple>(active)) {  // one list per token
-            py::sequence seq = active;
-            if (static_cast<int64_t>(seq.size()) != n_tokens) throw py::value_error("need one active list per token");
-            offsets.push_back(0);
-            for (const auto & item : seq) {
-                I32Array a = item.cast<I32Array>();
-                flat.insert(flat.end(), a.data(), a.data() + a.size());
-                offsets.push_back(static_cast<int64_t>(flat.size()));
-            }
-            p.active = flat.data();
-            p.active_offsets = offsets.data();
-            static const int32_t kNone = 0;
-            if (flat.empty()) p.active = &kNone;
-        } else if (!active.is_none()) {  // one list for every token
-            shared = active.cast<I32Array>();
-            static const int32_t kNone = 0;
-            p.active = shared.size() > 0 ? shared.data() : &kNone;
-            p.n_active = shared.size();
-        }
-        F32Array gv;
-        if (!gate_values.is_none()) {
-            gv = gate_values.cast<F32Array>();
-            if (gv.ndim() != 2 || gv.shape(0) != n_tokens || gv.shape(1) != L_.n_ff) {
-                throw py::value_error("gate_values must be float32 [n_tokens, n_ff]");
-            }
-            p.gate_values = gv.data();
-        }
+        const F32Array gv = per_neuron_values(gate_values, n_tokens, L_.n_ff, "gate_values");
+        const F32Array uv = per_neuron_values(up_values, n_tokens, L_.n_ff, "up_values");
+        p.gate_values = gate_values.is_none() ? nullptr : gv.data();
+        p.up_values = up_values.is_none() ? nullptr : uv.data();
         F32Array y({n_tokens, L_.n_embd});
         py::array_t<int32_t> counts(n_tokens);
         py::array_t<uint8_t> mask = return_mask ? py::array_t<uint8_t>({n_tokens, L_.n_ff}) : py::array_t<uint8_t>();
-        SparseFfnIo io;
-        io.x = x.data();
-        io.y = y.mutable_data();
-        io.n_tokens = n_tokens;
-        io.active_counts = counts.mutable_data();
-        io.active_mask = return_mask ? mask.mutable_data() : nullptr;
+        SparseFfnBatch batch;
+        batch.x = x.data();
+        batch.y = y.mutable_data();
+        batch.n_tokens = n_tokens;
+        batch.active_counts = counts.mutable_data();
+        batch.active_mask = return_mask ? mask.mutable_data() : nullptr;
         std::vector<double> seconds;
         {
             py::gil_scoped_release release;
-            scratch_.reserve(L_, n_tokens, n_threads);
             for (int it = 0; it < std::max(n_iter, 1); ++it) {
                 const auto t0 = std::chrono::steady_clock::now();
-                if (driver == "omp") {
-                    sparse_ffn_forward(L_, p, io, scratch_);
-                } else {
-                    forward_with_phases(L_, p, io, scratch_);
-                }
+                run_phases(L_, p, batch, scratch_);
                 seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
             }
         }
@@ -239,47 +236,44 @@ PYBIND11_MODULE(_native_testing, m) {
              py::arg("bundles"), py::arg("bundle_stride"), py::arg("gate_type"), py::arg("up_type"),
              py::arg("gate_row_bytes"), py::arg("up_row_bytes"), py::arg("down_t"), py::arg("down_t_type"),
              py::arg("down_t_row_bytes"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"))
-        .def("forward", [](SparseFfnKernelPy & k, const F32Array & x, float threshold, const py::object & active,
-                           int n_threads, int cluster_size, const std::string & isa, bool return_mask, bool prefetch,
-                           const std::string & driver, const py::object & gate_values) {
-                 return k.run(x, threshold, active, n_threads, cluster_size, isa, return_mask, 0, prefetch, driver,
-                              gate_values);
+        .def("forward", [](SparseFfnKernelPy & k, const F32Array & x, float threshold, int n_threads, int cluster_size,
+                           const std::string & isa, bool return_mask, const py::object & gate_values,
+                           const py::object & up_values) {
+                 return k.run(x, threshold, n_threads, cluster_size, isa, return_mask, 0, gate_values, up_values);
              },
-             py::arg("x"), py::arg("threshold") = 0.0f, py::arg("active") = py::none(), py::arg("n_threads") = 1,
-             py::arg("cluster_size") = 32, py::arg("isa") = "auto", py::arg("return_mask") = false,
-             py::arg("prefetch") = true, py::arg("driver") = "omp", py::arg("gate_values") = py::none(),
-             "(y, active_counts[, active_mask]); see csrc/sparse_ffn.h for the contract. driver 'phases' runs\n"
-             "sparse_ffn_begin + the phase functions on n_threads std::threads instead of OpenMP.")
-        .def("time", [](SparseFfnKernelPy & k, const F32Array & x, float threshold, const py::object & active,
-                        int n_threads, int cluster_size, const std::string & isa, int n_iter, bool prefetch,
-                        const py::object & gate_values) {
-                 return k.run(x, threshold, active, n_threads, cluster_size, isa, false, std::max(n_iter, 1), prefetch,
-                              "omp", gate_values);
+             py::arg("x"), py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32,
+             py::arg("isa") = "auto", py::arg("return_mask") = false, py::arg("gate_values") = py::none(),
+             py::arg("up_values") = py::none(),
+             "(y, active_counts[, active_mask]); see csrc/sparse_ffn.h for the contract. The phases run on\n"
+             "n_threads std::threads in the order the sparse lane takes: by cluster with gate_values and\n"
+             "no up_values, else by range.")
+        .def("time", [](SparseFfnKernelPy & k, const F32Array & x, float threshold, int n_threads, int cluster_size,
+                        const std::string & isa, int n_iter, const py::object & gate_values, const py::object & up_values) {
+                 return k.run(x, threshold, n_threads, cluster_size, isa, false, std::max(n_iter, 1), gate_values,
+                              up_values);
              },
-             py::arg("x"), py::arg("threshold") = 0.0f, py::arg("active") = py::none(), py::arg("n_threads") = 1,
-             py::arg("cluster_size") = 32, py::arg("isa") = "auto", py::arg("n_iter") = 10, py::arg("prefetch") = true,
-             py::arg("gate_values") = py::none(),
+             py::arg("x"), py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32,
+             py::arg("isa") = "auto", py::arg("n_iter") = 10, py::arg("gate_values") = py::none(),
+             py::arg("up_values") = py::none(),
              "wall time in seconds of each of n_iter forward calls (scratch reused, GIL released)");
     m.def("sparse_ffn_forward",
           [](const py::object & bundles, size_t bundle_stride, int gate_type, int up_type, size_t gate_row_bytes,
              size_t up_row_bytes, const py::object & down_t, int down_t_type, size_t down_t_row_bytes, int64_t n_embd,
-             int64_t n_ff, const std::string & activation, const F32Array & x, float threshold,
-             const py::object & active, int n_threads, int cluster_size, const std::string & isa, bool return_mask,
-             const py::object & gate_values) {
+             int64_t n_ff, const std::string & activation, const F32Array & x, float threshold, int n_threads,
+             int cluster_size, const std::string & isa, bool return_mask, const py::object & gate_values,
+             const py::object & up_values) {
               SparseFfnKernelPy k(bundles, bundle_stride, gate_type, up_type, gate_row_bytes, up_row_bytes, down_t,
                                   down_t_type, down_t_row_bytes, n_embd, n_ff, activation);
-              return k.run(x, threshold, active, n_threads, cluster_size, isa, return_mask, 0, true, "omp", gate_values);
+              return k.run(x, threshold, n_threads, cluster_size, isa, return_mask, 0, gate_values, up_values);
           },
           py::arg("bundles"), py::arg("bundle_stride"), py::arg("gate_type"), py::arg("up_type"),
           py::arg("gate_row_bytes"), py::arg("up_row_bytes"), py::arg("down_t"), py::arg("down_t_type"),
           py::arg("down_t_row_bytes"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"), py::arg("x"),
-          py::arg("threshold") = 0.0f, py::arg("active") = py::none(), py::arg("n_threads") = 1,
-          py::arg("cluster_size") = 32, py::arg("isa") = "auto", py::arg("return_mask") = false,
-          py::arg("gate_values") = py::none(),
+          py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32, py::arg("isa") = "auto",
+          py::arg("return_mask") = false, py::arg("gate_values") = py::none(), py::arg("up_values") = py::none(),
           "Sparse FFN of one layer (csrc/sparse_ffn.h) -> (y [n_tokens, n_embd], active_counts [n_tokens])\n"
-          "(+ active_mask [n_tokens, n_ff] with return_mask). active: None (gate-first), an int32 array of\n"
-          "bundle-order indices for every token, or a list of one array per token. gate_values: optional\n"
-          "float32 [n_tokens, n_ff] precomputed g (bundle order); the gate rows are then not read.");
+          "(+ active_mask [n_tokens, n_ff] with return_mask). gate_values / up_values: optional float32\n"
+          "[n_tokens, n_ff] precomputed g / u (bundle order); the gate / up rows are then not read.");
     m.def("measure_read_bandwidth",
           [](size_t buffer_bytes, int n_threads, int repetitions) {
               BandwidthResult r;
