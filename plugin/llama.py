@@ -365,8 +365,15 @@ class Llama(llama_cpp.Llama):
         if self._speculator is not None and self._flash_mode == OFFLOAD_MODE and user_draft is None:
             if self._flash_plan.stream_gate:
                 self._speculation_off_reason = "self-draft off: the gate is streamed from flash under this budget"
+                self._speculator.disable_source("self_draft", "off: " + self._speculation_off_reason)
             elif spec_settings.self_draft:
-                self._speculator.attach_self_draft(speculative.make_self_draft(weakref.ref(self), self.n_vocab()))
+                from . import draft_plan
+
+                predicted = draft_plan.predict_plan(self._flash_plan, info)  # the plan's resident share
+                self._speculator.attach_self_draft(
+                    speculative.make_self_draft(weakref.ref(self), self.n_vocab()),
+                    prior_acceptance=predicted.acceptance if predicted else None,
+                    prior_step_seconds=predicted.step_seconds if predicted else 0.0)
 
     def _init_llama(self, model_path, args, kwargs, spec_settings) -> None:
         """llama_cpp.Llama.__init__, then the speculator as its draft_model. llama-cpp-python's own
@@ -398,9 +405,12 @@ class Llama(llama_cpp.Llama):
         if self._flash is not None:
             self._flash.check_files()
         try:
-            if self._speculator is not None and not self._logits_all and \
-                    1 <= len(tokens) <= min(self.n_batch, self._speculator.max_batch):
-                self._speculator.eval_rows(self, tokens)
+            if self._speculator is not None and 1 <= len(tokens) <= min(self.n_batch, self._speculator.max_batch):
+                if not self._logits_all:
+                    self._speculator.eval_rows(self, tokens)
+                else:
+                    with self._speculator.timed_verify(len(tokens)):
+                        super().eval(tokens)
             else:
                 super().eval(tokens)
         except RuntimeError as e:
