@@ -429,12 +429,28 @@ def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatc
                                      file_mb=256)
         click.echo(disk_probe.format_table(disk), err=True)
         click.echo(f"disk profile saved: {disk_probe.save_profile(disk)}", err=True)
+    from llamaflash import budget_decision
+    from llamaflash.gguf_model import read_base_model
+    from llamaflash.sidecar import validate_pair
+
+    runtime = None if runtime_mb is None else int(runtime_mb * (1 << 20))
+    base = read_base_model(model_path)
+    info = validate_pair(model_path, sidecar_path, model=base)
+    # what Llama(ram_budget_mb=...) runs: stock llama.cpp where the budget holds what it keeps resident
+    decision = budget_decision.decide(base.header, info, budget_mb, n_ctx, n_ubatch, runtime)
     result = plan_offload(model_path, sidecar_path, budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch, disk=disk,
-                          runtime_rss_bytes=None if runtime_mb is None else int(runtime_mb * (1 << 20)),
-                          cluster_size=cluster_size, prefetch_layers=prefetch_layers,
+                          runtime_rss_bytes=runtime, cluster_size=cluster_size, prefetch_layers=prefetch_layers,
                           stream_gate={"auto": None, "resident": False, "streamed": True}[gate],
-                          draft_copy={"auto": None, "on": True, "off": False}[draft_copy])
-    click.echo(json.dumps(result.to_dict(arrays=json_arrays), indent=1) if as_json else result.explain())
+                          draft_copy={"auto": None, "on": True, "off": False}[draft_copy], info=info,
+                          header=base.header)
+    if as_json:
+        click.echo(json.dumps({**result.to_dict(arrays=json_arrays), "decision": decision.as_dict()}, indent=1))
+        return
+    click.echo(f"decision: {decision.reason}")
+    if decision.stock:
+        click.echo("(the offload plan below is what flash_mode='sparse' would run at this budget)")
+    click.echo("")
+    click.echo(result.explain())
 
 
 # -- talking to a model: run, chat, serve; the registry's models ------------------------------------------
