@@ -325,9 +325,10 @@ def inspect(sidecar: Path) -> None:
 @click.option("--points", type=click.IntRange(min=2), default=8, show_default=True,
               help="--sweep without --ram-limit-mb: budgets in the default ladder.")
 @click.option("--resume", is_flag=True, help="--sweep: continue the interrupted sweep in --json.")
-@click.option("--prompt-set", type=click.Choice(["chat", "code"]), default=None,
-              help="Decode this prompt set with llm.generate (speculative where the config speculates) instead of "
-                   "one text prompt token by token.")
+@click.option("--prompt-set", type=click.Choice(["chat", "code", "text"]), default=None,
+              help="chat / code: decode that prompt set with llm.generate (speculative where the config "
+                   "speculates); text: one text prompt (--prompt-tokens) token by token, never speculative. "
+                   "Default: chat with --sweep, else text.")
 @click.option("--n-ctx", type=click.IntRange(min=64), default=None,
               help="Context size (default: 512, or what the prompt and --n-gen need).")
 @click.option("--sidecar", type=click.Path(path_type=Path), default=None,
@@ -364,6 +365,8 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
     if more_limits and not limits:
         raise click.UsageError(f"unexpected argument(s) {' '.join(map(str, more_limits))}: limits go after --ram-limit-mb")
     all_limits = [*limits, *more_limits]
+    prompt_set = (prompt_set or ("chat" if sweep else "text"))
+    prompt_set = None if prompt_set == "text" else prompt_set
     n_ctx = n_ctx or max(512, (0 if prompt_set else prompt_tokens) + n_gen + 1)
     if sweep:
         from llamaflash.bench import sweep as sweeps

@@ -62,7 +62,9 @@ class SweepOptions:
     quiet_wait_s: float = 20.0
     use_cgroup: bool = True
     private_copy_dir: Optional[str] = None
-    prompt_set: Optional[str] = None  # None: one text prompt decoded token by token; "chat"/"code": generate
+    # "chat" / "code": the prompt set decoded with llm.generate (where llamaflash speculates); None: one
+    # text prompt decoded token by token (no speculation in either llamaflash config)
+    prompt_set: Optional[str] = "chat"
 
     def validate(self) -> None:
         if not self.configs or len(set(self.configs)) != len(self.configs):
@@ -131,6 +133,26 @@ def predict(model_path: Path, sidecar: Path, budgets_mb: Sequence[int], n_ctx: i
             row["spec_tok_s"] = pred.tok_s if not plan.stream_gate else row["nospec_tok_s"]
         points[str(b)] = row
     return {"least_mb": least_mb, "stock_need_mb": stock_need_mb, "budgets": points}
+
+
+def monotone_violations(view: dict[str, Any], keys: Sequence[str] = ("io_bound_tok_s", "nospec_tok_s", "spec_tok_s")
+                        ) -> list[dict[str, Any]]:
+    """Where the planner predicts a larger budget (more pinned) slower than a smaller one: per key, each
+    budget whose prediction is below the best at any smaller budget, with that budget and both values."""
+    out = []
+    points = sorted(((int(b), p) for b, p in view["budgets"].items()), key=lambda bp: bp[0])
+    for key in keys:
+        best: Optional[tuple] = None
+        for b, p in points:
+            v = p.get(key)
+            if v is None:
+                continue
+            if best is not None and v < best[1] * (1 - 1e-9):
+                out.append({"key": key, "budget_mb": b, "value": v, "smaller_budget_mb": best[0],
+                            "smaller_value": best[1]})
+            if best is None or v > best[1]:
+                best = (b, v)
+    return out
 
 
 def default_budgets(model_path: Path, sidecar: Path, points: int, n_ctx: int, disk: Optional[dict] = None) -> list[int]:
@@ -204,6 +226,9 @@ def run_sweep(opts: SweepOptions, json_path: Path, resume: bool = False, runner:
     payload.update(predictions=view, disk_profile=(disk or {}).get("saved_at") or "built-in default")
     cg_ok, cg_why = memlimit.memory_cgroup_support() if opts.use_cgroup else (False, "switched off (--no-cgroup)")
     payload["cgroup"] = {"available": cg_ok, "detail": cg_why}
+    for v in monotone_violations(view):
+        echo(f"WARNING: the planner predicts {v['key']} {v['value']:.2f} at {v['budget_mb']} MiB, less than "
+             f"{v['smaller_value']:.2f} at {v['smaller_budget_mb']} MiB (more memory predicted slower)")
     echo(f"sweep   : {model_path.name}, budgets {', '.join(map(str, opts.budgets_mb))} MiB (planner's least budget "
          f"{view['least_mb']:.0f} MiB; stock keeps about {view['stock_need_mb']:.0f} MiB resident; model file "
          f"{payload['model_mb']:.0f} MiB)")
@@ -339,5 +364,5 @@ def run_from_command_line(opts: SweepOptions, json_path: Optional[Path], png_pat
     return payload
 
 
-__all__ = ("run_from_command_line", "SweepOptions", "CONFIGS", "ladder", "predict", "default_budgets", "run_sweep", "load_for_resume",
+__all__ = ("run_from_command_line", "monotone_violations", "SweepOptions", "CONFIGS", "ladder", "predict", "default_budgets", "run_sweep", "load_for_resume",
            "predicted_for", "progress_line")
