@@ -17,9 +17,10 @@ FFN weights resident instead of on flash):
     margin           planner.MARGIN_FIXED_BYTES + planner.MARGIN_FRACTION of the above (allocator slack,
                      and the page-cache headroom that keeps mmapped weights resident under a cgroup)
 
-n_ubatch (unless the caller fixes it) is chosen as the planner chooses it: the largest of
-planner.UBATCH_CHOICES whose compute buffers take at most planner.UBATCH_BUDGET_SHARE of the budget.
-The budget is stock's when it is at least the sum: :func:`decide`.
+n_ubatch (unless the caller fixes it) is chosen as the planner chooses it, the largest of
+planner.UBATCH_CHOICES whose compute buffers take at most planner.UBATCH_BUDGET_SHARE of the budget,
+or a smaller one where that one's need does not fit: the budget is stock's when it holds the sum at
+one of them (:func:`decide`), so that a larger budget never runs offload where a smaller ran stock.
 """
 
 from __future__ import annotations
@@ -90,9 +91,21 @@ def decide(header: GGUFHeader, info: SidecarInfo, ram_budget_mb: float, n_ctx: i
     the planner's choice for the budget), else OFFLOAD; the reason names both numbers."""
     MiB = planner.MiB
     budget = int(ram_budget_mb * MiB)
-    u = min(int(n_ubatch), n_ctx) if n_ubatch else stock_ubatch(header, info, budget, n_ctx)
-    parts = stock_need(header, info, n_ctx, u, runtime_rss_bytes)
-    need = sum(parts.values())
+    if n_ubatch:
+        candidates = [min(int(n_ubatch), n_ctx)]
+    else:  # the planner's choice, else a smaller one that fits (so a larger budget is never less stock)
+        first = stock_ubatch(header, info, budget, n_ctx)
+        candidates = [u for u in (planner.UBATCH_CHOICES + (n_ctx,)) if u <= first] or [first]
+        candidates = sorted(set(candidates), reverse=True)
+    for u in candidates:
+        parts = stock_need(header, info, n_ctx, u, runtime_rss_bytes)
+        need = sum(parts.values())
+        if budget >= need:
+            break
+    if budget < need:  # report the need at the planner's own choice
+        u = candidates[0]
+        parts = stock_need(header, info, n_ctx, u, runtime_rss_bytes)
+        need = sum(parts.values())
     detail = (f"model {parts['model_weights'] / MiB:.0f} + llama.cpp {(parts['llama_vocab'] + parts['kv_cache'] + parts['compute_buffers']) / MiB:.0f} "
               f"+ runtime {parts['runtime'] / MiB:.0f} + margin {parts['margin'] / MiB:.0f} MiB at n_ctx {n_ctx}, "
               f"n_ubatch {u}")

@@ -57,6 +57,13 @@ def test_the_boundary(pair):
     assert below.lane == budget_decision.OFFLOAD and below.reason.startswith("flash offload")
 
 
+def test_more_memory_never_turns_stock_into_offload(pair):
+    _, _, header, info = pair
+    lanes = [budget_decision.decide(header, info, b, 1024).lane for b in range(100, 600, 2)]
+    first_stock = lanes.index("stock")
+    assert set(lanes[first_stock:]) == {"stock"} and set(lanes[:first_stock]) == {"offload"}
+
+
 def test_a_budget_that_holds_the_model_runs_stock(pair):
     model, sidecar, header, info = pair
     d = budget_decision.decide(header, info, 4096, KW["n_ctx"])
