@@ -325,8 +325,8 @@ def inspect(sidecar: Path) -> None:
 @click.option("--points", type=click.IntRange(min=2), default=8, show_default=True,
               help="--sweep without --ram-limit-mb: budgets in the default ladder.")
 @click.option("--resume", is_flag=True, help="--sweep: continue the interrupted sweep in --json.")
-@click.option("--prompt-set", type=click.Choice(["chat", "code", "text"]), default=None,
-              help="chat / code: decode that prompt set with llm.generate (speculative where the config "
+@click.option("--prompt-set", type=click.Choice(["chat", "code", "prose", "text"]), default=None,
+              help="chat / code / prose: decode that prompt set with llm.generate (speculative where the config "
                    "speculates); text: one text prompt (--prompt-tokens) token by token, never speculative. "
                    "Default: chat with --sweep, else text.")
 @click.option("--n-ctx", type=click.IntRange(min=64), default=None,
