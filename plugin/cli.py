@@ -10,6 +10,8 @@ a traceback. Also runnable as ``python -m llamaflash`` (or ``python -m llamaflas
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 from pathlib import Path
 
@@ -464,6 +466,10 @@ def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatc
                                      file_mb=256)
         click.echo(disk_probe.format_table(disk), err=True)
         click.echo(f"disk profile saved: {disk_probe.save_profile(disk)}", err=True)
+    moe_plan = _plan_experts(model_path, sidecar_path, budget_mb, n_ctx, n_ubatch, disk)
+    if moe_plan is not None:
+        click.echo(json.dumps(dataclasses.asdict(moe_plan), indent=1, default=str) if as_json else moe_plan.explain())
+        return
     from llamaflash import budget_decision
     from llamaflash.gguf_model import read_base_model
     from llamaflash.sidecar import validate_pair
@@ -486,6 +492,25 @@ def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatc
         click.echo("(the offload plan below is what flash_mode='sparse' would run at this budget)")
     click.echo("")
     click.echo(result.explain())
+
+
+def _plan_experts(model_path: Path, sidecar_path: Path, budget_mb: float, n_ctx: int, n_ubatch: int | None, disk):
+    """The expert plan of a mixture-of-experts model (None for a dense model): dense part, KV, expert slots."""
+    from llamaflash import expert_plan, expert_sidecar
+    from llamaflash.experts import read_moe_model
+    from llamaflash.gguf_header import read_gguf_header
+    from llamaflash.planner import default_disk
+
+    header = read_gguf_header(model_path)
+    moe = read_moe_model(header)
+    if moe is None:
+        return None
+    counts = None
+    if sidecar_path.exists():
+        info = expert_sidecar.read_expert_sidecar(sidecar_path)
+        counts = {s.layer: s.counts for s in info.layers} if info.routing_tokens > 0 else None
+    return expert_plan.plan_experts(moe, header, budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch,
+                                    disk=disk or default_disk(), counts=counts)
 
 
 # -- talking to a model: run, chat, serve; the registry's models ------------------------------------------
