@@ -118,8 +118,9 @@ class Decision:
 class SourceControl:
     """One draft source's estimates, ledger and state (see the module docstring)."""
 
-    def __init__(self, name: str, k_max: int, prior_acceptance: float, prior_step_seconds: float = 0.0) -> None:
-        self.name, self.k_max = name, k_max
+    def __init__(self, name: str, k_max: int, prior_acceptance: float, prior_step_seconds: float = 0.0,
+                 note: str = "") -> None:
+        self.name, self.k_max, self.note = name, k_max, note
         self.accept_num, self.accept_den = prior_acceptance * PRIOR_TOKENS, PRIOR_TOKENS
         self.step_seconds = float(prior_step_seconds)
         self.step_measured = False
@@ -177,7 +178,7 @@ class SourceControl:
             self.recent_weight = self.recent_weight * RECENT_DECAY + 1.0
 
     def status(self) -> Dict[str, Any]:
-        return {"state": self.state, "reason": self.reason, "acceptance_estimate": round(self.acceptance, 4),
+        return {"state": self.state, "reason": self.reason + (f" [{self.note}]" if self.note else ""), "acceptance_estimate": round(self.acceptance, 4),
                 "passes": self.passes, "drafted": self.drafted, "accepted": self.accepted, "probes": self.probes,
                 "draft_step_seconds": self.step_seconds, "net_saving_seconds": self.net_saving_seconds,
                 "next_k": self.last_k}
@@ -196,8 +197,10 @@ class DraftController:
         self.elapsed_seconds = 0.0  # every verify pass and every draft
         self.ledger_seconds = 0.0  # realized saving of all drafts against no drafts
 
-    def add_source(self, name: str, prior_acceptance: float, prior_step_seconds: float = 0.0) -> SourceControl:
-        src = SourceControl(name, self.k_max, prior_acceptance, prior_step_seconds)
+    def add_source(self, name: str, prior_acceptance: float, prior_step_seconds: float = 0.0,
+                   note: str = "") -> SourceControl:
+        """A draft source; ``note`` (e.g. where its prior came from) is appended to its reasons."""
+        src = SourceControl(name, self.k_max, prior_acceptance, prior_step_seconds, note)
         self.sources[name] = src
         return src
 

@@ -417,7 +417,10 @@ class Llama(llama_cpp.Llama):
                 self._speculator.attach_self_draft(
                     speculative.make_self_draft(weakref.ref(self), self.n_vocab()),
                     prior_acceptance=predicted.acceptance if predicted else None,
-                    prior_step_seconds=predicted.step_seconds if predicted else 0.0)
+                    prior_step_seconds=predicted.step_seconds if predicted else 0.0,
+                    note=(f"prior: the plan's resident share of the active neurons is "
+                          f"{self._flash_plan.neuron_hit_rate:.0%}, predicted acceptance {predicted.acceptance:.2f}"
+                          if predicted and not self._flash_plan.draft_copy else ""))
 
     def _init_moe(self, model_path: str, base, moe, args, kwargs, flash_speculative) -> None:
         """An MoE model: its routed experts from flash under ram_budget_mb (expert_runtime), else stock."""

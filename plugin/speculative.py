@@ -165,14 +165,14 @@ class Speculator:
         return verify_batch_max(self.settings)
 
     def attach_self_draft(self, self_draft: Callable, prior_acceptance: Optional[float] = None,
-                          prior_step_seconds: float = 0.0) -> None:
+                          prior_step_seconds: float = 0.0, note: str = "") -> None:
         """Drafts from `self_draft` from now on (when settings.self_draft); the priors (e.g. the plan's
-        predicted acceptance for its resident share) stand until drafts are measured."""
+        predicted acceptance for its resident share, said in `note`) stand until drafts are measured."""
         self._self_draft = self_draft
         if not self.settings.self_draft:
             return
         prior = PRIOR_ACCEPTANCE["self_draft"] if prior_acceptance is None else prior_acceptance
-        self.control.add_source("self_draft", prior, prior_step_seconds)
+        self.control.add_source("self_draft", prior, prior_step_seconds, note)
 
     def disable_source(self, name: str, reason: str) -> None:
         """Never draft from `name` (a draft_control source name), giving `reason` in the statistics."""
