@@ -46,14 +46,14 @@ def test_the_need_is_the_sum_of_its_parts(pair):
 
 
 def test_the_boundary(pair):
+    """The least stock budget is the need at its own n_ubatch; one MiB less runs offload."""
     _, _, header, info = pair
-    first = budget_decision.decide(header, info, 10_000, 256)
-    need_mb = first.stock_need_bytes / MiB
-    at = budget_decision.decide(header, info, need_mb, 256)
-    below = budget_decision.decide(header, info, need_mb - 1, 256)
-    if at.n_ubatch == below.n_ubatch:  # (the planner's n_ubatch rule may change at the edge)
-        assert at.stock and not below.stock
-    assert at.stock and at.reason.startswith("running as stock") and f"{need_mb:.0f} MiB" in at.reason
+    first = next(b for b in range(50, 2000) if budget_decision.decide(header, info, b, 256).stock)
+    at = budget_decision.decide(header, info, first, 256)
+    below = budget_decision.decide(header, info, first - 1, 256)
+    assert first - 1 < at.stock_need_bytes / MiB <= first
+    assert sum(budget_decision.stock_need(header, info, 256, at.n_ubatch).values()) == at.stock_need_bytes
+    assert at.reason.startswith("running as stock") and f"{at.stock_need_bytes / MiB:.0f} MiB" in at.reason
     assert below.lane == budget_decision.OFFLOAD and below.reason.startswith("flash offload")
 
 
