@@ -151,6 +151,10 @@ class Speculator:
                 self.control.disable(lookup_source(size), "off: prompt_lookup=False in flash_speculative")
         if user_draft is None:
             self.control.disable("user", "off: no draft_model given")
+        else:  # the caller's explicit choice: used as given, not throttled by the controller
+            user = self.control.sources["user"]
+            user.state, user.last_k = "on", settings.max_draft
+            user.reason = f"on: the caller's draft_model, used as given (up to {settings.max_draft} tokens a pass)"
         self.control.disable("self_draft", "off: flash_speculative self_draft=False" if not settings.self_draft else
                              "off: no self-draft for this model (it needs flash offload with the gate resident)")
         if self_draft is not None:
@@ -236,9 +240,7 @@ class Speculator:
         s = self.settings
         none = ("none", "none", np.empty(0, dtype=np.intc), 0.0, False)
         if self._user_draft is not None:
-            k, probe = self._k("user")
-            if not k:
-                return none
+            k, probe = s.max_draft, False
             t0 = self._clock()
             draft = np.asarray(self._user_draft(context), dtype=np.intc)[:k]
             return "user", "user", draft, self._clock() - t0, probe
