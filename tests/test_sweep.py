@@ -157,7 +157,7 @@ def test_smoke_sweep_on_smollm2(smollm2_sidecar, tmp_path):
     view = sweep.predict(model, sidecar, [], 256)
     budgets = [int(view["least_mb"]) + 12, int(view["stock_need_mb"]) + 40]
     opts = sweep.SweepOptions(model=str(model), sidecar=str(sidecar), budgets_mb=budgets,
-                              **{**SMALL, "n_ctx": 256, "n_batch": 256, "prompt_set": "chat"})
+                              **{**SMALL, "n_ctx": 256, "n_batch": 256, "prompt_set": "chat", "timeout_s": 600})
     payload = sweep.run_sweep(opts, tmp_path / "smoke.json", echo=lambda s: None)
     assert [r["status"] for r in payload["runs"]] == ["ok"] * 6, [r.get("error") for r in payload["runs"]]
     rows = sweep_report.curve(payload)
