@@ -333,14 +333,17 @@ class Llama(llama_cpp.Llama):
                     disk_probe.resolve_profile(flash_disk_profile, sidecar)  # a bad one is still an error
                 self._flash_mode = "stock"
                 self._flash_info, self._flash_sidecar = info, Path(sidecar)
-                self._batch_invariant = bool(flash_batch_invariant)  # stock's numerics unless asked otherwise
+                # speculation as in memory: off unless asked for; asked for, it keeps the batch-invariant
+                # numerics that make it exact; otherwise stock's numerics
+                stock_spec = speculative.SpeculativeSettings.from_argument(flash_speculative)
+                self._batch_invariant = (stock_spec is not None if flash_batch_invariant is None
+                                         else flash_batch_invariant)
                 if not self._batch_invariant and not flash_attn_given:
                     kwargs.pop("flash_attn", None)
                 kwargs.setdefault("n_ubatch", choice.n_ubatch)
                 if kwargs.get("verbose", True):
                     _say_once(f"llamaflash: {choice.reason}")
-                self._init_llama(model_path, args, kwargs, speculative.SpeculativeSettings.from_argument(
-                    flash_speculative))  # as in memory: off unless asked for
+                self._init_llama(model_path, args, kwargs, stock_spec)
                 return
         if self._flash_mode == "auto":
             self._flash_decision = _default_decision(info, sidecar, kwargs)
