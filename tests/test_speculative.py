@@ -204,8 +204,9 @@ def test_real_model_greedy_speculation_is_exact(smollm2_sidecar):
               "        out.append(x * x)\n    return out\n\nAnswer:\n")
     runs = {}
     for name, spec in (("off", False), ("self", SELF_DRAFT), ("lookup", LOOKUP), ("default", True)):
+        # flash_mode="sparse": offload (this budget would hold all of SmolLM2 for stock)
         llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), ram_budget_mb=low / MiB + 48,
-                               flash_speculative=spec, **KW)
+                               flash_speculative=spec, flash_mode="sparse", **KW)
         runs[name] = (greedy(llm, prompt, 48), llm.flash_stats())
         llm.close()
     for name in ("self", "lookup", "default"):
