@@ -284,6 +284,7 @@ void ExpertCache::begin(int position, const std::vector<int> & experts) {
             stats_.pinned_hits += s.pinned ? 1 : 0;
             if (s.prefetched) {
                 ++stats_.prefetch_used;
+                ++lifetime_prefetch_used_;
                 s.prefetched = false;
             }
             s.last_use = clock_;
@@ -375,6 +376,7 @@ void ExpertCache::prefetch(int position, const std::vector<int> & experts) {
         }
         slots.push_back(slot);
         ++stats_.prefetched;
+        ++lifetime_prefetched_;
     }
     if (requests.empty()) {
         return;
@@ -389,6 +391,17 @@ void ExpertCache::prefetch(int position, const std::vector<int> & experts) {
             s = Slot{};
         }
     }
+}
+
+int ExpertCache::prefetch_count(int n_used) {
+    constexpr uint64_t kPrefetchWarmup = 64;
+    constexpr uint64_t kPrefetchProbe = 16;
+    ++prefetch_calls_;
+    if (lifetime_prefetched_ < kPrefetchWarmup || prefetch_calls_ % kPrefetchProbe == 0) {
+        return n_used;
+    }
+    const double precision = static_cast<double>(lifetime_prefetch_used_) / static_cast<double>(lifetime_prefetched_);
+    return precision >= 0.5 ? n_used : static_cast<int>(n_used * precision);
 }
 
 size_t ExpertCache::slot_bytes(int position) const {

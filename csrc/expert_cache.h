@@ -107,6 +107,12 @@ public:
     // next begin()).
     void prefetch(int position, const std::vector<int> & experts);
 
+    // How many of a layer's predicted experts are worth prefetching: n_used while prefetches have
+    // been used at least half the time (or fewer than kPrefetchWarmup were made), else the share of
+    // n_used that the measured precision (used / prefetched, since open) justifies, possibly 0; every
+    // kPrefetchProbe-th call n_used again, so that the precision keeps being measured.
+    int prefetch_count(int n_used);
+
     // Bytes of expert e's slice of tensor `kind` in its slot; nullptr when not resident and ready.
     const uint8_t * slot_data(int position, int expert, ExpertTensorKind kind) const;
 
@@ -134,6 +140,9 @@ private:
     std::vector<std::unique_ptr<Layer>> layers_;
     uint64_t clock_ = 0;
     ExpertCacheStats stats_;
+    uint64_t lifetime_prefetched_ = 0;  // not reset with the statistics: the prefetch policy's evidence
+    uint64_t lifetime_prefetch_used_ = 0;
+    uint64_t prefetch_calls_ = 0;
 };
 
 // Sizes the planner uses, computed as the cache lays slots out: one expert's slot for tensors of

@@ -287,7 +287,10 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         try {
             cache.begin(match.position, round);
             if (rounds == 0 && n_tokens == 1 && x != nullptr) {
-                const std::vector<int> predicted = model.predict_next(match.position, static_cast<const float *>(x->data));
+                std::vector<int> predicted = model.predict_next(match.position, static_cast<const float *>(x->data));
+                // best first: keep as many as the measured precision pays for (a wrong one costs bandwidth)
+                predicted.resize(std::min(predicted.size(),
+                                          static_cast<size_t>(cache.prefetch_count(spec.n_used))));
                 if (!predicted.empty()) {
                     cache.prefetch(match.position + 1, predicted);
                 }

@@ -9,7 +9,7 @@ I/O: ``_native.expert_slot_bytes``). Slots hold the most popular experts of the 
 pinned (up to half the slots above n_used) and LRU for the rest.
 
 When every expert of every layer fits, llamaflash has nothing to do: the model runs as stock
-llama.cpp (``fits``). Below n_used + 1 slots per layer the budget is refused (RamBudgetError naming
+llama.cpp (``fits``). Below n_used slots per layer the budget is refused (RamBudgetError naming
 the minimum).
 
 The predicted decode rate is I/O bound: per token, n_layers x n_used experts, of which a share misses
@@ -105,7 +105,7 @@ def moe_llama_share(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dic
     planner counts it (planner.llama_share): the vocabulary, every weight but the ``*_exps`` tensors
     (resident), the f16 KV cache, and the compute buffers (CPU graph, the expert splits' activations
     n_ubatch x n_used x (3 n_ff_exp + n_embd) f32, logits)."""
-    from .planner import COMPUTE_SAFETY, VOCAB_BYTES_PER_ENTRY, VOCAB_FIXED_BYTES, _meta
+    from .planner import COMPUTE_SAFETY, PAGE, VOCAB_BYTES_PER_ENTRY, VOCAB_FIXED_BYTES, _meta
 
     h = header
     arch = moe.architecture
@@ -117,13 +117,19 @@ def moe_llama_share(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dic
     n_vocab = int(_meta(h, "tokenizer.ggml.tokens", 0) or _meta(h, f"{arch}.vocab_size", 0))
     entries = n_vocab + int(_meta(h, "tokenizer.ggml.merges", 0))
     experts = {t.name for layer in moe.layers for t in layer.tensors}
+    size = {t.name: t.nbytes for t in h.tensors if t.name not in experts}
+    # token_embd is read by rows (get_rows) when the model has its own output matrix: the pages of n_ctx
+    # rows of the mapped file, not the whole table (as the dense planner counts it)
+    if "output.weight" in size and "token_embd.weight" in size:
+        emb = size["token_embd.weight"]
+        size["token_embd.weight"] = min(emb, n_ctx * (-(-(emb // max(1, n_vocab)) // PAGE) + 1) * PAGE)
     cells = -(-n_ctx // 256) * 256
     n_ff = max(t.ne1 for layer in moe.layers for t in layer.tensors if t.kind != "down")
     cpu = n_ubatch * 4 * max(n_vocab + 3 * n_embd, (n_head + 2) * cells + 6 * n_embd)
     split = n_ubatch * moe.n_used * (3 * n_ff + n_embd) * 4
     return {
         "llama_vocab": VOCAB_FIXED_BYTES + VOCAB_BYTES_PER_ENTRY * entries,
-        "llama_weights": sum(t.nbytes for t in h.tensors if t.name not in experts),
+        "llama_weights": sum(size.values()),
         "kv_cache": int(kv_heads.sum()) * cells * (k_len + v_len) * 2,
         "compute_buffers": int(COMPUTE_SAFETY * (cpu + split + n_vocab * 4)),
     }
@@ -141,22 +147,32 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
                           UBATCH_CHOICES, disk_throughput)
 
     budget = int(ram_budget_mb * MiB)
-    if n_ubatch is None:  # the largest prefill batch whose buffers take at most UBATCH_BUDGET_SHARE of the budget
-        choices = [u for u in UBATCH_CHOICES if u <= EXPERT_UBATCH]
-        n_ubatch = next((u for u in choices
-                         if moe_llama_share(header, moe, n_ctx, u)["compute_buffers"] <= UBATCH_BUDGET_SHARE * budget),
-                        choices[-1])
-    n_ubatch = int(n_ubatch)
-    share = moe_llama_share(header, moe, n_ctx, n_ubatch)
-    share["python_runtime"] = RUNTIME_RSS_BYTES
-    share["margin"] = int(MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget)
-    fixed = sum(share.values())
     slot = max(int(_native.expert_slot_bytes([t.expert_bytes for t in layer.tensors], alignment))
                for layer in moe.layers)
     n_layers = len(moe.layers)
-    min_slots = moe.n_used + 1
-    min_budget = fixed - share["margin"] + int((MARGIN_FIXED_BYTES + slot * n_layers * min_slots) /
-                                               (1 - MARGIN_FRACTION))
+
+    def fixed_parts(u: int) -> dict[str, int]:
+        parts = moe_llama_share(header, moe, n_ctx, u)
+        parts["python_runtime"] = RUNTIME_RSS_BYTES
+        parts["margin"] = int(MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget)
+        return parts
+
+    if n_ubatch is None:
+        # the largest prefill batch whose buffers take at most UBATCH_BUDGET_SHARE of the budget and that
+        # leaves n_used expert slots per layer (smaller batches when the budget is tight)
+        choices = [u for u in UBATCH_CHOICES if u <= EXPERT_UBATCH]
+        fitting = [u for u in choices
+                   if fixed_parts(u)["compute_buffers"] <= UBATCH_BUDGET_SHARE * budget and
+                   sum(fixed_parts(u).values()) + moe.n_used * slot * n_layers <= budget]
+        n_ubatch = fitting[0] if fitting else choices[-1]
+    n_ubatch = int(n_ubatch)
+    share = fixed_parts(n_ubatch)
+    fixed = sum(share.values())
+    min_slots = moe.n_used
+    # the least budget: n_used slots per layer, the smallest prefill batch
+    least = moe_llama_share(header, moe, n_ctx, UBATCH_CHOICES[-1])
+    min_budget = sum(least.values()) + RUNTIME_RSS_BYTES + int((MARGIN_FIXED_BYTES + slot * n_layers * min_slots) /
+                                                                (1 - MARGIN_FRACTION))
     notes: list[str] = []
     stock_need = fixed - share["llama_weights"] + moe.file_size
     if n_slots is not None:

@@ -133,3 +133,48 @@ def stats(model, plan: Optional[expert_plan.ExpertPlan], moe: Optional[experts.M
     if moe is not None:
         s["n_expert"], s["n_used"], s["moe_layers"] = moe.n_expert, moe.n_used, len(moe.layers)
     return s
+
+
+def lock_dense_part(model_path: str, moe: experts.MoeModelInfo, header) -> Dict[str, Any]:
+    """Pins llama.cpp's file-backed copy of the model's dense part in RAM (mlock), so that memory
+    pressure from the expert cache can never evict it: every weight but the routed experts and the
+    token embedding table (read by rows; its pages come and go as tokens need them). llama.cpp maps the
+    base file (its default mmap load); the pages of each dense tensor are found through
+    /proc/self/maps. Returns what was locked; a refused mlock (RLIMIT_MEMLOCK) is reported, not raised:
+    the model still runs, only less well under pressure."""
+    import ctypes
+    import mmap as _mmap
+
+    path = os.path.realpath(model_path)
+    maps = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].strip() == path:
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                maps.append((start, end, int(parts[2], 16)))
+    expert_names = {t.name for layer in moe.layers for t in layer.tensors}
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    page = _mmap.PAGESIZE
+    locked, failed, errno = 0, 0, 0
+    for t in header.tensors:
+        if t.name in expert_names or t.name == "token_embd.weight" and any(
+                x.name == "output.weight" for x in header.tensors):
+            continue
+        for start, end, off in maps:
+            lo, hi = max(t.offset, off), min(t.offset + t.nbytes, off + (end - start))
+            if lo >= hi:
+                continue
+            a = (start + lo - off) // page * page
+            b = -(-(start + hi - off) // page) * page
+            if libc.mlock(a, b - a) == 0:
+                locked += b - a
+            else:
+                failed += b - a
+                errno = ctypes.get_errno()
+    out: Dict[str, Any] = {"dense_locked_bytes": locked, "mapped": bool(maps)}
+    if failed:
+        out["dense_lock_failed_bytes"] = failed
+        out["dense_lock_error"] = os.strerror(errno)
+    return out

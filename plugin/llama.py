@@ -450,7 +450,6 @@ class Llama(llama_cpp.Llama):
         plan = setup.plan
         kwargs.setdefault("n_batch", plan.n_ubatch)
         kwargs.setdefault("n_ubatch", plan.n_ubatch)
-        kwargs.setdefault("use_mmap", False)  # the dense part in anonymous memory: not reclaimable
         _native.register_backend()
         _native.begin_expert_model_load(setup.model)
         try:
@@ -464,6 +463,7 @@ class Llama(llama_cpp.Llama):
                 f"'{model_path}' on the llamaflash device; the model cannot be served. Check that llama_cpp was "
                 f"not given tensor overrides for expert weights, or run without ram_budget_mb.")
         self._experts = setup.model
+        self._expert_lock = expert_runtime.lock_dense_part(model_path, moe, base.header)
         self._flash_mode = expert_runtime.EXPERTS_MODE
         self._flash_sidecar = setup.sidecar
 
@@ -625,6 +625,7 @@ class Llama(llama_cpp.Llama):
         if self._experts is not None:
             setup = self._expert_setup
             stats["experts"] = expert_runtime.stats(self._experts, setup.plan, setup.moe)
+            stats["experts"].update(self._expert_lock)
             stats["layers_served"] = len(setup.moe.layers)
         stats["integrity"] = self._integrity_stats(stats.get("offload"))
         stats["speculative"] = self._speculation_stats(stats)

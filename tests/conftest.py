@@ -99,19 +99,20 @@ def smollm2_sidecar() -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_moe_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """``make(arch, **spec) -> Path``: a tiny synthetic MoE GGUF of a real llama.cpp architecture
-    (llamaflash.bench.moe_synth's "tiny" preset with ``spec`` overrides), written once per distinct
-    (arch, spec) per session. The vocabulary comes from the verified llama-cpp-python sdist (cached)."""
+    """``make(arch, routing="uniform", **spec) -> Path``: a tiny synthetic MoE GGUF of a real llama.cpp
+    architecture (llamaflash.bench.moe_synth's "tiny" preset, routing regime ``routing``, with
+    ``spec`` overrides), written once per distinct (arch, routing, spec) per session. The vocabulary
+    comes from the verified llama-cpp-python sdist (cached in ~/.cache/llamaflash/vocab)."""
     from llamaflash.bench.moe_synth import generate, preset_spec
 
     root = tmp_path_factory.mktemp("tiny-moe")
     cache: dict[tuple, Path] = {}
 
-    def make(arch: str, **spec) -> Path:
-        key = (arch, tuple(sorted(spec.items())))
+    def make(arch: str, routing: str = "uniform", **spec) -> Path:
+        key = (arch, routing, tuple(sorted(spec.items())))
         if key not in cache:
-            name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(spec.items())]) + ".gguf"
-            cache[key] = generate(preset_spec("tiny", arch=arch, **spec), root / name)
+            name = "-".join([arch, routing] + [f"{k}{v}" for k, v in sorted(spec.items())]) + ".gguf"
+            cache[key] = generate(preset_spec("tiny", arch, routing, **spec), root / name)
         return cache[key]
 
     return make

@@ -46,6 +46,9 @@ from .moe_layout import ROPE_NEOX, ArchInfo, Dims
 EXPERT_GAIN = 1.0
 #: standard deviation of the output logits
 LOGIT_STD = 3.0
+#: attention output scale of the uniform regime: small, so that attention's near-uniform average
+#: over the context adds little shared (slowly varying) signal to the residual
+UNIFORM_ATTN_GAIN = 0.2
 #: rms of one layer's attention output per C coordinate (shaped regime)
 CONTEXT_WRITE = 0.3
 #: energy of the constant u coordinate relative to the token part's (shaped regime)
@@ -76,7 +79,7 @@ class RoutingShape:
 #: used) with the routing recorder; see bench/lab/moe_synth.py for the measured statistics.
 REGIMES = {
     "uniform": RoutingShape(structured=False),
-    "shaped": RoutingShape(structured=True, popularity=1.0, context=1.0, offsets=(1, 2, 3, 4)),
+    "shaped": RoutingShape(structured=True, popularity=0.7, context=0.4, offsets=(1, 2, 3, 4)),
 }
 
 
@@ -245,7 +248,7 @@ class WeightMaker:
     def _attn_output(self, rng, shape) -> np.ndarray:
         d = self.dims
         if not self.shape.structured:
-            return _normal(rng, shape, 0.5 / np.sqrt(shape[1]))
+            return _normal(rng, shape, UNIFORM_ATTN_GAIN / np.sqrt(shape[1]))
         rep = d.n_head // d.n_head_kv
         out = np.zeros(shape, np.float32)
         for g in range(d.n_head_kv):
