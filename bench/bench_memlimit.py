@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "the limit; speculative), llamaflash-nospec (the same without speculative decoding), llamaflash-copy / "
                    "llamaflash-resident (speculative, the self-draft from the sidecar's draft copy / from the "
                    "resident clusters only), a flash_mode")
-    p.add_argument("--prompt-set", default=None, choices=["chat", "code"],
+    p.add_argument("--prompt-set", default=None, choices=["chat", "code", "prose"],
                    help="decode the prompt set (llamaflash.bench.prompt_sets) with llm.generate, n_gen tokens or EOS "
                         "per prompt, instead of one text prompt token by token")
     p.add_argument("--sidecar", default=None, help="sidecar path (default <stem>.flash.gguf beside the model)")

@@ -316,8 +316,23 @@ def inspect(sidecar: Path) -> None:
 @click.option("--ram-limit-mb", "limits", type=click.IntRange(min=1), multiple=True,
               help="Memory limit in MB for the whole process plus its page cache; several values may follow "
                    "one flag: --ram-limit-mb 900 700.")
-@click.option("--configs", default="stock,llamaflash", show_default=True,
-              help="Comma-separated: stock, llamaflash (ram_budget_mb = the limit), or a llamaflash flash_mode.")
+@click.option("--configs", default=None,
+              help="Comma-separated: stock, llamaflash (ram_budget_mb = the limit), llamaflash-nospec (the same "
+                   "without speculative decoding), or a llamaflash flash_mode. Default: stock,llamaflash; with "
+                   "--sweep stock,llamaflash,llamaflash-nospec.")
+@click.option("--sweep", is_flag=True,
+              help="The speed-memory curve: every config at a ladder of budgets (the --ram-limit-mb values, or "
+                   "--points budgets from the planner's least budget to past the model's size), with the planner's "
+                   "predictions beside the measurements; a table, the JSON (written after every run) and a PNG.")
+@click.option("--points", type=click.IntRange(min=2), default=8, show_default=True,
+              help="--sweep without --ram-limit-mb: budgets in the default ladder.")
+@click.option("--resume", is_flag=True, help="--sweep: continue the interrupted sweep in --json.")
+@click.option("--prompt-set", type=click.Choice(["chat", "code", "prose", "text"]), default=None,
+              help="chat / code / prose: decode that prompt set with llm.generate (speculative where the config "
+                   "speculates); text: one text prompt (--prompt-tokens) token by token, never speculative. "
+                   "Default: chat with --sweep, else text.")
+@click.option("--n-ctx", type=click.IntRange(min=64), default=None,
+              help="Context size (default: 512, or what the prompt and --n-gen need).")
 @click.option("--sidecar", type=click.Path(path_type=Path), default=None,
               help="Sidecar for the llamaflash configs (default: MODEL's .flash.gguf beside it).")
 @click.option("--reps", type=click.IntRange(min=1), default=2, show_default=True)
@@ -338,7 +353,8 @@ def inspect(sidecar: Path) -> None:
               help="Where to write every run (default: ./llamaflash-bench-<model>-<time>.json).")
 @click.option("--png", "png_path", type=click.Path(path_type=Path), default=None,
               help="Plot of tok/s versus limit (default: the JSON path with .png; needs matplotlib).")
-def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], configs: str, sidecar: Path | None,
+def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], configs: str | None, sweep: bool,
+          points: int, resume: bool, prompt_set: str | None, n_ctx: int | None, sidecar: Path | None,
           reps: int, threads: int, prompt_tokens: int, n_gen: int, max_decode_s: float, timeout: float,
           quiet_wait: float, no_cgroup: bool, private_copy: Path | None, json_path: Path | None,
           png_path: Path | None) -> None:
@@ -351,13 +367,32 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
     if more_limits and not limits:
         raise click.UsageError(f"unexpected argument(s) {' '.join(map(str, more_limits))}: limits go after --ram-limit-mb")
     all_limits = [*limits, *more_limits]
+    prompt_set = (prompt_set or ("chat" if sweep else "text"))
+    prompt_set = None if prompt_set == "text" else prompt_set
+    n_ctx = n_ctx or max(512, (0 if prompt_set else prompt_tokens) + n_gen + 1)
+    if sweep:
+        from llamaflash.bench import sweep as sweeps
+
+        opts = sweeps.SweepOptions(
+            model=model, budgets_mb=sorted(set(all_limits)), points=points,
+            configs=[c.strip() for c in (configs or ",".join(sweeps.CONFIGS)).split(",") if c.strip()],
+            sidecar=str(sidecar) if sidecar else None, reps=reps, threads=threads, n_prompt=prompt_tokens,
+            n_gen=n_gen, n_ctx=n_ctx, max_decode_s=max_decode_s, timeout_s=timeout, quiet_wait_s=quiet_wait,
+            use_cgroup=not no_cgroup, private_copy_dir=str(private_copy) if private_copy else None,
+            prompt_set=prompt_set)
+        sweeps.run_from_command_line(opts, json_path, png_path, resume, echo=click.echo)
+        return
+    if resume:
+        raise click.UsageError("--resume continues a --sweep")
+    configs = configs or "stock,llamaflash"
     if not all_limits and not no_cgroup:
         raise click.UsageError("give at least one --ram-limit-mb (or --no-cgroup)")
     opts = memlimit.BenchOptions(
         model=model, limits_mb=all_limits, configs=[c.strip() for c in configs.split(",") if c.strip()],
         sidecar=str(sidecar) if sidecar else None, reps=reps, threads=threads, n_prompt=prompt_tokens,
-        n_gen=n_gen, n_ctx=max(512, prompt_tokens + n_gen + 1), max_decode_s=max_decode_s, timeout_s=timeout,
+        n_gen=n_gen, n_ctx=n_ctx, max_decode_s=max_decode_s, timeout_s=timeout,
         quiet_wait_s=quiet_wait, use_cgroup=not no_cgroup, private_copy_dir=str(private_copy) if private_copy else None,
+        prompt_set=prompt_set,
     )
     try:
         opts.validate()
@@ -435,12 +470,28 @@ def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatc
     if moe_plan is not None:
         click.echo(json.dumps(dataclasses.asdict(moe_plan), indent=1, default=str) if as_json else moe_plan.explain())
         return
+    from llamaflash import budget_decision
+    from llamaflash.gguf_model import read_base_model
+    from llamaflash.sidecar import validate_pair
+
+    runtime = None if runtime_mb is None else int(runtime_mb * (1 << 20))
+    base = read_base_model(model_path)
+    info = validate_pair(model_path, sidecar_path, model=base)
+    # what Llama(ram_budget_mb=...) runs: stock llama.cpp where the budget holds what it keeps resident
+    decision = budget_decision.decide(base.header, info, budget_mb, n_ctx, n_ubatch, runtime)
     result = plan_offload(model_path, sidecar_path, budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch, disk=disk,
-                          runtime_rss_bytes=None if runtime_mb is None else int(runtime_mb * (1 << 20)),
-                          cluster_size=cluster_size, prefetch_layers=prefetch_layers,
+                          runtime_rss_bytes=runtime, cluster_size=cluster_size, prefetch_layers=prefetch_layers,
                           stream_gate={"auto": None, "resident": False, "streamed": True}[gate],
-                          draft_copy={"auto": None, "on": True, "off": False}[draft_copy])
-    click.echo(json.dumps(result.to_dict(arrays=json_arrays), indent=1) if as_json else result.explain())
+                          draft_copy={"auto": None, "on": True, "off": False}[draft_copy], info=info,
+                          header=base.header)
+    if as_json:
+        click.echo(json.dumps({**result.to_dict(arrays=json_arrays), "decision": decision.as_dict()}, indent=1))
+        return
+    click.echo(f"decision: {decision.reason}")
+    if decision.stock:
+        click.echo("(the offload plan below is what flash_mode='sparse' would run at this budget)")
+    click.echo("")
+    click.echo(result.explain())
 
 
 def _plan_experts(model_path: Path, sidecar_path: Path, budget_mb: float, n_ctx: int, n_ubatch: int | None, disk):

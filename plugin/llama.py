@@ -31,7 +31,11 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  and down_t rows of the FFN stay on flash and come through a neuron cache by direct I/O;
                  decode runs on the sparse lane (the converter's operating point, or flash_sparsity).
                  Needs a format-2 sidecar in base neuron order. A budget below the minimum raises
-                 RamBudgetError naming the minimum; n_batch/n_ubatch default to the plan's.
+                 RamBudgetError naming the minimum; n_batch/n_ubatch default to the plan's. With
+                 flash_mode unset, a budget that holds everything stock llama.cpp keeps resident (the
+                 model file, llama.cpp's share and a margin: plugin/budget_decision.py) runs stock
+                 llama.cpp untouched instead, which is faster there; flash_stats()["decision"] says
+                 which and why (flash_mode="sparse" forces offload).
   flash_io_engine  offload only: "auto" (io_uring when the kernel allows it, else a pread pool),
                  "io_uring" or "pool".
   flash_disk_profile  offload only: what the planner assumes of the disk. None = the profile saved
@@ -83,6 +87,7 @@ import llama_cpp
 from llama_cpp._logger import set_verbose
 
 from . import _native
+from . import budget_decision
 from . import engine
 from . import expert_runtime
 from . import experts
@@ -279,6 +284,7 @@ class Llama(llama_cpp.Llama):
                                       flash_draft_copy is not None):
             raise ValueError("flash_stream_gate, flash_disk_profile and flash_draft_copy are flash-offload settings: "
                              "pass ram_budget_mb too, or leave them unset")
+        requested_mode = self._flash_mode
         if ram_budget_mb is not None:
             if self._flash_mode == "dense":
                 raise ValueError(
@@ -291,6 +297,7 @@ class Llama(llama_cpp.Llama):
         if flash_batch_invariant is not None and not isinstance(flash_batch_invariant, bool):
             raise ValueError(f"flash_batch_invariant={flash_batch_invariant!r} must be True, False or None")
         self._batch_invariant = ram_budget_mb is not None if flash_batch_invariant is None else flash_batch_invariant
+        flash_attn_given = "flash_attn" in kwargs
         if self._batch_invariant:
             kwargs.setdefault("flash_attn", True)
 
@@ -314,6 +321,30 @@ class Llama(llama_cpp.Llama):
 
         # Everything that can be wrong with the files is found here, before llama.cpp starts.
         info = validate_pair(model_path, sidecar, model=base)  # the one identity check
+        if self._flash_mode == OFFLOAD_MODE and requested_mode == "auto":
+            # stock-equivalent where the budget holds what stock keeps resident
+            choice = budget_decision.decide(base.header, info, ram_budget_mb, int(kwargs.get("n_ctx", 512)),
+                                            kwargs.get("n_ubatch"))
+            self._flash_decision = lane_decision.Decision(choice.lane, False, choice.reason, detail=choice.as_dict())
+            if choice.stock:
+                if flash_disk_profile is not None and str(flash_disk_profile) != "probe":
+                    from . import disk_probe
+
+                    disk_probe.resolve_profile(flash_disk_profile, sidecar)  # a bad one is still an error
+                self._flash_mode = "stock"
+                self._flash_info, self._flash_sidecar = info, Path(sidecar)
+                # speculation as in memory: off unless asked for; asked for, it keeps the batch-invariant
+                # numerics that make it exact; otherwise stock's numerics
+                stock_spec = speculative.SpeculativeSettings.from_argument(flash_speculative)
+                self._batch_invariant = (stock_spec is not None if flash_batch_invariant is None
+                                         else flash_batch_invariant)
+                if not self._batch_invariant and not flash_attn_given:
+                    kwargs.pop("flash_attn", None)
+                kwargs.setdefault("n_ubatch", choice.n_ubatch)
+                if kwargs.get("verbose", True):
+                    _say_once(f"llamaflash: {choice.reason}")
+                self._init_llama(model_path, args, kwargs, stock_spec)
+                return
         if self._flash_mode == "auto":
             self._flash_decision = _default_decision(info, sidecar, kwargs)
             if self._flash_decision.lane == lane_decision.STOCK:
@@ -379,8 +410,20 @@ class Llama(llama_cpp.Llama):
         if self._speculator is not None and self._flash_mode == OFFLOAD_MODE and user_draft is None:
             if self._flash_plan.stream_gate:
                 self._speculation_off_reason = "self-draft off: the gate is streamed from flash under this budget"
+                self._speculator.disable_source("self_draft", "off: " + self._speculation_off_reason)
             elif spec_settings.self_draft:
-                self._speculator.attach_self_draft(speculative.make_self_draft(weakref.ref(self), self.n_vocab()))
+                from . import draft_plan
+
+                # the plan's predicted acceptance for its resident share (none without an I/O bound)
+                predicted = (draft_plan.predict_plan(self._flash_plan, info)
+                             if getattr(self._flash_plan, "io_bound_tok_s", None) is not None else None)
+                self._speculator.attach_self_draft(
+                    speculative.make_self_draft(weakref.ref(self), self.n_vocab()),
+                    prior_acceptance=predicted.acceptance if predicted else None,
+                    prior_step_seconds=predicted.step_seconds if predicted else 0.0,
+                    note=(f"prior: the plan's resident share of the active neurons is "
+                          f"{self._flash_plan.neuron_hit_rate:.0%}, predicted acceptance {predicted.acceptance:.2f}"
+                          if predicted and not self._flash_plan.draft_copy else ""))
 
     def _init_moe(self, model_path: str, base, moe, args, kwargs, flash_speculative) -> None:
         """An MoE model: its routed experts from flash under ram_budget_mb (expert_runtime), else stock."""
@@ -454,9 +497,12 @@ class Llama(llama_cpp.Llama):
         if self._flash is not None:
             self._flash.check_files()
         try:
-            if self._speculator is not None and not self._logits_all and \
-                    1 <= len(tokens) <= min(self.n_batch, self._speculator.max_batch):
-                self._speculator.eval_rows(self, tokens)
+            if self._speculator is not None and 1 <= len(tokens) <= min(self.n_batch, self._speculator.max_batch):
+                if not self._logits_all:
+                    self._speculator.eval_rows(self, tokens)
+                else:
+                    with self._speculator.timed_verify(len(tokens)):
+                        super().eval(tokens)
             else:
                 super().eval(tokens)
         except RuntimeError as e:

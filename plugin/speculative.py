@@ -15,7 +15,8 @@ One speculative step (llama-cpp-python's own `generate` loop drives it through `
          steps, stopping early when the draft's top probability falls under `min_confidence`; then
          the KV cache is rolled back to n_past (no second context, no second KV cache);
        * or a user's `draft_model` (llama-cpp-python's `LlamaDraftModel` interface).
-     k is adaptive: see `DraftLength`.
+     k is adaptive: `draft_control.DraftController` decides per source from measured costs and
+     acceptance, so that drafting does not cost decode speed.
   2. `Llama.eval([t, d_1..d_k])` runs the verify batch with logits for its rows only (never
      n_ctx x n_vocab logits: llama-cpp-python's own draft path forces `logits_all`).
   3. generate samples position by position from the verify batch's logits and keeps d_i while it
@@ -40,6 +41,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy as np
 
+from .draft_control import DraftController
+
 #: The default draft sources under a RAM budget, in the order they are tried.
 SOURCES = ("prompt_lookup", "self_draft")
 
@@ -53,7 +56,8 @@ class SpeculativeSettings:
     max_ngram: int = 3             # longest n-gram matched (down to 1)
     self_draft: bool = True        # draft-mode evaluation of the same model (offload only)
     min_confidence: float = 0.4    # self-draft stops when its top token's probability is lower
-    adaptive: bool = True          # choose k per pass from measured acceptance and costs
+    adaptive: bool = True          # choose k per pass from measured acceptance and costs (draft_control.py)
+    explore_share: float = 0.01    # adaptive: the share of decode time drafting may lose, probes included
 
     @classmethod
     def from_argument(cls, value: Any) -> Optional["SpeculativeSettings"]:
@@ -81,114 +85,82 @@ class SpeculativeSettings:
             raise ValueError(f"flash_speculative max_ngram must be an int in 1..8, got {self.max_ngram!r}")
         if not (isinstance(self.min_confidence, (int, float)) and 0.0 <= self.min_confidence < 1.0):
             raise ValueError(f"flash_speculative min_confidence must be in [0, 1), got {self.min_confidence!r}")
+        if not (isinstance(self.explore_share, (int, float)) and not isinstance(self.explore_share, bool)
+                and 0.0 <= self.explore_share <= 0.5):
+            raise ValueError(f"flash_speculative explore_share must be a number in [0, 0.5] (the share of decode "
+                             f"time drafting may lose), got {self.explore_share!r}")
+
+
+def lookup_ngram(tokens: np.ndarray, size: int, k: int) -> np.ndarray:
+    """The continuation (up to k tokens) of the most recent earlier occurrence of the n-gram of
+    `size` tokens that ends `tokens`; empty when it did not occur before."""
+    n = int(tokens.shape[0])
+    if not 1 <= size < n:
+        return np.empty(0, dtype=np.intc)
+    tail = tokens[n - size:]
+    windows = np.lib.stride_tricks.sliding_window_view(tokens[:n - 1], size)
+    hits = np.nonzero(np.all(windows == tail, axis=1))[0]
+    for start in hits[::-1]:  # most recent first
+        begin = int(start) + size
+        if begin < n:
+            return tokens[begin:min(begin + k, n)].copy()
+    return np.empty(0, dtype=np.intc)
 
 
 def prompt_lookup(tokens: np.ndarray, max_ngram: int, k: int) -> np.ndarray:
     """The continuation (up to k tokens) of the most recent earlier occurrence of the longest n-gram
     (max_ngram .. 1) that ends `tokens`; empty when none occurred."""
-    n = int(tokens.shape[0])
-    for size in range(min(max_ngram, n - 1), 0, -1):
-        tail = tokens[n - size:]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:n - 1], size)
-        hits = np.nonzero(np.all(windows == tail, axis=1))[0]
-        for start in hits[::-1]:  # most recent first
-            begin = int(start) + size
-            if begin < n:
-                return tokens[begin:min(begin + k, n)].copy()
+    for size in range(min(max_ngram, int(tokens.shape[0]) - 1), 0, -1):
+        draft = lookup_ngram(tokens, size, k)
+        if draft.shape[0]:
+            return draft
     return np.empty(0, dtype=np.intc)
 
 
-class DraftLength:
-    """Adaptive draft length for one draft source.
-
-    With per-token acceptance probability a (tokens accepted / tokens drafted, smoothed), a pass that
-    drafts k tokens delivers E(k) = (1 - a^(k+1)) / (1 - a) tokens on average and costs
-    T(k) = verify(1 + k) + k · draft_step, with verify(n) = v0 + v1 · n fitted from measured passes
-    (running means over batch sizes) and draft_step measured. k = argmax over 0..k_max of E(k) / T(k).
-    Until there are measurements the source drafts k_max (optimistic: measuring needs drafts); while
-    k = 0 wins, every EXPLORE_EVERY-th pass drafts one token anyway, so that a source that starts to
-    predict (the text turns repetitive) is noticed."""
-
-    EXPLORE_EVERY = 16
-
-    def __init__(self, k_max: int, prior_accept: float = 0.6) -> None:
-        self.k_max = k_max
-        self.accept_num, self.accept_den = prior_accept * 4, 4.0  # a 4-token prior
-        self.draft_step_seconds = 0.0
-        self.idle = 0  # consecutive passes with k = 0
-
-    @property
-    def acceptance(self) -> float:
-        return self.accept_num / self.accept_den
-
-    def record(self, drafted: int, accepted: int, draft_seconds: float) -> None:
-        decay = 0.97  # ~30 drafted tokens of memory: acceptance changes with the text
-        self.accept_num = self.accept_num * decay + accepted
-        self.accept_den = self.accept_den * decay + drafted
-        if drafted:
-            step = draft_seconds / drafted
-            self.draft_step_seconds = step if self.draft_step_seconds == 0 else 0.8 * self.draft_step_seconds + 0.2 * step
-
-    def choose(self, verify: "VerifyCost", explore: bool = True) -> int:
-        a = min(self.acceptance, 0.999)
-        best_k, best_rate = 0, 0.0
-        for k in range(0, self.k_max + 1):
-            delivered = (1 - a ** (k + 1)) / (1 - a)
-            cost = verify.seconds(1 + k) + k * self.draft_step_seconds
-            if cost <= 0:
-                return self.k_max
-            rate = delivered / cost
-            if rate > best_rate * 1.0001:
-                best_k, best_rate = k, rate
-        if not explore:
-            return best_k
-        if best_k == 0:
-            self.idle += 1
-            if self.idle >= self.EXPLORE_EVERY:
-                self.idle = 0
-                return 1
-        else:
-            self.idle = 0
-        return best_k
+def lookup_source(size: int) -> str:
+    """The controller's name for prompt-lookup drafts from an n-gram of `size` tokens (each size has
+    its own acceptance: a 1-token match predicts far less often than a 3-token one)."""
+    return f"prompt_lookup:{size}"
 
 
-class VerifyCost:
-    """verify(n) = v0 + v1 · n, a least-squares line through the running mean time of each batch
-    size n seen (sizes with a single observation count too)."""
-
-    def __init__(self) -> None:
-        self.sums: Dict[int, list] = {}
-
-    def record(self, n: int, seconds: float) -> None:
-        s = self.sums.setdefault(n, [0.0, 0])
-        s[0] += seconds
-        s[1] += 1
-
-    def seconds(self, n: int) -> float:
-        points = [(size, total / count) for size, (total, count) in self.sums.items()]
-        if not points:
-            return 0.0
-        if len(points) == 1:
-            return points[0][1]  # no slope known yet: every size costs the same
-        xs = np.array([p[0] for p in points], dtype=float)
-        ys = np.array([p[1] for p in points], dtype=float)
-        v1, v0 = np.polyfit(xs, ys, 1)
-        return float(max(v0 + max(v1, 0.0) * n, 1e-6))
+#: Prior acceptance of each draft source before anything is measured (weight: draft_control.PRIOR_TOKENS);
+#: the self-draft's comes from the plan when there is one (Speculator.attach_self_draft).
+PRIOR_ACCEPTANCE = {"user": 0.5, "prompt_lookup:3": 0.4, "prompt_lookup:2": 0.25, "prompt_lookup:1": 0.1,
+                    "self_draft": 0.3}
 
 
 class Speculator:
     """The `draft_model` that `llamaflash.Llama` gives llama-cpp-python's generate loop (see the
     module docstring). `self_draft(n_past, token, k, min_confidence) -> (tokens, seconds)` is the
-    Llama's draft-mode evaluation, or None where there is none (in memory)."""
+    Llama's draft-mode evaluation, or None where there is none (in memory). With `adaptive`, how
+    many tokens each source drafts is the `draft_control.DraftController`'s decision, from the
+    verify passes and drafts timed on `clock`."""
 
     def __init__(self, settings: SpeculativeSettings, self_draft: Optional[Callable] = None,
-                 user_draft: Optional[Callable] = None) -> None:
+                 user_draft: Optional[Callable] = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.settings = settings
-        self._self_draft = self_draft
+        self._self_draft = None
         self._user_draft = user_draft
-        self.verify = VerifyCost()
-        self.lengths = {name: DraftLength(settings.max_draft) for name in ("prompt_lookup", "self_draft", "user")}
-        self._pending: Optional[tuple] = None  # (source, n_past at the pass, drafted, draft seconds)
+        self._clock = clock
+        self.control = DraftController(settings.max_draft, settings.explore_share)
+        self._lookup_sizes = tuple(range(settings.max_ngram, 0, -1))
+        for name in ("user", *map(lookup_source, self._lookup_sizes), "self_draft"):
+            self.control.add_source(name, PRIOR_ACCEPTANCE.get(name, PRIOR_ACCEPTANCE["prompt_lookup:1"]))
+        if not settings.prompt_lookup:
+            for size in self._lookup_sizes:
+                self.control.disable(lookup_source(size), "off: prompt_lookup=False in flash_speculative")
+        if user_draft is None:
+            self.control.disable("user", "off: no draft_model given")
+        else:  # the caller's explicit choice: used as given, not throttled by the controller
+            user = self.control.sources["user"]
+            user.state, user.last_k = "on", settings.max_draft
+            user.reason = f"on: the caller's draft_model, used as given (up to {settings.max_draft} tokens a pass)"
+        self.control.disable("self_draft", "off: flash_speculative self_draft=False" if not settings.self_draft else
+                             "off: no self-draft for this model (it needs flash offload with the gate resident)")
+        if self_draft is not None:
+            self.attach_self_draft(self_draft)
+        self._pending: Optional[tuple] = None  # (control name, stats source, n_past, drafted, seconds, probe, pass)
+        self._last_verify: tuple = (0, 0, 0.0)  # (pass number, tokens, seconds) of the latest verify pass
         self._n_tokens: Callable[[], int] = lambda: 0
         self.reset_stats()
 
@@ -196,27 +168,46 @@ class Speculator:
     def max_batch(self) -> int:
         return verify_batch_max(self.settings)
 
-    def attach_self_draft(self, self_draft: Callable) -> None:
+    def attach_self_draft(self, self_draft: Callable, prior_acceptance: Optional[float] = None,
+                          prior_step_seconds: float = 0.0, note: str = "") -> None:
+        """Drafts from `self_draft` from now on (when settings.self_draft); the priors (e.g. the plan's
+        predicted acceptance for its resident share, said in `note`) stand until drafts are measured."""
         self._self_draft = self_draft
+        if not self.settings.self_draft:
+            return
+        prior = PRIOR_ACCEPTANCE["self_draft"] if prior_acceptance is None else prior_acceptance
+        self.control.add_source("self_draft", prior, prior_step_seconds, note)
+
+    def disable_source(self, name: str, reason: str) -> None:
+        """Never draft from `name` (a draft_control source name), giving `reason` in the statistics."""
+        self.control.disable(name, reason)
 
     def eval_rows(self, llama: Any, tokens: Sequence[int]) -> None:
         """llama_cpp.Llama.eval for one batch that fits n_batch, with logits for every row (the verify
         batch's rows only: llama.cpp keeps len(tokens) x n_vocab floats)."""
         n_past = llama.n_tokens
         llama._ctx.kv_cache_seq_rm(-1, n_past, -1)
-        t0 = time.perf_counter()
+        t0 = self._clock()
         llama._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
         llama._ctx.decode(llama._batch)
-        self.record_verify(len(tokens), time.perf_counter() - t0)
+        self.record_verify(len(tokens), self._clock() - t0)
         llama.input_ids[n_past:n_past + len(tokens)] = tokens
         llama.n_tokens += len(tokens)
         llama._requires_eval = False
+
+    @contextlib.contextmanager
+    def timed_verify(self, n_tokens: int):
+        """Times a verify pass that the caller evaluates itself (e.g. llama_cpp.Llama.eval with logits_all)."""
+        t0 = self._clock()
+        yield
+        self.record_verify(n_tokens, self._clock() - t0)
 
     def bind(self, n_tokens: Callable[[], int]) -> None:
         """n_tokens: the context's evaluated token count (Llama.n_tokens), read at each call."""
         self._n_tokens = n_tokens
 
     def reset_stats(self) -> None:
+        """Zeroes the counters of summary() (the controller keeps what it has learned)."""
         self.stats = {name: {"passes": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0}
                       for name in ("prompt_lookup", "self_draft", "user", "none")}
         self.verify_passes = 0
@@ -234,42 +225,50 @@ class Speculator:
             # tokens): no draft this time
             self._pending = None
             return np.empty(0, dtype=np.intc)
-        source, draft, seconds = self._propose(context, n_past)
-        self._pending = (source, n_past, len(draft), seconds)
+        name, source, draft, seconds, probe = self._propose(context, n_past)
+        self._pending = (name, source, n_past, len(draft), seconds, probe, self.control.passes)
         return draft
+
+    def _k(self, name: str) -> tuple:
+        """(k, probe) for a draft from `name`: the controller's decision, or max_draft when not adaptive."""
+        if not self.settings.adaptive:
+            return self.settings.max_draft, False
+        d = self.control.choose(name)
+        return d.k, d.probe
 
     def _propose(self, context: np.ndarray, n_past: int):
         s = self.settings
+        none = ("none", "none", np.empty(0, dtype=np.intc), 0.0, False)
         if self._user_draft is not None:
-            k = self._k("user")
-            t0 = time.perf_counter()
-            draft = np.asarray(self._user_draft(context), dtype=np.intc)[:k] if k else np.empty(0, np.intc)
-            return "user", draft, time.perf_counter() - t0
+            k, probe = s.max_draft, False
+            t0 = self._clock()
+            draft = np.asarray(self._user_draft(context), dtype=np.intc)[:k]
+            return "user", "user", draft, self._clock() - t0, probe
         if s.prompt_lookup:
-            k = self._k("prompt_lookup")
-            if k:
-                t0 = time.perf_counter()
-                draft = prompt_lookup(context, s.max_ngram, k)
-                if draft.shape[0]:
-                    return "prompt_lookup", draft, time.perf_counter() - t0
+            t0 = self._clock()
+            for size in self._lookup_sizes:
+                cont = lookup_ngram(context, size, s.max_draft)
+                if not cont.shape[0]:
+                    continue
+                k, probe = self._k(lookup_source(size))
+                if k:
+                    return lookup_source(size), "prompt_lookup", cont[:k], self._clock() - t0, probe
+                if not s.adaptive:
+                    break
         if s.self_draft and self._self_draft is not None:
-            k = self._k("self_draft")
+            k, probe = self._k("self_draft")
             if k:
                 tokens, seconds = self._self_draft(n_past, int(context[-1]), k, s.min_confidence)
-                return "self_draft", np.asarray(tokens, dtype=np.intc), seconds
-        return "none", np.empty(0, dtype=np.intc), 0.0
-
-    def _k(self, source: str, explore: bool = True) -> int:
-        if not self.settings.adaptive:
-            return self.settings.max_draft
-        return self.lengths[source].choose(self.verify, explore)
+                return "self_draft", "self_draft", np.asarray(tokens, dtype=np.intc), seconds, probe
+        return none
 
     def _settle(self, n_past: int) -> None:
         """Books the previous proposal: generate evaluated [t, d_1..d_k] from position p and cut the
-        KV cache behind the first mismatch, so n_past - p - 1 drafts were accepted."""
+        KV cache behind the first mismatch, so n_past - p - 1 drafts were accepted. Its verify time is
+        the pass that followed the proposal, when that pass evaluated 1 + k tokens."""
         if self._pending is None:
             return
-        source, p, drafted, seconds = self._pending
+        name, source, p, drafted, seconds, probe, pass_before = self._pending
         self._pending = None
         accepted = n_past - p - 1
         if not 0 <= accepted <= drafted:
@@ -279,8 +278,11 @@ class Speculator:
         entry["drafted"] += drafted
         entry["accepted"] += accepted
         entry["draft_seconds"] += seconds
-        if source in self.lengths:
-            self.lengths[source].record(drafted, accepted, seconds)
+        if name == "none" or not drafted:
+            return
+        number, n, verify_s = self._last_verify
+        verified = verify_s if number == pass_before + 1 and n == drafted + 1 else None
+        self.control.settle(name, drafted, accepted, seconds, verified, probe)
 
     # -- the verify side (Llama.eval) -----------------------------------------------------------
 
@@ -288,15 +290,18 @@ class Speculator:
         self.verify_passes += 1
         self.verify_tokens += n_tokens
         self.verify_seconds += seconds
-        self.verify.record(n_tokens, seconds)
+        self.control.record_pass(n_tokens, seconds)
+        self._last_verify = (self.control.passes, n_tokens, seconds)
 
     def summary(self, flash_bytes: Optional[int] = None) -> Dict[str, Any]:
-        """flash_stats()["speculative"]: per source and in total."""
+        """flash_stats()["speculative"]: per source and in total; `why`: per draft source, whether it
+        drafts and why (the controller's reason, from measured costs and acceptance)."""
         passes = sum(e["passes"] for e in self.stats.values())
         drafted = sum(e["drafted"] for e in self.stats.values())
         accepted = sum(e["accepted"] for e in self.stats.values())
         delivered = accepted + passes  # each settled pass delivers its accepted drafts + one sampled token
         draft_seconds = sum(e["draft_seconds"] for e in self.stats.values())
+        control = self.control.summary()
         out: Dict[str, Any] = {
             "enabled": True,
             "settings": asdict(self.settings),
@@ -313,7 +318,10 @@ class Speculator:
                                                 else None),
             "by_source": {name: dict(e, acceptance=(e["accepted"] / e["drafted"] if e["drafted"] else None))
                           for name, e in self.stats.items() if e["passes"]},
-            "next_k": {name: self._k(name, explore=False) for name in ("prompt_lookup", "self_draft")},
+            "next_k": {name: src["next_k"] for name, src in control["sources"].items()},
+            "why": ({name: src["reason"] for name, src in control["sources"].items()} if self.settings.adaptive
+                    else {"all": f"adaptive=False: every pass drafts up to max_draft={self.settings.max_draft}"}),
+            "control": control,
         }
         return out
 
@@ -396,5 +404,5 @@ def verify_batch_max(settings: Optional[SpeculativeSettings]) -> int:
     return 1 + settings.max_draft if settings is not None else 1
 
 
-__all__: Sequence[str] = ("SpeculativeSettings", "Speculator", "DraftLength", "VerifyCost", "prompt_lookup",
+__all__: Sequence[str] = ("SpeculativeSettings", "Speculator", "prompt_lookup", "lookup_ngram", "lookup_source",
                           "make_self_draft", "verify_batch_max", "SOURCES")

@@ -117,11 +117,22 @@ def test_run_streams_reply_to_stdout(smollm2_sidecar):
 
 def test_run_raw_prompt_from_stdin_with_budget(smollm2_sidecar):
     model, sidecar = smollm2_sidecar
+    # 280 MiB: above the planner's least budget, below what stock keeps resident (about 300 MiB)
+    result = llamaflash_cli("run", model, "--raw", "--sidecar", sidecar, "--ram-budget-mb", "280",
+                            "--n-ctx", "512", "--max-tokens", "8", "--temperature", "0", stdin="The sky is")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "flash offload within 280 MiB" in result.stderr
+    assert_no_traceback(result)
+
+
+def test_run_with_a_budget_that_holds_the_model_runs_stock(smollm2_sidecar):
+    model, sidecar = smollm2_sidecar
     result = llamaflash_cli("run", model, "--raw", "--sidecar", sidecar, "--ram-budget-mb", "400",
                             "--n-ctx", "512", "--max-tokens", "8", "--temperature", "0", stdin="The sky is")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
-    assert "flash offload within 400 MiB" in result.stderr
+    assert "running as stock: the budget of 400 MiB holds" in result.stderr
     assert_no_traceback(result)
 
 

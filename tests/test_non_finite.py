@@ -55,7 +55,9 @@ def _decode(llm):
 @pytest.mark.parametrize("budget", [None, 2000], ids=["in-memory", "offload"])
 def test_nan_from_a_served_layer_raises_naming_it(poisoned, budget):
     model, sidecar, layer = poisoned
-    kw = dict(flash_mode="sparse") if budget is None else dict(ram_budget_mb=budget, flash_speculative=False)
+    # (flash_mode="sparse" under a budget: offload even where the budget would hold stock's model)
+    kw = dict(flash_mode="sparse") if budget is None else dict(ram_budget_mb=budget, flash_speculative=False,
+                                                               flash_mode="sparse")
     llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), **kw, **KW)
     with pytest.raises(NonFiniteOutputError, match=rf"layer {layer}'s FFN output: token 0, value \d+ is NaN"):
         _decode(llm)

@@ -178,18 +178,18 @@ def test_prompt_lookup_takes_the_most_recent_longest_match():
     assert speculative.prompt_lookup(np.array([1, 2, 3], dtype=np.intc), 3, 4).size == 0
 
 
-def test_draft_length_follows_acceptance_and_costs():
-    verify = speculative.VerifyCost()
-    for n, s in ((1, 0.30), (4, 0.31), (7, 0.33)):  # I/O bound: a batch costs about one token
-        verify.record(n, s)
-    good = speculative.DraftLength(6)
-    good.record(drafted=60, accepted=54, draft_seconds=0.0)
-    assert good.choose(verify) == 6
-    bad = speculative.DraftLength(6)
-    bad.record(drafted=60, accepted=1, draft_seconds=60 * 0.05)  # wrong and slow drafts
-    assert bad.choose(verify) == 0
-    picks = [bad.choose(verify) for _ in range(speculative.DraftLength.EXPLORE_EVERY)]
-    assert picks.count(1) == 1 and picks.count(0) == len(picks) - 1  # still measured now and then
+def test_default_speculation_says_why_each_source_drafts_or_not(offload, reference):
+    """The adaptive controller (tests/test_draft_control.py has its decisions on simulated costs):
+    the default gives the non-speculative tokens and names a state and a reason per source."""
+    llm = offload(True)
+    assert greedy(llm) == reference
+    s = llm.flash_stats()["speculative"]
+    assert set(s["why"]) == {"user", "prompt_lookup:3", "prompt_lookup:2", "prompt_lookup:1", "self_draft"}
+    assert all(why.startswith(("on:", "off:")) for why in s["why"].values())
+    assert s["why"]["user"] == "off: no draft_model given"
+    sources = s["control"]["sources"]
+    assert sources["self_draft"]["state"] in ("on", "off")  # attached: the gate is resident in this plan
+    assert s["control"]["passes"] >= s["passes"]
 
 
 def test_real_model_greedy_speculation_is_exact(smollm2_sidecar):
@@ -204,8 +204,9 @@ def test_real_model_greedy_speculation_is_exact(smollm2_sidecar):
               "        out.append(x * x)\n    return out\n\nAnswer:\n")
     runs = {}
     for name, spec in (("off", False), ("self", SELF_DRAFT), ("lookup", LOOKUP), ("default", True)):
+        # flash_mode="sparse": offload (this budget would hold all of SmolLM2 for stock)
         llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), ram_budget_mb=low / MiB + 48,
-                               flash_speculative=spec, **KW)
+                               flash_speculative=spec, flash_mode="sparse", **KW)
         runs[name] = (greedy(llm, prompt, 48), llm.flash_stats())
         llm.close()
     for name in ("self", "lookup", "default"):

@@ -170,8 +170,11 @@ def _load(spec: dict):
     # flash offload; a budget below the planner's minimum raises RamBudgetError (reported as "refused")
     llm = FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=flash_mode,
                      ram_budget_mb=budget, **extra)  # fmt: skip
+    # the budget's decision: flash offload (its plan), or stock llama.cpp where the budget holds the model
     spec["_ram_budget"] = {"requested_mb": budget, "applied": True,
-                           "plan": llm.flash_plan.to_dict(arrays=False) if llm.flash_plan else None}
+                           "plan": llm.flash_plan.to_dict(arrays=False) if llm.flash_plan else None,
+                           "decision": llm.flash_stats().get("decision")}
+    spec["_flash_mode"] = llm.flash_mode
     return llm
 
 

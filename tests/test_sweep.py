@@ -1,0 +1,169 @@
+"""The speed-memory sweep (bench/lab/sweep.py, `llamaflash bench MODEL --sweep`): the ladder, the
+planner's predictions alone where nothing can be measured, an interrupted sweep that keeps its points
+and resumes where it stopped, no cgroup and no private copy left behind, and a smoke run on SmolLM2
+(two budgets, a few tokens: it proves the harness, not a speed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from llamaflash.bench import cgroups, memlimit, sweep, sweep_report
+from llamaflash.cli import main
+from test_offload import converted  # noqa: F401  (module fixture reused)
+
+SMALL = dict(n_prompt=16, n_gen=4, n_ctx=64, n_batch=64, reps=1, quiet_wait_s=0, timeout_s=120, prompt_set=None)
+
+
+def test_ladder_runs_from_the_least_budget_past_the_top():
+    assert sweep.ladder(176.3, 400, 4) == [180, 250, 330, 400]
+    assert sweep.ladder(700, 1385, 9)[0] == 700 and sweep.ladder(700, 1385, 9)[-1] == 1390
+    two = sweep.ladder(100, 101, 2)
+    assert two == sorted(set(two)) and len(two) == 2
+
+
+def test_monotone_violations_name_the_budgets():
+    view = {"budgets": {"700": {"nospec_tok_s": 2.0}, "800": {"nospec_tok_s": 2.5}, "900": {"nospec_tok_s": 2.4},
+                        "1000": {"nospec_tok_s": None}, "1100": {"nospec_tok_s": 3.0}}}
+    assert sweep.monotone_violations(view, ("nospec_tok_s",)) == [
+        {"key": "nospec_tok_s", "budget_mb": 900, "value": 2.4, "smaller_budget_mb": 800, "smaller_value": 2.5}]
+
+
+def test_without_cgroups_the_sweep_predicts_only(converted, tmp_path):  # noqa: F811
+    model, sidecar = converted
+    opts = sweep.SweepOptions(model=str(model), sidecar=str(sidecar), points=3, use_cgroup=False, **SMALL)
+    lines: list[str] = []
+    payload = sweep.run_sweep(opts, tmp_path / "s.json", echo=lines.append)
+    assert payload["measured"] is False and payload["runs"] == []
+    assert any("PREDICTIONS only" in ln for ln in lines)
+    view = payload["predictions"]
+    budgets = payload["identity"]["budgets_mb"]
+    assert len(budgets) == 3 and budgets[0] >= view["least_mb"]
+    assert budgets[-1] >= sweep.TOP_STOCK_NEED_RATIO * view["stock_need_mb"] - sweep.LADDER_STEP_MB
+    assert view["budgets"][str(budgets[-1])]["lane"] == "stock"  # past what stock keeps resident
+    table = sweep_report.format_table(payload)
+    assert "PREDICTIONS ONLY" in table and "predicted nospec" in table
+    assert json.loads((tmp_path / "s.json").read_text())["complete"] is True
+
+
+def test_the_command_line_sweep_says_what_it_could_not_measure(converted, tmp_path, monkeypatch):  # noqa: F811
+    model, sidecar = converted
+    monkeypatch.setattr(memlimit, "_pyplot", lambda: None)  # as without matplotlib
+    out = CliRunner().invoke(main, ["bench", str(model), "--sweep", "--no-cgroup", "--points", "2", "--sidecar",
+                                    str(sidecar), "--n-gen", "4", "--prompt-tokens", "16", "--prompt-set", "text",
+                                    "--json",
+                                    str(tmp_path / "c.json")])
+    assert out.exit_code == 0, out.output
+    assert "PREDICTIONS ONLY" in out.output and sweep_report.PLOT_NEEDS in out.output
+    again = CliRunner().invoke(main, ["bench", str(model), "--sweep", "--no-cgroup", "--points", "2", "--sidecar",
+                                      str(sidecar), "--json", str(tmp_path / "c.json")])
+    assert again.exit_code == 2 and "--resume" in again.output
+
+
+def _fake_result(spec, limit):
+    tps = {"stock": 1.0, "llamaflash": 2.0, "llamaflash-nospec": 1.9}[spec["config"]] * limit / 100
+    return {"ok": True, "status": "ok", "config": spec["config"], "rep": spec["rep"], "limit_mb": limit,
+            "decode_tps": tps, "prefill_tps": 10.0, "n_gen_done": 4, "tokens": [1, 2, 3, 4, 5],
+            "flash_mode": "offload" if spec["config"] != "stock" else None}
+
+
+def test_an_interrupted_sweep_keeps_its_points_and_resumes(converted, tmp_path, monkeypatch):  # noqa: F811
+    model, sidecar = converted
+    monkeypatch.setattr(memlimit, "memory_cgroup_support", lambda: (True, "fake"))
+    copies = tmp_path / "copies"
+    opts = lambda: sweep.SweepOptions(model=str(model), sidecar=str(sidecar), budgets_mb=[300, 200],  # noqa: E731
+                                      private_copy_dir=str(copies), **SMALL)
+    calls = []
+
+    def interrupting(spec, limit, files, timeout):
+        calls.append((limit, spec["config"]))
+        assert all(str(copies) in str(f) for f in files)  # the runs see the private copies
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return _fake_result(spec, limit)
+
+    path = tmp_path / "sweep.json"
+    lines: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep(opts(), path, runner=interrupting, echo=lines.append)
+    kept = json.loads(path.read_text())
+    assert len(kept["runs"]) == 2 and kept["complete"] is False
+    assert any("--resume" in ln for ln in lines)
+    assert list(copies.iterdir()) == []  # the copies this sweep made are gone
+    with pytest.raises(FileExistsError):
+        sweep.run_sweep(opts(), path, runner=interrupting)
+    other = opts()
+    other.n_gen = 5
+    with pytest.raises(ValueError, match="another sweep.*n_gen"):
+        sweep.run_sweep(other, path, resume=True, runner=interrupting)
+    resumed = []
+
+    def recording(spec, limit, files, timeout):
+        resumed.append((limit, spec["config"]))
+        return _fake_result(spec, limit)
+    payload = sweep.run_sweep(opts(), path, resume=True, runner=recording)
+    assert len(resumed) == 4 and not set(resumed) & set(calls[:2])  # only the points it lacked
+    assert payload["complete"] and len({sweep.run_key(r) for r in payload["runs"]}) == 6
+    assert list(copies.iterdir()) == []
+    rows = sweep_report.curve(payload)
+    assert [c["budget_mb"] for c in rows] == [200, 300]
+    assert rows[0]["x_stock"] == pytest.approx(2.0) and rows[0]["x_nospec"] == pytest.approx(2 / 1.9)
+    assert rows[0]["same_tokens"] is True
+    table = sweep_report.format_table(payload)
+    assert "x stock" in table and "PREDICTIONS ONLY" not in table
+    if memlimit._pyplot() is not None:
+        assert sweep_report.write_plot(tmp_path / "s.png", payload).stat().st_size > 0
+
+
+def _groups_of_this_process() -> list[Path]:
+    mount = cgroups._v1_mount("memory")
+    if mount is None:
+        return []
+    return [p for p in mount.rglob(f"llamaflash-bench-{os.getpid()}-*") if p.is_dir()]
+
+
+@pytest.mark.skipif(not memlimit.memory_cgroup_support()[0], reason="needs root and cgroup v1 memory groups")
+def test_an_interrupt_inside_a_run_leaves_no_cgroup(converted, tmp_path):  # noqa: F811
+    model, sidecar = converted
+    before = _groups_of_this_process()
+
+    def interrupted_inside(spec, limit, files, timeout):
+        # the run itself is interrupted (as by Ctrl-C) while its process is inside the cgroup
+        code = "import os, signal, time; os.kill(os.getppid(), signal.SIGINT); time.sleep(30)"
+        return cgroups.run_in_cgroup([sys.executable, "-c", code], limit, timeout=60).__dict__
+
+    opts = sweep.SweepOptions(model=str(model), sidecar=str(sidecar), budgets_mb=[300], configs=["stock"], **SMALL)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sweep.run_sweep(opts, tmp_path / "i.json", runner=interrupted_inside, echo=lambda s: None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert _groups_of_this_process() == before
+
+
+@pytest.mark.skipif(not memlimit.memory_cgroup_support()[0], reason="needs root and cgroup v1 memory groups")
+def test_smoke_sweep_on_smollm2(smollm2_sidecar, tmp_path):
+    """Two budgets (the planner's least and one past what stock keeps resident), three configs, the
+    chat set with four tokens per prompt: every run ends ok, the speculative and non-speculative tokens
+    agree, the predictions are beside the measurements. Not a speed measurement."""
+    model, sidecar = smollm2_sidecar
+    view = sweep.predict(model, sidecar, [], 256)
+    budgets = [int(view["least_mb"]) + 12, int(view["stock_need_mb"]) + 40]
+    opts = sweep.SweepOptions(model=str(model), sidecar=str(sidecar), budgets_mb=budgets,
+                              **{**SMALL, "n_ctx": 256, "n_batch": 256, "prompt_set": "chat", "timeout_s": 600})
+    payload = sweep.run_sweep(opts, tmp_path / "smoke.json", echo=lambda s: None)
+    assert [r["status"] for r in payload["runs"]] == ["ok"] * 6, [r.get("error") for r in payload["runs"]]
+    rows = sweep_report.curve(payload)
+    assert [c["lane"] for c in rows] == ["offload", "stock"]
+    assert all(c["same_tokens"] for c in rows)
+    assert rows[0]["predicted"]["llamaflash-nospec"] is not None
+    flash = [r for r in payload["runs"] if r["config"] == "llamaflash"]
+    assert {r["limit_mb"]: r["flash_mode"] for r in flash} == {budgets[0]: "offload", budgets[1]: "stock"}
+    sweep_report.report(payload, tmp_path / "smoke.json", tmp_path / "smoke.png", echo=lambda s: None)
