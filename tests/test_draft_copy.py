@@ -18,15 +18,14 @@ import numpy as np
 import pytest
 
 import llamaflash
-from conftest import FAST_CONVERT
+from synth import FAST_CONVERT
 from llamaflash import _native, draft_plan, planner
 from llamaflash.converters import convert
 from llamaflash.converters.draft_copy import draft_type
 from llamaflash.errors import SidecarError
 from llamaflash.gguf_model import read_base_model, read_tensor_rows
 from llamaflash.sidecar import read_sidecar, validate_pair
-from test_offload import forced_plan, make_plan  # noqa: F401  (module fixture reused)
-from test_speculative import PROMPT, SELF_DRAFT, greedy
+from offload_helpers import PROMPT, SELF_DRAFT, greedy, make_plan
 
 Q = gguf.GGMLQuantizationType
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)

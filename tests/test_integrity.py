@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import llamaflash
-from conftest import FAST_CONVERT
+from synth import FAST_CONVERT
 from llamaflash import _native
 from llamaflash import sidecar_format as fmt
 from llamaflash.cli import main
@@ -27,7 +27,7 @@ from llamaflash.errors import FlashIoError, SidecarIntegrityError
 from llamaflash.gguf_model import base_identity, read_base_model
 from llamaflash.integrity import verify_files
 from llamaflash.sidecar import read_sidecar, validate_pair
-from test_offload import KW, forced_plan, make_plan  # noqa: F401  (fixture)
+from offload_helpers import C, KW, make_plan
 
 
 def crc32c_reference(data: bytes) -> int:
@@ -164,7 +164,6 @@ def test_a_cluster_checked_by_its_compute_thread_fails_the_eval_every_time(conve
     # in flight to overlap with): damage only that cluster's rows. The slot is dropped, so the next
     # eval reads and checks it again and fails again, never computing from it.
     m, s, lay = _copies(converted, tmp_path)
-    from test_offload import C
     last = (lay.n_ff - 1) // C
     for row in range(last * C, lay.n_ff):
         _flip(s, lay.down_t_offset + row * lay.down_t_row_bytes)

@@ -5,7 +5,7 @@ into ~/.cache/llamaflash (see llamaflash.assets), converted into a temporary sid
 stock llama-cpp-python and llamaflash in one process. Expected: greedy 64 tokens identical, prompt
 logits within 1e-5 of the largest logit (in practice bit-identical: same kernels, same bytes).
 Flash offload on SmolLM2 with its calibrated sidecar (conftest.smollm2_sidecar) against the in-memory sparse lane:
-the same tokens and prompt logits, with the gate resident or streamed.
+the same tokens and bit-identical prompt logits, with the gate resident or streamed.
 """
 from __future__ import annotations
 
@@ -82,4 +82,5 @@ def test_real_offload_matches_the_in_memory_sparse_lane(stream_gate, smollm2_sid
 
     assert out["gate_streamed"] == stream_gate and out["hot"] > 0 and out["bytes_read"] > 0
     assert out["generated"] == ref.generated
-    assert rel_max_diff(ref.prompt_logits, np.array(out["prompt_logits"], dtype=np.float32)) <= TOLERANCE
+    # the same bytes through the same kernels, reduced in cluster order in both: bit-identical
+    assert np.array_equal(ref.prompt_logits, np.array(out["prompt_logits"], dtype=np.float32))
