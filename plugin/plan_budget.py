@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import _native
 from .gguf_header import GGUFHeader
 from .plan_clusters import ClusterTable
 from .plan_llama_share import MiB, llama_share, vocabulary_size
@@ -42,11 +43,11 @@ GATE_WINDOW_LAYERS = 2
 
 
 def draft_copy_bytes(info: SidecarInfo) -> int | None:
-    """Bytes the engine allocates for the sidecar's draft copy (csrc/offload_state.cpp: both tensors of
-    every layer, each rounded up to a page); None when a served layer has no draft copy."""
+    """Bytes the engine allocates for the sidecar's draft copy (both tensors of every layer, by the
+    engine's own formula: ``_native.draft_copy_tensor_bytes``); None when a served layer has no draft copy."""
     if any(lay.draft_type is None for lay in info.layers):
         return None
-    return sum(2 * (-(-lay.n_ff * lay.draft_row_bytes // 4096) * 4096) for lay in info.layers)
+    return sum(2 * int(_native.draft_copy_tensor_bytes(lay.n_ff, lay.draft_row_bytes)) for lay in info.layers)
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,13 @@ def cold_bytes(req: PlanRequest, table: ClusterTable) -> int:
 
 
 def verify_bytes(req: PlanRequest, table: ClusterTable) -> int:
-    """A speculative verify batch: the logits of its other rows (llama.cpp's output buffer), and the
-    sparse lane's per-(cluster, token) partial sums (sparse_ffn.h, cluster phase)."""
-    n_embd = max(lay.n_embd for lay in req.info.layers)
-    return ((VERIFY_ROWS - 1) * vocabulary_size(req.header) * 4
-            + VERIFY_ROWS * table.max_clusters_per_layer * n_embd * 4)
+    """A speculative verify batch of VERIFY_ROWS tokens: the logits of its other rows (llama.cpp's
+    output buffer), and the sparse lane's scratch for it (its per-(cluster, token) partial sums and
+    quantized activations, one thread's partials: the engine's own formula,
+    ``_native.sparse_scratch_bytes``)."""
+    scratch = max(int(_native.sparse_scratch_bytes(lay.gate_type, lay.up_type, lay.n_embd, VERIFY_ROWS, 1,
+                                                   table.max_clusters_per_layer)) for lay in req.info.layers)
+    return (VERIFY_ROWS - 1) * vocabulary_size(req.header) * 4 + scratch
 
 
 def cache_floor_bytes(req: PlanRequest, table: ClusterTable) -> int:

@@ -39,7 +39,7 @@ def part_reasons(req: PlanRequest, layout: Layout, choice: "CacheChoice", spare:
                        "from flash per token",
         "cold_slots": f"{1 + req.prefetch_layers} layers x {max_clusters} clusters: current layer + read-ahead",
         "verify_buffers": f"a {VERIFY_ROWS}-token speculative verify batch: {VERIFY_ROWS - 1} more logits rows, and the "
-                          f"sparse lane's partial sums ({VERIFY_ROWS} tokens x {max_clusters} clusters x n_embd floats)",
+                          f"sparse lane's scratch (partial sums: {VERIFY_ROWS} tokens x {max_clusters} clusters x n_embd floats)",
         "hot_slots": f"{choice.hot_slots} pinned clusters x {choice.table.slot_bytes // 1024} KiB, by P(needed) then sum f",
         "margin": f"{MARGIN_FIXED_BYTES // MiB} MiB + {MARGIN_FRACTION:.0%} of the rest, + {spare / MiB:.1f} MiB "
                   "left over (slot rounding, or more than all clusters need)",
