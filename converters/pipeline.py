@@ -45,7 +45,9 @@ from llamaflash.converters.writer import (
     write_sidecar_atomically,
 )
 from llamaflash.converters.integrity import IntegrityStage
+from llamaflash.converters.moe_convert import convert_experts
 from llamaflash.errors import ConversionError, OutputExistsError
+from llamaflash.experts import read_moe_model
 from llamaflash.gguf_model import (
     BaseModelInfo,
     FfnLayer,
@@ -163,6 +165,19 @@ def convert(
     t_start = time.perf_counter()
     model_path = Path(model_path)
     model = read_base_model(model_path)
+    moe = read_moe_model(model.header) if model.header is not None else None
+    if moe is not None:  # a mixture-of-experts model: the expert sidecar (converters/moe_convert.py)
+        out = Path(out_path) if out_path is not None else default_sidecar_path(model_path)
+        if out.exists() and os.path.samefile(out, model_path):
+            raise ConversionError(f"{out}: the output would overwrite the base model. Choose another output path (-o).")
+        from llamaflash.converters.calibrate import _calibration_source
+
+        source = _calibration_source(opts) if opts.profile else None
+        return convert_experts(model_path, model, moe, out, force=force, progress=progress,
+                               calib_text=source.text if source is not None else None,
+                               calib_tokens=opts.calib_tokens,
+                               calib_source=source.source if source is not None else "",
+                               n_threads=opts.n_threads)
     require_supported(model)
     draft_type(model.n_embd, opts.draft_type)  # a named type must divide n_embd: refused before any work
     out = Path(out_path) if out_path is not None else default_sidecar_path(model_path)

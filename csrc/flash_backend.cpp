@@ -31,6 +31,9 @@ bool is_served_weight(const ggml_tensor * w, FfnWeightKind * kind = nullptr) {
     }
     WeightRegistry & registry = WeightRegistry::instance();
     if (const BoundWeight * bound = registry.lookup(w)) {
+        if (bound->experts) {
+            return false;
+        }
         if (kind != nullptr) {
             *kind = bound->kind;
         }
@@ -48,6 +51,20 @@ bool is_served_weight(const ggml_tensor * w, FfnWeightKind * kind = nullptr) {
     return false;
 }
 
+// A routed expert tensor (blk.N.ffn_*_exps) the device serves: bound, or named by the pending model.
+bool is_served_expert_weight(const ggml_tensor * w, ExpertTensorKind * kind) {
+    if (w == nullptr || w->buffer == nullptr || !is_phantom_buffer_type(w->buffer->buft)) {
+        return false;
+    }
+    WeightRegistry & registry = WeightRegistry::instance();
+    if (const BoundWeight * bound = registry.lookup(w)) {
+        *kind = bound->expert_kind;
+        return bound->experts != nullptr;
+    }
+    int layer;
+    return registry.pending_serves(w->name) && parse_expert_weight_name(w->name, &layer, kind);
+}
+
 // The element-wise ops architectures put between the FFN projections: activation, GLU, scaling, bias.
 bool is_ffn_elementwise_op(ggml_op op) {
     switch (op) {
@@ -59,6 +76,7 @@ bool is_ffn_elementwise_op(ggml_op op) {
         case GGML_OP_CLAMP:
         case GGML_OP_SQR:
         case GGML_OP_DIV:
+        case GGML_OP_ADD_ID:  // per-expert biases (gpt-oss)
             return true;
         default:
             return false;
@@ -75,6 +93,10 @@ bool derives_from_ffn_projection(const ggml_tensor * t, int depth) {
     if (t->op == GGML_OP_MUL_MAT) {
         FfnWeightKind kind;
         return is_served_weight(t->src[0], &kind) && kind != FfnWeightKind::down;
+    }
+    if (t->op == GGML_OP_MUL_MAT_ID) {
+        ExpertTensorKind kind;
+        return is_served_expert_weight(t->src[0], &kind) && kind != ExpertTensorKind::down;
     }
     if (!is_ffn_elementwise_op(t->op)) {
         return false;
@@ -104,6 +126,11 @@ bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
             return lives_in_phantom_buffer(op);
         case GGML_OP_MUL_MAT:
             return is_served_weight(op->src[0]) && op->src[1] != nullptr && op->src[1]->type == GGML_TYPE_F32;
+        case GGML_OP_MUL_MAT_ID: {
+            ExpertTensorKind kind;
+            return is_served_expert_weight(op->src[0], &kind) && op->src[1]->type == GGML_TYPE_F32 &&
+                   op->src[2] != nullptr && op->src[2]->type == GGML_TYPE_I32;
+        }
         default:
             if (!is_ffn_elementwise_op(op->op) || op->type != GGML_TYPE_F32) {
                 return false;

@@ -127,6 +127,11 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
     if (n_nodes == 0) {
         return GGML_STATUS_SUCCESS;
     }
+    // an MoE layer's routed experts: the expert lane (expert_lane.h)
+    const ExpertSplit expert_split = match_expert_split(split);
+    if (expert_split.model != nullptr) {
+        return experts_.compute(split, expert_split, cpu_, n_threads_);
+    }
     const size_t max_tensors = static_cast<size_t>(n_nodes) * (GGML_MAX_SRC + 1);
     const size_t need = max_tensors * ggml_tensor_overhead() + ggml_graph_overhead_custom(max_tensors, false);
     if (arena_.size() < need) {

@@ -17,6 +17,7 @@
 #pragma once
 
 #include "dense_lane.h"
+#include "expert_lane.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "sparse_lane.h"
@@ -46,6 +47,7 @@ private:
     std::vector<uint8_t> arena_;  // metadata memory of the private graph, reused across calls
     DenseLane dense_;
     SparseLane sparse_;
+    ExpertLane experts_;
     int n_threads_ = GGML_DEFAULT_N_THREADS;  // the internal CPU backend's, kept in step by set_n_threads
 };
 

@@ -10,6 +10,7 @@
 // Thread safety: all members lock one mutex; lookups are a hash-map probe.
 #pragma once
 
+#include "expert_model.h"
 #include "flash_model.h"
 
 #include "ggml-backend.h"
@@ -24,11 +25,17 @@ namespace llamaflash {
 
 // Parses "blk.<N>.ffn_gate.weight" / "ffn_up" / "ffn_down". Returns false for any other name.
 bool parse_ffn_weight_name(const char * name, int * layer, FfnWeightKind * kind);
+// Parses "blk.<N>.ffn_{gate,up,down,gate_up}_exps.weight" (an MoE layer's routed expert tensors).
+bool parse_expert_weight_name(const char * name, int * layer, ExpertTensorKind * kind);
 
+// A llama.cpp weight served by llamaflash: an FFN weight of a FlashModel (`model`), or a routed
+// expert tensor of an ExpertModel (`experts`, `expert_kind`). Exactly one of the two is set.
 struct BoundWeight {
     std::shared_ptr<FlashModel> model;
     int layer = -1;
     FfnWeightKind kind = FfnWeightKind::gate;
+    std::shared_ptr<ExpertModel> experts;
+    ExpertTensorKind expert_kind = ExpertTensorKind::up;
 };
 
 class WeightRegistry {
@@ -36,6 +43,8 @@ public:
     static WeightRegistry & instance();
 
     void set_pending(std::shared_ptr<FlashModel> model);
+    // An MoE model whose expert tensors the next load places on the device (instead of a FlashModel).
+    void set_pending_experts(std::shared_ptr<ExpertModel> model);
     void clear_pending();
     std::shared_ptr<FlashModel> pending() const;
 
@@ -62,6 +71,7 @@ public:
 private:
     mutable std::mutex mu_;
     std::shared_ptr<FlashModel> pending_;
+    std::shared_ptr<ExpertModel> pending_experts_;
     struct Entry {
         BoundWeight weight;
         ggml_backend_buffer_t buffer;

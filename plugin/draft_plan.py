@@ -33,7 +33,7 @@ from .plan_llama_share import MiB
 from .speculative import BATCH_INVARIANT_MAX
 
 if TYPE_CHECKING:
-    from .planner import OffloadPlan
+    from .plan_result import OffloadPlan
     from .sidecar import SidecarInfo
 
 _Q = gguf.GGMLQuantizationType

@@ -56,6 +56,9 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  repacked, CPU memory, so that each row of a batch of up to 7 tokens is computed with
                  the bits of decoding it alone (speculative.BATCH_INVARIANT_MAX): verify batches then
                  give exactly the non-speculative tokens. Off: stock llama.cpp's numerics.
+  flash_expert_slots  mixture-of-experts models under ram_budget_mb: expert cache slots per MoE layer
+                 (None: the planner's choice from the budget; given: the engine serves the experts from
+                 flash even when the whole model would fit).
   flash_verify   True (default): every FFN row llamaflash reads is checked against the sidecar's
                  CRC-32C row checksums before anything is computed with it (in memory once at load,
                  offload on every flash read; running as stock with a sidecar, the base model's FFN
@@ -68,6 +71,7 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -81,6 +85,8 @@ from llama_cpp._logger import set_verbose
 
 from . import _native
 from . import engine
+from . import expert_runtime
+from . import experts
 from . import gguf_model
 from . import lane_decision
 from . import offload
@@ -246,6 +252,7 @@ class Llama(llama_cpp.Llama):
         flash_batch_invariant: Optional[bool] = None,
         flash_draft_copy: Optional[bool] = None,
         flash_verify: bool = True,
+        flash_expert_slots: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         self._flash: Optional[_native.FlashModel] = None
@@ -256,6 +263,8 @@ class Llama(llama_cpp.Llama):
         self._base_check: Optional["BaseRowCheck"] = None  # stock with a sidecar: its row check
         self._speculator: Optional[speculative.Speculator] = None
         self._speculation_off_reason: Optional[str] = None
+        self._experts = None  # _native.ExpertModel: an MoE model's experts served from flash
+        self._expert_setup: Optional[expert_runtime.ExpertSetup] = None
         self._flash_mode = _resolve_mode(flash_mode)
         if flash_max_sparse_tokens is None:
             flash_max_sparse_tokens = 1
@@ -264,7 +273,8 @@ class Llama(llama_cpp.Llama):
                             "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine,
                             "flash_stream_gate": flash_stream_gate, "flash_disk_profile": flash_disk_profile,
                             "flash_speculative": flash_speculative, "flash_batch_invariant": flash_batch_invariant,
-                            "flash_draft_copy": flash_draft_copy, "flash_verify": flash_verify}
+                            "flash_draft_copy": flash_draft_copy, "flash_verify": flash_verify,
+                            "flash_expert_slots": flash_expert_slots}
         _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens, flash_dense_up, ram_budget_mb,
                               flash_io_engine, flash_stream_gate, flash_draft_copy, flash_verify)
         if ram_budget_mb is None and (flash_stream_gate is not None or flash_disk_profile is not None or
@@ -290,6 +300,10 @@ class Llama(llama_cpp.Llama):
         # llamaflash loads anything through ggml (repacking weights logs a line per tensor)
         set_verbose(bool(kwargs.get("verbose", True)))
         base = gguf_model.read_base_model(os.fspath(model_path))  # the one parse of the base header
+        moe = experts.read_moe_model(base.header) if base.header is not None else None
+        if moe is not None:
+            self._init_moe(os.fspath(model_path), base, moe, args, kwargs, flash_speculative)
+            return
         sidecar = self._find_sidecar(os.fspath(model_path), sidecar_path, base)
         if sidecar is None and ram_budget_mb is not None:
             raise SidecarNotFoundError(
@@ -382,6 +396,48 @@ class Llama(llama_cpp.Llama):
             elif spec_settings.self_draft:
                 self._speculator.attach_self_draft(speculative.make_self_draft(weakref.ref(self), self.n_vocab()))
 
+    def _init_moe(self, model_path: str, base, moe, args, kwargs, flash_speculative) -> None:
+        """An MoE model: its routed experts from flash under ram_budget_mb (expert_runtime), else stock."""
+        a = self._flash_args
+        if self._flash_args["flash_mode"] not in (None, "auto"):
+            raise ValueError(f"flash_mode={a['flash_mode']!r} is for dense FFN models; '{model_path}' is a "
+                             f"mixture-of-experts model: leave flash_mode unset")
+        setup = expert_runtime.prepare(
+            model_path, base, moe, sidecar_path=a["sidecar_path"], ram_budget_mb=a["ram_budget_mb"],
+            n_ctx=int(kwargs.get("n_ctx", 512)), n_ubatch=kwargs.get("n_ubatch"), io_engine=a["flash_io_engine"],
+            disk_profile=a["flash_disk_profile"], verify=a["flash_verify"], n_slots=a["flash_expert_slots"])
+        self._expert_setup = setup
+        self._flash_decision = lane_decision.Decision(lane_decision.STOCK if setup.model is None else
+                                                      expert_runtime.EXPERTS_MODE, False, setup.reason)
+        spec_settings = speculative.SpeculativeSettings.from_argument(flash_speculative)
+        if spec_settings is not None:
+            spec_settings = dataclasses.replace(spec_settings, self_draft=False)  # no self-draft for experts yet
+        if setup.model is None:
+            self._flash_mode = "stock"
+            if kwargs.get("verbose", True):
+                _say_once(f"llamaflash: '{model_path}': {setup.reason}")
+            self._init_llama(model_path, args, kwargs, spec_settings)
+            return
+        plan = setup.plan
+        kwargs.setdefault("n_batch", plan.n_ubatch)
+        kwargs.setdefault("n_ubatch", plan.n_ubatch)
+        kwargs.setdefault("use_mmap", False)  # the dense part in anonymous memory: not reclaimable
+        _native.register_backend()
+        _native.begin_expert_model_load(setup.model)
+        try:
+            self._init_llama(model_path, args, kwargs, spec_settings)
+        finally:
+            _native.end_model_load()
+        if setup.model.bound_count != moe.n_expert_tensors:
+            self.close()
+            raise LlamaflashError(
+                f"llama.cpp placed {setup.model.bound_count} of the {moe.n_expert_tensors} expert tensors of "
+                f"'{model_path}' on the llamaflash device; the model cannot be served. Check that llama_cpp was "
+                f"not given tensor overrides for expert weights, or run without ram_budget_mb.")
+        self._experts = setup.model
+        self._flash_mode = expert_runtime.EXPERTS_MODE
+        self._flash_sidecar = setup.sidecar
+
     def _init_llama(self, model_path, args, kwargs, spec_settings) -> None:
         """llama_cpp.Llama.__init__, then the speculator as its draft_model. llama-cpp-python's own
         draft path would keep n_ctx x n_vocab logits (it forces logits_all); the speculator's verify
@@ -423,6 +479,13 @@ class Llama(llama_cpp.Llama):
     def _decode_failure(self, e: RuntimeError) -> Exception:
         """What a failed llama_decode means: a served FFN's NaN/inf (NonFiniteOutputError, naming the
         layer), a flash read error (FlashIoError), else `e` itself."""
+        if self._experts is not None:
+            message = self._experts.take_error()
+            if message.startswith(_native.INTEGRITY_ERROR_PREFIX):
+                return SidecarIntegrityError(f"llamaflash: an expert read from flash failed its check: {message}")
+            if message:
+                return FlashIoError(f"llamaflash: reading experts from flash failed: {message}")
+            return e
         bad = self._flash.take_non_finite() if self._flash is not None else ""
         if bad:
             return NonFiniteOutputError(
@@ -527,6 +590,10 @@ class Llama(llama_cpp.Llama):
             fractions = [f for f in stats["active_fraction"].values() if f is not None]
             stats["mean_active_fraction"] = sum(fractions) / len(fractions) if fractions else None
             stats["offload"] = offload.stats(self._flash, self._flash_plan)
+        if self._experts is not None:
+            setup = self._expert_setup
+            stats["experts"] = expert_runtime.stats(self._experts, setup.plan, setup.moe)
+            stats["layers_served"] = len(setup.moe.layers)
         stats["integrity"] = self._integrity_stats(stats.get("offload"))
         stats["speculative"] = self._speculation_stats(stats)
         return stats
@@ -573,6 +640,8 @@ class Llama(llama_cpp.Llama):
         if self._flash is not None:
             self._flash.reset_stats()
             self._flash.reset_cache_stats()
+        if self._experts is not None:
+            self._experts.reset_stats()
         if self._speculator is not None:
             self._speculator.reset_stats()
 
@@ -583,6 +652,7 @@ class Llama(llama_cpp.Llama):
             super().close()
         # after llama.cpp freed its buffers (and with them the registry's references)
         self._flash = None
+        self._experts = None
 
     def __getstate__(self):
         state = super().__getstate__()

@@ -163,3 +163,23 @@ def clean_pair(tiny_llama_q8_0, tmp_path_factory) -> tuple[Path, Path]:
     model = d / "model.gguf"
     shutil.copyfile(tiny_llama_q8_0, model)
     return model, convert(model, progress=False, selection="auto", **FAST_CONVERT)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``make(arch, **spec) -> Path``: a tiny synthetic MoE GGUF of a real llama.cpp architecture
+    (llamaflash.bench.moe_synth's "tiny" preset with ``spec`` overrides), written once per distinct
+    (arch, spec) per session. The vocabulary comes from the verified llama-cpp-python sdist (cached)."""
+    from llamaflash.bench.moe_synth import generate, preset_spec
+
+    root = tmp_path_factory.mktemp("tiny-moe")
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str, **spec) -> Path:
+        key = (arch, tuple(sorted(spec.items())))
+        if key not in cache:
+            name = "-".join([arch] + [f"{k}{v}" for k, v in sorted(spec.items())]) + ".gguf"
+            cache[key] = generate(preset_spec("tiny", arch=arch, **spec), root / name)
+        return cache[key]
+
+    return make

@@ -48,7 +48,11 @@ PROGRESS_MARK = "@@BENCH_PROGRESS@@ "
 # Configs that run stock llama-cpp-python.  "stock2" is a second, identical stock config used to
 # check the ratio machinery (it should come out at ~1.0x).  Every other config name is a llamaflash
 # config (by default its name is the flash_mode: "dense", ...).
-STOCK_CONFIGS = ("stock", "stock2")
+STOCK_CONFIGS = ("stock", "stock2", "stock-norepack")
+#: stock llama.cpp with plain (not repacked) weights and flash attention: llama-cli's --no-repack, the
+#: stock configuration that runs an MoE model file-backed (and the numerics llamaflash's expert offload
+#: reproduces bit for bit)
+STOCK_NO_REPACK = "stock-norepack"
 
 WARMUP_TOKENS = 8
 
@@ -133,6 +137,13 @@ def _load(spec: dict):
         verbose=False,
         logits_all=bool(spec.get("logits_all", False)),
     )
+    if config == STOCK_NO_REPACK:
+        from llama_cpp import Llama
+
+        from llamaflash.speculative import batch_invariant_weights
+
+        with batch_invariant_weights():
+            return Llama(**common_kwargs, flash_attn=True)
     if config in STOCK_CONFIGS or spec.get("mode") == "tokenize":
         from llama_cpp import Llama
 
@@ -149,7 +160,7 @@ def _load(spec: dict):
     if flash_mode == "sparse" and spec.get("mode") == "ppl":
         # every token of the scored batches through the sparse lane, as in decode
         extra["flash_max_sparse_tokens"] = common_kwargs["n_batch"]
-    for key in ("flash_speculative", "flash_draft_copy"):
+    for key in ("flash_speculative", "flash_draft_copy", "flash_expert_slots"):
         if key in spec:
             extra[key] = spec[key]
     budget = spec.get("ram_budget_mb")

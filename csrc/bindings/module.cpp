@@ -21,6 +21,7 @@ using namespace llamaflash;
 void bind_flash_io(py::module_ & m);  // bindings/flash_io.cpp
 void bind_engine(py::module_ & m);    // bindings/engine.cpp
 void bind_offload(py::module_ & m);   // bindings/offload.cpp (after FlashModel is bound)
+void bind_experts(py::module_ & m);   // bindings/experts.cpp
 
 namespace {
 
@@ -39,6 +40,7 @@ PYBIND11_MODULE(_native, m) {
 
     bind_engine(m);
     bind_offload(m);
+    bind_experts(m);
 
     m.def("begin_model_load", [](std::shared_ptr<FlashModel> model) {
         WeightRegistry::instance().set_pending(std::move(model));

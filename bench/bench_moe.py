@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Mixture-of-Experts models under memory limits: stock llama-cpp-python vs llamaflash's expert offload.
+
+    python bench/bench_moe.py --model moe.gguf --fractions 0.333 0.5 --reps 2 --json out.json
+
+The model is one that `python -m llamaflash.bench.moe_synth` generated (a real llama.cpp MoE
+architecture with random weights: results are SYNTHETIC and labelled so) or any MoE GGUF, with its
+expert sidecar (`llamaflash convert MODEL`). Every (rep, limit, config) runs in a fresh process in a
+fresh memory cgroup of that limit, the files evicted first (bench/lab/memlimit.py). Configs:
+  stock            llama-cpp-python defaults (repacks Q4_K experts into anonymous memory: OOM under
+                   a limit smaller than the model)
+  stock-norepack   use_extra_bufts=False + flash attention (llama-cli --no-repack): weights stay
+                   file-backed; the stock configuration that runs under a limit, and the numerics
+                   llamaflash reproduces exactly (its greedy tokens must equal llamaflash's)
+  llamaflash-nospec  Llama(ram_budget_mb=limit): experts served from flash through the expert cache
+Per llamaflash row it adds the expert engine's statistics (hit rate, prefetch recall and waste, MB read
+per token, I/O wait per token), the I/O bound (disk bandwidth for expert-sized direct reads, from the
+disk probe, divided by the bytes read per token) and decode as a share of it, the speed-up over
+stock-norepack, and the routing statistics recorded in the sidecar.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402,F401
+
+from llamaflash.bench import memlimit  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="MoE .gguf (its expert sidecar beside it, or --sidecar)")
+    p.add_argument("--sidecar", default=None)
+    p.add_argument("--fractions", type=float, nargs="+", default=[1 / 3, 1 / 2],
+                   help="memory limits as fractions of the model file's size")
+    p.add_argument("--limits", type=int, nargs="*", default=None, help="memory limits in MiB (instead of fractions)")
+    p.add_argument("--configs", default="stock,stock-norepack,llamaflash-nospec")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--n-gen", type=int, default=32)
+    p.add_argument("--n-ctx", type=int, default=512)
+    p.add_argument("--max-decode-s", type=float, default=60.0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--quiet-wait", type=float, default=30.0)
+    p.add_argument("--label", default="synthetic (random weights)", help="what the model is, for the report")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def disk_mb_s(sidecar: Path, read_bytes: float, depth: int) -> tuple[float, str]:
+    """The disk's throughput for reads of ``read_bytes`` at ``depth``: the saved probe of the sidecar's
+    filesystem, measured now when there is none."""
+    from llamaflash import disk_probe
+    from llamaflash.planner import disk_throughput
+
+    profile = disk_probe.saved_profile(sidecar)
+    if profile is None:
+        profile = disk_probe.resolve_profile("probe", sidecar)
+    return disk_throughput(profile, read_bytes, depth) / 1e6, str(profile.get("saved_at", profile.get("source")))
+
+
+def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
+    """Per (limit, config): decode/prefill medians, the expert statistics and the I/O bound."""
+    from llamaflash import expert_sidecar
+    from llamaflash.expert_plan import EXPERT_READ_DEPTH
+    from llamaflash.experts import read_moe_model
+    from llamaflash.gguf_header import read_gguf_header
+
+    moe = read_moe_model(read_gguf_header(model))
+    info = expert_sidecar.read_expert_sidecar(sidecar)
+    tensor_bytes = moe.layers[0].expert_bytes / len(moe.layers[0].tensors)
+    mb_s, profile = disk_mb_s(sidecar, tensor_bytes, EXPERT_READ_DEPTH)
+    rows = []
+    for limit in payload["limits_mb"]:
+        by_config = {}
+        for config in payload["options"]["configs"]:
+            runs = [r for r in payload["runs"] if r["config"] == config and r["limit_mb"] == limit]
+            ok = [r for r in runs if r.get("ok")]
+            row = {"limit_mb": limit, "config": config, "runs": len(runs), "ok": len(ok),
+                   "status": sorted({r["status"] for r in runs}),
+                   "decode_tps": median([r["decode_tps"] for r in ok if r.get("decode_tps")]) if ok else None,
+                   "prefill_tps": median([r["prefill_tps"] for r in ok]) if ok else None,
+                   "load_s": median([r["load_s"] for r in ok]) if ok else None,
+                   "cg_peak_mb": median([r["cg_peak_mb"] for r in ok if r.get("cg_peak_mb")]) if ok else None,
+                   "decode_read_mb_per_tok": median([r["read_bytes_phases"]["decode"] / max(1, r["n_gen_done"]) / 1e6
+                                                     for r in ok]) if ok else None,
+                   "tokens": ok[0].get("tokens") if ok else None}
+            ex = [r["flash_stats"]["experts"] for r in ok if (r.get("flash_stats") or {}).get("experts")]
+            if ex:
+                def med(key):
+                    vals = [e[key] for e in ex if e.get(key) is not None]
+                    return median(vals) if vals else None
+                per_tok = med("bytes_read_per_token")
+                row["experts"] = {k: med(k) for k in ("hit_rate", "prefetch_recall", "prefetch_waste",
+                                                      "bytes_read_per_token", "io_wait_per_token_s",
+                                                      "slots_per_layer", "pinned_per_layer",
+                                                      "predicted_miss_rate")}
+                row["io_bound_tps"] = mb_s * 1e6 / per_tok if per_tok else None
+                row["of_io_bound"] = (row["decode_tps"] / row["io_bound_tps"]
+                                      if row["io_bound_tps"] and row["decode_tps"] else None)
+            by_config[config] = row
+            rows.append(row)
+        ref = by_config.get("stock-norepack")
+        for config, row in by_config.items():
+            if ref and ref.get("decode_tps") and row.get("decode_tps"):
+                row["x_stock_norepack"] = row["decode_tps"] / ref["decode_tps"]
+            if ref and ref.get("tokens") and row.get("tokens") and config != "stock-norepack":
+                row["tokens_equal_stock_norepack"] = row["tokens"] == ref["tokens"]
+    payload["moe"] = {"label": payload.get("label"), "disk_mb_s": mb_s, "disk_profile": profile,
+                      "read_bytes": tensor_bytes, "architecture": moe.architecture, "n_layer": len(moe.layers),
+                      "n_expert": moe.n_expert, "n_used": moe.n_used, "file_bytes": moe.file_size,
+                      "expert_bytes": moe.expert_bytes_total,
+                      "routing": {"tokens": info.routing_tokens, "source": info.routing_source,
+                                  "reuse_mean": float(sum(s.reuse for s in info.layers) / len(info.layers))}}
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    out = [f"{'limit':>6} {'config':<18} {'decode':>7} {'x':>6} {'prefill':>8} {'hit':>5} {'MB/tok':>7} "
+           f"{'bound':>6} {'of':>5} {'recall':>6} {'waste':>6} {'wait/tok':>8} {'same':>5} status"]
+    for r in rows:
+        e = r.get("experts") or {}
+
+        def f(v, spec):
+            return format(v, spec) if v is not None else "-"
+        out.append(f"{r['limit_mb']!s:>6} {r['config']:<18} {f(r['decode_tps'], '7.2f')} {f(r.get('x_stock_norepack'), '6.2f')} "
+                   f"{f(r['prefill_tps'], '8.1f')} {f(e.get('hit_rate'), '5.2f')} "
+                   f"{f((e.get('bytes_read_per_token') or 0) / 1e6 if e else None, '7.1f')} "
+                   f"{f(r.get('io_bound_tps'), '6.2f')} {f(r.get('of_io_bound'), '5.2f')} "
+                   f"{f(e.get('prefetch_recall'), '6.2f')} {f(e.get('prefetch_waste'), '6.2f')} "
+                   f"{f(e.get('io_wait_per_token_s'), '8.3f')} {str(r.get('tokens_equal_stock_norepack', '-')):>5} "
+                   f"{','.join(r['status'])}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    model = Path(a.model).expanduser().resolve()
+    sidecar = Path(a.sidecar).expanduser().resolve() if a.sidecar else model.with_name(model.stem + ".flash.gguf")
+    size_mib = model.stat().st_size / MiB
+    limits = a.limits or [int(size_mib * f) for f in a.fractions]
+    opts = memlimit.BenchOptions(model=str(model), limits_mb=limits, configs=a.configs.split(","),
+                                 sidecar=str(sidecar), reps=a.reps, threads=a.threads, n_prompt=a.prompt_tokens,
+                                 n_gen=a.n_gen, n_ctx=a.n_ctx, n_batch=256, max_decode_s=a.max_decode_s,
+                                 timeout_s=a.timeout, quiet_wait_s=a.quiet_wait)
+    print(f"model {model} ({size_mib:.0f} MiB, {a.label}); limits {limits} MiB")
+    payload = memlimit.run_benchmark(opts)
+    payload["label"] = a.label
+    rows = moe_rows(payload, model, sidecar)
+    payload["moe_rows"] = rows
+    print(format_rows(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(payload, indent=1, default=str))
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

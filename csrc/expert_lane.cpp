@@ -1,0 +1,336 @@
+// expert_lane.cpp — see expert_lane.h.
+#include "expert_lane.h"
+
+#include "ggml-cpu.h"
+#include "integrity.h"
+#include "weight_registry.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <exception>
+
+namespace llamaflash {
+
+struct ExpertLane::Matmul {
+    ExpertTensorKind kind = ExpertTensorKind::up;
+    int64_t ne0 = 0;                         // input length (src1 row, weight row)
+    size_t row_bytes = 0;                    // one weight row
+    ggml_vec_dot_t vec_dot = nullptr;
+    ggml_from_float_t from_float = nullptr;  // nullptr: src1 rows are used as they are (f32 vec_dot)
+    std::vector<const uint8_t *> weight;     // by expert: its slice in the cache this round, or nullptr
+    std::vector<int32_t> pairs;              // (expert, k, t) triples of the round, by expert then t
+    std::vector<std::vector<uint8_t>> qrow;  // per thread: src1's row in the vec_dot type
+    std::vector<float> staged;               // several rounds: every pair's output, kept across rounds
+};
+
+namespace {
+
+// One custom MUL_MAT_ID node: dst [ne1 rows, n_used, T] f32, src[0] = src1 [ne0, ne11, T] f32.
+// Tasks are (pair, chunk of output rows), split over threads in contiguous blocks so that a
+// thread's pairs share their expert's weights while they sit in its cache.
+void expert_matmul(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    auto * mm = static_cast<ExpertLane::Matmul *>(userdata);
+    const ggml_tensor * src1 = dst->src[0];
+    const int64_t n_pairs = static_cast<int64_t>(mm->pairs.size() / 3);
+    if (n_pairs == 0) {
+        return;
+    }
+    const int64_t n_rows = dst->ne[0];
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((nth + n_pairs - 1) / n_pairs, n_rows / 16));
+    const int64_t n_tasks = n_pairs * chunks;
+    const int64_t task0 = n_tasks * ith / nth, task1 = n_tasks * (ith + 1) / nth;
+    if (static_cast<size_t>(ith) >= mm->qrow.size()) {
+        GGML_ABORT("llamaflash: expert lane ran with more threads than it prepared for");
+    }
+    int64_t quantized_pair = -1;
+    for (int64_t task = task0; task < task1; ++task) {
+        const int64_t p = task / chunks, c = task % chunks;
+        const int32_t e = mm->pairs[3 * p], k = mm->pairs[3 * p + 1], t = mm->pairs[3 * p + 2];
+        const char * x = static_cast<const char *>(src1->data) + (k % src1->ne[1]) * src1->nb[1] + t * src1->nb[2];
+        const void * q = x;
+        if (mm->from_float != nullptr) {
+            if (quantized_pair != p) {
+                mm->from_float(reinterpret_cast<const float *>(x), mm->qrow[static_cast<size_t>(ith)].data(), mm->ne0);
+                quantized_pair = p;
+            }
+            q = mm->qrow[static_cast<size_t>(ith)].data();
+        }
+        const uint8_t * w = mm->weight[static_cast<size_t>(e)];
+        float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + k * dst->nb[1] + t * dst->nb[2]);
+        const int64_t r0 = n_rows * c / chunks, r1 = n_rows * (c + 1) / chunks;
+        for (int64_t r = r0; r < r1; ++r) {
+            mm->vec_dot(static_cast<int>(mm->ne0), &out[r], 0, w + static_cast<size_t>(r) * mm->row_bytes, 0, q, 0, 1);
+        }
+    }
+}
+
+// dst (the original node's memory) = src[0] (the staged outputs of all pairs so far), rows split
+// over threads. In-place element-wise ops after a MUL_MAT_ID (ggml-alloc lets ADD_ID, GLU, ... write
+// into their input) then start every round from the exact products, as one pass over all experts would.
+void copy_staged(ggml_tensor * dst, int ith, int nth, void *) {
+    const ggml_tensor * src = dst->src[0];
+    const int64_t rows = ggml_nrows(dst);
+    const size_t row_bytes = static_cast<size_t>(dst->ne[0]) * sizeof(float);
+    for (int64_t r = rows * ith / nth; r < rows * (ith + 1) / nth; ++r) {
+        const int64_t i1 = r % dst->ne[1], i2 = r / dst->ne[1];
+        std::memcpy(static_cast<char *>(dst->data) + i1 * dst->nb[1] + i2 * dst->nb[2],
+                    static_cast<const char *>(src->data) + i1 * src->nb[1] + i2 * src->nb[2], row_bytes);
+    }
+}
+
+// A leaf over `t`'s memory (same type, shape, strides), so nothing computed outside the split is
+// recomputed.
+ggml_tensor * leaf_over(ggml_context * ctx, const ggml_tensor * t) {
+    ggml_tensor * leaf = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
+    std::memcpy(leaf->nb, t->nb, sizeof(leaf->nb));
+    leaf->data = t->data;
+    leaf->buffer = t->buffer;
+    leaf->extra = t->extra;
+    std::memcpy(leaf->name, t->name, sizeof(leaf->name));
+    return leaf;
+}
+
+const BoundWeight * bound_expert(const ggml_tensor * node) {
+    if (node->op != GGML_OP_MUL_MAT_ID) {
+        return nullptr;
+    }
+    const BoundWeight * b = WeightRegistry::instance().lookup(node->src[0]);
+    return b != nullptr && b->experts ? b : nullptr;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+ExpertSplit match_expert_split(const ggml_cgraph * split) {
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+        if (const BoundWeight * b = bound_expert(ggml_graph_node(g, i))) {
+            return ExpertSplit{b->experts.get(), b->experts->position(b->layer)};
+        }
+    }
+    return ExpertSplit{};
+}
+
+ExpertLane::ExpertLane() = default;
+ExpertLane::~ExpertLane() = default;
+
+ggml_tensor * ExpertLane::mirror(ggml_context * ctx, const ggml_tensor * t) {
+    auto it = mirror_.find(t);
+    if (it != mirror_.end()) {
+        return it->second;
+    }
+    ggml_tensor * m = t->op == GGML_OP_NONE ? const_cast<ggml_tensor *>(t) : leaf_over(ctx, t);
+    mirror_.emplace(t, m);
+    return m;
+}
+
+ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu,
+                                int n_threads) {
+    ExpertModel & model = *match.model;
+    const ExpertLayerSpec & spec = model.layer_spec(match.position);
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    const int n_nodes = ggml_graph_n_nodes(g);
+    const auto t_begin = std::chrono::steady_clock::now();
+
+    // the routing: ids [n_used, T] i32, shared by the split's MUL_MAT_IDs
+    const ggml_tensor * ids = nullptr;
+    const ggml_tensor * x = nullptr;  // the FFN input [n_embd, 1, T], when computed before the split
+    for (int i = 0; i < n_nodes; ++i) {
+        const ggml_tensor * node = ggml_graph_node(g, i);
+        if (bound_expert(node) == nullptr) {
+            continue;
+        }
+        if (ids != nullptr && node->src[2] != ids) {
+            GGML_ABORT("llamaflash: expert split of layer %d uses two routings", spec.layer);
+        }
+        ids = node->src[2];
+        if (x == nullptr && node->src[1]->ne[1] == 1) {
+            x = node->src[1];
+        }
+    }
+    const int64_t n_used = ids->ne[0], n_tokens = ids->ne[1];
+    std::vector<char> needed(static_cast<size_t>(spec.n_expert), 0);
+    std::vector<int32_t> expert_of(static_cast<size_t>(n_used * n_tokens));
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        const int32_t * row = reinterpret_cast<const int32_t *>(static_cast<const char *>(ids->data) + t * ids->nb[1]);
+        for (int64_t k = 0; k < n_used; ++k) {
+            if (row[k] < 0 || row[k] >= spec.n_expert) {
+                GGML_ABORT("llamaflash: expert id %d out of range in layer %d", row[k], spec.layer);
+            }
+            expert_of[static_cast<size_t>(t * n_used + k)] = row[k];
+            needed[static_cast<size_t>(row[k])] = 1;
+        }
+    }
+    for (int i = 0; i < n_nodes && x != nullptr; ++i) {
+        if (ggml_graph_node(g, i) == x) {
+            x = nullptr;  // computed inside the split: not known before it runs
+        }
+    }
+
+    // the rounds: resident experts first, then the misses, at most capacity() per round
+    std::lock_guard<std::mutex> lock(model.lane_mutex());
+    ExpertCache & cache = model.cache();
+    std::vector<int> order;
+    std::vector<char> placed(static_cast<size_t>(spec.n_expert), 0);
+    for (int e : cache.resident_experts(match.position)) {
+        if (needed[static_cast<size_t>(e)]) {
+            order.push_back(e);
+            placed[static_cast<size_t>(e)] = 1;
+        }
+    }
+    for (int e = 0; e < spec.n_expert; ++e) {
+        if (needed[static_cast<size_t>(e)] && !placed[static_cast<size_t>(e)]) {
+            order.push_back(e);
+        }
+    }
+    std::vector<std::vector<int>> rounds_of;
+    for (size_t next = 0; next < order.size();) {
+        std::vector<int> round;
+        while (next < order.size()) {
+            round.push_back(order[next]);
+            if (static_cast<int>(round.size()) > cache.capacity(match.position, round)) {
+                round.pop_back();
+                break;
+            }
+            ++next;
+        }
+        std::sort(round.begin(), round.end());
+        rounds_of.push_back(std::move(round));
+    }
+    const bool staged = rounds_of.size() > 1;
+
+    // the private graph: every node mirrored, MUL_MAT_IDs over the cache
+    const size_t max_tensors = static_cast<size_t>(n_nodes) * (GGML_MAX_SRC + 1);
+    const size_t need = max_tensors * ggml_tensor_overhead() + ggml_graph_overhead_custom(max_tensors, false);
+    if (arena_.size() < need) {
+        arena_.resize(need);
+    }
+    ggml_init_params params = {arena_.size(), arena_.data(), true};
+    ggml_context * ctx = ggml_init(params);
+    ggml_cgraph * graph = ggml_new_graph_custom(ctx, max_tensors, false);
+    mirror_.clear();
+    size_t n_matmuls = 0;
+    for (int i = 0; i < n_nodes; ++i) {
+        const ggml_tensor * node = ggml_graph_node(g, i);
+        ggml_tensor * m = nullptr;
+        if (const BoundWeight * b = bound_expert(node)) {
+            if (b->experts.get() != &model || b->layer != spec.layer) {
+                GGML_ABORT("llamaflash: expert split mixes layers or models");
+            }
+            const ExpertTensorSpec * t = model.tensor(match.position, b->expert_kind);
+            const ggml_tensor * src1 = node->src[1];
+            if (t == nullptr || t->type != node->src[0]->type || t->ne0 != node->src[0]->ne[0] ||
+                t->ne1 != node->src[0]->ne[1] || src1->type != GGML_TYPE_F32 || src1->nb[0] != sizeof(float) ||
+                node->type != GGML_TYPE_F32 || node->nb[0] != sizeof(float)) {
+                GGML_ABORT("llamaflash: expert weight '%s' differs from the sidecar's description", node->src[0]->name);
+            }
+            if (matmuls_.size() <= n_matmuls) {
+                matmuls_.push_back(std::make_unique<Matmul>());
+            }
+            Matmul & mm = *matmuls_[n_matmuls++];
+            const ggml_type type = static_cast<ggml_type>(t->type);
+            const ggml_type_traits_cpu * traits = ggml_get_type_traits_cpu(type);
+            mm.kind = t->kind;
+            mm.ne0 = t->ne0;
+            mm.row_bytes = ggml_row_size(type, t->ne0);
+            mm.vec_dot = traits->vec_dot;
+            mm.from_float = traits->vec_dot_type == GGML_TYPE_F32
+                                ? nullptr
+                                : ggml_get_type_traits_cpu(traits->vec_dot_type)->from_float;
+            mm.weight.assign(static_cast<size_t>(spec.n_expert), nullptr);
+            mm.qrow.resize(static_cast<size_t>(std::max(1, n_threads)));
+            for (auto & q : mm.qrow) {
+                q.resize(ggml_row_size(traits->vec_dot_type, t->ne0));
+            }
+            ggml_tensor * args[2] = {mirror(ctx, src1), mirror(ctx, node->src[2])};
+            m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], args, 2,
+                               expert_matmul, GGML_N_TASKS_MAX, &mm);
+            if (staged) {  // products land in a private buffer, copied into the node's memory each round
+                mm.staged.resize(static_cast<size_t>(ggml_nelements(node)));
+                m->data = mm.staged.data();
+                ggml_tensor * copy_args[1] = {m};
+                m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], copy_args,
+                                   1, copy_staged, GGML_N_TASKS_MAX, nullptr);
+            }
+            std::memcpy(m->nb, node->nb, sizeof(m->nb));
+            m->data = node->data;
+            m->buffer = node->buffer;
+            std::memcpy(m->name, node->name, sizeof(m->name));
+        } else {
+            m = ggml_new_tensor(ctx, node->type, GGML_MAX_DIMS, node->ne);
+            std::memcpy(m->nb, node->nb, sizeof(m->nb));
+            m->op = node->op;
+            std::memcpy(m->op_params, node->op_params, sizeof(m->op_params));
+            m->flags = node->flags;
+            m->data = node->data;
+            m->buffer = node->buffer;
+            m->extra = node->extra;
+            m->view_src = node->view_src != nullptr ? mirror(ctx, node->view_src) : nullptr;
+            m->view_offs = node->view_offs;
+            std::memcpy(m->name, node->name, sizeof(m->name));
+            for (int j = 0; j < GGML_MAX_SRC; ++j) {
+                m->src[j] = node->src[j] != nullptr ? mirror(ctx, node->src[j]) : nullptr;
+            }
+        }
+        mirror_[node] = m;
+        ggml_build_forward_expand(graph, m);
+    }
+
+    ggml_status status = GGML_STATUS_SUCCESS;
+    int rounds = 0;
+    double compute_seconds = 0.0;
+    for (const std::vector<int> & round : rounds_of) {
+        try {
+            cache.begin(match.position, round);
+            if (rounds == 0 && n_tokens == 1 && x != nullptr) {
+                const std::vector<int> predicted = model.predict_next(match.position, static_cast<const float *>(x->data));
+                if (!predicted.empty()) {
+                    cache.prefetch(match.position + 1, predicted);
+                }
+            }
+            cache.finish(match.position);
+        } catch (const std::exception & e) {
+            model.set_error(e.what());
+            status = GGML_STATUS_FAILED;
+            break;
+        }
+        std::vector<char> in_round(static_cast<size_t>(spec.n_expert), 0);
+        for (int e : round) {
+            in_round[static_cast<size_t>(e)] = 1;
+        }
+        for (size_t j = 0; j < n_matmuls; ++j) {
+            Matmul & mm = *matmuls_[j];
+            mm.pairs.clear();
+            for (int e : round) {
+                mm.weight[static_cast<size_t>(e)] = cache.slot_data(match.position, e, mm.kind);
+                for (int64_t t = 0; t < n_tokens; ++t) {
+                    for (int64_t k = 0; k < n_used; ++k) {
+                        if (expert_of[static_cast<size_t>(t * n_used + k)] == e) {
+                            mm.pairs.insert(mm.pairs.end(), {e, static_cast<int32_t>(k), static_cast<int32_t>(t)});
+                        }
+                    }
+                }
+            }
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        status = ggml_backend_graph_compute(cpu, graph);
+        compute_seconds += seconds_since(t0);
+        for (size_t j = 0; j < n_matmuls; ++j) {
+            std::fill(matmuls_[j]->weight.begin(), matmuls_[j]->weight.end(), nullptr);
+        }
+        ++rounds;
+        if (status != GGML_STATUS_SUCCESS) {
+            break;
+        }
+    }
+    model.count_split(match.position, n_tokens, static_cast<int64_t>(order.size()), rounds, compute_seconds,
+                      seconds_since(t_begin));
+    ggml_free(ctx);
+    return status;
+}
+
+}  // namespace llamaflash

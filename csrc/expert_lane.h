@@ -1,0 +1,67 @@
+// expert_lane.h — computing an MoE layer's expert FFN split from the expert cache, exactly.
+//
+// The split (one per MoE layer, see expert_model.h) holds the layer's MUL_MAT_IDs over phantom
+// expert weights and the element-wise ops between them (GLU / activation, ADD_ID biases, views).
+// The lane mirrors every node into a private graph over the same memory, except each MUL_MAT_ID,
+// which becomes a custom node computing, for every (slot k, token t) whose expert e = ids[k, t] is in
+// the current round,
+//   out[:, k, t] = W_e · src1[:, k mod ne11, t]        W_e : [ne1 rows of ne0] from the cache slot
+// with ggml-cpu's own kernels and numerics: src1's row quantized by the vec_dot type's from_float,
+// each output element one vec_dot of a weight row with it (nrc = 1), exactly what ggml's
+// MUL_MAT_ID computes (ggml-cpu's mul_mat_id_one_chunk), so the logits are bit-identical to stock
+// llama.cpp with plain (not repacked) weights, whichever slots the experts sit in.
+//
+// Rounds. The distinct experts of the batch E = set(ids) are served in rounds of at most
+// ExpertCache::capacity experts (decode and small batches: one round). Each round: begin() submits
+// the round's misses, the next layer's predicted experts are prefetched (one-token batches), finish()
+// waits and checks, then the whole private graph runs; the custom nodes compute only the pairs of
+// the round's experts. With several rounds each MUL_MAT_ID's products go to a private staging buffer
+// that keeps every pair computed so far, and a copy node puts all of them into the node's memory
+// before the element-wise ops run: ggml-alloc lets ops such as ADD_ID write in place into their
+// input, so every round must start them from exact products. Each pair's final value is the one of
+// the round its expert's down projection ran in, which equals one pass over all experts.
+#pragma once
+
+#include "expert_model.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace llamaflash {
+
+// The expert model and layer of a split's first MUL_MAT_ID over a served expert weight.
+struct ExpertSplit {
+    ExpertModel * model = nullptr;
+    int position = -1;
+};
+
+// Recognises a split that computes a served MoE layer (nullptr model otherwise).
+ExpertSplit match_expert_split(const ggml_cgraph * split);
+
+class ExpertLane {
+public:
+    ExpertLane();
+    ~ExpertLane();
+    ExpertLane(const ExpertLane &) = delete;
+    ExpertLane & operator=(const ExpertLane &) = delete;
+
+    // Computes every node of `split` (a matched expert split) on `cpu` with `n_threads`. On an I/O or
+    // checksum failure the model keeps the error and GGML_STATUS_FAILED is returned.
+    ggml_status compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu, int n_threads);
+
+    // One custom MUL_MAT_ID node's work (public for the node function).
+    struct Matmul;
+
+private:
+    ggml_tensor * mirror(ggml_context * ctx, const ggml_tensor * t);
+
+    std::vector<uint8_t> arena_;
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> mirror_;
+    std::vector<std::unique_ptr<Matmul>> matmuls_;
+};
+
+}  // namespace llamaflash

@@ -1,0 +1,199 @@
+"""Planning an MoE model under a RAM budget: the dense part pinned, KV, and expert cache slots.
+
+The budget covers the whole process. What is not the routed experts is resident in llama.cpp's
+anonymous memory (loaded with use_mmap=False, so the kernel cannot reclaim it under pressure):
+every non-expert weight, the vocabulary, the KV cache and the compute buffers, plus the Python runtime
+and a margin, as the dense planner counts them (plugin/planner.py). What remains is the expert cache:
+the same number of slots in every MoE layer, each slot one expert (all its tensors, aligned for direct
+I/O: ``_native.expert_slot_bytes``). Slots hold the most popular experts of the calibration text
+pinned (up to half the slots above n_used) and LRU for the rest.
+
+When every expert of every layer fits, llamaflash has nothing to do: the model runs as stock
+llama.cpp (``fits``). Below n_used + 1 slots per layer the budget is refused (RamBudgetError naming
+the minimum).
+
+The predicted decode rate is I/O bound: per token, n_layers x n_used experts, of which a share misses
+(LRU simulated on the calibration statistics when the sidecar has them, else the uniform-routing
+share), at the disk's measured bandwidth for expert-sized reads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .experts import MoeModelInfo
+
+MiB = 1024 * 1024
+
+#: Expert reads: the planner's disk profile is read at this queue depth (the reader keeps several
+#: experts' tensors in flight).
+EXPERT_READ_DEPTH = 16
+#: Ubatch for prefill under a budget: expert splits of more tokens need more rounds only when the
+#: batch's distinct experts exceed the slots; compute buffers grow linearly with it.
+EXPERT_UBATCH = 256
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    budget_bytes: int
+    fits: bool                      # everything fits: run stock
+    n_slots: int                    # per MoE layer
+    pinned: dict[int, list[int]]    # layer -> experts pinned
+    slot_bytes: int
+    cache_bytes: int
+    share: dict[str, int]           # llama.cpp's and the process's fixed parts (bytes)
+    min_budget_bytes: int
+    n_ubatch: int
+    miss_rate: float                # predicted share of a token's experts read from flash
+    read_bytes_per_token: float
+    disk_bytes_per_s: float
+    predicted_tok_s: float | None
+    notes: list[str] = field(default_factory=list)
+
+    def explain(self) -> str:
+        lines = [f"budget {self.budget_bytes / MiB:.0f} MiB"]
+        for k, v in self.share.items():
+            lines.append(f"  {k:<22} {v / MiB:8.1f} MiB")
+        if self.fits:
+            lines.append("  the whole model fits: runs as stock llama.cpp (nothing to offload)")
+        else:
+            lines.append(f"  expert cache           {self.cache_bytes / MiB:8.1f} MiB: {self.n_slots} slots per layer "
+                         f"of {self.slot_bytes / MiB:.2f} MiB ({sum(len(p) for p in self.pinned.values())} pinned)")
+            lines.append(f"  predicted: {self.miss_rate:.0%} of a token's experts read, "
+                         f"{self.read_bytes_per_token / 1e6:.0f} MB/token at {self.disk_bytes_per_s / 1e6:.0f} MB/s"
+                         + (f" -> <= {self.predicted_tok_s:.1f} tok/s (I/O bound)" if self.predicted_tok_s else ""))
+        lines.append(f"  minimum budget {self.min_budget_bytes / MiB:.0f} MiB")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def lru_miss_rate(counts: np.ndarray, n_used: int, n_slots: int, n_pinned: int) -> float:
+    """Expected share of selections missing a cache of ``n_slots`` (``n_pinned`` most popular pinned,
+    LRU for the rest) under independent routing with the measured popularity ``counts``: each unpinned
+    expert is resident with the probability that it was among the last ~(n_slots - n_pinned)
+    distinct experts drawn (Che's approximation of LRU)."""
+    p = np.asarray(counts, dtype=float)
+    if p.sum() <= 0:
+        p = np.ones_like(p)
+    p = p / p.sum()
+    order = np.argsort(-p, kind="stable")
+    pinned = order[:n_pinned]
+    rest = np.setdiff1d(np.arange(len(p)), pinned)
+    lru = n_slots - n_pinned
+    q = p[rest] * n_used  # expected selections per token of each unpinned expert
+    if lru <= 0 or len(rest) == 0:
+        return float(p[rest].sum())
+    if lru >= len(rest):
+        return 0.0
+    # characteristic time T (tokens) with sum(1 - exp(-q T)) = lru
+    lo, hi = 0.0, 1e9
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if np.sum(1 - np.exp(-q * mid)) < lru:
+            lo = mid
+        else:
+            hi = mid
+    hit = 1 - np.exp(-q * lo)
+    return float(np.sum(p[rest] * (1 - hit)))
+
+
+def moe_llama_share(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
+    """llama.cpp's memory with the routed experts served by llamaflash (bytes), counted as the dense
+    planner counts it (planner.llama_share): the vocabulary, every weight but the ``*_exps`` tensors
+    (resident), the f16 KV cache, and the compute buffers (CPU graph, the expert splits' activations
+    n_ubatch x n_used x (3 n_ff_exp + n_embd) f32, logits)."""
+    from .plan_llama_share import COMPUTE_SAFETY, VOCAB_BYTES_PER_ENTRY, VOCAB_FIXED_BYTES
+    from .plan_llama_share import header_value as _meta
+
+    h = header
+    arch = moe.architecture
+    n_layer, n_embd = moe.n_layer, moe.n_embd
+    n_head = int(np.max(_meta(h, f"{arch}.attention.head_count", 1)))
+    kv_heads = np.broadcast_to(np.asarray(_meta(h, f"{arch}.attention.head_count_kv", n_head)), (n_layer,))
+    k_len = int(_meta(h, f"{arch}.attention.key_length", n_embd // n_head))
+    v_len = int(_meta(h, f"{arch}.attention.value_length", k_len))
+    n_vocab = int(_meta(h, "tokenizer.ggml.tokens", 0) or _meta(h, f"{arch}.vocab_size", 0))
+    entries = n_vocab + int(_meta(h, "tokenizer.ggml.merges", 0))
+    experts = {t.name for layer in moe.layers for t in layer.tensors}
+    cells = -(-n_ctx // 256) * 256
+    n_ff = max(t.ne1 for layer in moe.layers for t in layer.tensors if t.kind != "down")
+    cpu = n_ubatch * 4 * max(n_vocab + 3 * n_embd, (n_head + 2) * cells + 6 * n_embd)
+    split = n_ubatch * moe.n_used * (3 * n_ff + n_embd) * 4
+    return {
+        "llama_vocab": VOCAB_FIXED_BYTES + VOCAB_BYTES_PER_ENTRY * entries,
+        "llama_weights": sum(t.nbytes for t in h.tensors if t.name not in experts),
+        "kv_cache": int(kv_heads.sum()) * cells * (k_len + v_len) * 2,
+        "compute_buffers": int(COMPUTE_SAFETY * (cpu + split + n_vocab * 4)),
+    }
+
+
+def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int, disk: dict[str, Any],
+                 alignment: int = 4096, counts: dict[int, np.ndarray] | None = None,
+                 n_ubatch: int | None = None, n_slots: int | None = None) -> ExpertPlan:
+    """The plan for ``moe`` under ``ram_budget_mb``; raises RamBudgetError below the minimum.
+    ``n_slots``: the expert slots per layer the user asked for (then the engine serves the experts even
+    when the whole model would fit; refused when those slots do not fit the budget)."""
+    from . import _native
+    from .errors import RamBudgetError
+    from .planner import (MARGIN_FIXED_BYTES, MARGIN_FRACTION, RUNTIME_RSS_BYTES, UBATCH_BUDGET_SHARE,
+                          UBATCH_CHOICES, disk_throughput)
+
+    budget = int(ram_budget_mb * MiB)
+    if n_ubatch is None:  # the largest prefill batch whose buffers take at most UBATCH_BUDGET_SHARE of the budget
+        choices = [u for u in UBATCH_CHOICES if u <= EXPERT_UBATCH]
+        n_ubatch = next((u for u in choices
+                         if moe_llama_share(header, moe, n_ctx, u)["compute_buffers"] <= UBATCH_BUDGET_SHARE * budget),
+                        choices[-1])
+    n_ubatch = int(n_ubatch)
+    share = moe_llama_share(header, moe, n_ctx, n_ubatch)
+    share["python_runtime"] = RUNTIME_RSS_BYTES
+    share["margin"] = int(MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget)
+    fixed = sum(share.values())
+    slot = max(int(_native.expert_slot_bytes([t.expert_bytes for t in layer.tensors], alignment))
+               for layer in moe.layers)
+    n_layers = len(moe.layers)
+    min_slots = moe.n_used + 1
+    min_budget = fixed - share["margin"] + int((MARGIN_FIXED_BYTES + slot * n_layers * min_slots) /
+                                               (1 - MARGIN_FRACTION))
+    notes: list[str] = []
+    stock_need = fixed - share["llama_weights"] + moe.file_size
+    if n_slots is not None:
+        if not moe.n_used <= n_slots <= moe.n_expert:
+            raise ValueError(f"flash_expert_slots={n_slots} must lie in [n_used, n_expert] = [{moe.n_used}, {moe.n_expert}]")
+        if fixed + n_slots * slot * n_layers > budget:
+            raise RamBudgetError(f"flash_expert_slots={n_slots} needs {(fixed + n_slots * slot * n_layers) / MiB:.0f} MiB; "
+                                 f"ram_budget_mb={ram_budget_mb:g} is too small for it")
+        min_slots = moe.n_used
+    elif budget >= stock_need:
+        return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, share, min_budget, n_ubatch, 0.0, 0.0,
+                          0.0, None, ["the model file and llama.cpp's buffers fit the budget"])
+    if n_slots is None:
+        n_slots = min(moe.n_expert, (budget - fixed) // (slot * n_layers)) if budget > fixed else 0
+    if n_slots < min_slots:
+        raise RamBudgetError(
+            f"ram_budget_mb={ram_budget_mb:g} is below the minimum for this model ({math.ceil(min_budget / MiB)} MiB: "
+            f"llama.cpp's dense part, KV cache and buffers {(fixed - share['margin']) / MiB:.0f} MiB, and "
+            f"{min_slots} expert slots per layer of {slot / MiB:.2f} MiB); give at least "
+            f"{math.ceil(min_budget / MiB)} MiB, or a smaller n_ctx")
+    n_slots = int(n_slots)
+    n_pin = (n_slots - moe.n_used) // 2 if counts else 0
+    pinned: dict[int, list[int]] = {}
+    miss = []
+    for layer in moe.layers:
+        c = counts.get(layer.layer) if counts else None
+        if c is not None and np.sum(c) > 0 and n_pin > 0:
+            pinned[layer.layer] = [int(e) for e in np.argsort(-np.asarray(c), kind="stable")[:n_pin]]
+        else:
+            pinned[layer.layer] = []
+        miss.append(lru_miss_rate(c if c is not None else np.ones(layer.n_expert), moe.n_used, n_slots,
+                                  len(pinned[layer.layer])))
+    miss_rate = float(np.mean(miss))
+    read = miss_rate * moe.n_used * sum(layer.expert_bytes for layer in moe.layers)
+    bw = disk_throughput(disk, float(slot) / max(1, len(moe.layers[0].tensors)), EXPERT_READ_DEPTH)
+    if not counts:
+        notes.append("no routing statistics in the sidecar: hit rate predicted for uniform routing, nothing pinned")
+    return ExpertPlan(budget, False, n_slots, pinned, slot, slot * n_slots * n_layers, share, min_budget, n_ubatch,
+                      miss_rate, read, bw, (bw / read) if read > 0 else None, notes)

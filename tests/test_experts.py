@@ -1,0 +1,190 @@
+"""Mixture-of-Experts expert offload: exactness against stock llama.cpp, cache behaviour, faults.
+
+Reference: stock llama-cpp-python with plain (not repacked) weights and flash attention, the numerics
+the expert lane reproduces (csrc/expert_lane.h). Claimed: bit-identical logits, prefill and decode,
+whatever the cache holds (few slots force misses, prefill in several rounds, and prefetches).
+Models: tiny synthetic MoE GGUFs of real llama.cpp architectures (llamaflash.bench.moe_synth),
+generated fresh per session; their expert sidecars are converted fresh per test directory.
+"""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import llama_cpp
+
+from llamaflash import Llama
+from llamaflash.converters.pipeline import convert
+from llamaflash.errors import RamBudgetError, SidecarIntegrityError, SidecarMismatchError, SidecarNotFoundError
+from llamaflash.experts import check_layout, read_moe_model
+from llamaflash.expert_plan import lru_miss_rate
+from llamaflash.expert_sidecar import read_expert_sidecar
+from llamaflash.gguf_header import read_gguf_header
+from llamaflash.speculative import batch_invariant_weights
+
+TOKENS = list(range(100, 140))  # 40 tokens: a prefill batch, then decoded one by one
+#: A budget that holds llama.cpp's share of a tiny model; the experts are then served from flash
+#: because flash_expert_slots is given.
+BUDGET_MB = 4000
+
+
+def stock(path):
+    with batch_invariant_weights():
+        return llama_cpp.Llama(str(path), n_ctx=256, logits_all=True, verbose=False, flash_attn=True)
+
+
+def served(path, slots, **kw):
+    return Llama(str(path), n_ctx=256, logits_all=True, verbose=False, ram_budget_mb=BUDGET_MB,
+                 flash_expert_slots=slots, flash_speculative=False, **kw)
+
+
+def prefill_logits(llm, tokens=TOKENS):
+    llm.reset()
+    llm.eval(tokens)
+    return np.array(llm.scores[: len(tokens)])
+
+
+def decode_logits(llm, tokens=TOKENS):
+    llm.reset()
+    out = []
+    for t in tokens:
+        llm.eval([t])
+        out.append(np.array(llm.scores[llm.n_tokens - 1]))
+    return np.array(out)
+
+
+@pytest.fixture()
+def converted(tmp_path, tiny_moe_factory):
+    """``make(arch, **spec) -> model path`` in tmp_path with its expert sidecar beside it."""
+
+    def make(arch, **spec):
+        src = tiny_moe_factory(arch, **spec)
+        path = tmp_path / src.name
+        shutil.copyfile(src, path)
+        convert(path, force=True, progress=False, profile=False)
+        return path
+
+    return make
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama", "qwen2moe", "gpt-oss"])
+def test_logits_bit_identical_to_stock_whatever_the_cache_holds(arch, converted):
+    path = converted(arch)
+    ref = stock(path)
+    ref_prefill, ref_decode = prefill_logits(ref), decode_logits(ref)
+    ref.close()
+    moe = read_moe_model(read_gguf_header(path))
+    for slots in (moe.n_used, moe.n_used + 1, moe.n_expert):
+        llm = served(path, slots)
+        assert llm.flash_mode == "experts"
+        assert np.array_equal(prefill_logits(llm), ref_prefill), f"prefill, {slots} slots"
+        assert np.array_equal(decode_logits(llm), ref_decode), f"decode, {slots} slots"
+        s = llm.flash_stats()["experts"]
+        assert s["tokens"] == 2 * len(TOKENS)
+        if slots < moe.n_expert:
+            assert s["misses"] > 0 and s["multi_round_splits"] > 0  # a 40-token prefill needs > slots experts
+        llm.close()
+
+
+def test_expert_statistics_and_prefetch(converted):
+    path = converted("qwen3moe")
+    llm = served(path, 3)
+    decode_logits(llm)
+    s = llm.flash_stats()["experts"]
+    assert s["experts_needed"] == s["hits"] + s["misses"]
+    assert 0.0 <= s["hit_rate"] <= 1.0
+    assert s["prefetched"] > 0  # the next layer's router applied to this layer's input
+    assert s["prefetch_used"] + s["prefetch_wasted"] <= s["prefetched"]
+    assert s["bytes_read_per_token"] > 0 and s["io_engine"] in ("io_uring", "pool")
+    assert s["verified_bytes"] > 0  # every read slice checked against its CRC-32C
+    llm.reset_flash_stats()
+    assert llm.flash_stats()["experts"]["requests"] == 0
+    llm.close()
+
+
+def test_damaged_expert_is_refused_and_llama_stays_usable(converted):
+    path = converted("qwen3moe")
+    moe = read_moe_model(read_gguf_header(path))
+    ref = prefill_logits(stock(path))
+    down = next(t for t in moe.layers[1].tensors if t.kind == "down")
+    data = bytearray(path.read_bytes())
+    at = down.slice_offset(3) + 17
+    original = bytes(data[at: at + 8])
+    llm = served(path, moe.n_expert)  # every expert read on first use
+    with open(path, "r+b") as f:  # damaged after load, in place (same size)
+        f.seek(at)
+        f.write(bytes(b ^ 0x5A for b in original))
+    with pytest.raises(SidecarIntegrityError, match="expert 3"):
+        prefill_logits(llm)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(original)
+    assert np.array_equal(prefill_logits(llm), ref)  # the damaged slot was dropped and read again
+    llm.close()
+
+
+def test_sidecar_of_another_model_is_refused_before_loading(converted, tmp_path):
+    a = converted("qwen3moe")
+    b = converted("qwen3moe", seed=7, n_layer=2)
+    with pytest.raises(SidecarMismatchError, match="another model"):
+        Llama(str(a), sidecar_path=str(b.with_name(b.stem + ".flash.gguf")), ram_budget_mb=BUDGET_MB, verbose=False)
+
+
+def test_without_budget_or_sidecar(converted, tmp_path):
+    path = converted("qwen3moe")
+    llm = Llama(str(path), n_ctx=128, verbose=False)
+    assert llm.flash_mode == "stock"
+    assert "in memory runs as stock" in llm.flash_stats()["decision"]["reason"]
+    llm.close()
+    path.with_name(path.stem + ".flash.gguf").unlink()
+    with pytest.raises(SidecarNotFoundError, match="llamaflash convert"):
+        Llama(str(path), ram_budget_mb=BUDGET_MB, verbose=False)
+
+
+def test_budget_below_minimum_names_it(converted):
+    path = converted("qwen3moe")
+    with pytest.raises(RamBudgetError, match="minimum"):
+        Llama(str(path), ram_budget_mb=50, verbose=False)
+
+
+def test_budget_that_fits_the_model_runs_stock(converted):
+    path = converted("qwen3moe")
+    llm = Llama(str(path), n_ctx=128, ram_budget_mb=BUDGET_MB, verbose=False)
+    assert llm.flash_mode == "stock"
+    assert "fits" in llm.flash_stats()["decision"]["reason"]
+    llm.close()
+
+
+def test_sidecar_records_a_checksum_per_expert_slice(converted):
+    path = converted("llama")
+    moe = read_moe_model(read_gguf_header(path))
+    info = read_expert_sidecar(path.with_name(path.stem + ".flash.gguf"))
+    assert [s.layer for s in info.layers] == [layer.layer for layer in moe.layers]
+    import zlib  # noqa: F401  (CRC-32C is not zlib's CRC-32: compare with the native one on one slice)
+
+    from llamaflash import _native
+
+    t = moe.layers[0].tensors[0]
+    with open(path, "rb") as f:
+        f.seek(t.slice_offset(5))
+        one = f.read(t.expert_bytes)
+    assert int(info.layers[0].checksums[t.kind][5]) == _native.crc32c_rows(one, t.expert_bytes, "auto")[0]
+
+
+def test_unsupported_moe_architecture_is_named(tiny_moe_factory):
+    import dataclasses
+
+    moe = read_moe_model(read_gguf_header(tiny_moe_factory("qwen3moe")))
+    why = check_layout(dataclasses.replace(moe, architecture="deepseek2"))
+    assert why is not None and "deepseek2" in why
+
+
+def test_lru_miss_rate_model():
+    uniform = np.ones(64)
+    assert lru_miss_rate(uniform, 8, 64, 0) == 0.0
+    m = lru_miss_rate(uniform, 8, 16, 0)
+    assert 0.7 < m < 0.8  # ~1 - 16/64 for independent uniform routing
+    skewed = np.array([50.0] * 8 + [1.0] * 56)
+    assert lru_miss_rate(skewed, 8, 16, 8) < m  # popular experts pinned
