@@ -10,7 +10,6 @@ faster delivered decode."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 
 import gguf
@@ -32,14 +31,9 @@ KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model_factory, tmp_path_factory):
-    """A Q8_0 fixture (n_embd 96: the auto draft type is Q4_0) and its sidecar with a draft copy."""
-    src = tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192)
-    d = tmp_path_factory.mktemp("draft")
-    model = d / "m.gguf"
-    shutil.copy(src, model)
-    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
-    return model, sidecar
+def pair(converted):
+    """conftest's Q8_0 pair (n_embd 96: the auto draft type is Q4_0): its sidecar has a draft copy."""
+    return converted
 
 
 def test_draft_type_choices():

@@ -15,7 +15,6 @@ import pytest
 from click.testing import CliRunner
 
 import llamaflash
-from synth import FAST_CONVERT
 from llamaflash import _native
 from llamaflash import sidecar_format as fmt
 from llamaflash.cli import main
@@ -57,16 +56,6 @@ def test_crc32c_matches_its_definition_in_every_implementation():
     assert _native.crc32c_rows(b"123456789", 9)[0] == 0xE3069283  # the published check value
     with pytest.raises(ValueError, match="whole number"):
         _native.crc32c_rows(b"12345", 2)
-
-
-@pytest.fixture(scope="module")
-def converted(tiny_model_factory, tmp_path_factory):
-    src = tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192)
-    d = tmp_path_factory.mktemp("integrity")
-    model = d / "m.gguf"
-    shutil.copy(src, model)
-    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
-    return model, sidecar
 
 
 def test_the_converter_checksums_every_row_the_engine_reads(converted):

@@ -20,7 +20,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 import llamaflash
 from llamaflash import speculative
 from llamaflash.errors import FlashIoError
-from offload_helpers import N_GEN, PROMPT, SELF_DRAFT, greedy, make_plan
+from offload_helpers import PROMPT, SELF_DRAFT, greedy, make_plan
 
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
 LOOKUP = {"adaptive": False, "max_draft": 6, "self_draft": False, "max_ngram": 1}
