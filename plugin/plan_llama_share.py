@@ -5,7 +5,7 @@ llama.cpp's own log (bench/planner_constants.py; docs/PLANNER.md, "Measured cons
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
@@ -37,14 +37,15 @@ def vocabulary_size(header: GGUFHeader) -> int:
     return int(header_value(header, "tokenizer.ggml.tokens", 0) or 0)
 
 
-def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
-    """llama.cpp's memory in offload mode (bytes): ``llama_vocab``, ``llama_weights`` (every tensor
-    but the served layers' ffn_gate/up/down: mmapped or repacked, resident either way), ``kv_cache``
-    (f16 K and V for every layer and cell; n_ctx rounded up to 256), ``compute_buffers`` (CPU:
-    n_ubatch x 4 x max(n_vocab + 3 n_embd, (n_head + 2) n_ctx + 6 n_embd), fitted to llama.cpp's log;
-    LLAMAFLASH device: n_ubatch x 3 n_ff x 4; logits output: n_vocab x 4; all x COMPUTE_SAFETY),
-    ``prefill_window`` (one served layer's base up + down bytes, page cache during dense prefill).
-    ``header``: the base model's (:func:`~llamaflash.gguf_header.read_gguf_header`)."""
+def llama_memory(header: GGUFHeader, n_ctx: int, n_ubatch: int, served: Collection[str], device_compute_bytes: int,
+                 embeddings_by_rows: bool) -> dict[str, int]:
+    """llama.cpp's memory when llamaflash serves the tensors named in ``served`` (bytes):
+    ``llama_vocab``, ``llama_weights`` (every other tensor: resident), ``kv_cache`` (f16 K and V for
+    every layer and cell; n_ctx rounded up to 256), ``compute_buffers`` (CPU: n_ubatch x 4 x
+    max(n_vocab + 3 n_embd, (n_head + 2) n_ctx + 6 n_embd), fitted to llama.cpp's log; the LLAMAFLASH
+    device's ``device_compute_bytes``; logits output: n_vocab x 4; all x COMPUTE_SAFETY).
+    ``embeddings_by_rows``: token_embd is mmapped and, when the model has its own output matrix, read
+    by rows (get_rows): the pages of n_ctx rows are counted, not the whole table."""
     h = header
     arch = header_value(h, "general.architecture", "")
     n_layer, n_embd = int(header_value(h, f"{arch}.block_count")), int(header_value(h, f"{arch}.embedding_length"))
@@ -54,23 +55,34 @@ def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int
     v_len = int(header_value(h, f"{arch}.attention.value_length", k_len))
     n_vocab = int(header_value(h, "tokenizer.ggml.tokens", 0) or header_value(h, f"{arch}.vocab_size", 0))
     entries = n_vocab + int(header_value(h, "tokenizer.ggml.merges", 0))
-    served = {fmt.base_ffn_gate_name(lay.layer) for lay in info.layers}
-    served |= {fmt.base_ffn_up_name(lay.layer) for lay in info.layers}
-    served |= {fmt.base_ffn_down_name(lay.layer) for lay in info.layers}
     size = {t.name: t.nbytes for t in h.tensors}
     # token_embd is only read by rows (get_rows) when the model has its own output matrix: count the
     # pages of n_ctx rows, not the whole table (tied embeddings are the output matmul: whole)
-    if "output.weight" in size and "token_embd.weight" in size:
+    if embeddings_by_rows and "output.weight" in size and "token_embd.weight" in size:
         emb = size["token_embd.weight"]
         size["token_embd.weight"] = min(emb, n_ctx * (-(-(emb // max(1, n_vocab)) // PAGE) + 1) * PAGE)
     cells = -(-n_ctx // 256) * 256
-    n_ff = max(lay.n_ff for lay in info.layers)
     cpu = n_ubatch * 4 * max(n_vocab + 3 * n_embd, (n_head + 2) * cells + 6 * n_embd)
     return {
         "llama_vocab": VOCAB_FIXED_BYTES + VOCAB_BYTES_PER_ENTRY * entries,
         "llama_weights": sum(b for name, b in size.items() if name not in served),
         "kv_cache": int(kv_heads.sum()) * cells * (k_len + v_len) * 2,
-        "compute_buffers": int(COMPUTE_SAFETY * (cpu + n_ubatch * 3 * n_ff * 4 + n_vocab * 4)),
+        "compute_buffers": int(COMPUTE_SAFETY * (cpu + device_compute_bytes + n_vocab * 4)),
+    }
+
+
+def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
+    """llama.cpp's memory in offload mode (bytes): :func:`llama_memory` with the served layers'
+    ffn_gate/up/down served (the LLAMAFLASH device's compute: n_ubatch x 3 n_ff x 4; token_embd read
+    by rows), and ``prefill_window`` (one served layer's base up + down bytes, page cache during dense
+    prefill). ``header``: the base model's (:func:`~llamaflash.gguf_header.read_gguf_header`)."""
+    served = {fmt.base_ffn_gate_name(lay.layer) for lay in info.layers}
+    served |= {fmt.base_ffn_up_name(lay.layer) for lay in info.layers}
+    served |= {fmt.base_ffn_down_name(lay.layer) for lay in info.layers}
+    n_ff = max(lay.n_ff for lay in info.layers)
+    size = {t.name: t.nbytes for t in header.tensors}
+    return {
+        **llama_memory(header, n_ctx, n_ubatch, served, n_ubatch * 3 * n_ff * 4, embeddings_by_rows=True),
         "prefill_window": max(size[fmt.base_ffn_up_name(lay.layer)] + size[fmt.base_ffn_down_name(lay.layer)]
                               for lay in info.layers),
     }
