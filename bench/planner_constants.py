@@ -100,11 +100,11 @@ def main(argv=None) -> int:
                     help="llamaflash mode, one model: this sidecar file (instead of --sidecar-dir)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.sidecar and len(args.models) > 1:
-        ap.error("--sidecar names one model's sidecar: give one model in --models")
     if args.child:
         _child(args)
         return 0
+    if args.sidecar and len(args.models) > 1:
+        ap.error("--sidecar names one model's sidecar: give one model in --models")
     runtime = [_run("runtime")["rss_bytes"] for _ in range(args.runtime_reps)]
     print(f"runtime RSS after `import llamaflash, llama_cpp`: {[round(r / 2**20, 1) for r in runtime]} MiB")
     rows = []
