@@ -10,8 +10,8 @@ Each measurement runs in a fresh process (``--child``): one for the runtime (RSS
 on the LLAMAFLASH device, so their intermediates leave the CPU compute buffer).
 
     python bench/planner_constants.py [--models smollm2-135m gemma3-270m qwen2.5-coder-1.5b]
-        [--ubatch 32 64 128 256 512] [--n-ctx 512] [--modes stock llamaflash] [--sidecar-dir DIR]
-        [--json out.json]
+        [--ubatch 32 64 128 256 512] [--n-ctx 512] [--modes stock llamaflash]
+        [--sidecar-dir DIR | --sidecar FILE] [--json out.json]
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def _child(args: argparse.Namespace) -> None:
                                   n_threads=2, verbose=True)
         else:
             import llamaflash
-            llm = llamaflash.Llama(model_path=path, sidecar_path=args.sidecar_dir and os.path.join(
-                                       args.sidecar_dir, os.path.basename(path)[:-5] + ".flash.gguf"),
+            sidecar = args.sidecar or (args.sidecar_dir and os.path.join(
+                args.sidecar_dir, os.path.basename(path)[:-5] + ".flash.gguf"))
+            llm = llamaflash.Llama(model_path=path, sidecar_path=sidecar,
                                    n_ctx=int(n_ctx), n_batch=int(ubatch), n_ubatch=int(ubatch),
                                    n_threads=2, verbose=True, flash_mode="dense")
         rss1 = _rss_bytes()
@@ -76,8 +77,9 @@ def _child(args: argparse.Namespace) -> None:
     del llm
 
 
-def _run(child: str, sidecar_dir: str | None = None) -> dict:
+def _run(child: str, sidecar_dir: str | None = None, sidecar: str | None = None) -> dict:
     extra = ["--sidecar-dir", sidecar_dir] if sidecar_dir else []
+    extra += ["--sidecar", sidecar] if sidecar else []
     out = subprocess.run([sys.executable, __file__, "--child", child, *extra], capture_output=True, text=True,
                          check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -94,18 +96,22 @@ def main(argv=None) -> int:
     ap.add_argument("--sidecar-dir", default=None,
                     help="llamaflash mode: take <model stem>.flash.gguf from this directory "
                          "(default: beside the model)")
+    ap.add_argument("--sidecar", default=None,
+                    help="llamaflash mode, one model: this sidecar file (instead of --sidecar-dir)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.child:
         _child(args)
         return 0
+    if args.sidecar and len(args.models) > 1:
+        ap.error("--sidecar names one model's sidecar: give one model in --models")
     runtime = [_run("runtime")["rss_bytes"] for _ in range(args.runtime_reps)]
     print(f"runtime RSS after `import llamaflash, llama_cpp`: {[round(r / 2**20, 1) for r in runtime]} MiB")
     rows = []
     for model in args.models:
         for mode in args.modes:
             for u in args.ubatch:
-                r = _run(f"{model},{mode},{u},{args.n_ctx}", args.sidecar_dir)
+                r = _run(f"{model},{mode},{u},{args.n_ctx}", args.sidecar_dir, args.sidecar)
                 rows.append(r)
                 b = r["buffers_mib"]
                 print(f"{model:20s} {mode:10s} n_ubatch {u:4d}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items())

@@ -112,14 +112,16 @@ OffloadState::OffloadState(const EngineConfig & config, const WeightStore & stor
     }
 }
 
+uint64_t draft_copy_tensor_bytes(int64_t n_ff, uint64_t draft_row_bytes) {
+    return (static_cast<uint64_t>(n_ff) * draft_row_bytes + kDraftCopyAlign - 1) / kDraftCopyAlign * kDraftCopyAlign;
+}
+
 void OffloadState::load_draft_copy(const EngineConfig & config, bool verify) {
-    const size_t kAlign = 4096;
-    auto aligned = [&](uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
     size_t total = 0;
     for (const LayerSpec & s : config.layers) {
-        total += 2 * aligned(static_cast<uint64_t>(s.n_ff) * s.draft_row_bytes);
+        total += 2 * draft_copy_tensor_bytes(s.n_ff, s.draft_row_bytes);
     }
-    draft_copy_ = AlignedBuffer(total, kAlign);
+    draft_copy_ = AlignedBuffer(total, kDraftCopyAlign);
     FileReader sidecar(config.sidecar_path);
     size_t at = 0;
     draft_rows_.resize(config.layers.size());
@@ -146,7 +148,7 @@ void OffloadState::load_draft_copy(const EngineConfig & config, bool verify) {
                 verify_rows(draft_copy_.data() + at, s.draft_row_bytes, 0, s.n_ff, expected.data(), src);
             }
             *dsts[col] = draft_copy_.data() + at;
-            at += aligned(bytes);
+            at += draft_copy_tensor_bytes(s.n_ff, s.draft_row_bytes);
         }
     }
 }

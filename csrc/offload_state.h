@@ -48,6 +48,14 @@ namespace llamaflash {
 
 class WeightStore;
 
+// Alignment of each tensor of the resident draft copy (one page).
+constexpr uint64_t kDraftCopyAlign = 4096;
+
+// Bytes the engine allocates for one tensor (up or down_t) of one layer's draft copy: n_ff rows of
+// draft_row_bytes, rounded up to kDraftCopyAlign. A layer's copy is two of them; the planner counts
+// the copy with it (llamaflash._native.draft_copy_tensor_bytes).
+uint64_t draft_copy_tensor_bytes(int64_t n_ff, uint64_t draft_row_bytes);
+
 class OffloadState {
 public:
     // Opens the neuron cache over the layers' base up rows and sidecar down_t rows with the

@@ -148,11 +148,48 @@ void sparse_ffn_validate(const SparseFfnLayer & L) {
     }
 }
 
+namespace {
+
+// The carve-up of SparseFfnScratch's one buffer for these capacities (bytes of each region, in order).
+struct ScratchRegions {
+    size_t xq, partial, tmp, counts, cluster_partial, listed, embd_pad;
+    size_t total() const { return xq + partial + tmp + counts + cluster_partial + listed + kAlign; }
+};
+
+ScratchRegions scratch_regions(size_t xq_token_bytes, int64_t tokens, int threads, int64_t embd, int64_t clusters) {
+    ScratchRegions r{};
+    r.embd_pad = round_up(static_cast<size_t>(embd), kAlign / sizeof(float));
+    const size_t row = r.embd_pad * sizeof(float);
+    r.xq = static_cast<size_t>(tokens) * xq_token_bytes;
+    r.partial = static_cast<size_t>(tokens) * threads * row;
+    r.tmp = static_cast<size_t>(threads) * row;
+    r.counts = round_up(static_cast<size_t>(tokens) * sizeof(int32_t), kAlign);
+    r.cluster_partial = static_cast<size_t>(clusters) * tokens * row;
+    r.listed = round_up(static_cast<size_t>(clusters), kAlign);
+    return r;
+}
+
+// Bytes of one token's activations quantized to the gate's (and, when it differs, the up's) vec_dot type.
+void xq_row_bytes(ggml_type gate_type, ggml_type up_type, int64_t n_embd, size_t & gate_bytes, size_t & up_bytes) {
+    const ggml_type vg = ggml_get_type_traits_cpu(gate_type)->vec_dot_type;
+    const ggml_type vu = ggml_get_type_traits_cpu(up_type)->vec_dot_type;
+    gate_bytes = round_up(ggml_row_size(vg, n_embd), kAlign);
+    up_bytes = vu == vg ? 0 : round_up(ggml_row_size(vu, n_embd), kAlign);
+}
+
+}  // namespace
+
+size_t sparse_ffn_scratch_bytes(ggml_type gate_type, ggml_type up_type, int64_t n_embd, int64_t n_tokens, int n_threads,
+                                int64_t n_clusters) {
+    size_t gate_bytes = 0, up_bytes = 0;
+    xq_row_bytes(gate_type, up_type, n_embd, gate_bytes, up_bytes);
+    return scratch_regions(gate_bytes + up_bytes, std::max<int64_t>(n_tokens, 1), std::max(n_threads, 1), n_embd,
+                           n_clusters).total();
+}
+
 void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n_threads, int64_t n_clusters) {
-    const ggml_type vg = ggml_get_type_traits_cpu(L.gate_type)->vec_dot_type;
-    const ggml_type vu = ggml_get_type_traits_cpu(L.up_type)->vec_dot_type;
-    const size_t gate_bytes = round_up(ggml_row_size(vg, L.n_embd), kAlign);
-    const size_t up_bytes = vu == vg ? 0 : round_up(ggml_row_size(vu, L.n_embd), kAlign);
+    size_t gate_bytes = 0, up_bytes = 0;
+    xq_row_bytes(L.gate_type, L.up_type, L.n_embd, gate_bytes, up_bytes);
     const size_t token_bytes = gate_bytes + up_bytes;
     n_tokens = std::max<int64_t>(n_tokens, 1);
     n_threads = std::max(n_threads, 1);
@@ -168,22 +205,16 @@ void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n
     cap_embd_ = std::max(cap_embd_, L.n_embd);
     cap_xq_token_bytes_ = std::max(cap_xq_token_bytes_, token_bytes);
     cap_clusters_ = std::max(cap_clusters_, n_clusters);
-    embd_pad_ = round_up(static_cast<size_t>(cap_embd_), kAlign / sizeof(float));
-    const size_t row = embd_pad_ * sizeof(float);
-    const size_t xq = static_cast<size_t>(cap_tokens_) * cap_xq_token_bytes_;
-    const size_t partial = static_cast<size_t>(cap_tokens_) * cap_threads_ * row;
-    const size_t tmp = static_cast<size_t>(cap_threads_) * row;
-    const size_t counts = round_up(static_cast<size_t>(cap_tokens_) * sizeof(int32_t), kAlign);
-    const size_t cluster_partial = static_cast<size_t>(cap_clusters_) * cap_tokens_ * row;
-    const size_t listed = round_up(static_cast<size_t>(cap_clusters_), kAlign);
-    buf_.assign(xq + partial + tmp + counts + cluster_partial + listed + kAlign, 0);
+    const ScratchRegions r = scratch_regions(cap_xq_token_bytes_, cap_tokens_, cap_threads_, cap_embd_, cap_clusters_);
+    embd_pad_ = r.embd_pad;
+    buf_.assign(r.total(), 0);
     uint8_t * p = reinterpret_cast<uint8_t *>(round_up(reinterpret_cast<uintptr_t>(buf_.data()), kAlign));
     xq_ = p;
-    partial_ = reinterpret_cast<float *>(p += xq);
-    row_tmp_ = reinterpret_cast<float *>(p += partial);
-    counts_ = reinterpret_cast<int32_t *>(p += tmp);
-    cluster_partial_ = reinterpret_cast<float *>(p += counts);
-    listed_ = p += cluster_partial;
+    partial_ = reinterpret_cast<float *>(p += r.xq);
+    row_tmp_ = reinterpret_cast<float *>(p += r.partial);
+    counts_ = reinterpret_cast<int32_t *>(p += r.tmp);
+    cluster_partial_ = reinterpret_cast<float *>(p += r.counts);
+    listed_ = p += r.cluster_partial;
 }
 
 // The selection rule (see sparse_ffn.h): true when neuron with gate value g is active, with a =

@@ -135,6 +135,13 @@ struct SparseFfnBatch {
     uint8_t * active_mask = nullptr;    // optional out [n_tokens, n_ff]: 1 where neuron is in A
 };
 
+// Bytes SparseFfnScratch::reserve allocates for a layer of these types and n_embd, up to n_tokens
+// tokens, n_threads threads and n_clusters clusters of the cluster phase (its one buffer, alignment
+// included). The planner counts a speculative verify batch's scratch with it
+// (llamaflash._native.sparse_scratch_bytes).
+size_t sparse_ffn_scratch_bytes(ggml_type gate_type, ggml_type up_type, int64_t n_embd, int64_t n_tokens, int n_threads,
+                                int64_t n_clusters);
+
 // Caller-owned working memory; reuse it across calls (one per concurrently running FFN). Also
 // holds the plan of the call in progress between sparse_ffn_begin and the last phase.
 class SparseFfnScratch {

@@ -3,8 +3,8 @@
 The same memory can hold either the draft copy (every neuron's up and down_t rows at low bit width,
 so a speculative self-draft computes the whole FFN and agrees with the model more often) or more
 pinned clusters (fewer bytes read from flash per verify pass, and a resident-only self-draft that
-sees more of each layer). :func:`choose_draft_copy` plans both and keeps the one with the higher
-predicted delivered decode speed; ``llamaflash plan`` prints both predictions.
+sees more of each layer). :func:`choose_draft_copy` takes the plans of both and keeps the one with the
+higher predicted delivered decode speed; ``llamaflash plan`` prints both predictions.
 
 Model of one speculative step (docs/SPECULATIVE.md, "Draft length"), per plan:
 
@@ -25,14 +25,15 @@ Prompt-lookup drafts are the same for both plans and left out.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import gguf
 
-from .errors import RamBudgetError
+from .plan_llama_share import MiB
+from .speculative import BATCH_INVARIANT_MAX
 
 if TYPE_CHECKING:
-    from .planner import OffloadPlan
+    from .plan_result import OffloadPlan
     from .sidecar import SidecarInfo
 
 _Q = gguf.GGMLQuantizationType
@@ -52,8 +53,8 @@ MEMORY_BYTES_PER_S = 15e9
 #: A verify pass of 1 + k tokens costs (1 + this · k) passes of one token (measured at 900 MiB on
 #: Qwen2.5-1.5B: 270 ms for 1 token, 300 ms for 7).
 VERIFY_EXTRA_PER_TOKEN = 0.02
-#: The longest draft the engine verifies (speculative.BATCH_INVARIANT_MAX - 1).
-MAX_DRAFT = 6
+#: The longest draft the engine verifies: a verify batch is the draft and the token before it.
+MAX_DRAFT = BATCH_INVARIANT_MAX - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,34 +95,31 @@ def predict_plan(plan: "OffloadPlan", info: "SidecarInfo") -> Prediction | None:
     return predict(pass_s, (resident + draft) / MEMORY_BYTES_PER_S, acceptance)
 
 
-def choose_draft_copy(info: "SidecarInfo", plan: Callable[..., "OffloadPlan"]) -> "OffloadPlan":
-    """``plan(False)``, or ``plan(True, n_ubatch)`` (at the first plan's n_ubatch) when the sidecar has a
-    draft copy, it fits the budget and its predicted delivered tok/s is higher. The returned plan's ``draft_choice`` holds both predictions
-    and its ``least_budget_bytes`` is the one without the copy (the least budget the model runs in)."""
-    from .planner import MiB, draft_copy_bytes
+def copy_unused(without: "OffloadPlan", why: str) -> "OffloadPlan":
+    """``without``, with a note saying why the draft copy was not weighed: ``why``."""
+    return dataclasses.replace(without, notes=without.notes + [f"draft copy unused: {why}"])
 
-    without = plan(False)
-    copy_bytes = draft_copy_bytes(info)
-    if copy_bytes is None:
-        return without
-    if without.stream_gate:
-        return dataclasses.replace(without, notes=without.notes + [
-            "draft copy unused: the gate is streamed at this budget, and a self-draft needs it resident"])
-    try:  # the same n_ubatch: prefill numerics depend on it, and the copy must not change a token
-        with_copy = plan(True, without.n_ubatch)
-    except RamBudgetError:
-        return dataclasses.replace(without, notes=without.notes + [
-            f"draft copy unused: its {copy_bytes / MiB:.0f} MiB do not fit this budget beside the minimum "
-            f"(it would need about {(without.minimum_bytes + copy_bytes) / MiB:.0f} MiB)"])
+
+def copy_does_not_fit(without: "OffloadPlan", copy_bytes: int) -> "OffloadPlan":
+    """``without``, noting that the draft copy does not fit its budget beside the minimum."""
+    return copy_unused(without, f"its {copy_bytes / MiB:.0f} MiB do not fit this budget beside the minimum "
+                                f"(it would need about {(without.minimum_bytes + copy_bytes) / MiB:.0f} MiB)")
+
+
+def choose_draft_copy(info: "SidecarInfo", without: "OffloadPlan", with_copy: "OffloadPlan") -> "OffloadPlan":
+    """``with_copy`` (the same budget and n_ubatch, the draft copy resident) when its predicted delivered
+    tok/s is higher than ``without``'s, else ``without``. The returned plan's ``draft_choice`` holds
+    both predictions and its ``least_budget_bytes`` is the one without the copy (the least budget the
+    model runs in)."""
     p0, p1 = predict_plan(without, info), predict_plan(with_copy, info)
     if p0 is None:
-        return dataclasses.replace(without, notes=without.notes + [
-            "draft copy unused: every cluster is pinned at this budget, nothing is read from flash"])
+        return copy_unused(without, "every cluster is pinned at this budget, nothing is read from flash")
     if p1 is None:  # (unreachable: the copy leaves fewer pinned clusters) nothing to draft for
         return without
     choice: dict[str, Any] = {"resident_only": dataclasses.asdict(p0), "draft_copy": dataclasses.asdict(p1),
                               "chosen": "draft_copy" if p1.tok_s > p0.tok_s else "resident_only"}
     chosen = with_copy if p1.tok_s > p0.tok_s else without
+    copy_bytes = with_copy.parts["draft_copy"]
     note = (f"draft copy ({copy_bytes / MiB:.0f} MiB) vs the same memory as pinned clusters: predicted "
             f"{p1.tok_s:.1f} vs {p0.tok_s:.1f} tok/s delivered (acceptance {p1.acceptance:.2f} vs "
             f"{p0.acceptance:.2f}, draft {p1.draft} vs {p0.draft}): {choice['chosen'].replace('_', ' ')} chosen")

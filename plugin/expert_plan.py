@@ -102,37 +102,16 @@ def lru_miss_rate(counts: np.ndarray, n_used: int, n_slots: int, n_pinned: int) 
 
 def moe_llama_share(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
     """llama.cpp's memory with the routed experts served by llamaflash (bytes), counted as the dense
-    planner counts it (planner.llama_share): the vocabulary, every weight but the ``*_exps`` tensors
-    (resident), the f16 KV cache, and the compute buffers (CPU graph, the expert splits' activations
-    n_ubatch x n_used x (3 n_ff_exp + n_embd) f32, logits)."""
-    from .planner import COMPUTE_SAFETY, PAGE, VOCAB_BYTES_PER_ENTRY, VOCAB_FIXED_BYTES, _meta
+    planner counts it (plan_llama_share.llama_memory): the vocabulary, every weight but the ``*_exps``
+    tensors (file-backed, locked after load; token_embd by the rows used), the f16 KV cache, and the
+    compute buffers (CPU graph, the expert splits' activations n_ubatch x n_used x (3 n_ff_exp + n_embd)
+    f32, logits)."""
+    from .plan_llama_share import llama_memory
 
-    h = header
-    arch = moe.architecture
-    n_layer, n_embd = moe.n_layer, moe.n_embd
-    n_head = int(np.max(_meta(h, f"{arch}.attention.head_count", 1)))
-    kv_heads = np.broadcast_to(np.asarray(_meta(h, f"{arch}.attention.head_count_kv", n_head)), (n_layer,))
-    k_len = int(_meta(h, f"{arch}.attention.key_length", n_embd // n_head))
-    v_len = int(_meta(h, f"{arch}.attention.value_length", k_len))
-    n_vocab = int(_meta(h, "tokenizer.ggml.tokens", 0) or _meta(h, f"{arch}.vocab_size", 0))
-    entries = n_vocab + int(_meta(h, "tokenizer.ggml.merges", 0))
     experts = {t.name for layer in moe.layers for t in layer.tensors}
-    size = {t.name: t.nbytes for t in h.tensors if t.name not in experts}
-    # token_embd is read by rows (get_rows) when the model has its own output matrix: the pages of n_ctx
-    # rows of the mapped file, not the whole table (as the dense planner counts it)
-    if "output.weight" in size and "token_embd.weight" in size:
-        emb = size["token_embd.weight"]
-        size["token_embd.weight"] = min(emb, n_ctx * (-(-(emb // max(1, n_vocab)) // PAGE) + 1) * PAGE)
-    cells = -(-n_ctx // 256) * 256
     n_ff = max(t.ne1 for layer in moe.layers for t in layer.tensors if t.kind != "down")
-    cpu = n_ubatch * 4 * max(n_vocab + 3 * n_embd, (n_head + 2) * cells + 6 * n_embd)
-    split = n_ubatch * moe.n_used * (3 * n_ff + n_embd) * 4
-    return {
-        "llama_vocab": VOCAB_FIXED_BYTES + VOCAB_BYTES_PER_ENTRY * entries,
-        "llama_weights": sum(size.values()),
-        "kv_cache": int(kv_heads.sum()) * cells * (k_len + v_len) * 2,
-        "compute_buffers": int(COMPUTE_SAFETY * (cpu + split + n_vocab * 4)),
-    }
+    split = n_ubatch * moe.n_used * (3 * n_ff + moe.n_embd) * 4
+    return llama_memory(header, n_ctx, n_ubatch, experts, split, embeddings_by_rows=True)
 
 
 def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int, disk: dict[str, Any],

@@ -6,11 +6,18 @@ base model's ``ffn_gate``, ``ffn_up`` and ``ffn_down`` rows. :func:`verify_files
 them (the sidecar's own rows always; the base model's when it is given, after the checks of
 :func:`~llamaflash.sidecar.validate_pair`) and reports every mismatch. ``llamaflash verify`` prints the
 report. The engine runs the same checks on what it reads (csrc/integrity.h).
+
+A model that runs as stock although it has a sidecar (the in-memory default, lane_decision) reads its
+FFN weights through llama.cpp, not the engine: :class:`BaseRowCheck` checks the base model's FFN rows
+against the sidecar's checksums on a thread of its own while llama.cpp loads the model, so a damaged
+base model is refused in every mode.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -18,6 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from llamaflash import sidecar_format as fmt
+from llamaflash.errors import SidecarIntegrityError
 from llamaflash.sidecar import LayerLayout, SidecarInfo, read_sidecar, validate_pair
 
 
@@ -118,3 +126,70 @@ def verify_files(sidecar: str | os.PathLike, model: str | os.PathLike | None = N
         if progress is not None:
             progress(i + 1, len(info.layers))
     return report
+
+
+#: Rows checksummed per read while checking the base model in the background (bounds the memory a
+#: mapping's chunk keeps resident on the checking thread: about 8 MiB of rows).
+_CHUNK_BYTES = 8 << 20
+
+
+class BaseRowCheck:
+    """The base model's FFN rows (every served layer's ``ffn_gate``, ``ffn_up``, ``ffn_down``) checked
+    against the sidecar's CRC-32C checksums on a daemon thread, started at construction. ``wait()``
+    joins it and raises :class:`SidecarIntegrityError` for the first damaged row (file, tensor, row,
+    byte range, way out: the engine's message); ``checked_bytes`` / ``seconds`` say what it did.
+    ``info`` must have checksums (``info.integrity`` not None)."""
+
+    def __init__(self, info: SidecarInfo, model: str | os.PathLike) -> None:
+        if info.integrity is None:
+            raise ValueError(f"{info.path}: the sidecar has no checksums to check the base model against")
+        self._info, self._model = info, Path(model)
+        self.checked_bytes = 0
+        self.seconds = 0.0
+        self._failure: Optional[str] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="llamaflash-base-check", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            for layout in self._info.layers:
+                for path, tensor, _, offset, n_rows, row_bytes, expected in _row_sets(self._info, layout, self._model):
+                    if path != self._model:
+                        continue
+                    if self._check(tensor, offset, n_rows, row_bytes, expected):
+                        return
+        except BaseException as e:  # an unreadable file: raised by wait()
+            self._error = e
+        finally:
+            self.seconds = time.perf_counter() - start
+
+    def _check(self, tensor: str, offset: int, n_rows: int, row_bytes: int, expected: np.ndarray) -> bool:
+        """Checks one tensor's rows in chunks; True (and the failure recorded) at the first mismatch."""
+        per_chunk = max(1, _CHUNK_BYTES // row_bytes)
+        for first in range(0, n_rows, per_chunk):
+            n = min(per_chunk, n_rows - first)
+            got = _crc_rows(self._model, offset + first * row_bytes, n, row_bytes)
+            self.checked_bytes += n * row_bytes
+            bad = np.flatnonzero(got != expected[first:first + n])
+            if len(bad):
+                row = first + int(bad[0])
+                at = offset + row * row_bytes
+                from llamaflash import _native
+
+                self._failure = (
+                    f"{_native.INTEGRITY_ERROR_PREFIX} in '{self._model}': tensor {tensor} row {row} (bytes {at}.."
+                    f"{at + row_bytes}) does not hold what was written (CRC-32C {int(got[bad[0]]):08x}, expected "
+                    f"{int(expected[row]):08x}); the base model file is damaged: copy or download it again (a "
+                    f"sidecar converted from a damaged model would carry the damage)")
+                return True
+        return False
+
+    def wait(self) -> None:
+        """Joins the check; raises SidecarIntegrityError at a damaged row, or what reading the file raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._failure is not None:
+            raise SidecarIntegrityError(f"llamaflash: {self._failure}")

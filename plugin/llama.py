@@ -65,7 +65,8 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  flash even when the whole model would fit).
   flash_verify   True (default): every FFN row llamaflash reads is checked against the sidecar's
                  CRC-32C row checksums before anything is computed with it (in memory once at load,
-                 offload on every flash read); a mismatch raises SidecarIntegrityError naming the file,
+                 offload on every flash read; running as stock with a sidecar, the base model's FFN
+                 rows once at load, on a thread of their own while llama.cpp loads); a mismatch raises SidecarIntegrityError naming the file,
                  tensor and offset. False skips the checks (for measuring their cost). A sidecar
                  without checksums (format 1/2 from an older converter) is served unchecked, with a
                  warning once. Before every evaluation both files are also checked (one fstat each): one
@@ -198,7 +199,7 @@ def _resolve_mode(flash_mode: Optional[str]) -> str:
 
 #: flash_dense_up=None: up·x for every neuron by ggml while the level's sparsity is below this (measured
 #: on Qwen2.5-1.5B, 2 threads: ggml's repacked GEMV streams the whole up matrix faster than the
-#: kernel's per-row dots of 25-70% of its rows; see README "Sparse lane").
+#: kernel's per-row dots of 25-70% of its rows).
 DENSE_UP_MAX_SPARSITY = 0.75
 
 def _level_sparsity(info: SidecarInfo, level: Optional[float]) -> float:
@@ -264,6 +265,7 @@ class Llama(llama_cpp.Llama):
         self._flash_sidecar: Optional[Path] = None
         self._flash_plan = None
         self._flash_decision: Optional[lane_decision.Decision] = None
+        self._base_check: Optional["BaseRowCheck"] = None  # stock with a sidecar: its row check
         self._speculator: Optional[speculative.Speculator] = None
         self._speculation_off_reason: Optional[str] = None
         self._experts = None  # _native.ExpertModel: an MoE model's experts served from flash
@@ -353,7 +355,19 @@ class Llama(llama_cpp.Llama):
                 self._flash_info, self._flash_sidecar = info, Path(sidecar)
                 if kwargs.get("verbose", True):
                     _say_once(f"llamaflash: '{sidecar}': {self._flash_decision.reason}")
+                # llama.cpp reads the FFN weights itself: their rows are checked against the sidecar's
+                # checksums on a thread of their own while it loads (a damaged model is refused here too)
+                if flash_verify and info.integrity is not None:
+                    from .integrity import BaseRowCheck  # numpy: only a check needs it
+
+                    self._base_check = BaseRowCheck(info, model_path)
                 self._init_llama(model_path, args, kwargs, spec_settings)
+                if self._base_check is not None:
+                    try:
+                        self._base_check.wait()
+                    except LlamaflashError:
+                        self.close()
+                        raise
                 return
             self._flash_mode = "sparse"
         thresholds = None
@@ -646,6 +660,9 @@ class Llama(llama_cpp.Llama):
                 out.update(read_verified_bytes=off["verified_bytes"], read_verify_seconds=off["verify_seconds"],
                            read_clusters_checked_by_compute=off["clusters_checked_by_compute"],
                            read_compute_verify_seconds=off["compute_verify_seconds"])
+        elif self._base_check is not None:  # stock: the base model's FFN rows, checked while llama.cpp loaded
+            out.update(checked=True, load_verified_bytes=self._base_check.checked_bytes,
+                       load_verify_seconds=self._base_check.seconds)
         if self._flash_info.integrity is None:
             out["note"] = ("the sidecar has no checksums (re-create it with `llamaflash convert MODEL --force`)")
         return out

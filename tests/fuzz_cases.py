@@ -23,7 +23,9 @@ Only the standard library, NumPy, gguf and llamaflash's readers are imported (no
 
 from __future__ import annotations
 
+import signal
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Collection, Iterator
@@ -234,3 +236,27 @@ def block_count_edits(clean: Path, data: bytes) -> Iterator[Case]:
     value = struct.unpack_from("<I", data, pos)[0]
     for new in (0xFFFFFFFF, value ^ 0xFF000000, value + 1, 0, 1):
         yield Case(f"block_count = {new}", "count", ((pos, struct.pack("<I", new)),))
+
+
+@contextmanager
+def deadline(seconds: float):
+    """Raise TimeoutError in the block if it runs longer than ``seconds`` (a Python loop over a
+    corrupt count is interrupted by the alarm)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def set_uint_metadata(path: Path, key: str, value: int) -> None:
+    """Overwrite the scalar unsigned-integer metadata ``key`` of GGUF ``path`` in place."""
+    reader = gguf.GGUFReader(path, "r+")
+    field = reader.fields[key]
+    field.parts[field.data[0]][0] = value
+    reader.data.flush()

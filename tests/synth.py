@@ -144,6 +144,18 @@ def synthetic_text(n_words: int, seed: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Conversion settings (``convert()`` keywords) for tests on synthetic models: self-contained synthetic
+#: calibration and validation texts (no registry download), few levels, short validation; a synthetic
+#: model converts well under a second.
+FAST_CONVERT = dict(
+    calib_text=synthetic_text(3000, seed=1),
+    valid_text=synthetic_text(800, seed=2),
+    valid_tokens=512,
+    calib_tokens=2048,
+    levels=(0.25, 0.5, 0.75),
+)
+
+
 def write_not_gguf(path: str | os.PathLike[str]) -> Path:
     """Write a small file that is not a GGUF (plain text) to ``path``."""
     path = Path(path)

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import FAST_CONVERT
+from synth import FAST_CONVERT
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert
 from llamaflash.converters.analysis import (

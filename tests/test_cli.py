@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import FAST_CONVERT
+from synth import FAST_CONVERT
 from llamaflash.cli import EXIT_LLAMAFLASH_ERROR, main
 from llamaflash.sidecar import read_sidecar, validate_pair
 from synth import synthetic_text, write_not_gguf

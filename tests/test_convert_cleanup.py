@@ -31,7 +31,7 @@ CHILD = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
     sys.path.insert(0, {tests!r})
-    from conftest import FAST_CONVERT
+    from synth import FAST_CONVERT
     import llamaflash.converters.calibrate as calibrate
     import llamaflash.converters.writer as writer
     from llamaflash.converters import convert

@@ -69,7 +69,7 @@ def test_embeddings_are_exact(smollm2_sidecar, tmp_path):
 def test_verbose_false_is_silent(tiny_model_factory, tmp_path, settings):
     """verbose=False means no line on stdout or stderr, as in stock, also while llamaflash repacks its
     weights through ggml (pure Q4_K: ggml-cpu repacks it and logs every tensor at info level)."""
-    from conftest import FAST_CONVERT
+    from synth import FAST_CONVERT
     from llamaflash.converters import convert
 
     model = tmp_path / "m.gguf"

@@ -10,7 +10,6 @@ faster delivered decode."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 
 import gguf
@@ -18,29 +17,23 @@ import numpy as np
 import pytest
 
 import llamaflash
-from conftest import FAST_CONVERT
+from synth import FAST_CONVERT
 from llamaflash import _native, draft_plan, planner
 from llamaflash.converters import convert
 from llamaflash.converters.draft_copy import draft_type
 from llamaflash.errors import SidecarError
 from llamaflash.gguf_model import read_base_model, read_tensor_rows
 from llamaflash.sidecar import read_sidecar, validate_pair
-from test_offload import forced_plan, make_plan  # noqa: F401  (module fixture reused)
-from test_speculative import PROMPT, SELF_DRAFT, greedy
+from offload_helpers import PROMPT, SELF_DRAFT, greedy, make_plan
 
 Q = gguf.GGMLQuantizationType
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model_factory, tmp_path_factory):
-    """A Q8_0 fixture (n_embd 96: the auto draft type is Q4_0) and its sidecar with a draft copy."""
-    src = tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192)
-    d = tmp_path_factory.mktemp("draft")
-    model = d / "m.gguf"
-    shutil.copy(src, model)
-    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
-    return model, sidecar
+def pair(converted):
+    """conftest's Q8_0 pair (n_embd 96: the auto draft type is Q4_0): its sidecar has a draft copy."""
+    return converted
 
 
 def test_draft_type_choices():

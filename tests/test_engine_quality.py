@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import FAST_CONVERT
+from synth import FAST_CONVERT
 from llamaflash import sidecar_format as fmt
 from llamaflash.cli import main
 from llamaflash.converters import convert

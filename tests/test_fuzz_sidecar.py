@@ -45,7 +45,7 @@ import fuzz_cases as cases
 from fuzz_cases import Case, base_summary, sidecar_summary
 from llamaflash.errors import LlamaflashError
 from llamaflash.gguf_header import read_gguf_header
-from test_strict_validation import clean_pair, deadline  # noqa: F401
+from fuzz_cases import deadline
 
 SEED = 0
 CASE_DEADLINE_S = 10

@@ -15,7 +15,6 @@ import pytest
 from click.testing import CliRunner
 
 import llamaflash
-from conftest import FAST_CONVERT
 from llamaflash import _native
 from llamaflash import sidecar_format as fmt
 from llamaflash.cli import main
@@ -27,7 +26,7 @@ from llamaflash.errors import FlashIoError, SidecarIntegrityError
 from llamaflash.gguf_model import base_identity, read_base_model
 from llamaflash.integrity import verify_files
 from llamaflash.sidecar import read_sidecar, validate_pair
-from test_offload import KW, forced_plan, make_plan  # noqa: F401  (fixture)
+from offload_helpers import C, KW, make_plan
 
 
 def crc32c_reference(data: bytes) -> int:
@@ -57,16 +56,6 @@ def test_crc32c_matches_its_definition_in_every_implementation():
     assert _native.crc32c_rows(b"123456789", 9)[0] == 0xE3069283  # the published check value
     with pytest.raises(ValueError, match="whole number"):
         _native.crc32c_rows(b"12345", 2)
-
-
-@pytest.fixture(scope="module")
-def converted(tiny_model_factory, tmp_path_factory):
-    src = tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192)
-    d = tmp_path_factory.mktemp("integrity")
-    model = d / "m.gguf"
-    shutil.copy(src, model)
-    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
-    return model, sidecar
 
 
 def test_the_converter_checksums_every_row_the_engine_reads(converted):
@@ -138,6 +127,42 @@ def test_a_flipped_byte_in_memory_is_refused_at_load(converted, tmp_path, what, 
     assert result.exit_code == 1 and f"{tensor} row {row} " in result.output
 
 
+@pytest.mark.parametrize("what", ["base_down", "base_up", "base_gate"])
+def test_the_default_running_stock_refuses_a_damaged_base_model(converted, tmp_path, what):
+    """The in-memory default runs stock (no stored measurement: llama.cpp reads the FFN weights, the
+    engine does not); with a sidecar it still checks the base model's FFN rows at load."""
+    m, s, lay = _copies(converted, tmp_path)
+    # (rows past the gate's first 4096 bytes: those are part of the pair's identity, a mismatch there
+    # is a SidecarMismatchError before any check)
+    tensor, row_bytes, offset, row = {
+        "base_down": (fmt.base_ffn_down_name(1), lay.base_down_row_bytes, lay.base_down_offset, 50),
+        "base_up": (fmt.base_ffn_up_name(1), lay.up_row_bytes, lay.base_up_offset, 150),
+        "base_gate": (fmt.base_ffn_gate_name(1), lay.gate_row_bytes, lay.base_gate_offset, 150)}[what]
+    for k in range(8):  # 8 bytes of one row of layer 1
+        _flip(m, offset + row * row_bytes + 2 * k)
+    with pytest.raises(SidecarIntegrityError) as e:
+        llamaflash.Llama(model_path=str(m), sidecar_path=str(s), **KW)
+    msg = str(e.value)
+    assert f"'{m}'" in msg and f"tensor {tensor} row {row} " in msg and "copy or download it again" in msg
+    # the measuring switch: the same files load unchecked, as stock
+    unchecked = llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_verify=False, **KW)
+    assert unchecked.flash_mode == "stock" and unchecked.flash_stats()["integrity"]["checked"] is False
+    unchecked.close()
+
+
+def test_the_default_running_stock_checks_every_base_ffn_row_at_load(converted):
+    model, sidecar = converted
+    llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), **KW)
+    assert llm.flash_mode == "stock"
+    checked = llm.flash_stats()["integrity"]
+    info = read_sidecar(sidecar)
+    base_ffn = sum(lay.n_ff * (lay.gate_row_bytes + lay.up_row_bytes) + lay.n_embd * lay.base_down_row_bytes
+                   for lay in info.layers)
+    assert checked["checked"] is True and checked["load_verified_bytes"] == base_ffn
+    assert checked["load_verify_seconds"] > 0
+    llm.close()
+
+
 def test_offload_checks_each_flash_read_before_its_cluster_is_used(converted, tmp_path, forced_plan):
     m, s, lay = _copies(converted, tmp_path)
     forced_plan(make_plan(s, 0, prefetch_layers=0))  # nothing pinned: every cluster read at decode
@@ -164,7 +189,6 @@ def test_a_cluster_checked_by_its_compute_thread_fails_the_eval_every_time(conve
     # in flight to overlap with): damage only that cluster's rows. The slot is dropped, so the next
     # eval reads and checks it again and fails again, never computing from it.
     m, s, lay = _copies(converted, tmp_path)
-    from test_offload import C
     last = (lay.n_ff - 1) // C
     for row in range(last * C, lay.n_ff):
         _flip(s, lay.down_t_offset + row * lay.down_t_row_bytes)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import llamaflash
-from conftest import FAST_CONVERT
+from synth import FAST_CONVERT
 from llamaflash import lane_decision
 from llamaflash.converters import convert
 from llama_helpers import run_model

@@ -13,7 +13,7 @@ import llamaflash
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert
 from synth import truncate, write_not_gguf, write_unsupported_architecture
-from test_sidecar import set_uint_metadata
+from fuzz_cases import set_uint_metadata
 
 
 @pytest.fixture

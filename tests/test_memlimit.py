@@ -340,7 +340,7 @@ def tiny_with_sidecar(tiny_model_factory, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("memlimit-model")
     model = d / "tiny.gguf"
     shutil.copyfile(tiny_model_factory(weight_type="Q8_0"), model)
-    from conftest import FAST_CONVERT
+    from synth import FAST_CONVERT
 
     convert(model, progress=False, sparsity=0.25, measure_quality=False, report=False, **FAST_CONVERT)
     return model

@@ -12,7 +12,7 @@ import pytest
 import llamaflash
 from llamaflash import _native
 from llamaflash import sidecar_format as fmt
-from conftest import FAST_CONVERT
+from synth import FAST_CONVERT
 from llamaflash.converters import convert
 from llamaflash.errors import NonFiniteOutputError
 from llamaflash.sidecar import read_sidecar

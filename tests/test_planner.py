@@ -12,47 +12,20 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.cli import EXIT_LLAMAFLASH_ERROR, main
 from llamaflash.converters.bundle import BundleStage
 from llamaflash.converters.pipeline import plan_sidecar
-from llamaflash.converters.sparsity import LayerDecision, SparsityStage
 from llamaflash.converters.writer import write_sidecar_atomically
 from llamaflash.errors import LlamaflashError, RamBudgetError, SidecarError
 from llamaflash.gguf_model import base_identity, read_base_model
 from llamaflash.planner import CLUSTER_SIZES, MiB, default_disk, plan_offload
 from llamaflash.sidecar import read_sidecar
+from planner_cases import random_freqs, write_v2_sidecar
 
 N_LAYER, N_FF = 3, 256
 PARTS = ("runtime", "llama_vocab", "llama_weights", "kv_cache", "compute_buffers", "prefill_window",
          "gate_rows", "cold_slots", "verify_buffers", "hot_slots", "margin")
 RUNTIME = 40 * MiB
-
-
-def write_v2_sidecar(model: Path, out: Path, freqs: dict[int, np.ndarray],
-                     orders: dict[int, np.ndarray] | None = None) -> Path:
-    """A format-2 sidecar of ``model`` whose neuron frequencies are ``freqs[layer]`` (base neuron order),
-    bundles in ``orders[layer]`` (default identity)."""
-    info = read_base_model(model)
-    decisions = {}
-    for ffn in info.ffn_layers:
-        order = (orders or {}).get(ffn.layer, np.arange(ffn.n_ff)).astype(np.int32)
-        f = np.asarray(freqs[ffn.layer], dtype=np.float32)
-        decisions[ffn.layer] = LayerDecision(
-            layer=ffn.layer, level=0.5, threshold=0.1, sparsity=float(1 - f.mean()), ffn_rel_error=0.0,
-            order=order, freq=f[order], mag=np.ones(ffn.n_ff, dtype=np.float32), selection=fmt.SELECTION_GATE)
-    stage = SparsityStage(decisions)
-    plan = plan_sidecar(info, base_identity(model, info), [BundleStage(stage.orders), stage])
-    plan.set_string(fmt.KEY_SPARSITY_CRITERION, fmt.CRITERION_ACT_GATE)
-    plan.set_string(fmt.KEY_SPARSITY_METHOD, fmt.SPARSITY_METHOD_FIXED)
-    plan.set_string(fmt.KEY_BUNDLE_ORDER, fmt.BUNDLE_ORDER_BASE if orders is None else fmt.BUNDLE_ORDER_HOT)
-    plan.set_float32(fmt.KEY_SPARSITY_TARGET, 0.5)
-    return write_sidecar_atomically(plan, out)
-
-
-def random_freqs(seed: int = 0) -> dict[int, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {i: rng.beta(0.3, 1.5, N_FF).astype(np.float32) for i in range(N_LAYER)}
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +41,7 @@ def model(tiny_model_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pair(model, tmp_path_factory) -> tuple[Path, Path]:
-    return model, write_v2_sidecar(model, tmp_path_factory.mktemp("planner") / "m.flash.gguf", random_freqs())
+    return model, write_v2_sidecar(model, tmp_path_factory.mktemp("planner") / "m.flash.gguf", random_freqs(N_LAYER, N_FF))
 
 
 def plan(pair, budget_mb, **kw):
@@ -308,7 +281,7 @@ def test_real_smollm2_llama_buffers_match_llama_cpp_log(smollm2_sidecar):
     SMOL = smollm2_sidecar
     script = Path(__file__).resolve().parent.parent / "bench" / "planner_constants.py"
     out = subprocess.run([sys.executable, str(script), "--child", "smollm2-135m,llamaflash,128,512",
-                          "--sidecar-dir", str(SMOL[1].parent)], capture_output=True, text=True, check=True)
+                          "--sidecar", str(SMOL[1])], capture_output=True, text=True, check=True)
     logged = json.loads(out.stdout.strip().splitlines()[-1])["buffers_mib"]
     share = llama_share(read_gguf_header(SMOL[0]), validate_pair(*SMOL), 512, 128)
     assert share["kv_cache"] / MiB == pytest.approx(logged["CPU KV"], abs=0.01)

@@ -36,7 +36,8 @@ from llamaflash.errors import (
 )
 from llamaflash.gguf_model import base_identity, read_base_model, require_supported
 from llamaflash.sidecar import LayerLayout, default_sidecar_path, read_sidecar, validate_pair
-from conftest import FAST_CONVERT
+from fuzz_cases import set_uint_metadata
+from synth import FAST_CONVERT
 from synth import truncate, write_not_gguf, write_unsupported_architecture
 
 Q8_0_BLOCK = 32
@@ -66,14 +67,6 @@ def converted(model: Path, directory: Path, **settings) -> tuple[Path, Path]:
     (fast synthetic calibration, see conftest.FAST_CONVERT, unless ``settings`` say otherwise)."""
     local = copy_model(model, directory)
     return local, convert(local, progress=False, **{**FAST_CONVERT, **settings})
-
-
-def set_uint_metadata(path: Path, key: str, value: int) -> None:
-    """Overwrite the scalar unsigned-integer metadata ``key`` of GGUF ``path`` in place."""
-    reader = gguf.GGUFReader(path, "r+")
-    field = reader.fields[key]
-    field.parts[field.data[0]][0] = value
-    reader.data.flush()
 
 
 def stored_order(sidecar: Path, lay: LayerLayout) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import llamaflash
-from conftest import FAST_CONVERT
+from synth import FAST_CONVERT
 from llamaflash.converters import convert
 from llamaflash.converters.llama_runner import EmulatedLayer, LlamaRunner, SparseFfnEmulator
 from llamaflash.sidecar import read_sidecar

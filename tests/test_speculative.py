@@ -20,23 +20,10 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 import llamaflash
 from llamaflash import speculative
 from llamaflash.errors import FlashIoError
-from test_offload import converted, forced_plan, make_plan  # noqa: F401  (module fixtures reused)
+from offload_helpers import PROMPT, SELF_DRAFT, greedy, make_plan
 
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
-PROMPT = "Once upon a time, in a land far away, there lived a"
-N_GEN = 40
-
-SELF_DRAFT = {"adaptive": False, "max_draft": 4, "prompt_lookup": False, "min_confidence": 0.0}
 LOOKUP = {"adaptive": False, "max_draft": 6, "self_draft": False, "max_ngram": 1}
-
-
-def greedy(llm, prompt: str = PROMPT, n: int = N_GEN) -> list:
-    out = []
-    for tok in llm.generate(llm.tokenize(prompt.encode()), temp=0, top_k=1):
-        out.append(tok)
-        if len(out) >= n:
-            break
-    return out
 
 
 @pytest.fixture

@@ -14,8 +14,6 @@ such read must finish within a short deadline.
 from __future__ import annotations
 
 import shutil
-import signal
-from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
@@ -32,32 +30,15 @@ from llamaflash.gguf_header import GGUFHeaderError, read_gguf_header
 from llamaflash.gguf_model import read_base_model
 from llamaflash.sidecar import read_sidecar, validate_pair
 from click.testing import CliRunner
-from conftest import FAST_CONVERT
-from fuzz_cases import edit_tensor_info, relative_offsets
+from fuzz_cases import deadline, edit_tensor_info, relative_offsets
 from synth import write_unsupported_architecture
 
 BLOCK_COUNT_KEY = "llama.block_count"
 
 
 # --------------------------------------------------------------------------------------
-# helpers (also used by test_fuzz_sidecar.py)
+# helpers
 # --------------------------------------------------------------------------------------
-
-
-@contextmanager
-def deadline(seconds: float):
-    """Raise TimeoutError in the block if it runs longer than ``seconds`` (a Python loop over a
-    corrupt count is interrupted by the alarm)."""
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def set_scalar(path: Path, key: str, value) -> None:
@@ -89,16 +70,6 @@ def write_floats(path: Path, offset: int, index: int, value: float) -> None:
     with open(path, "r+b") as f:
         f.seek(offset + 4 * index)
         f.write(np.float32(value).tobytes())
-
-
-@pytest.fixture(scope="module")
-def clean_pair(tiny_llama_q8_0, tmp_path_factory) -> tuple[Path, Path]:
-    """A converted format-2 pair (base order, threshold table, activation predictors: the readers
-    check their tensors too), read-only: copy before editing."""
-    d = tmp_path_factory.mktemp("clean-pair")
-    model = d / "model.gguf"
-    shutil.copyfile(tiny_llama_q8_0, model)
-    return model, convert(model, progress=False, selection="auto", **FAST_CONVERT)
 
 
 @pytest.fixture

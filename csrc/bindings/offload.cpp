@@ -3,6 +3,8 @@
 // (plugin/planner.py) sizes the budget with. IoError becomes llamaflash.errors.FlashIoError.
 #include "../flash_model.h"
 #include "../neuron_cache.h"
+#include "../offload_state.h"
+#include "../sparse_ffn.h"
 #include "flash_io_py.h"
 
 #include <pybind11/pybind11.h>
@@ -60,6 +62,19 @@ void bind_offload(py::module_ & m) {
           py::arg("down_t_row_bytes"),
           "Bytes of one neuron-cache slot (neuron_cache.h): round_up(C·up_row_bytes, 4096) + "
           "round_up(C·down_t_row_bytes, 4096), the row sizes being the largest over the served layers.");
+    m.def("draft_copy_tensor_bytes", &draft_copy_tensor_bytes, py::arg("n_ff"), py::arg("draft_row_bytes"),
+          "Bytes the engine allocates for one tensor (up or down_t) of one layer's resident draft copy "
+          "(offload_state.h): round_up(n_ff·draft_row_bytes, 4096).");
+    m.def(
+        "sparse_scratch_bytes",
+        [](int gate_type, int up_type, int64_t n_embd, int64_t n_tokens, int n_threads, int64_t n_clusters) {
+            return sparse_ffn_scratch_bytes(static_cast<ggml_type>(gate_type), static_cast<ggml_type>(up_type), n_embd,
+                                            n_tokens, n_threads, n_clusters);
+        },
+        py::arg("gate_type"), py::arg("up_type"), py::arg("n_embd"), py::arg("n_tokens"), py::arg("n_threads"),
+        py::arg("n_clusters"),
+        "Bytes the sparse lane's scratch takes for a layer of these ggml types and n_embd, up to n_tokens tokens, "
+        "n_threads threads and n_clusters clusters of the cluster phase (sparse_ffn.h, SparseFfnScratch::reserve).");
     auto cls = py::reinterpret_borrow<FlashModelClass>(m.attr("FlashModel"));
     cls.def_property_readonly("stream_gate", [](const FlashModel & fm) { return fm.offload() && fm.offload()->stream_gate(); })
         .def_property_readonly(
