@@ -1,8 +1,7 @@
 """Planning an MoE model under a RAM budget: the dense part pinned, KV, and expert cache slots.
 
 The budget covers the whole process. What is not the routed experts is resident in llama.cpp's
-anonymous memory (loaded with use_mmap=False, so the kernel cannot reclaim it under pressure):
-every non-expert weight, the vocabulary, the KV cache and the compute buffers, plus the Python runtime
+mapping of the file, locked in RAM after load (expert_runtime.lock_dense_part): every non-expert weight, the vocabulary, the KV cache and the compute buffers, plus the Python runtime
 and a margin, as the dense planner counts them (plugin/planner.py). What remains is the expert cache:
 the same number of slots in every MoE layer, each slot one expert (all its tensors, aligned for direct
 I/O: ``_native.expert_slot_bytes``). Slots hold the most popular experts of the calibration text

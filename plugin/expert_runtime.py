@@ -2,7 +2,7 @@
 
 Under ``ram_budget_mb`` an MoE model's routed experts (``*_exps``) are served by the expert engine
 (csrc/expert_*.h) from the base file through an expert cache; every other weight stays resident in
-llama.cpp's anonymous memory (use_mmap=False), so the kernel cannot reclaim it under pressure. The
+llama.cpp's mapping of the file and is locked after load (mlock), so the kernel cannot reclaim it under pressure. The
 result is bit-identical to stock llama.cpp with plain weights (use_extra_bufts=False), whatever the
 cache holds. Without a budget, or when the model fits the budget, or for an architecture not served,
 the model runs as stock llama.cpp and `flash_stats()["decision"]` says why.

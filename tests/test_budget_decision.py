@@ -15,7 +15,7 @@ from llamaflash import budget_decision, planner
 from llamaflash.cli import main
 from llamaflash.gguf_model import read_base_model
 from llamaflash.sidecar import validate_pair
-from test_offload import converted, forced_plan, make_plan  # noqa: F401  (module fixtures reused)
+from offload_helpers import make_plan  # converted and forced_plan are conftest fixtures
 
 MiB = planner.MiB
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)

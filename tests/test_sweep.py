@@ -16,7 +16,6 @@ from click.testing import CliRunner
 
 from llamaflash.bench import cgroups, memlimit, sweep, sweep_report
 from llamaflash.cli import main
-from test_offload import converted  # noqa: F401  (module fixture reused)
 
 SMALL = dict(n_prompt=16, n_gen=4, n_ctx=64, n_batch=64, reps=1, quiet_wait_s=0, timeout_s=120, prompt_set=None)
 
