@@ -2,6 +2,7 @@
 #include "dense_lane.h"
 
 #include "flash_model.h"
+#include "graph_mirror.h"
 #include "weight_registry.h"
 
 #include <cstring>
@@ -9,18 +10,6 @@
 namespace llamaflash {
 
 namespace {
-
-// A leaf over `t`'s memory: same type, shape and strides, no op, so the private graph never
-// recomputes anything that was computed outside the split.
-ggml_tensor * leaf_over(ggml_context * ctx, const ggml_tensor * t) {
-    ggml_tensor * leaf = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
-    std::memcpy(leaf->nb, t->nb, sizeof(leaf->nb));
-    leaf->data = t->data;
-    leaf->buffer = t->buffer;
-    leaf->extra = t->extra;
-    std::memcpy(leaf->name, t->name, sizeof(leaf->name));
-    return leaf;
-}
 
 // Row 2i + parity of z [2·n_ff, T] -> row i of dst [n_ff, T] (parity 0: gate, 1: up).
 constexpr int64_t kMaxFusedTokens = 4;

@@ -79,18 +79,6 @@ void copy_staged(ggml_tensor * dst, int ith, int nth, void *) {
     }
 }
 
-// A leaf over `t`'s memory (same type, shape, strides), so nothing computed outside the split is
-// recomputed.
-ggml_tensor * leaf_over(ggml_context * ctx, const ggml_tensor * t) {
-    ggml_tensor * leaf = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
-    std::memcpy(leaf->nb, t->nb, sizeof(leaf->nb));
-    leaf->data = t->data;
-    leaf->buffer = t->buffer;
-    leaf->extra = t->extra;
-    std::memcpy(leaf->name, t->name, sizeof(leaf->name));
-    return leaf;
-}
-
 const BoundWeight * bound_expert(const ggml_tensor * node) {
     if (node->op != GGML_OP_MUL_MAT_ID) {
         return nullptr;
@@ -204,14 +192,8 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
     const bool staged = rounds_of.size() > 1;
 
     // the private graph: every node mirrored, MUL_MAT_IDs over the cache
-    const size_t max_tensors = static_cast<size_t>(n_nodes) * (GGML_MAX_SRC + 1);
-    const size_t need = max_tensors * ggml_tensor_overhead() + ggml_graph_overhead_custom(max_tensors, false);
-    if (arena_.size() < need) {
-        arena_.resize(need);
-    }
-    ggml_init_params params = {arena_.size(), arena_.data(), true};
-    ggml_context * ctx = ggml_init(params);
-    ggml_cgraph * graph = ggml_new_graph_custom(ctx, max_tensors, false);
+    ggml_cgraph * graph = nullptr;
+    ggml_context * ctx = arena_.begin(n_nodes, &graph);
     mirror_.clear();
     size_t n_matmuls = 0;
     for (int i = 0; i < n_nodes; ++i) {

@@ -25,6 +25,7 @@
 #include "expert_model.h"
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "graph_mirror.h"
 
 #include <cstdint>
 #include <memory>
@@ -59,7 +60,7 @@ public:
 private:
     ggml_tensor * mirror(ggml_context * ctx, const ggml_tensor * t);
 
-    std::vector<uint8_t> arena_;
+    GraphArena arena_;
     std::unordered_map<const ggml_tensor *, ggml_tensor *> mirror_;
     std::vector<std::unique_ptr<Matmul>> matmuls_;
 };

@@ -132,14 +132,8 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
     if (expert_split.model != nullptr) {
         return experts_.compute(split, expert_split, cpu_, n_threads_);
     }
-    const size_t max_tensors = static_cast<size_t>(n_nodes) * (GGML_MAX_SRC + 1);
-    const size_t need = max_tensors * ggml_tensor_overhead() + ggml_graph_overhead_custom(max_tensors, false);
-    if (arena_.size() < need) {
-        arena_.resize(need);
-    }
-    ggml_init_params params = {arena_.size(), arena_.data(), true};
-    ggml_context * ctx = ggml_init(params);
-    ggml_cgraph * graph = ggml_new_graph_custom(ctx, max_tensors, false);
+    ggml_cgraph * graph = nullptr;
+    ggml_context * ctx = arena_.begin(n_nodes, &graph);
     dense_.begin(ctx, split);
 
     // 1. lane, 2. build

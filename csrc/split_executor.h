@@ -18,6 +18,7 @@
 
 #include "dense_lane.h"
 #include "expert_lane.h"
+#include "graph_mirror.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "sparse_lane.h"
@@ -44,7 +45,7 @@ private:
                        const SparseLayerView & view);
 
     ggml_backend_t cpu_ = nullptr;
-    std::vector<uint8_t> arena_;  // metadata memory of the private graph, reused across calls
+    GraphArena arena_;  // metadata memory of the private graph, reused across calls
     DenseLane dense_;
     SparseLane sparse_;
     ExpertLane experts_;
