@@ -74,15 +74,7 @@ ggml_tensor * DenseLane::map_src(const ggml_tensor * src) {
 }
 
 ggml_tensor * DenseLane::mirror_node(const ggml_tensor * node) {
-    ggml_tensor * m = ggml_new_tensor(ctx_, node->type, GGML_MAX_DIMS, node->ne);
-    std::memcpy(m->nb, node->nb, sizeof(m->nb));
-    m->op = node->op;
-    std::memcpy(m->op_params, node->op_params, sizeof(m->op_params));
-    m->flags = node->flags;
-    m->data = node->data;
-    m->buffer = node->buffer;
-    m->extra = node->extra;
-    std::memcpy(m->name, node->name, sizeof(m->name));
+    ggml_tensor * m = node_copy(ctx_, node);
     for (int j = 0; j < GGML_MAX_SRC; ++j) {
         m->src[j] = node->src[j] != nullptr ? map_src(node->src[j]) : nullptr;
     }

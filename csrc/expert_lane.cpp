@@ -243,17 +243,9 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
             m->buffer = node->buffer;
             std::memcpy(m->name, node->name, sizeof(m->name));
         } else {
-            m = ggml_new_tensor(ctx, node->type, GGML_MAX_DIMS, node->ne);
-            std::memcpy(m->nb, node->nb, sizeof(m->nb));
-            m->op = node->op;
-            std::memcpy(m->op_params, node->op_params, sizeof(m->op_params));
-            m->flags = node->flags;
-            m->data = node->data;
-            m->buffer = node->buffer;
-            m->extra = node->extra;
+            m = node_copy(ctx, node);
             m->view_src = node->view_src != nullptr ? mirror(ctx, node->view_src) : nullptr;
             m->view_offs = node->view_offs;
-            std::memcpy(m->name, node->name, sizeof(m->name));
             for (int j = 0; j < GGML_MAX_SRC; ++j) {
                 m->src[j] = node->src[j] != nullptr ? mirror(ctx, node->src[j]) : nullptr;
             }

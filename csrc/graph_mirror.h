@@ -24,6 +24,21 @@ inline ggml_tensor * leaf_over(ggml_context * ctx, const ggml_tensor * t) {
     return leaf;
 }
 
+// A node of the private graph computing `node`'s op into `node`'s memory (type, shape, strides, op
+// and its parameters, flags, data, buffer, name); the caller sets its sources.
+inline ggml_tensor * node_copy(ggml_context * ctx, const ggml_tensor * node) {
+    ggml_tensor * m = ggml_new_tensor(ctx, node->type, GGML_MAX_DIMS, node->ne);
+    std::memcpy(m->nb, node->nb, sizeof(m->nb));
+    m->op = node->op;
+    std::memcpy(m->op_params, node->op_params, sizeof(m->op_params));
+    m->flags = node->flags;
+    m->data = node->data;
+    m->buffer = node->buffer;
+    m->extra = node->extra;
+    std::memcpy(m->name, node->name, sizeof(m->name));
+    return m;
+}
+
 // Metadata memory for the private graph of a split of n_nodes nodes (each with up to GGML_MAX_SRC
 // sources mirrored), grown as needed and reused. begin() returns a no_alloc context over it and the
 // empty graph in it; the caller frees the context (ggml_free) when the split is done.
