@@ -275,10 +275,6 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
             status = GGML_STATUS_FAILED;
             break;
         }
-        std::vector<char> in_round(static_cast<size_t>(spec.n_expert), 0);
-        for (int e : round) {
-            in_round[static_cast<size_t>(e)] = 1;
-        }
         for (size_t j = 0; j < n_matmuls; ++j) {
             Matmul & mm = *matmuls_[j];
             mm.pairs.clear();
