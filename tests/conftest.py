@@ -141,7 +141,10 @@ def forced_plan(monkeypatch):
     import llamaflash
 
     def use(plan, calls=None):
+        from llamaflash import planner as real
+
         fake = types.ModuleType("llamaflash.planner")
+        fake.__dict__.update({k: v for k, v in vars(real).items() if not k.startswith("__")})  # all but plan_offload real
 
         def plan_offload(*a, **k):
             if calls is not None:
