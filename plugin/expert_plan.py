@@ -7,9 +7,9 @@ the same number of slots in every MoE layer, each slot one expert (all its tenso
 I/O: ``_native.expert_slot_bytes``). Slots hold the most popular experts of the calibration text
 pinned (up to half the slots above n_used) and LRU for the rest.
 
-When every expert of every layer fits, llamaflash has nothing to do: the model runs as stock
-llama.cpp (``fits``). Below n_used slots per layer the budget is refused (RamBudgetError naming
-the minimum).
+When stock llama.cpp (plain weights, file-backed) fits the budget, llamaflash has nothing to do:
+the model runs as stock (``fits``, :func:`stock_need`), with the largest prefill batch whose buffers
+fit. Below n_used slots per layer the budget is refused (RamBudgetError naming the minimum).
 
 The predicted decode rate is I/O bound: per token, n_layers x n_used experts, of which a share misses
 (LRU simulated on the calibration statistics when the sidecar has them, else the uniform-routing
@@ -113,6 +113,35 @@ def moe_llama_share(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dic
     return llama_memory(header, n_ctx, n_ubatch, experts, split, embeddings_by_rows=True)
 
 
+def stock_need(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
+    """What stock llama.cpp with plain weights keeps resident (bytes): the whole file in the page cache
+    (``model_file``), its vocabulary, f16 KV cache and compute buffers at ``n_ubatch`` (no device), and
+    the Python runtime. No margin: a slight overshoot reclaims a few clean file pages (re-read once),
+    while serving experts from flash when the file fits costs far more."""
+    from .plan_llama_share import llama_memory
+    from .planner import RUNTIME_RSS_BYTES
+
+    mem = llama_memory(header, n_ctx, n_ubatch, (), 0, embeddings_by_rows=True)
+    return {"model_file": int(moe.file_size), "llama_vocab": mem["llama_vocab"], "kv_cache": mem["kv_cache"],
+            "compute_buffers": mem["compute_buffers"], "python_runtime": RUNTIME_RSS_BYTES}
+
+
+def stock_ubatch(header, moe: MoeModelInfo, budget: int, n_ctx: int, n_ubatch: int | None) -> int | None:
+    """The n_ubatch at which stock fits ``budget`` bytes (:func:`stock_need`), or None: the user's
+    ``n_ubatch`` when given, else the largest of llama-cpp-python's default (512) and the planner's
+    smaller choices that fits (a smaller batch only slows prefill; decode runs as stock)."""
+    from .planner import UBATCH_CHOICES
+
+    if n_ubatch:
+        candidates = [int(n_ubatch)]
+    else:
+        candidates = sorted({u for u in (512, *UBATCH_CHOICES) if u <= 512}, reverse=True)
+    for u in candidates:
+        if sum(stock_need(header, moe, n_ctx, u).values()) <= budget:
+            return u
+    return None
+
+
 def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int, disk: dict[str, Any],
                  alignment: int = 4096, counts: dict[int, np.ndarray] | None = None,
                  n_ubatch: int | None = None, n_slots: int | None = None) -> ExpertPlan:
@@ -135,6 +164,7 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
         parts["margin"] = int(MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget)
         return parts
 
+    user_ubatch = n_ubatch
     if n_ubatch is None:
         # the largest prefill batch whose buffers take at most UBATCH_BUDGET_SHARE of the budget and that
         # leaves n_used expert slots per layer (smaller batches when the budget is tight)
@@ -152,10 +182,7 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     min_budget = sum(least.values()) + RUNTIME_RSS_BYTES + int((MARGIN_FIXED_BYTES + slot * n_layers * min_slots) /
                                                                 (1 - MARGIN_FRACTION))
     notes: list[str] = []
-    # stock llama.cpp (plain weights, as under a budget) needs the whole file in the page cache beside its
-    # buffers; the margin is left out: a slight overshoot there costs a few reclaimed clean pages, not an
-    # OOM, while serving experts from flash when everything fits would cost far more
-    stock_need = fixed - share["llama_weights"] - share["margin"] + moe.file_size
+    stock_u = stock_ubatch(header, moe, budget, n_ctx, user_ubatch) if n_slots is None else None
     if n_slots is not None:
         if not moe.n_used <= n_slots <= moe.n_expert:
             raise ValueError(f"flash_expert_slots={n_slots} must lie in [n_used, n_expert] = [{moe.n_used}, {moe.n_expert}]")
@@ -163,9 +190,11 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
             raise RamBudgetError(f"flash_expert_slots={n_slots} needs {(fixed + n_slots * slot * n_layers) / MiB:.0f} MiB; "
                                  f"ram_budget_mb={ram_budget_mb:g} is too small for it")
         min_slots = moe.n_used
-    elif budget >= stock_need:
-        return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, share, min_budget, n_ubatch, 0.0, 0.0,
-                          0.0, None, ["the model file and llama.cpp's buffers fit the budget"])
+    elif stock_u is not None:
+        need = stock_need(header, moe, n_ctx, stock_u)
+        return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, need, min_budget, stock_u, 0.0, 0.0,
+                          0.0, None, [f"the model file and llama.cpp's buffers at n_ubatch {stock_u} "
+                                      f"({sum(need.values()) / MiB:.0f} MiB) fit the budget"])
     if n_slots is None:
         n_slots = min(moe.n_expert, (budget - fixed) // (slot * n_layers)) if budget > fixed else 0
     if n_slots < min_slots:

@@ -379,6 +379,8 @@ class Llama(llama_cpp.Llama):
             spec_settings = dataclasses.replace(spec_settings, self_draft=False)  # no self-draft for experts yet
         if setup.model is None:
             self._flash_mode = "stock"
+            if setup.plan is not None and setup.plan.fits:  # the prefill batch at which stock fits the budget
+                kwargs.setdefault("n_ubatch", setup.plan.n_ubatch)
             if kwargs.get("verbose", True):
                 _say_once(f"llamaflash: '{model_path}': {setup.reason}")
             self._init_llama(model_path, args, kwargs, spec_settings)

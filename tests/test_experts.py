@@ -238,3 +238,33 @@ def test_plan_command_for_moe(converted):
     r = CliRunner().invoke(main, ["plan", str(path), "--ram-budget-mb", "4000"])
     assert r.exit_code == 0, r.output
     assert "fits" in r.output and "minimum budget" in r.output
+
+
+def test_steps_aside_once_stock_fits_with_its_own_batch(tiny_moe_factory):
+    """Stock's need is the file, its vocabulary, KV cache, compute buffers and the runtime (no expert
+    slots, no margin). The plan runs stock from the least budget that holds it at the smallest prefill
+    batch, with the largest batch that fits; below it, experts are served (or the budget is refused)."""
+    from llamaflash.expert_plan import plan_experts, stock_need
+    from llamaflash.planner import UBATCH_CHOICES, default_disk
+
+    path = tiny_moe_factory("qwen3moe")
+    header = read_gguf_header(path)
+    moe = read_moe_model(header)
+    MiB = 1024 * 1024
+    need = {u: sum(stock_need(header, moe, 256, u).values()) for u in (512, *UBATCH_CHOICES)}
+    assert need[512] > need[UBATCH_CHOICES[-1]] and stock_need(header, moe, 256, 32)["model_file"] == moe.file_size
+    least = need[UBATCH_CHOICES[-1]]
+    plan = plan_experts(moe, header, least / MiB, n_ctx=256, disk=default_disk())
+    assert plan.fits and plan.n_ubatch == UBATCH_CHOICES[-1] and "fit" in plan.notes[0]
+    big = plan_experts(moe, header, need[512] / MiB, n_ctx=256, disk=default_disk())
+    assert big.fits and big.n_ubatch == 512
+    try:
+        below = plan_experts(moe, header, (least - MiB) / MiB, n_ctx=256, disk=default_disk())
+        assert not below.fits
+    except RamBudgetError:
+        pass
+    # a user's n_ubatch is the only batch considered
+    try:
+        assert not plan_experts(moe, header, need[256] / MiB, n_ctx=256, disk=default_disk(), n_ubatch=512).fits
+    except RamBudgetError:
+        pass
