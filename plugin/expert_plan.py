@@ -113,6 +113,12 @@ def moe_llama_share(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dic
     return llama_memory(header, n_ctx, n_ubatch, experts, split, embeddings_by_rows=True)
 
 
+def router_copy_bytes(moe: MoeModelInfo) -> int:
+    """The engine's f32 copies of the routers (ExpertLayerSpec.router: n_expert x n_embd per layer that
+    has one), for the next-layer prediction and draft routing."""
+    return sum(layer.n_expert * moe.n_embd * 4 for layer in moe.layers if layer.router is not None)
+
+
 def stock_need(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
     """What stock llama.cpp with plain weights keeps resident (bytes): the whole file in the page cache
     (``model_file``), its vocabulary, f16 KV cache and compute buffers at ``n_ubatch`` (no device), and
@@ -160,6 +166,7 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
 
     def fixed_parts(u: int) -> dict[str, int]:
         parts = moe_llama_share(header, moe, n_ctx, u)
+        parts["router_copies"] = router_copy_bytes(moe)
         parts["python_runtime"] = RUNTIME_RSS_BYTES
         parts["margin"] = int(MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget)
         return parts
@@ -179,7 +186,7 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     min_slots = moe.n_used
     # the least budget: n_used slots per layer, the smallest prefill batch
     least = moe_llama_share(header, moe, n_ctx, UBATCH_CHOICES[-1])
-    min_budget = sum(least.values()) + RUNTIME_RSS_BYTES + int((MARGIN_FIXED_BYTES + slot * n_layers * min_slots) /
+    min_budget = sum(least.values()) + router_copy_bytes(moe) + RUNTIME_RSS_BYTES + int((MARGIN_FIXED_BYTES + slot * n_layers * min_slots) /
                                                                 (1 - MARGIN_FRACTION))
     notes: list[str] = []
     stock_u = stock_ubatch(header, moe, budget, n_ctx, user_ubatch) if n_slots is None else None

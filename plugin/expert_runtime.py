@@ -104,7 +104,7 @@ def engine_config(model_path: str, moe: experts.MoeModelInfo, info: expert_sidec
         spec.tensors = tensors
         spec.n_slots = plan.n_slots
         spec.pinned = plan.pinned.get(layer.layer, [])
-        if prefetch and layer.router is not None:
+        if layer.router is not None:  # f32 copy: next-layer prediction and draft routing (plan: router_copies)
             spec.router = experts.router_matrix(model_path, layer.router).ravel().tolist()
         layers.append(spec)
     config.layers = layers

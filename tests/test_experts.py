@@ -229,6 +229,68 @@ def test_speculative_verify_batches_give_the_same_tokens(converted):
     llm.close()
 
 
+def test_draft_mode_routes_among_resident_experts_and_reads_nothing(converted):
+    """Draft mode (the self-draft's cache-conditional routing): no flash read, no request, no prefetch;
+    routed experts that are not resident are replaced by resident ones (counted). With every expert
+    resident the draft is the exact computation: its logits equal the exact ones bit for bit."""
+    path = converted("qwen3moe")
+    llm = served(path, 3)
+    llm.reset()
+    llm.eval(TOKENS[:8])
+    before = llm._experts.stats()
+    llm._experts.draft = True
+    try:
+        llm.eval(TOKENS[8:12])
+    finally:
+        llm._experts.draft = False
+    after = llm._experts.stats()
+    for key in ("bytes_read", "requests", "misses", "prefetched", "splits", "tokens"):
+        assert after[key] == before[key], key
+    assert after["draft_splits"] - before["draft_splits"] > 0
+    assert after["draft_substituted"] > 0  # 3 slots of the tiny model's experts: most tokens route elsewhere
+    assert after["draft_pairs"] >= after["draft_substituted"] + after["draft_dropped"]
+    llm.close()
+
+    moe = read_moe_model(read_gguf_header(path))
+    every = served(path, moe.n_expert)
+    every.reset()
+    every.eval(list(range(100, 228)))  # a 128-token prefill routes to every expert: all read once
+    assert all(len(every._experts.resident_experts(p)) == moe.n_expert for p in range(len(moe.layers)))
+    exact = decode_logits(every, TOKENS[:6])
+    every._experts.draft = True
+    try:
+        drafted = decode_logits(every, TOKENS[:6])
+    finally:
+        every._experts.draft = False
+    assert every._experts.stats()["draft_substituted"] == 0
+    assert np.array_equal(exact, drafted)
+    every.close()
+
+
+def test_self_draft_gives_the_greedy_tokens(converted):
+    """Speculation with the self-draft (cache-conditional routing) under a budget: greedy output equals
+    non-speculative decoding token for token; the self-draft ran."""
+    path = converted("qwen3moe")
+    prompt = b"Once upon a time"
+
+    def greedy(**kw):
+        llm = Llama(str(path), n_ctx=256, verbose=False, ram_budget_mb=BUDGET_MB, flash_expert_slots=3, **kw)
+        out = []
+        for t in llm.generate(llm.tokenize(prompt), temp=0.0):
+            out.append(t)
+            if len(out) == 32:
+                break
+        stats = llm.flash_stats()
+        llm.close()
+        return out, stats
+
+    ref, _ = greedy(flash_speculative=False)
+    got, stats = greedy(flash_speculative={"prompt_lookup": False})
+    assert got == ref
+    assert stats["experts"]["draft_splits"] > 0
+    assert stats["speculative"]["drafted"] > 0
+
+
 def test_plan_command_for_moe(converted):
     from click.testing import CliRunner
 
