@@ -30,6 +30,17 @@ MiB = 1024 * 1024
 #: Expert reads: the planner's disk profile is read at this queue depth (the reader keeps several
 #: experts' tensors in flight).
 EXPERT_READ_DEPTH = 16
+#: Just below stock's need, stock llama.cpp loses a few routed experts' pages from its page cache
+#: and faults them back in: per decoded token about AMPLIFICATION x (shortfall / routed expert bytes)
+#: of the token's expert bytes (the dense part stays hot; fault granularity and readahead round up).
+#: Those faults are synchronous, slower per byte than the engine's batched direct reads (FAULT_SLOWDOWN).
+#: Measured on the synthetic qwen3moe bench model at 2,450 MiB (docs/BENCHMARKS.md): 4.7% of a token's
+#: expert bytes re-read at a 3.7% shortfall, ~12 MB per token costing ~20 ms (600 MB/s against the
+#: engine's 916). Trusted up to SHORTFALL_MAX of the routed experts: far below, stock's page cache
+#: thrashes (the same model at 1/2 of the file re-read 9x a token's bytes).
+STOCK_REREAD_AMPLIFICATION = 1.3
+STOCK_FAULT_SLOWDOWN = 1.5
+STOCK_SHORTFALL_MAX = 0.05
 #: Ubatch for prefill under a budget: expert splits of more tokens need more rounds only when the
 #: batch's distinct experts exceed the slots; compute buffers grow linearly with it.
 EXPERT_UBATCH = 256
@@ -57,7 +68,7 @@ class ExpertPlan:
         for k, v in self.share.items():
             lines.append(f"  {k:<22} {v / MiB:8.1f} MiB")
         if self.fits:
-            lines.append("  the whole model fits: runs as stock llama.cpp (nothing to offload)")
+            lines.append(f"  runs as stock llama.cpp (plain weights, n_ubatch {self.n_ubatch}): nothing served from flash")
         else:
             lines.append(f"  expert cache           {self.cache_bytes / MiB:8.1f} MiB: {self.n_slots} slots per layer "
                          f"of {self.slot_bytes / MiB:.2f} MiB ({sum(len(p) for p in self.pinned.values())} pinned)")
@@ -132,6 +143,17 @@ def stock_need(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dict[str
             "compute_buffers": mem["compute_buffers"], "python_runtime": RUNTIME_RSS_BYTES}
 
 
+def stock_reread_per_token(moe: MoeModelInfo, shortfall: int) -> float | None:
+    """Bytes stock llama.cpp re-reads per decoded token when its page cache is ``shortfall`` bytes short
+    of :func:`stock_need` (see STOCK_REREAD_AMPLIFICATION); None beyond STOCK_SHORTFALL_MAX, where
+    the estimate does not hold (stock thrashes)."""
+    routed = sum(layer.n_expert * layer.expert_bytes for layer in moe.layers)
+    share = max(0, shortfall) / routed
+    if share > STOCK_SHORTFALL_MAX:
+        return None
+    return STOCK_REREAD_AMPLIFICATION * share * moe.n_used * sum(layer.expert_bytes for layer in moe.layers)
+
+
 def stock_ubatch(header, moe: MoeModelInfo, budget: int, n_ctx: int, n_ubatch: int | None) -> int | None:
     """The n_ubatch at which stock fits ``budget`` bytes (:func:`stock_need`), or None: the user's
     ``n_ubatch`` when given, else the largest of llama-cpp-python's default (512) and the planner's
@@ -160,6 +182,7 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
                           UBATCH_CHOICES, disk_throughput)
 
     budget = int(ram_budget_mb * MiB)
+    forced = n_slots is not None
     slot = max(int(_native.expert_slot_bytes([t.expert_bytes for t in layer.tensors], alignment))
                for layer in moe.layers)
     n_layers = len(moe.layers)
@@ -186,8 +209,9 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     min_slots = moe.n_used
     # the least budget: n_used slots per layer, the smallest prefill batch
     least = moe_llama_share(header, moe, n_ctx, UBATCH_CHOICES[-1])
-    min_budget = sum(least.values()) + router_copy_bytes(moe) + RUNTIME_RSS_BYTES + int((MARGIN_FIXED_BYTES + slot * n_layers * min_slots) /
-                                                                (1 - MARGIN_FRACTION))
+    # the margin is a share of the whole budget: budget = (everything else + fixed margin) / (1 - share)
+    min_budget = math.ceil((sum(least.values()) + router_copy_bytes(moe) + RUNTIME_RSS_BYTES + MARGIN_FIXED_BYTES +
+                            slot * n_layers * min_slots) / (1 - MARGIN_FRACTION))
     notes: list[str] = []
     stock_u = stock_ubatch(header, moe, budget, n_ctx, user_ubatch) if n_slots is None else None
     if n_slots is not None:
@@ -200,7 +224,7 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     elif stock_u is not None:
         need = stock_need(header, moe, n_ctx, stock_u)
         return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, need, min_budget, stock_u, 0.0, 0.0,
-                          0.0, None, [f"the model file and llama.cpp's buffers at n_ubatch {stock_u} "
+                          0.0, None, [f"stock fits: the model file and llama.cpp's buffers at n_ubatch {stock_u} "
                                       f"({sum(need.values()) / MiB:.0f} MiB) fit the budget"])
     if n_slots is None:
         n_slots = min(moe.n_expert, (budget - fixed) // (slot * n_layers)) if budget > fixed else 0
@@ -227,5 +251,15 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     bw = disk_throughput(disk, float(slot) / max(1, len(moe.layers[0].tensors)), EXPERT_READ_DEPTH)
     if not counts:
         notes.append("no routing statistics in the sidecar: hit rate predicted for uniform routing, nothing pinned")
+    if not forced:
+        # just below stock's need: stock's few page-cache misses against the expert cache's misses
+        u_min = stock_ubatch(header, moe, 1 << 62, n_ctx, user_ubatch or UBATCH_CHOICES[-1])
+        need = stock_need(header, moe, n_ctx, u_min)
+        reread = stock_reread_per_token(moe, sum(need.values()) - budget)
+        if reread is not None and reread * STOCK_FAULT_SLOWDOWN <= read:
+            return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, need, min_budget, u_min, 0.0, 0.0, 0.0, None,
+                              [f"stock llama.cpp is {(sum(need.values()) - budget) / MiB:.0f} MiB short of the file "
+                               f"and its buffers here: it re-reads ~{reread / 1e6:.0f} MB per token, the expert cache "
+                               f"would read ~{read / 1e6:.0f} MB"])
     return ExpertPlan(budget, False, n_slots, pinned, slot, slot * n_slots * n_layers, share, min_budget, n_ubatch,
                       miss_rate, read, bw, (bw / read) if read > 0 else None, notes)

@@ -330,3 +330,36 @@ def test_steps_aside_once_stock_fits_with_its_own_batch(tiny_moe_factory):
         assert not plan_experts(moe, header, need[256] / MiB, n_ctx=256, disk=default_disk(), n_ubatch=512).fits
     except RamBudgetError:
         pass
+
+
+def test_just_below_stock_need_runs_stock_while_its_rereads_cost_less(tiny_moe_factory, monkeypatch):
+    """A budget a little short of stock's need: stock re-reads ~AMPLIFICATION x shortfall share of a
+    token's expert bytes by page faults; when that (x FAULT_SLOWDOWN) is below the expert cache's
+    predicted reads the model runs as stock, and beyond SHORTFALL_MAX of the routed experts never."""
+    from llamaflash import expert_plan
+    from llamaflash.planner import default_disk
+
+    path = tiny_moe_factory("qwen3moe")
+    header = read_gguf_header(path)
+    moe = read_moe_model(header)
+    MiB = 1024 * 1024
+    routed = sum(layer.n_expert * layer.expert_bytes for layer in moe.layers)
+    per_token = moe.n_used * sum(layer.expert_bytes for layer in moe.layers)
+    share = 0.02
+    assert expert_plan.stock_reread_per_token(moe, int(share * routed)) == pytest.approx(
+        expert_plan.STOCK_REREAD_AMPLIFICATION * share * per_token, rel=1e-3)  # int() of the shortfall
+    assert expert_plan.stock_reread_per_token(moe, int(0.2 * routed)) is None
+    least = expert_plan.plan_experts(moe, header, 1000, n_ctx=256, disk=default_disk(), n_slots=moe.n_used)
+    budget = least.min_budget_bytes  # n_used slots per layer: most of a token's experts are read
+    served = expert_plan.plan_experts(moe, header, budget / MiB, n_ctx=256, disk=default_disk(), n_slots=moe.n_used)
+    assert not served.fits and served.read_bytes_per_token > 0
+
+    def short_of(shortfall):  # stock's need, `shortfall` bytes above the budget
+        return lambda *a, **k: {"model_file": budget + shortfall}
+
+    monkeypatch.setattr(expert_plan, "stock_need", short_of(int(share * routed)))
+    near = expert_plan.plan_experts(moe, header, budget / MiB, n_ctx=256, disk=default_disk())
+    assert near.fits and "short of the file" in near.notes[0]
+    monkeypatch.setattr(expert_plan, "stock_need", short_of(int(0.2 * routed)))
+    far = expert_plan.plan_experts(moe, header, budget / MiB, n_ctx=256, disk=default_disk())
+    assert not far.fits
