@@ -1,4 +1,4 @@
-"""Quality measured with llamaflash's own sparse lane (``ConvertOptions.quality="engine"``).
+"""Quality measured with llamaflash's own sparse lane, the converter's quality method ("engine").
 
 The converter writes a *measurement sidecar* (the sidecar it is about to produce, with the
 thresholds of every analysed level in its threshold table but no quality record yet) to a
