@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters.llama_runner import activation_fn
 
 

@@ -9,9 +9,10 @@ the :class:`~llamaflash.converters.bundle.BundleStage`, so bundles, down_t rows 
 share one order.
 
 Selection is gate-first in every layer (gate rows of all n_ff neurons, then up and down_t rows of
-the active ones: exact). The per-layer selection and predictor arrays that formats 2 and 3 require
-are written with their "gate-first, no predictor" values (:data:`~llamaflash.sidecar_format.LEGACY_SELECTION_VALUES`)
-so that older readers accept the file; this reader ignores them.
+the active ones: exact). The retired per-layer selection and predictor arrays that formats 2 and 3
+require are written with their "gate-first, no predictor" values
+(:data:`~llamaflash.sidecar_format.LEGACY_SELECTION_VALUES`) so that older readers accept the file;
+this reader ignores them.
 """
 
 from __future__ import annotations

@@ -94,15 +94,15 @@ def test_sparse_lane_matches_emulation_at_a_level(converted):
     runner = LlamaRunner(model, 128, n_threads=2)
     try:
         hook = SparseFfnEmulator(info.activation, thresholds)
-        emulated = runner.decode(np.array(tokens), hook).copy()
+        reference = runner.decode(np.array(tokens), hook).copy()
         stock = runner.decode(np.array(tokens)).copy()
     finally:
         runner.close()
     assert 1.0 - hook.measured_sparsity == pytest.approx(st["mean_active_fraction"], abs=0.02)
     # measured: 0.031 from the emulation, 0.168 from stock (neurons at the threshold may flip,
     # the kernel's h is f32 and its down_t Q8_0)
-    assert rel_max_diff(emulated, lane) < 5e-2
-    assert rel_max_diff(emulated, lane) < 0.3 * rel_max_diff(stock, lane)
+    assert rel_max_diff(reference, lane) < 5e-2
+    assert rel_max_diff(reference, lane) < 0.3 * rel_max_diff(stock, lane)
 
 
 def test_batches_route_by_max_sparse_tokens(converted):
