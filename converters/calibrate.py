@@ -9,7 +9,6 @@ the report shows.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from llamaflash.converters import texts
 from llamaflash.converters.blas import blas_threads
 from llamaflash.converters.analysis import AnalysisSettings, LayerAnalysis, analyse_layer
 from llamaflash.converters.engine_quality import EngineRunner, measurement_sidecar
-from llamaflash.converters.llama_runner import EmulatedLayer, LlamaRunner, ProfileHook
+from llamaflash.converters.llama_runner import LlamaRunner, ProfileHook
 from llamaflash.converters.progress import Progress
 from llamaflash.converters.quality import GREEDY_PROMPTS, GREEDY_TOKENS, QualityEvaluator, QualityPoint
 from llamaflash.converters.sparsity import LayerDecision, SparsityStage, decide_layer
@@ -57,7 +56,7 @@ class CalibrationResult:
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     threads: int = 0                     # llama.cpp threads used
-    quality_method: str | None = None    # "engine" | "emulated" | None (quality not measured)
+    quality_method: str | None = None    # "engine", or None (quality not measured)
 
     def add_header_keys(self, plan: SidecarPlan) -> None:
         """The file-level v2 keys."""
@@ -89,11 +88,11 @@ class CalibrationResult:
                 plan.set_float32_array(key(fmt.QUALITY_CURVE_ACTIVE_FRACTION),
                                        [p.active_fraction for p in self.curve])
 
-    def set_decisions(self, target: float, selection: str) -> None:
-        """Per served layer, the :class:`LayerDecision` at ``target`` with ``selection``; and the stage."""
+    def set_decisions(self, target: float) -> None:
+        """Per served layer, the :class:`LayerDecision` at ``target``; and the stage."""
         opts = self.options
-        self.decisions = {ffn.layer: decide_layer(self.analyses[ffn.layer], ffn, target, selection,
-                                                  opts.min_recall, opts.order, opts.down_t_type)
+        self.decisions = {ffn.layer: decide_layer(self.analyses[ffn.layer], ffn, target, opts.order,
+                                                  opts.down_t_type)
                           for ffn in self.model.ffn_layers}
         self.stage = SparsityStage(self.decisions)
 
@@ -129,14 +128,14 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None, out: Path | Non
               write_sidecar: SidecarWriter | None = None) -> CalibrationResult:
     """Profile ``model``, analyse every served layer and choose the operating point.
 
-    With ``opts.quality == "engine"``, quality is measured on a temporary sidecar beside ``out``
-    written by ``write_sidecar`` (both required then; see :mod:`.engine_quality`)."""
+    Quality is measured by the sparse engine on a temporary sidecar beside ``out`` written by
+    ``write_sidecar`` (both required when quality is measured; see :mod:`.engine_quality`)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     fixed = not isinstance(opts.sparsity, str)
     need_quality = (not fixed) or opts.measure_quality
-    if need_quality and opts.quality == fmt.QUALITY_METHOD_ENGINE and (out is None or write_sidecar is None):
-        raise ValueError("quality='engine' needs the output path and a sidecar writer")
+    if need_quality and (out is None or write_sidecar is None):
+        raise ValueError("measuring quality needs the output path and a sidecar writer")
     calib = _calibration_source(opts)
     valid = _validation_source(opts) if need_quality else None
     label = f"{model.path.name} ({model.architecture}, n_embd {model.n_embd})"
@@ -160,11 +159,7 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None, out: Path | Non
         timings["profile_s"] = time.perf_counter() - t
 
         levels = sorted(set(opts.levels) | ({float(opts.sparsity)} if fixed else set()) | {0.0})
-        settings = AnalysisSettings(
-            levels=tuple(levels),
-            ranks=() if opts.selection == fmt.SELECTION_GATE else tuple(opts.ranks),
-            recall_target=opts.recall_target, seed=opts.seed,
-        )
+        settings = AnalysisSettings(levels=tuple(levels), seed=opts.seed)
         t = time.perf_counter()
         analyses = _analyse(model, x, heldout, gate_checks, settings, stream)
         timings["analyse_s"] = time.perf_counter() - t
@@ -181,32 +176,22 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None, out: Path | Non
             target=float(opts.sparsity) if fixed else 0.0,
             analyses=analyses, decisions={}, stage=SparsityStage({}), validation=valid,
         )
-        evaluator = None
         if need_quality:
-            result.quality_method = opts.quality
-            bar = Progress(stream, 0, f"quality ({opts.quality})", unit="eval")
-            evaluator = QualityEvaluator(runner, model.activation, vchunks, GREEDY_PROMPTS, GREEDY_TOKENS,
-                                         tick=bar.update)
+            result.quality_method = fmt.QUALITY_METHOD_ENGINE
+            bar = Progress(stream, 0, f"quality ({fmt.QUALITY_METHOD_ENGINE})", unit="eval")
+            evaluator = QualityEvaluator(runner, vchunks, GREEDY_PROMPTS, GREEDY_TOKENS, tick=bar.update)
             result.validation_tokens = evaluator.n_tokens
             to_eval = ([s for s in levels if s > 0] if not fixed
                        else [float(opts.sparsity)] if opts.sparsity > 0 else [])
             try:
                 bar.add_total(evaluator.steps_per_eval * (1 + len(to_eval)))
                 dense = evaluator.measure_dense()
-                if opts.quality == fmt.QUALITY_METHOD_ENGINE and to_eval:
-                    runner.close()  # the stock model is not needed any more: free its context first
-                    _engine_operating_point(result, evaluator, dense, to_eval, fixed, opts, bar, threads,
-                                            out, write_sidecar)
-                else:
-                    emulate = lambda level: evaluator.measure(_gate_layers(result.analyses, level), level)  # noqa: E731
-                    _operating_point(result, dense, emulate, to_eval, fixed, opts, bar)
+                runner.close()  # the stock model is not needed any more: free its context first
+                _engine_operating_point(result, evaluator, dense, to_eval, fixed, opts, bar, threads,
+                                        out, write_sidecar)
             finally:
                 bar.close()
-        result.set_decisions(result.target, opts.selection)
-        if evaluator is not None and opts.quality == fmt.QUALITY_METHOD_EMULATED:
-            _check_predictors(result, evaluator, opts, stream)
-        elif evaluator is not None:
-            _note_predictors_run_gate_first(result)
+        result.set_decisions(result.target)
         result.stage = SparsityStage(result.decisions)
         timings["quality_s"] = time.perf_counter() - t
     finally:
@@ -322,21 +307,21 @@ def _analyse(model, x, heldout, gate_checks, settings, stream) -> dict[int, Laye
     return analyses
 
 
-def _gate_layers(analyses: dict[int, LayerAnalysis], level: float) -> dict[int, EmulatedLayer]:
-    return {layer: EmulatedLayer(float(an.thresholds[an.level_index(level)])) for layer, an in analyses.items()}
-
-
 def _engine_operating_point(result: CalibrationResult, ev: QualityEvaluator, dense: QualityPoint, to_eval,
                             fixed: bool, opts, bar, threads: int, out: Path | None,
                             write_sidecar: SidecarWriter | None) -> None:
     """:func:`_operating_point` with every level measured by the sparse engine on a measurement
-    sidecar (the sidecar being converted, gate-first everywhere, thresholds of all levels; no
-    quality record), written beside ``out`` and removed afterwards."""
+    sidecar (the sidecar being converted, thresholds of all levels; no quality record), written
+    beside ``out`` and removed afterwards. With no level to measure (fixed sparsity 0) only the
+    dense reference is recorded."""
+    if not to_eval:
+        _operating_point(result, dense, None, to_eval, fixed, opts, bar)
+        return
     # Bundle order and down_t type as in the final sidecar (the lane computes gate by ggml for base
     # order, from the bundles for hot order); a hot order is that of the first level evaluated.
     measuring = dataclasses.replace(result, decisions={}, curve=[], notes=[], dense=None, chosen=None,
                                     target=to_eval[0])
-    measuring.set_decisions(to_eval[0], fmt.SELECTION_GATE)
+    measuring.set_decisions(to_eval[0])
     bar.set_postfix("writing the measurement sidecar")
     t = time.perf_counter()
     with measurement_sidecar(out, lambda path: write_sidecar(measuring, path)) as path:
@@ -351,16 +336,7 @@ def _engine_operating_point(result: CalibrationResult, ev: QualityEvaluator, den
             _operating_point(result, dense, measure, to_eval, fixed, opts, bar)
 
 
-def _note_predictors_run_gate_first(result: CalibrationResult) -> None:
-    n = sum(d.selection == fmt.SELECTION_PREDICTOR for d in result.decisions.values())
-    if n:
-        result.notes.append(
-            f"{n} layers are recorded for predictor-first selection (fewer bytes for a flash engine); this "
-            "engine version selects gate-first in every layer, which is what the quality was measured with "
-            "(--quality-method emulated measures predictor-first selection)")
-
-
-def _operating_point(result: CalibrationResult, dense: QualityPoint, measure: Callable[[float], QualityPoint],
+def _operating_point(result: CalibrationResult, dense: QualityPoint, measure: Callable[[float], QualityPoint] | None,
                      to_eval, fixed: bool, opts, bar) -> None:
     """Given the dense reference, (auto) ``measure`` the levels in increasing order until perplexity
     exceeds ``stop_factor`` x budget, choosing the highest level within budget; or (fixed) the one level."""
@@ -385,32 +361,3 @@ def _operating_point(result: CalibrationResult, dense: QualityPoint, measure: Ca
             f"(lowest level {result.curve[0].target_sparsity:g}: {100 * result.curve[0].ppl_delta(dense):+.2f}%); "
             "thresholds are 0 (only exact zeros are skipped)")
 
-
-def _check_predictors(result: CalibrationResult, ev: QualityEvaluator, opts, stream) -> None:
-    """With some layers on predictor selection, measure the operating point as recorded; under
-    ``selection="auto"`` fall back to gate-first everywhere if that breaks the quality budget."""
-    pred_layers = {layer for layer, d in result.decisions.items() if d.selection == fmt.SELECTION_PREDICTOR}
-    if not pred_layers or result.dense is None:
-        return
-    layers = {}
-    for layer, d in result.decisions.items():
-        an = result.analyses[layer]
-        spec = EmulatedLayer(d.threshold)
-        if layer in pred_layers:
-            spec.pred_in, spec.pred_out = an.pred_in[:d.rank], an.pred_out[:, :d.rank]
-            spec.pred_threshold = d.pred_threshold
-        layers[layer] = spec
-    with Progress(stream, ev.steps_per_eval, "quality, predictors (emulated)", unit="eval") as bar:
-        ev.tick = bar.update
-        mixed = ev.measure(layers, result.target)
-    gate_point = result.chosen
-    budget = opts.quality_budget if result.method == fmt.SPARSITY_METHOD_AUTO else math.inf
-    if opts.selection == "auto" and mixed.ppl_delta(result.dense) > budget:
-        for layer in pred_layers:
-            result.decisions[layer].selection = fmt.SELECTION_GATE
-        result.notes.append(
-            f"predictor selection on {len(pred_layers)} layers raised perplexity to "
-            f"{100 * mixed.ppl_delta(result.dense):+.2f}% (over the budget); those layers use gate-first selection")
-        result.chosen = gate_point
-    else:
-        result.chosen = mixed

@@ -1,4 +1,4 @@
-"""Quality measured with llamaflash's own sparse lane (``ConvertOptions.quality="engine"``).
+"""Quality measured with llamaflash's own sparse lane, the converter's quality method ("engine").
 
 The converter writes a *measurement sidecar* (the sidecar it is about to produce, with the
 thresholds of every analysed level in its threshold table but no quality record yet) to a
@@ -10,8 +10,10 @@ token (gate by ggml, then the kernel's active-neuron up/down with the sidecar's 
 nothing runs on the dense lane (checked after every level). The active fraction comes from the
 lane's own counters.
 
-This engine version selects active neurons gate-first in every layer (a layer the sidecar
-records as predictor-first is run gate-first too), so what is measured is gate-first.
+The engine selects active neurons gate-first in every layer, so what is measured is gate-first.
+
+When the measurement cannot run, the errors name the way out: a fixed ``--sparsity`` with
+``--no-quality`` converts without measuring (:data:`WITHOUT_MEASUREMENT`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ import numpy as np
 
 from llamaflash.converters.writer import held
 from llamaflash.errors import ConversionError, LlamaflashError
+
+#: How to convert when the quality measurement cannot run (the end of the errors below).
+WITHOUT_MEASUREMENT = ("convert with a fixed sparsity and no measurement instead "
+                       "(`llamaflash convert MODEL --sparsity 0.3 --no-quality`)")
 
 
 @contextmanager
@@ -40,7 +46,7 @@ def measurement_sidecar(out: Path, write: Callable[[Path], object]) -> Iterator[
             raise ConversionError(
                 f"{out}: the quality measurement needs a temporary sidecar beside it ({path.name}) and writing "
                 f"it failed ({exc.__cause__ or exc}); nothing was written. Check free disk space (one more "
-                "sidecar's size) and permissions, then retry, or measure with --quality-method emulated."
+                f"sidecar's size) and permissions, then retry, or {WITHOUT_MEASUREMENT}."
             ) from exc
         with held(path):
             yield path
@@ -68,7 +74,7 @@ class EngineRunner:
         except LlamaflashError as exc:
             raise ConversionError(
                 f"the sparse engine could not run {os.fspath(model_path)} for the quality measurement ({exc}); "
-                "measure with --quality-method emulated instead") from exc
+                f"{WITHOUT_MEASUREMENT}") from exc
         self.llm.reset_flash_stats()
 
     def set_level(self, level: float) -> None:
@@ -100,7 +106,7 @@ class EngineRunner:
             raise ConversionError(
                 f"the sparse engine did not run every FFN of the measurement on its sparse lane "
                 f"(sparse lane calls {st.get('sparse_lane_calls')}, dense lane calls {st['dense_lane_calls']}, "
-                f"fallbacks {st.get('sparse_fallbacks')}); measure with --quality-method emulated instead")
+                f"fallbacks {st.get('sparse_fallbacks')}); {WITHOUT_MEASUREMENT}")
         return float(st["mean_active_fraction"])
 
     def close(self) -> None:

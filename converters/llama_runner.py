@@ -16,9 +16,7 @@ followed by the down projection. With an eval callback the scheduler computes th
 each tensor the callback asks for, then calls it with the tensor computed; the callback reads
 it with ``ggml_backend_tensor_get`` and may write it back with ``ggml_backend_tensor_set``
 before the rest of the graph runs. That is how the converter profiles FFN inputs
-(:class:`ProfileHook`) and how it *emulates* the sparse FFN for quality measurements
-(:class:`SparseFfnEmulator`: zeroing inactive neurons' activations before the down
-projection is exactly skipping them).
+(:class:`ProfileHook`); a :class:`Hook` that returns an array has it written back.
 
 The model is loaded without any llamaflash sidecar: what is profiled and measured is stock
 llama.cpp. The last layer's FFN only sees the tokens whose logits are requested, so every
@@ -30,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -191,79 +188,6 @@ class ProfileHook(Hook):
         elif kind == KIND_GATE and layer not in self.gate_check:
             self.gate_check[layer] = rows[: self.n_gate_check].copy()
         return None
-
-
-@dataclass
-class EmulatedLayer:
-    """Selection of one layer in the sparse-FFN emulation: neuron i (base index) is computed when
-    |act(gate_i·x)| > threshold, and, with a predictor, also predicted active:
-    |act(A_i·(B·x))| > pred_threshold (A rows in *base* order here)."""
-
-    threshold: float
-    pred_in: np.ndarray | None = None    # B (rank, n_embd)
-    pred_out: np.ndarray | None = None   # A (n_ff, rank), base neuron order
-    pred_threshold: float = 0.0
-    #: "act_gate" (the sidecar's criterion) or "act_gate_up" (|act(gate_i·x)·(up_i·x)| <= threshold,
-    #: for comparing criteria; not a sidecar format)
-    criterion: str = fmt.CRITERION_ACT_GATE
-
-
-@dataclass
-class SparseFfnEmulator(Hook):
-    """EMULATION of the sparse FFN inside stock llama.cpp: for every configured layer, the
-    activations act(gate·x)·(up·x) of the neurons the sparse engine would skip are set to zero
-    before the down projection (NumPy on the captured tensors, written back). The result equals
-    skipping those neurons, computed with the base model's own down weights (the sidecar's Q8_0
-    ``ffn_down_t`` is not used). Counts the skipped fraction (``measured_sparsity``)."""
-
-    activation: str
-    layers: dict[int, EmulatedLayer]
-    inactive: int = 0
-    total: int = 0
-    _gate: dict[int, np.ndarray] = field(default_factory=dict)
-    _x: dict[int, np.ndarray] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self._act_kind = ACTIVATION_TENSOR_KINDS[self.activation]
-        self._act = activation_fn(self.activation)
-
-    @property
-    def measured_sparsity(self) -> float:
-        return self.inactive / self.total if self.total else 0.0
-
-    def wants(self, kind: str, layer: int) -> bool:
-        spec = self.layers.get(layer)
-        if spec is None:
-            return False
-        if kind == self._act_kind:
-            return True
-        if kind == KIND_GATE:
-            return spec.criterion == fmt.CRITERION_ACT_GATE
-        return kind == KIND_INPUT and spec.pred_in is not None
-
-    def seen(self, kind: str, layer: int, data: np.ndarray) -> np.ndarray | None:
-        if kind == KIND_GATE:
-            self._gate[layer] = data
-            return None
-        if kind == KIND_INPUT:
-            self._x[layer] = data
-            return None
-        spec = self.layers[layer]
-        if spec.criterion == fmt.CRITERION_ACT_GATE:
-            gate = self._gate.pop(layer)
-            if gate.shape != data.shape:
-                raise RuntimeError(f"layer {layer}: gate {gate.shape} and activation {data.shape} disagree")
-            active = np.abs(self._act(gate)) > spec.threshold
-        else:
-            active = np.abs(data) > spec.threshold
-        if spec.pred_in is not None:
-            x = self._x.pop(layer)
-            score = np.abs(self._act((x @ spec.pred_in.T) @ spec.pred_out.T))
-            active &= score > spec.pred_threshold
-        self.inactive += int(active.size - np.count_nonzero(active))
-        self.total += int(active.size)
-        data[~active] = 0.0
-        return data
 
 
 # --------------------------------------------------------------------------------------

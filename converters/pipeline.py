@@ -8,13 +8,11 @@ The pipeline (``docs/SIDECAR.md``):
 3. **profile** the stock model through llama.cpp (:mod:`.llama_runner`): the FFN input x of
    every served layer for up to ``calib_tokens`` calibration tokens (float16);
 4. **analyse** each layer in NumPy (:mod:`.analysis`): thresholds for every sparsity level,
-   held-out sparsity and FFN output error, per-neuron frequency/magnitude, and with
-   ``selection`` "auto" or "predictor" low-rank activation predictors;
+   held-out sparsity and FFN output error, per-neuron frequency/magnitude;
 5. choose the **operating point**: a fixed ``sparsity``, or ``"auto"``: the highest level whose
    perplexity on the validation text stays within ``quality_budget`` of dense (:mod:`.quality`:
    measured with llamaflash's sparse engine on a temporary measurement sidecar beside the output,
-   :mod:`.engine_quality`, or with ``quality="emulated"`` by the emulation in stock llama.cpp);
-   then the per-layer selection mode (:mod:`.sparsity`);
+   :mod:`.engine_quality`); then each layer's decision (:mod:`.sparsity`);
 6. fill one :class:`~llamaflash.converters.writer.SidecarPlan` (header keys, then each served
    layer through the :class:`~llamaflash.converters.bundle.BundleStage` with the hot-first
    orders and the :class:`~llamaflash.converters.sparsity.SparsityStage`) and write it
@@ -91,11 +89,6 @@ class ConvertOptions:
     sparsity: float | str = "auto"
     #: --sparsity auto: perplexity may rise at most this much over dense (0.02 = +2%)
     quality_budget: float = 0.02
-    #: "gate" (gate-first, what the engine runs: no predictors are trained or stored), or "auto" /
-    #: "predictor": also train low-rank activation predictors, store them and record per layer the
-    #: mode that moves fewer bytes (auto) or predictor-first (see llamaflash.converters.sparsity);
-    #: the engine does not read predictors, they are kept for experiments with predictor-first engines
-    selection: str = fmt.SELECTION_GATE
     #: bundle order: "base" (identity; the dense lane maps the bundles in place) or "hot"
     #: (most frequently active neuron first; this version's dense lane then copies gate/up)
     order: str = "base"
@@ -104,24 +97,14 @@ class ConvertOptions:
     #: type of the draft copy a speculative self-draft computes from under a RAM budget
     #: (llamaflash.sidecar_format.DRAFT_CHOICES; "none": no copy)
     draft_type: str = fmt.DEFAULT_DRAFT
-    #: a predictor is only used when its held-out recall is at least this
-    min_recall: float = 0.9
     #: measure perplexity/greedy agreement for a fixed sparsity too (always for "auto")
     measure_quality: bool = True
-    #: how sparse settings are measured: "engine" (llamaflash's sparse lane on a temporary
-    #: measurement sidecar) or "emulated" (stock llama.cpp with the skipped activations zeroed;
-    #: also measures predictor-first selection; for architectures the engine cannot run)
-    quality: str = fmt.QUALITY_METHOD_ENGINE
     #: False: write a format-1 sidecar (no profiling, no sparsity content)
     profile: bool = True
     #: write <sidecar>.report.json
     report: bool = True
     #: sparsity levels analysed (and, for "auto", evaluated in increasing order)
     levels: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-    #: predictor ranks tried (selection "auto" or "predictor")
-    ranks: tuple[int, ...] = (16, 64, 256)
-    #: recall the predictor threshold is calibrated for
-    recall_target: float = 0.95
     #: "auto" stops evaluating levels once perplexity exceeds this multiple of the budget
     stop_factor: float = 2.0
     #: profiling / evaluation context length (capped by the model's training context)
@@ -158,7 +141,7 @@ def convert(
     bars, one line per written layer and the report table go to stderr.
 
     ``options`` (a :class:`ConvertOptions`) and/or keyword ``settings`` (its field names)
-    configure calibration, sparsity and predictors.
+    configure calibration and sparsity.
     """
     opts = dataclasses.replace(options or ConvertOptions(), **settings)
     _check_options(opts)
@@ -288,10 +271,6 @@ def _check_options(opts: ConvertOptions) -> None:
         raise ValueError(f"quality_budget must be positive, not {opts.quality_budget}")
     if opts.order not in fmt.BUNDLE_ORDERS:
         raise ValueError(f"order must be one of {sorted(fmt.BUNDLE_ORDERS)}, not {opts.order!r}")
-    if opts.quality not in fmt.QUALITY_METHODS:
-        raise ValueError(f"quality must be one of {', '.join(fmt.QUALITY_METHODS)}, not {opts.quality!r}")
-    if opts.selection not in ("auto", fmt.SELECTION_GATE, fmt.SELECTION_PREDICTOR):
-        raise ValueError(f"selection must be auto, gate or predictor, not {opts.selection!r}")
     if not all(0.0 < s < 1.0 for s in opts.levels):
         raise ValueError(f"levels must lie in (0, 1): {opts.levels}")
     if opts.calib_tokens <= 0 or opts.valid_tokens <= 0:

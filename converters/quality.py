@@ -1,17 +1,11 @@
 """Quality of a sparsity setting: perplexity on validation text and greedy agreement with stock.
 
 The dense reference is always stock llama.cpp (:class:`~llamaflash.converters.llama_runner.LlamaRunner`):
-its perplexity and its greedy continuations of the fixed prompts. A sparse setting is measured by
-one of two methods (``ConvertOptions.quality``), both through the same loop
-(:meth:`QualityEvaluator.measure_with`, given a ``decode(tokens) -> logits`` callable):
-
-* ``"engine"`` (default): llamaflash's own sparse lane inside llama.cpp
-  (:mod:`.engine_quality`): every token of every evaluated batch goes through the sparse
-  kernel, with the sidecar's ``ffn_down_t``, exactly as decode computes it.
-* ``"emulated"``: stock llama.cpp with :class:`~llamaflash.converters.llama_runner.SparseFfnEmulator`
-  (the activations of the neurons the engine would skip are zeroed before the down projection):
-  mathematically the sparse FFN, but with the base ``ffn_down`` and stock numerics; it also
-  emulates predictor-first selection, which this engine version does not run.
+its perplexity and its greedy continuations of the fixed prompts. A sparse setting is measured
+through the same loop (:meth:`QualityEvaluator.measure_with`, given a ``decode(tokens) -> logits``
+callable) with llamaflash's own sparse lane inside llama.cpp (:mod:`.engine_quality`, method
+``"engine"``): every token of every evaluated batch goes through the sparse kernel, with the
+sidecar's ``ffn_down_t``, exactly as decode computes it.
 
 * Perplexity: every chunk of validation text (BOS first) is evaluated from an empty context;
   each position predicts the next token; ppl = exp(mean negative log-likelihood).
@@ -25,12 +19,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
-from llamaflash.converters.llama_runner import EmulatedLayer, LlamaRunner, SparseFfnEmulator
+from llamaflash.converters.llama_runner import LlamaRunner
 
 #: Fixed prompts for greedy agreement (prose, code, question answering, story).
 GREEDY_PROMPTS: tuple[str, ...] = (
@@ -61,8 +54,8 @@ class QualityPoint:
     nll: float                      # mean negative log-likelihood, nats per token
     greedy_agreement: float
     measured_sparsity: float        # fraction of (token, neuron) FFN activations skipped, all served layers
-    selection: str                  # "dense", "gate" or "mixed" (some layers by predictor)
-    method: str = fmt.QUALITY_METHOD_EMULATED   # "engine", "emulated" or "stock" (dense reference)
+    selection: str                  # "dense" (the reference) or "gate" (gate-first sparse selection)
+    method: str                     # "engine", or "stock" for the dense reference
 
     @property
     def active_fraction(self) -> float:
@@ -90,20 +83,18 @@ class QualityPoint:
 
 class QualityEvaluator:
     """Measures :class:`QualityPoint` s: the dense reference on one stock :class:`LlamaRunner`
-    (:meth:`measure_dense`, first), then sparse settings with the emulation on that runner
-    (:meth:`measure`) or with any decoder, e.g. the engine (:meth:`measure_with`)."""
+    (:meth:`measure_dense`, first), then sparse settings with any decoder, e.g. the engine
+    (:meth:`measure_with`)."""
 
     def __init__(
         self,
         runner: LlamaRunner,
-        activation: str,
         validation: Sequence[np.ndarray],
         prompts: Sequence[str] = GREEDY_PROMPTS,
         n_gen: int = GREEDY_TOKENS,
         tick: Callable[[], None] | None = None,
     ) -> None:
         self.runner = runner
-        self.activation = activation
         self.validation = list(validation)
         self.n_tokens = int(sum(c.size - 1 for c in self.validation))
         #: called once per chunk/prompt evaluated (progress)
@@ -130,14 +121,6 @@ class QualityEvaluator:
         dense = self.measure_with(lambda t: runner.decode(t), 0.0, "dense", METHOD_STOCK, _reference=True)
         self.dense = dense
         return dense
-
-    def measure(self, layers: dict[int, EmulatedLayer], target_sparsity: float) -> QualityPoint:
-        """The emulated sparse model with the given per-layer selection (on the stock runner)."""
-        mixed = any(spec.pred_in is not None for spec in layers.values())
-        hook = SparseFfnEmulator(self.activation, layers)
-        point = self.measure_with(lambda t: self.runner.decode(t, hook), target_sparsity,
-                                  "mixed" if mixed else "gate", fmt.QUALITY_METHOD_EMULATED)
-        return replace(point, measured_sparsity=hook.measured_sparsity)
 
     def measure_with(self, decode: Decoder, target: float, selection: str, method: str,
                      *, _reference: bool = False) -> QualityPoint:

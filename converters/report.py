@@ -1,10 +1,9 @@
 """The conversion report: ``<sidecar>.report.json`` and a table per layer on stderr.
 
 Quality numbers (perplexity, greedy agreement, active fraction) are measured by the method the
-report names (``quality.method``): ``engine`` (llamaflash's sparse lane) or ``emulated`` (the
-sparse-FFN emulation in stock llama.cpp), see :mod:`.quality`. Sparsity, recall, precision and FFN
-output error are measured directly on profiled activations of held-out calibration tokens
-(:mod:`.analysis`).
+report names (``quality.method``; this converter writes ``engine``: llamaflash's sparse lane, see
+:mod:`.quality`). Sparsity and FFN output error are measured directly on profiled activations of
+held-out calibration tokens (:mod:`.analysis`).
 """
 
 from __future__ import annotations
@@ -22,19 +21,16 @@ from llamaflash.converters.quality import GREEDY_PROMPTS, GREEDY_TOKENS
 
 REPORT_SUFFIX = ".report.json"
 
-#: Report format: 2 since the quality method is named (quality.method; field names without "_emulated").
-REPORT_VERSION = 2
+#: Report format: 2 since the quality method is named (quality.method; field names without "_emulated");
+#: 3 since the converter trains no activation predictors (no "pred_*", "bytes_per_token_predictor_first",
+#: "curve.predictors", "selection*", "layers_predictor" or "mean_pred_*" fields).
+REPORT_VERSION = 3
 
-QUALITY_NOTES = {
-    fmt.QUALITY_METHOD_ENGINE: (
-        "Measured with llamaflash's sparse engine: every token of every evaluated batch ran through the "
-        "sparse lane inside llama.cpp (gate-first selection in every layer, the sidecar's down_t), as decode "
-        "computes it; the dense reference and the greedy continuations are stock llama.cpp."),
-    fmt.QUALITY_METHOD_EMULATED: (
-        "EMULATION ESTIMATE: perplexity and greedy agreement were measured with stock llama.cpp, zeroing the "
-        "activations of the neurons the sparse engine would skip before the down projection (base down "
-        "weights, not the sidecar's down_t). Measure with --quality-method engine for the engine's own numbers."),
-}
+#: What the report's quality numbers are (method ``engine``, the only one this converter measures with).
+QUALITY_NOTE = (
+    "Measured with llamaflash's sparse engine: every token of every evaluated batch ran through the "
+    "sparse lane inside llama.cpp (gate-first selection in every layer, the sidecar's down_t), as decode "
+    "computes it; the dense reference and the greedy continuations are stock llama.cpp.")
 
 
 def report_path(sidecar: Path) -> Path:
@@ -56,15 +52,7 @@ def build_report(result, sidecar: Path, model_path: Path) -> dict:
             "threshold": d.threshold,
             "sparsity_heldout": d.sparsity,
             "ffn_rel_error": d.ffn_rel_error,
-            "selection": d.selection,
-            "pred_rank": d.rank,
-            "pred_threshold": d.pred_threshold,
-            "pred_recall": d.pred_recall if d.rank else None,
-            "pred_precision": d.pred_precision if d.rank else None,
-            "pred_mass_recall": d.pred_mass_recall if d.rank else None,
-            "pred_fraction_predicted": d.pred_fraction if d.rank else None,
             "bytes_per_token_gate_first": d.bytes_gate,
-            "bytes_per_token_predictor_first": d.bytes_predictor if d.rank else None,
             "natural_sparsity": an.natural_sparsity,
             "gate_check_rel_error": an.gate_check_error,
             "hot_neurons_freq_ge_0.5": int(np.count_nonzero(d.freq >= 0.5)),
@@ -78,12 +66,6 @@ def build_report(result, sidecar: Path, model_path: Path) -> dict:
                     "sparsity_heldout": an.sparsity_heldout_gate_up.tolist(),
                     "ffn_rel_error": an.ffn_error_gate_up.tolist(),
                 },
-                "predictors": [
-                    {"rank": q.rank, "tau": q.tau.tolist(), "recall": q.recall.tolist(),
-                     "precision": q.precision.tolist(), "mass_recall": q.mass_recall.tolist(),
-                     "fraction_predicted": q.predicted.tolist()}
-                    for q in an.predictors
-                ],
             },
         }
         layers.append(entry)
@@ -92,7 +74,7 @@ def build_report(result, sidecar: Path, model_path: Path) -> dict:
     if dense is not None:
         quality = {
             "method": result.quality_method,
-            "note": QUALITY_NOTES[result.quality_method],
+            "note": QUALITY_NOTE,
             "validation": result.validation.source,
             "validation_tokens": result.validation_tokens,
             "ppl_dense": dense.ppl,
@@ -116,13 +98,8 @@ def build_report(result, sidecar: Path, model_path: Path) -> dict:
             "method": result.method,
             "target_sparsity": result.target,
             "quality_budget": opts.quality_budget if result.method == fmt.SPARSITY_METHOD_AUTO else None,
-            "selection_option": opts.selection,
             "mean_sparsity_heldout": mean([d.sparsity for d in result.decisions.values()]),
             "mean_ffn_rel_error": mean([d.ffn_rel_error for d in result.decisions.values()]),
-            "layers_predictor": sum(d.selection == fmt.SELECTION_PREDICTOR for d in result.decisions.values()),
-            "layers_gate": sum(d.selection == fmt.SELECTION_GATE for d in result.decisions.values()),
-            "mean_pred_recall": mean([d.pred_recall for d in result.decisions.values() if d.rank]),
-            "mean_pred_precision": mean([d.pred_precision for d in result.decisions.values() if d.rank]),
             "quality_method": result.quality_method,
             "ppl_dense": dense.ppl if dense is not None else None,
             "ppl": result.chosen.ppl if result.chosen is not None else None,
@@ -165,14 +142,9 @@ def print_table(result, stream: TextIO) -> None:
     p = lambda line="": print(line, file=stream)  # noqa: E731
     p()
     p(f"operating point: {result.method} sparsity {result.target:.2f} (criterion |act(gate.x)| <= threshold)")
-    p(f"{'layer':>5} {'threshold':>10} {'sparsity':>8} {'ffn_err':>8} {'select':>9} {'rank':>5} "
-      f"{'recall':>7} {'precis':>7} {'bytes/tok':>10}")
+    p(f"{'layer':>5} {'threshold':>10} {'sparsity':>8} {'ffn_err':>8} {'bytes/tok':>10}")
     for layer, d in sorted(result.decisions.items()):
-        rec = f"{d.pred_recall:7.3f}" if d.rank else f"{'-':>7}"
-        pre = f"{d.pred_precision:7.3f}" if d.rank else f"{'-':>7}"
-        b = d.bytes_predictor if d.selection == fmt.SELECTION_PREDICTOR else d.bytes_gate
-        p(f"{layer:>5} {d.threshold:>10.4g} {d.sparsity:>8.3f} {d.ffn_rel_error:>8.4f} {d.selection:>9} "
-          f"{d.rank:>5} {rec} {pre} {b:>10.0f}")
+        p(f"{layer:>5} {d.threshold:>10.4g} {d.sparsity:>8.3f} {d.ffn_rel_error:>8.4f} {d.bytes_gate:>10.0f}")
     if result.dense is not None:
         dense = result.dense
         p(f"quality ({fmt.QUALITY_METHOD_LABELS[result.quality_method]}; {result.validation_tokens} tokens of "
@@ -186,7 +158,7 @@ def print_table(result, stream: TextIO) -> None:
         for q in result.curve:
             point(f"sparsity {q.target_sparsity:.2f}", q)
         if result.chosen is not None:
-            point(f"chosen ({result.chosen.selection})", result.chosen)
+            point("chosen", result.chosen)
     for note in result.notes:
         p(f"note: {note}")
 

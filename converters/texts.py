@@ -1,7 +1,7 @@
 """Calibration and validation text: where it comes from, how it is cut into model-sized chunks,
 and when it is too short.
 
-* Calibration (profiling neuron statistics, thresholds, predictors): by default the heads of all
+* Calibration (profiling neuron statistics and thresholds): by default the heads of all
   documents of the registry corpus ``calibration`` (English essays + code in 23 languages,
   :func:`llamaflash.assets.train_text`), fetched once and cached in ``~/.cache/llamaflash``;
   or a user file (``--calib``). ``n_tokens`` tokens are taken as evenly spaced windows over the
@@ -28,8 +28,8 @@ from llamaflash.errors import CalibrationError
 DEFAULT_CALIBRATION_TEXT = "calibration"
 DEFAULT_VALIDATION_TEXT = "shakespeare"
 
-#: A calibration text must give at least this many tokens, and at least 2 * n_embd (the
-#: predictors fit an n_embd x n_embd input covariance on 3/4 of them).
+#: A calibration text must give at least this many tokens, and at least 2 * n_embd (each layer's
+#: statistics then rest on more FFN inputs than an input has dimensions, held-out ones included).
 MIN_CALIBRATION_TOKENS = 1024
 #: Minimum validation tokens for a perplexity worth the name.
 MIN_VALIDATION_TOKENS = 256

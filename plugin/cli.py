@@ -84,10 +84,9 @@ class _Sparsity(click.ParamType):
                    "perplexity stays within --quality-budget of dense.")
 @click.option("--quality-budget", type=click.FloatRange(min=0.0, min_open=True), default=2.0, show_default=True,
               help="--sparsity auto: allowed perplexity increase over dense, in percent.")
-@click.option("--selection", type=click.Choice(["auto", "gate", "predictor"]), default="gate", show_default=True,
-              help="Selection mode recorded per layer: gate-first (exact; what the engine runs). auto and "
-                   "predictor also train and store low-rank activation predictors (auto: per layer whichever "
-                   "mode moves fewer bytes; predictor: predictor-first), which this engine does not read.")
+@click.option("--selection", type=click.Choice(["gate"]), default="gate", show_default=True,
+              help="How the engine selects the active neurons: gate-first (gate rows of every neuron, then up and "
+                   "down of the active ones; exact), its only mode.")
 @click.option("--order", type=click.Choice(["base", "hot"]), default="base", show_default=True,
               help="Bundle order: base neuron order (the dense lane maps bundles in place) or hot-first "
                    "(most frequently active neurons first; the dense lane then copies gate/up).")
@@ -105,12 +104,11 @@ class _Sparsity(click.ParamType):
               help="Calibration tokens to profile.")
 @click.option("--valid-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Validation tokens per perplexity measurement.")
-@click.option("--quality-method", "quality_method", type=click.Choice(["engine", "emulated"]), default="engine",
+@click.option("--quality-method", "quality_method", type=click.Choice(["engine"]), default="engine",
               show_default=True,
               help="How perplexity and greedy agreement of a sparse setting are measured: with llamaflash's "
-                   "sparse engine (a temporary sidecar beside the output, every token through the sparse lane) "
-                   "or emulated in stock llama.cpp (skipped activations zeroed; also measures predictor-first "
-                   "selection, and works where the engine cannot run).")
+                   "sparse engine (a temporary sidecar beside the output, every token through the sparse lane), "
+                   "its only method. Where the engine cannot run, use a fixed --sparsity with --no-quality.")
 @click.option("--no-quality", is_flag=True,
               help="With a fixed --sparsity: do not measure perplexity and greedy agreement.")
 @click.option("--no-calibration", is_flag=True,
@@ -129,6 +127,7 @@ def convert(model: Path, output: Path | None, force: bool, calib: Path | None, v
     target sparsity, measures the quality cost, and writes the sidecar plus a report
     (<sidecar>.report.json).
     """
+    del selection, quality_method  # one value each: the converter's only selection and quality method
     if no_quality and sparsity == "auto":
         raise click.UsageError("--no-quality needs a fixed --sparsity (auto measures perplexity to choose).")
     from llamaflash.converters import convert as run_convert
@@ -139,9 +138,9 @@ def convert(model: Path, output: Path | None, force: bool, calib: Path | None, v
     out = run_convert(
         model, output, force=force, progress=not quiet,
         calib_path=calib, valid_path=valid, sparsity=sparsity, quality_budget=quality_budget / 100.0,
-        selection=selection, order=order, down_t_type=down_t_type, draft_type=draft_type, calib_tokens=calib_tokens,
+        order=order, down_t_type=down_t_type, draft_type=draft_type, calib_tokens=calib_tokens,
         valid_tokens=valid_tokens,
-        measure_quality=not no_quality, quality=quality_method, profile=not no_calibration, report=not no_report, n_threads=threads,
+        measure_quality=not no_quality, profile=not no_calibration, report=not no_report, n_threads=threads,
     )
     click.echo(str(out))
 
@@ -298,16 +297,11 @@ def inspect(sidecar: Path) -> None:
             active = f"  active fraction {a_:.3f}" if a_ is not None else ""
             click.echo(f"  curve: sparsity {s_:.2f}  ppl {p_:.4f} ({100 * (p_ / q['ppl_dense'] - 1):+.2f}%)  "
                        f"greedy agreement {g_:.3f}{active}")
-    click.echo(f"{'layer':>5} {'threshold':>10} {'sparsity':>8} {'ffn_err':>8} {'select':>9} {'rank':>5} "
-               f"{'pred_thr':>9} {'recall':>7} {'precis':>7} {'hot>=0.5':>8}")
+    click.echo(f"{'layer':>5} {'threshold':>10} {'sparsity':>8} {'ffn_err':>8} {'hot>=0.5':>8}")
     for lay in info.layers:
         vectors = read_layer_vectors(info, lay)
         hot = int(np.count_nonzero(vectors["freq"] >= 0.5))
-        click.echo(
-            f"{lay.layer:>5} {lay.threshold:>10.4g} {lay.sparsity:>8.3f} {lay.ffn_rel_error:>8.4f} "
-            f"{lay.selection:>9} {lay.pred_rank:>5} {lay.pred_threshold:>9.4g} {lay.pred_recall:>7.3f} "
-            f"{lay.pred_precision:>7.3f} {hot:>8}"
-        )
+        click.echo(f"{lay.layer:>5} {lay.threshold:>10.4g} {lay.sparsity:>8.3f} {lay.ffn_rel_error:>8.4f} {hot:>8}")
 
 
 @main.command()

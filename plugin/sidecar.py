@@ -75,13 +75,11 @@ class LayerLayout:
     Sparsity (format v2; None/0 in a v1 sidecar, which carries no thresholds and runs dense):
       * ``threshold``: neuron k is inactive for FFN input x when |act(gate_k·x)| <= threshold;
       * ``sparsity``: fraction of neurons inactive at that threshold on held-out calibration tokens;
-      * ``selection``: ``"gate"`` (gate·x for all neurons, then the active ones' up/down) or
-        ``"predictor"`` (the low-rank predictor picks the neurons); None in v1;
       * ``freq_offset`` / ``mag_offset``: ``n_ff`` float32 in bundle order, activation frequency
-        (non-increasing when the file's bundle order is "hot") and mean |act(gate·x)·(up·x)|;
-      * ``pred_rank`` r (0: no predictor), ``pred_in_offset`` (r rows of n_embd F16: z = B·x),
-        ``pred_out_offset`` (n_ff rows of r F16, bundle order: score = act(A·z)),
-        ``pred_threshold`` (predicted active when |score| > it), ``pred_recall``/``pred_precision``.
+        (non-increasing when the file's bundle order is "hot") and mean |act(gate·x)·(up·x)|.
+      The engine selects gate-first (gate·x for all neurons, then the active ones' up/down); the
+      retired selection and predictor content of older files is not read
+      (``sidecar_format.KEY_SELECTION``).
     """
 
     layer: int
@@ -104,15 +102,8 @@ class LayerLayout:
     base_down_offset: int | None = None
     threshold: float | None = None
     sparsity: float | None = None
-    selection: str | None = None
     freq_offset: int | None = None
     mag_offset: int | None = None
-    pred_rank: int = 0
-    pred_in_offset: int | None = None
-    pred_out_offset: int | None = None
-    pred_threshold: float | None = None
-    pred_recall: float | None = None
-    pred_precision: float | None = None
     ffn_rel_error: float | None = None
     threshold_table: tuple[float, ...] | None = None  # threshold at each SparsityInfo.threshold_levels
     # the draft copy (optional, format 2): n_ff rows of draft_row_bytes of type draft_type each at
@@ -132,7 +123,7 @@ class LayerLayout:
 
     def to_dict(self) -> dict[str, int | float | str | None]:
         """All fields as a plain dict, as handed to the native backend (offsets, sizes and type
-        ids are ints; ``threshold``/``pred_*`` floats, ``selection`` a string; v2 fields are None
+        ids are ints; ``threshold``, ``sparsity`` and ``ffn_rel_error`` floats; v2 fields are None
         in a v1 sidecar). The backend ignores keys it does not use.
 
         Raises ValueError if the base-model offsets are not resolved: a layout for the
@@ -151,8 +142,8 @@ class SparsityInfo:
     """The file-level sparsity settings and quality record of a v2 sidecar.
 
     ``quality`` holds the quality measurement: ``"method"`` (``"engine"``: measured with the
-    sparse lane; ``"emulated"``: the stock-llama.cpp emulation, all files written before the engine
-    measurement existed) and the fields as in the file without the ``llamaflash.quality.<method>.``
+    sparse lane; ``"emulated"``: the stock-llama.cpp emulation, written by older converters and
+    still read) and the fields as in the file without the ``llamaflash.quality.<method>.``
     prefix (``ppl_dense``, ``ppl``, ``greedy_agreement``, ``active_fraction``, ``curve_sparsity``,
     ``curve_ppl``, ``curve_greedy_agreement``, ``curve_active_fraction``, ``validation``,
     ``validation_tokens``; newer fields may be absent in older files); empty when the conversion
@@ -255,8 +246,6 @@ def read_sidecar(
     sparsity = None
     if version >= fmt.SPARSITY_FORMAT_VERSION:
         sparsity = _sparsity_info(fields)
-        per_layer.update({key: fields.uint_array(key, length=len(layer_ids))
-                          for key in fmt.V2_PER_LAYER_UINT_KEYS})
         per_layer.update({key: fields.float_array(key, length=len(layer_ids))
                           for key in fmt.V2_PER_LAYER_FLOAT_KEYS})
         if fields.has(fmt.KEY_THRESHOLD_LEVELS):
@@ -420,7 +409,6 @@ def _layer_layout(
 
 
 _F32 = int(gguf.GGMLQuantizationType.F32)
-_F16 = int(gguf.GGMLQuantizationType.F16)
 
 
 def _quality_record(fields: Fields) -> dict:
@@ -466,38 +454,20 @@ def _sparsity_info(fields: Fields) -> SparsityInfo:
 def _sparsity_layout(
     fields: Fields, tensors: dict[str, TensorInfo], layout: LayerLayout, meta: dict
 ) -> LayerLayout:
-    """``layout`` with its v2 fields read and checked."""
-    layer, n_ff, n_embd = layout.layer, layout.n_ff, layout.n_embd
-    selection = fmt.SELECTION_NAMES.get(meta[fmt.KEY_SELECTION])
-    if selection is None:
-        fields.fail(f"layer {layer}: unknown selection code {meta[fmt.KEY_SELECTION]}")
-    rank = meta[fmt.KEY_PRED_RANKS]
-    if selection == fmt.SELECTION_PREDICTOR and rank == 0:
-        fields.fail(f"layer {layer}: selection 'predictor' but no predictor (rank 0)")
+    """``layout`` with its v2 fields read and checked (the retired selection and predictor content
+    of older files is not read)."""
+    layer, n_ff = layout.layer, layout.n_ff
     check_layer_floats(fields, layer, meta)
     threshold = meta[fmt.KEY_THRESHOLDS]
     freq = tensor(fields, tensors, fmt.freq_tensor_name(layer), _F32, (n_ff,))
     mag = tensor(fields, tensors, fmt.magnitude_tensor_name(layer), _F32, (n_ff,))
     check_statistics(fields, layer, freq, mag, n_ff)
-    pred_in = pred_out = None
-    if rank:
-        if rank > n_embd:
-            fields.fail(f"layer {layer}: predictor rank {rank} exceeds n_embd {n_embd}")
-        pred_in = tensor(fields, tensors, fmt.predictor_in_tensor_name(layer), _F16, (n_embd, rank))
-        pred_out = tensor(fields, tensors, fmt.predictor_out_tensor_name(layer), _F16, (rank, n_ff))
     return dataclasses.replace(
         layout,
         threshold=threshold,
         sparsity=meta[fmt.KEY_SPARSITY_REACHED],
-        selection=selection,
         freq_offset=freq.offset,
         mag_offset=mag.offset,
-        pred_rank=rank,
-        pred_in_offset=None if pred_in is None else pred_in.offset,
-        pred_out_offset=None if pred_out is None else pred_out.offset,
-        pred_threshold=meta[fmt.KEY_PRED_THRESHOLDS],
-        pred_recall=meta[fmt.KEY_PRED_RECALL],
-        pred_precision=meta[fmt.KEY_PRED_PRECISION],
         ffn_rel_error=meta[fmt.KEY_FFN_REL_ERROR],
         threshold_table=meta.get("threshold_table"),
     )
@@ -528,19 +498,12 @@ def _integrity_layout(fields: Fields, tensors: dict[str, TensorInfo], layout: La
 
 def read_layer_vectors(info: SidecarInfo, layout: LayerLayout) -> dict[str, np.ndarray]:
     """The per-neuron arrays of one layer of a v2 sidecar, in bundle order: ``order`` (int32),
-    ``freq`` and ``mag`` (float32), and when the layer has a predictor ``pred_in`` (rank, n_embd)
-    and ``pred_out`` (n_ff, rank) as float32. A v1 layout gives only ``order``."""
+    ``freq`` and ``mag`` (float32). A v1 layout gives only ``order``."""
     path, n_ff = info.path, layout.n_ff
     out = {"order": np.fromfile(path, dtype="<i4", count=n_ff, offset=layout.order_offset)}
     if layout.freq_offset is not None:
         out["freq"] = np.fromfile(path, dtype="<f4", count=n_ff, offset=layout.freq_offset)
         out["mag"] = np.fromfile(path, dtype="<f4", count=n_ff, offset=layout.mag_offset)
-    if layout.pred_rank:
-        r = layout.pred_rank
-        out["pred_in"] = np.fromfile(path, dtype="<f2", count=r * layout.n_embd,
-                                     offset=layout.pred_in_offset).reshape(r, layout.n_embd).astype(np.float32)
-        out["pred_out"] = np.fromfile(path, dtype="<f2", count=n_ff * r,
-                                      offset=layout.pred_out_offset).reshape(n_ff, r).astype(np.float32)
     return out
 
 

@@ -11,10 +11,12 @@ Value rules (``docs/SIDECAR.md``, "Validation"):
 * ``n_embd`` and every ``n_ff`` are at least 1;
 * ``ffn_order`` is a permutation of ``0 .. n_ff-1``, and the identity in a format-2 file whose
   ``llamaflash.bundle_order`` is ``base``;
-* thresholds (per layer, of the threshold table, of the predictors) are finite and >= 0; with a
-  threshold table, each layer's row does not decrease with the level and the layer's threshold
-  lies between the row's entries at the levels around the sparsity target; the measured fractions (sparsity reached, predictor recall and precision) lie in [0, 1]; the FFN
-  relative errors are finite and >= 0;
+* thresholds (per layer and of the threshold table) are finite and >= 0; with a threshold table,
+  each layer's row does not decrease with the level and the layer's threshold lies between the
+  row's entries at the levels around the sparsity target; the sparsity reached lies in [0, 1];
+  the FFN relative errors are finite and >= 0;
+* the retired selection and predictor arrays and tensors of older files are not read, so not
+  checked (``sidecar_format.KEY_SELECTION``);
 * ``ffn_freq`` entries are fractions in [0, 1], ``ffn_mag`` entries finite and >= 0.
 
 Without a threshold table a threshold has no upper bound the stored statistics define (it is a
@@ -149,11 +151,8 @@ def _fraction(v: float) -> bool:
 #: Per-layer float keys of format 2 and the rule each value obeys.
 _LAYER_FLOAT_RULES = (
     (fmt.KEY_THRESHOLDS, _nonnegative, "a finite number >= 0"),
-    (fmt.KEY_PRED_THRESHOLDS, _nonnegative, "a finite number >= 0"),
     (fmt.KEY_FFN_REL_ERROR, _nonnegative, "a finite number >= 0"),
     (fmt.KEY_SPARSITY_REACHED, _fraction, "a fraction in [0, 1]"),
-    (fmt.KEY_PRED_RECALL, _fraction, "a fraction in [0, 1]"),
-    (fmt.KEY_PRED_PRECISION, _fraction, "a fraction in [0, 1]"),
 )
 
 

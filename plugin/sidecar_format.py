@@ -22,7 +22,8 @@ import re
 # --------------------------------------------------------------------------------------
 
 #: Format version written by this converter. Version 2 adds the sparsity content (per-layer
-#: thresholds, neuron statistics, selection mode, activation predictors, quality record); version 3
+#: thresholds, neuron statistics, quality record; also a selection mode and activation predictors, since
+#: retired and ignored by this reader); version 3
 #: makes the integrity section (row checksums, below) required. Version 1 and 2 files are still read.
 FORMAT_VERSION = 3
 
@@ -236,7 +237,7 @@ def order_tensor_name(layer: int) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# Format v2: sparsity content (thresholds, statistics, selection, predictors, quality)
+# Format v2: sparsity content (thresholds, statistics, quality)
 # --------------------------------------------------------------------------------------
 #
 # Neuron k of a served layer (bundle position k, base neuron order[k]) is *inactive* for a
@@ -261,16 +262,6 @@ KEY_QUALITY_BUDGET = KEY_PREFIX + "sparsity.quality_budget"
 KEY_THRESHOLDS = KEY_PREFIX + "thresholds"
 #: float32 array (per served layer): sparsity reached with that threshold on held-out calibration tokens.
 KEY_SPARSITY_REACHED = KEY_PREFIX + "sparsity_reached"
-#: uint32 array (per served layer): how the engine should select active neurons, a :data:`SELECTION_CODES` value.
-KEY_SELECTION = KEY_PREFIX + "selection"
-#: uint32 array (per served layer): predictor rank r; 0 = no predictor stored for the layer.
-KEY_PRED_RANKS = KEY_PREFIX + "pred_ranks"
-#: float32 array (per served layer): predictor threshold on |act(score)| (0 where rank is 0).
-KEY_PRED_THRESHOLDS = KEY_PREFIX + "pred_thresholds"
-#: float32 array (per served layer): predictor recall of the active set on held-out calibration tokens.
-KEY_PRED_RECALL = KEY_PREFIX + "pred_recall"
-#: float32 array (per served layer): predictor precision on held-out calibration tokens.
-KEY_PRED_PRECISION = KEY_PREFIX + "pred_precision"
 #: float32 array (per served layer): relative L2 error of the FFN output y with inactive neurons
 #: skipped (gate-first, exact selection), on held-out calibration tokens.
 KEY_FFN_REL_ERROR = KEY_PREFIX + "ffn_rel_error"
@@ -296,12 +287,14 @@ KEY_CALIB_SHA256 = KEY_PREFIX + "calibration.sha256"
 #   "engine":   llamaflash's own sparse lane inside llama.cpp (``flash_mode="sparse"``, every
 #               token of every evaluated batch through the sparse kernel), i.e. what decode runs;
 #   "emulated": stock llama.cpp with an eval callback zeroing the skipped neurons' activations
-#               before the down projection (base down weights; converters before the engine
-#               existed wrote only these keys).
+#               before the down projection (base down weights). Read only: older converters
+#               wrote it (all files from before the engine measurement, and the retired
+#               ``--quality-method emulated``); this converter writes "engine".
 # A converter writes one method's keys; a reader takes the first method present in
 # QUALITY_METHODS order.
 
 QUALITY_METHOD_ENGINE = "engine"
+#: Read only (see above): kept so that files and reports with this record still read.
 QUALITY_METHOD_EMULATED = "emulated"
 #: Quality methods, in the order a reader prefers them.
 QUALITY_METHODS: tuple[str, ...] = (QUALITY_METHOD_ENGINE, QUALITY_METHOD_EMULATED)
@@ -353,15 +346,27 @@ def quality_key(method: str, name: str) -> str:
 #: Keys a version-2 sidecar must have (scalars and per-layer arrays).
 V2_REQUIRED_STRING_KEYS: tuple[str, ...] = (KEY_SPARSITY_CRITERION, KEY_SPARSITY_METHOD, KEY_BUNDLE_ORDER)
 V2_REQUIRED_FLOAT_KEYS: tuple[str, ...] = (KEY_SPARSITY_TARGET,)
-V2_PER_LAYER_UINT_KEYS: tuple[str, ...] = (KEY_SELECTION, KEY_PRED_RANKS)
-V2_PER_LAYER_FLOAT_KEYS: tuple[str, ...] = (
-    KEY_THRESHOLDS,
-    KEY_SPARSITY_REACHED,
-    KEY_PRED_THRESHOLDS,
-    KEY_PRED_RECALL,
-    KEY_PRED_PRECISION,
-    KEY_FFN_REL_ERROR,
-)
+V2_PER_LAYER_FLOAT_KEYS: tuple[str, ...] = (KEY_THRESHOLDS, KEY_SPARSITY_REACHED, KEY_FFN_REL_ERROR)
+
+# Retired: selection mode and low-rank activation predictors. Formats 2 and 3 require these
+# per-layer arrays, and older converters stored predictor tensors ``blk.L.ffn_pred_in`` /
+# ``blk.L.ffn_pred_out`` beside them. The engine selects gate-first and never read either.
+# This converter writes the arrays with the values of "gate-first, no predictor"
+# (:data:`LEGACY_SELECTION_VALUES`), so that older llamaflash versions read its files, and no
+# predictor tensors; this reader ignores the arrays and the tensors, whatever they hold.
+#: uint32 array (per served layer): selection code (0 = gate-first, 1 = predictor-first).
+KEY_SELECTION = KEY_PREFIX + "selection"
+#: uint32 array (per served layer): predictor rank r (0 = no predictor).
+KEY_PRED_RANKS = KEY_PREFIX + "pred_ranks"
+#: float32 arrays (per served layer): predictor threshold, recall and precision.
+KEY_PRED_THRESHOLDS = KEY_PREFIX + "pred_thresholds"
+KEY_PRED_RECALL = KEY_PREFIX + "pred_recall"
+KEY_PRED_PRECISION = KEY_PREFIX + "pred_precision"
+LEGACY_PER_LAYER_UINT_KEYS: tuple[str, ...] = (KEY_SELECTION, KEY_PRED_RANKS)
+#: What this converter writes into each served layer's entry of the retired arrays.
+LEGACY_SELECTION_VALUES: dict[str, int | float] = {
+    KEY_SELECTION: 0, KEY_PRED_RANKS: 0, KEY_PRED_THRESHOLDS: 0.0, KEY_PRED_RECALL: 0.0, KEY_PRED_PRECISION: 0.0,
+}
 
 #: The criterion: neuron k inactive when |act(gate_k·x)| <= threshold (CATS, arXiv 2404.08763).
 CRITERION_ACT_GATE = "act_gate"
@@ -378,13 +383,9 @@ SPARSITY_METHOD_FIXED = "fixed"
 SPARSITY_METHOD_AUTO = "auto"
 SPARSITY_METHODS = frozenset({SPARSITY_METHOD_FIXED, SPARSITY_METHOD_AUTO})
 
-#: Selection modes. "gate": compute gate·x for every neuron (gate rows resident), then up/down
-#: of the active ones only (exact). "predictor": the layer's low-rank predictor picks the
-#: neurons first (no gate rows needed), then their bundles are computed.
+#: Gate-first selection, the engine's only one: compute gate·x for every neuron (gate rows
+#: resident), then up/down of the active ones only (exact).
 SELECTION_GATE = "gate"
-SELECTION_PREDICTOR = "predictor"
-SELECTION_CODES: dict[str, int] = {SELECTION_GATE: 0, SELECTION_PREDICTOR: 1}
-SELECTION_NAMES: dict[int, str] = {v: k for k, v in SELECTION_CODES.items()}
 
 
 def freq_tensor_name(layer: int) -> str:
@@ -400,17 +401,6 @@ def magnitude_tensor_name(layer: int) -> str:
     """Per-neuron mean activation magnitude, F32 shape (n_ff,), in bundle order:
     mean over calibration tokens of |act(gate_k·x) · (up_k·x)| (the neuron's coefficient on its down column)."""
     return f"blk.{layer}.ffn_mag"
-
-
-def predictor_in_tensor_name(layer: int) -> str:
-    """Predictor input factor B, F16, ggml ne = [n_embd, rank] (numpy (rank, n_embd)): z = B·x."""
-    return f"blk.{layer}.ffn_pred_in"
-
-
-def predictor_out_tensor_name(layer: int) -> str:
-    """Predictor output factor A, F16, ggml ne = [rank, n_ff] (numpy (n_ff, rank)), rows in bundle order:
-    score_k = act(A_k · z); neuron k predicted active when |score_k| > the layer's predictor threshold."""
-    return f"blk.{layer}.ffn_pred_out"
 
 
 # --------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ pair's), ``different output`` (accepted without error, with a different result).
 split by where they land (``fuzz_cases.checked_ranges``): inside the rows the sidecar's checksums
 cover ("data flip, checked rows": their reader is ``fuzz_cases.integrity_summary``, the structure
 plus every row checksum, and each is expected to be a clean error) or elsewhere ("data flip, other":
-statistics and predictors the engine does not compute with, read structurally).
+statistics and other tensors the engine does not compute with, read structurally).
 """
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ def clean_pair(tiny_llama_q8_0, tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("clean-pair")
     model = d / "model.gguf"
     shutil.copyfile(tiny_llama_q8_0, model)
-    return model, convert(model, progress=False, selection="auto", **FAST_CONVERT)
+    return model, convert(model, progress=False, **FAST_CONVERT)
 
 
 @pytest.fixture(scope="session")

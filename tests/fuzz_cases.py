@@ -15,7 +15,7 @@ doubled, type changed); neuron-order edits (two entries swapped, a duplicate, a 
 or zero header counts; the base's block count; and bit flips inside the data section (weights,
 orders, statistics), which no structural check can see: those inside the rows the sidecar's
 checksums cover (:func:`checked_ranges`; kind "data flip, checked rows") must be caught by
-:func:`integrity_summary`, the others (statistics, predictors, tensors the engine does not read)
+:func:`integrity_summary`, the others (statistics, tensors the engine does not read)
 are kind "data flip, other".
 
 Only the standard library, NumPy, gguf and llamaflash's readers are imported (no pytest).
@@ -42,8 +42,7 @@ from llamaflash.sidecar import read_sidecar, validate_pair
 
 #: LayerLayout fields holding measured or calibrated values, not structure: a flip inside one of
 #: them that keeps it within its checked range is a value corruption, like a flip in tensor data.
-VALUE_FIELDS = frozenset({"threshold", "sparsity", "pred_threshold", "pred_recall", "pred_precision",
-                          "ffn_rel_error", "threshold_table"})
+VALUE_FIELDS = frozenset({"threshold", "sparsity", "ffn_rel_error", "threshold_table"})
 
 
 @dataclass

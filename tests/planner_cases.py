@@ -42,7 +42,7 @@ def write_v2_sidecar(model: Path, out: Path, freqs: dict[int, np.ndarray],
         f = np.asarray(freqs[ffn.layer], dtype=np.float32)
         decisions[ffn.layer] = LayerDecision(
             layer=ffn.layer, level=0.5, threshold=0.1, sparsity=float(1 - f.mean()), ffn_rel_error=0.0,
-            order=order, freq=f[order], mag=np.ones(ffn.n_ff, dtype=np.float32), selection=fmt.SELECTION_GATE)
+            order=order, freq=f[order], mag=np.ones(ffn.n_ff, dtype=np.float32))
     stage = SparsityStage(decisions)
     stages = [BundleStage(stage.orders), stage]
     if draft_copy:

@@ -1,5 +1,6 @@
-"""Calibration: profiling through llama.cpp, thresholds, neuron statistics, predictors, selection,
-the sparse-FFN emulation, and format-2 sidecars (with format 1 still read)."""
+"""Calibration: profiling through llama.cpp, thresholds, neuron statistics, decisions, the
+reference sparse FFN in stock llama.cpp (tests/sparse_emulation.py), and format-2/3 sidecars
+(format 1 and files with the retired predictor content still read)."""
 
 from __future__ import annotations
 
@@ -13,23 +14,11 @@ import pytest
 from synth import FAST_CONVERT
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert
-from llamaflash.converters.analysis import (
-    AnalysisSettings,
-    analyse_layer,
-    hot_first_order,
-    predictor_quality,
-    train_predictor,
-)
+from llamaflash.converters.analysis import AnalysisSettings, analyse_layer, hot_first_order
 from llamaflash.converters.integrity import IntegrityStage
 from llamaflash.converters.bundle import BundleStage
 from llamaflash.converters.calibrate import dequantize
-from llamaflash.converters.llama_runner import (
-    EmulatedLayer,
-    LlamaRunner,
-    ProfileHook,
-    SparseFfnEmulator,
-    activation_fn,
-)
+from llamaflash.converters.llama_runner import LlamaRunner, ProfileHook, activation_fn
 from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.sparsity import SparsityStage, decide_layer
 from llamaflash.converters.writer import write_sidecar_atomically
@@ -37,10 +26,11 @@ from llamaflash.errors import SidecarFormatError
 from llamaflash.gguf_header import read_gguf_header
 from llamaflash.gguf_model import base_identity, read_base_model
 from llamaflash.sidecar import read_layer_vectors, read_sidecar, validate_pair
+from sparse_emulation import SparseFfnEmulator
 from synth import synthetic_text
 
 # --------------------------------------------------------------------------------------
-# profiling and emulation through llama.cpp
+# profiling and the reference sparse FFN through llama.cpp
 # --------------------------------------------------------------------------------------
 
 
@@ -74,7 +64,7 @@ def test_profile_hook_sees_every_token_of_every_layer(runner, tokens, tiny_llama
 
 def test_emulation_with_zero_threshold_is_the_dense_model(runner, tokens):
     dense = runner.decode(tokens).copy()
-    hook = SparseFfnEmulator(fmt.ACTIVATION_SILU, {0: EmulatedLayer(0.0), 1: EmulatedLayer(0.0)})
+    hook = SparseFfnEmulator(fmt.ACTIVATION_SILU, {0: 0.0, 1: 0.0})
     same = runner.decode(tokens, hook).copy()
     assert np.array_equal(dense, same)
     assert hook.measured_sparsity == 0.0 and hook.total == 2 * tokens.size * 128
@@ -93,14 +83,14 @@ def test_emulation_skips_exactly_the_neurons_under_the_threshold(runner, tokens)
     dense = runner.decode(tokens, probe).copy()
     act = activation_fn(fmt.ACTIVATION_SILU)
     t = 0.3
-    hook = SparseFfnEmulator(fmt.ACTIVATION_SILU, {0: EmulatedLayer(t)})
+    hook = SparseFfnEmulator(fmt.ACTIVATION_SILU, {0: t})
     sparse = runner.decode(tokens, hook).copy()
     # layer 0's gates do not depend on the masking, so the count is exact
     expected = np.mean(np.abs(act(probe.x[0][0])) <= t)
     assert hook.measured_sparsity == pytest.approx(expected, abs=1e-9)
     assert 0.05 < expected < 0.95
     assert not np.array_equal(dense, sparse)
-    everything = SparseFfnEmulator(fmt.ACTIVATION_SILU, {0: EmulatedLayer(np.inf), 1: EmulatedLayer(np.inf)})
+    everything = SparseFfnEmulator(fmt.ACTIVATION_SILU, {0: np.inf, 1: np.inf})
     runner.decode(tokens, everything)
     assert everything.measured_sparsity == 1.0
 
@@ -132,7 +122,7 @@ def _layer_data(n_tokens=3000, n_embd=32, n_ff=96, seed=0):
     return x, heldout, gate, up, down
 
 
-SETTINGS = AnalysisSettings(levels=(0.0, 0.3, 0.5, 0.7), ranks=(4, 8, 16), n_error_tokens=200)
+SETTINGS = AnalysisSettings(levels=(0.0, 0.3, 0.5, 0.7), n_error_tokens=200)
 
 
 @pytest.mark.parametrize("activation", [fmt.ACTIVATION_SILU, fmt.ACTIVATION_GELU])
@@ -180,57 +170,12 @@ def test_hot_first_order_is_a_permutation_sorted_by_frequency():
         assert np.all(np.diff(mag[run]) <= 0)
 
 
-def test_predictor_quality_matches_a_direct_count():
-    rng = np.random.default_rng(2)
-    active = rng.random((50, 40)) < 0.3
-    predicted = rng.random((50, 40)) < 0.4
-    h2 = rng.random((50, 40))
-    recall, precision, mass, frac = predictor_quality(predicted, active, h2)
-    tp = sum(1 for i in range(50) for j in range(40) if predicted[i, j] and active[i, j])
-    assert recall == pytest.approx(tp / active.sum())
-    assert precision == pytest.approx(tp / predicted.sum())
-    assert frac == pytest.approx(predicted.sum() / predicted.size)
-    assert mass == pytest.approx(h2[predicted & active].sum() / h2[active].sum())
-
-
-def test_full_rank_predictor_reproduces_the_gate_and_low_rank_is_optimal():
-    x, heldout, gate, up, down = _layer_data(n_embd=24, n_ff=64)
-    b, a = train_predictor(x, gate, 24)
-    np.testing.assert_allclose(x @ b.T @ a.T, x @ gate.T, atol=2e-4)
-    # rank r: better (in the covariance-weighted sense) than the plain truncated SVD of the gate
-    b8, a8 = train_predictor(x, gate, 8)
-    u, s, vt = np.linalg.svd(gate, full_matrices=False)
-    plain = (u[:, :8] * s[:8]) @ vt[:8]
-    err_ours = np.linalg.norm(x @ (a8 @ b8).T - x @ gate.T)
-    err_plain = np.linalg.norm(x @ plain.T - x @ gate.T)
-    assert err_ours <= err_plain * 1.0001
-
-
-def test_predictor_recall_and_precision_agree_with_a_numpy_reference():
-    x, heldout, gate, up, down = _layer_data()
-    an = analyse_layer(0, x, heldout, gate, up, down, fmt.ACTIVATION_SILU, SETTINGS)
-    act = activation_fn(fmt.ACTIVATION_SILU)
-    xh = x[np.flatnonzero(heldout)[:SETTINGS.n_predictor_tokens]]
-    for q in an.predictors:
-        for i in (1, 2, 3):
-            est = xh @ an.pred_in[:q.rank].T @ an.pred_out[:, :q.rank].T
-            predicted = np.abs(act(est)) > q.tau[i]
-            active = np.abs(act(xh @ gate.T)) > an.thresholds[i]
-            tp = np.count_nonzero(predicted & active)
-            assert q.recall[i] == pytest.approx(tp / np.count_nonzero(active), abs=1e-6)
-            assert q.precision[i] == pytest.approx(tp / np.count_nonzero(predicted), abs=1e-6)
-    # tau is calibrated for the recall target on train tokens; held out it lands close
-    best = an.predictor(16)
-    assert np.all(np.abs(best.recall[1:] - SETTINGS.recall_target) < 0.05)
-    assert an.predictor(16).precision[2] >= an.predictor(4).precision[2]  # more rank, fewer false positives
-
-
 # --------------------------------------------------------------------------------------
 # decisions and the sidecar
 # --------------------------------------------------------------------------------------
 
 
-def _analysis_for(model_path: Path, activation=fmt.ACTIVATION_SILU, ranks=(4, 8, 16)):
+def _analysis_for(model_path: Path, activation=fmt.ACTIVATION_SILU):
     model = read_base_model(model_path)
     rng = np.random.default_rng(0)
     out = {}
@@ -240,43 +185,44 @@ def _analysis_for(model_path: Path, activation=fmt.ACTIVATION_SILU, ranks=(4, 8,
         out[ffn.layer] = analyse_layer(
             ffn.layer, x, heldout, dequantize(model_path, ffn.gate), dequantize(model_path, ffn.up),
             dequantize(model_path, ffn.down), activation,
-            AnalysisSettings(levels=(0.0, 0.5, 0.8), ranks=ranks, n_error_tokens=100))
+            AnalysisSettings(levels=(0.0, 0.5, 0.8), n_error_tokens=100))
     return model, out
 
 
-def test_selection_rule_prefers_fewer_bytes_under_a_recall_floor(tiny_llama_q8_0):
+def test_decision_is_in_bundle_order_and_counts_gate_first_bytes(tiny_llama_q8_0):
     model, analyses = _analysis_for(tiny_llama_q8_0)
-    ffn = model.ffn_layers[0]
-    an = analyses[0]
-    auto = decide_layer(an, ffn, 0.8, "auto", min_recall=0.5, bundle_order="hot")
-    assert auto.rank in (4, 8, 16)
-    expected = "predictor" if auto.bytes_predictor < auto.bytes_gate else "gate"
-    assert auto.selection == expected
-    assert decide_layer(an, ffn, 0.8, "gate").rank == 0
-    forced = decide_layer(an, ffn, 0.8, "predictor", min_recall=0.999)
-    assert forced.selection == "predictor" and forced.rank > 0
-    none_good = decide_layer(an, ffn, 0.8, "auto", min_recall=1.01)
-    assert none_good.selection == "gate" and none_good.rank == 0
-    # everything is in bundle order
-    assert np.all(np.diff(auto.freq) <= 0)
-    np.testing.assert_array_equal(auto.freq, an.freq[2][auto.order])
-    np.testing.assert_array_equal(auto.pred_out, an.pred_out[auto.order, :auto.rank])
+    ffn, an = model.ffn_layers[0], analyses[0]
+    hot = decide_layer(an, ffn, 0.8, bundle_order="hot")
+    assert np.all(np.diff(hot.freq) <= 0)
+    np.testing.assert_array_equal(hot.freq, an.freq[2][hot.order])
+    np.testing.assert_array_equal(hot.mag, an.mag[hot.order])
+    base = decide_layer(an, ffn, 0.8)
+    np.testing.assert_array_equal(base.order, np.arange(ffn.n_ff))
+    # gate rows of every neuron, up and down_t rows (Q8_0 for this model) of the active ones
+    down_t_row = ffn.n_embd // 32 * 34
+    expected = ffn.n_ff * ffn.gate.row_bytes + (1 - an.sparsity_heldout[2]) * ffn.n_ff * (ffn.up.row_bytes + down_t_row)
+    assert base.bytes_gate == pytest.approx(expected)
 
 
-def test_v2_sidecar_round_trips_statistics_and_predictors(tiny_llama_q8_0, tmp_path):
-    model_path = tmp_path / "m.gguf"
-    shutil.copy(tiny_llama_q8_0, model_path)
+def _fixed_sidecar(model_path: Path, out: Path, order: str) -> tuple:
+    """A format-3 sidecar of the model at ``model_path`` from synthetic analyses (level 0.5, bundles
+    in ``order``): (the decisions, the sidecar's path)."""
     model, analyses = _analysis_for(model_path)
-    decisions = {f.layer: decide_layer(analyses[f.layer], f, 0.5, "predictor", bundle_order="hot")
-                 for f in model.ffn_layers}
+    decisions = {f.layer: decide_layer(analyses[f.layer], f, 0.5, bundle_order=order) for f in model.ffn_layers}
     stage = SparsityStage(decisions)
     plan = plan_sidecar(model, base_identity(model_path, model), [BundleStage(stage.orders), stage, IntegrityStage()])
     for key, value in ((fmt.KEY_SPARSITY_CRITERION, fmt.CRITERION_ACT_GATE),
                        (fmt.KEY_SPARSITY_METHOD, fmt.SPARSITY_METHOD_FIXED),
-                       (fmt.KEY_BUNDLE_ORDER, fmt.BUNDLE_ORDER_HOT)):
+                       (fmt.KEY_BUNDLE_ORDER, order)):
         plan.set_string(key, value)
     plan.set_float32(fmt.KEY_SPARSITY_TARGET, 0.5)
-    sidecar = write_sidecar_atomically(plan, tmp_path / "m.flash.gguf")
+    return decisions, write_sidecar_atomically(plan, out)
+
+
+def test_v2_sidecar_round_trips_statistics(tiny_llama_q8_0, tmp_path):
+    model_path = tmp_path / "m.gguf"
+    shutil.copy(tiny_llama_q8_0, model_path)
+    decisions, sidecar = _fixed_sidecar(model_path, tmp_path / "m.flash.gguf", fmt.BUNDLE_ORDER_HOT)
     info = validate_pair(model_path, sidecar)
     assert info.format_version == 3 and info.sparsity.target == 0.5 and info.sparsity.quality == {}
     assert info.integrity == fmt.INTEGRITY_ALGORITHM
@@ -286,20 +232,87 @@ def test_v2_sidecar_round_trips_statistics_and_predictors(tiny_llama_q8_0, tmp_p
         np.testing.assert_array_equal(v["order"], d.order)
         np.testing.assert_array_equal(v["freq"], d.freq)
         np.testing.assert_array_equal(v["mag"], d.mag)
-        np.testing.assert_allclose(v["pred_in"], d.pred_in, rtol=1e-3, atol=1e-4)
-        np.testing.assert_allclose(v["pred_out"], d.pred_out, rtol=1e-3, atol=1e-4)
-        assert lay.selection == "predictor" and lay.pred_rank == d.rank
         assert lay.threshold == pytest.approx(d.threshold, rel=1e-6)
-        assert lay.pred_threshold == pytest.approx(d.pred_threshold, rel=1e-6)
-        layout = lay.to_dict()
-        for key in ("threshold", "selection", "freq_offset", "pred_in_offset", "pred_out_offset", "pred_rank"):
-            assert layout[key] is not None, key
-        for offset in (lay.freq_offset, lay.mag_offset, lay.pred_in_offset, lay.pred_out_offset):
+        for offset in (lay.freq_offset, lay.mag_offset):
             assert offset % fmt.SIDECAR_ALIGNMENT == 0
+    # the retired selection/predictor arrays are written as "gate-first, no predictor", for older readers
+    fields = gguf.GGUFReader(sidecar).fields
+    for key, value in fmt.LEGACY_SELECTION_VALUES.items():
+        assert fields[key].contents() == [value] * len(info.layers), key
+    assert not any("pred" in t.name for t in read_gguf_header(sidecar).tensors)
+
+
+def _as_an_older_converter_wrote_it(src: Path, dst: Path, rank: int = 8) -> None:
+    """``src`` rewritten with gguf-py as converters with activation predictors wrote it: every layer
+    recorded predictor-first (selection code 1) with a rank-``rank`` predictor, its threshold, recall
+    and precision, and the F16 tensors ``blk.L.ffn_pred_in`` (rank x n_embd) and ``blk.L.ffn_pred_out``
+    (n_ff x rank); every other key and tensor copied unchanged."""
+    reader = gguf.GGUFReader(src)
+    layers = reader.fields[fmt.KEY_LAYERS].contents()
+    n_embd = reader.fields[fmt.KEY_N_EMBD].contents()
+    n_ffs = reader.fields[fmt.KEY_N_FF].contents()
+    old_values = {fmt.KEY_SELECTION: 1, fmt.KEY_PRED_RANKS: rank, fmt.KEY_PRED_THRESHOLDS: 0.25,
+                  fmt.KEY_PRED_RECALL: 0.95, fmt.KEY_PRED_PRECISION: 0.4}
+    writer = gguf.GGUFWriter(dst, fmt.SIDECAR_ARCHITECTURE)
+    writer.add_custom_alignment(fmt.SIDECAR_ALIGNMENT)
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name in (fmt.GENERAL_ARCHITECTURE, fmt.GENERAL_ALIGNMENT):
+            continue
+        value = [old_values[name]] * len(layers) if name in old_values else f.contents()
+        sub_type = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, f.types[0], sub_type=sub_type)
+    rng = np.random.default_rng(3)
+    tensors = [(t.name, np.ascontiguousarray(t.data), t.tensor_type) for t in reader.tensors]
+    for layer, n_ff in zip(layers, n_ffs):
+        tensors.append((f"blk.{layer}.ffn_pred_in", rng.standard_normal((rank, n_embd)).astype(np.float16),
+                        gguf.GGMLQuantizationType.F16))
+        tensors.append((f"blk.{layer}.ffn_pred_out", rng.standard_normal((n_ff, rank)).astype(np.float16),
+                        gguf.GGMLQuantizationType.F16))
+    for name, data, ggml_type in tensors:
+        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=ggml_type)
+    writer.write_header_to_file(dst)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data, _ in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+
+
+def test_a_sidecar_with_predictors_from_an_older_converter_still_loads(tiny_llama_q8_0, tmp_path):
+    """Older converters stored low-rank activation predictors (tensors and per-layer keys); the engine
+    never read them. Such a file reads as the same sidecar without them, and the sparse lane computes
+    the same logits from it, bit for bit."""
+    import llamaflash
+
+    model_path = tmp_path / "m.gguf"
+    shutil.copy(tiny_llama_q8_0, model_path)
+    _, new = _fixed_sidecar(model_path, tmp_path / "new.flash.gguf", fmt.BUNDLE_ORDER_BASE)
+    old = tmp_path / "old.flash.gguf"
+    _as_an_older_converter_wrote_it(new, old)
+    names = {t.name for t in read_gguf_header(old).tensors}
+    assert {"blk.0.ffn_pred_in", "blk.1.ffn_pred_out"} <= names
+    assert gguf.GGUFReader(old).fields[fmt.KEY_SELECTION].contents() == [1, 1]
+    new_info, old_info = validate_pair(model_path, new), validate_pair(model_path, old)
+    assert old_info.format_version == new_info.format_version == 3
+    for a, b in zip(new_info.layers, old_info.layers):
+        assert (a.threshold, a.sparsity, a.ffn_rel_error) == (b.threshold, b.sparsity, b.ffn_rel_error)
+        assert read_layer_vectors(new_info, a).keys() == {"order", "freq", "mag"}
+        for k, v in read_layer_vectors(old_info, b).items():
+            np.testing.assert_array_equal(v, read_layer_vectors(new_info, a)[k])
+    logits = []
+    for sidecar in (new, old):
+        llm = llamaflash.Llama(model_path=str(model_path), sidecar_path=str(sidecar), flash_mode="sparse",
+                               flash_max_sparse_tokens=64, n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+        tokens = llm.tokenize(b"the quick brown fox jumps over the lazy dog")
+        llm.eval(tokens)
+        logits.append(np.array(llm.scores[: len(tokens)], dtype=np.float32))
+        assert llm.flash_stats()["sparse_lane_calls"] > 0
+        llm.close()
+    assert np.array_equal(logits[0], logits[1])
 
 
 def test_v2_sidecar_missing_a_statistics_tensor_is_refused(tiny_llama_q8_0, tmp_path):
-    model, analyses = _analysis_for(tiny_llama_q8_0, ranks=())
+    model, analyses = _analysis_for(tiny_llama_q8_0)
     decisions = {f.layer: decide_layer(analyses[f.layer], f, 0.5) for f in model.ffn_layers}
     stage = SparsityStage(decisions)
     plan = plan_sidecar(model, base_identity(tiny_llama_q8_0, model), [BundleStage(stage.orders), stage])
@@ -322,7 +335,7 @@ def test_format_1_sidecars_are_still_read(tiny_llama_q8_0, tmp_path):
     assert info.format_version == 1 and info.sparsity is None
     for lay in info.layers:
         d = lay.to_dict()
-        assert d["selection"] is None and d["threshold"] is None and d["pred_rank"] == 0
+        assert d["threshold"] is None and d["freq_offset"] is None
         assert read_layer_vectors(info, lay).keys() == {"order"}
 
 
@@ -353,50 +366,20 @@ def test_convert_records_the_operating_point_and_quality(tiny_llama_q8_0, tmp_pa
         assert np.mean(v["freq"]) == pytest.approx(1 - sp.target, abs=0.05)
 
 
-def test_default_conversion_trains_no_predictors(tiny_llama_q8_0, tmp_path):
-    """The engine selects gate-first: by default the converter neither trains nor stores predictors,
-    and the report measures none."""
+def test_conversion_stores_no_predictors_and_samples_the_last_layer_less(tiny_llama_q8_0, tmp_path):
+    """The engine selects gate-first: the converter stores no predictor tensors, writes the retired
+    arrays as "gate-first, no predictor", and its report has no predictor fields."""
     import json
 
     out = convert(tiny_llama_q8_0, tmp_path / "g.flash.gguf", progress=False, **dict(FAST_CONVERT, sparsity=0.5))
-    info = read_sidecar(out)
-    assert all(lay.selection == "gate" and lay.pred_rank == 0 and lay.pred_recall == 0 for lay in info.layers)
     assert not any("pred" in t.name for t in read_gguf_header(out).tensors)
+    assert gguf.GGUFReader(out).fields[fmt.KEY_SELECTION].contents() == [0, 0]
     report = json.loads((tmp_path / "g.flash.gguf.report.json").read_text())
-    assert all(entry["pred_rank"] == 0 and entry["pred_recall"] is None and entry["curve"]["predictors"] == []
-               for entry in report["layers"])
-    assert report["operating_point"]["layers_predictor"] == 0
-
-
-@pytest.mark.parametrize("method", ["emulated", "engine"])
-def test_forced_predictor_selection_is_recorded_and_measured_as_run(tiny_llama_q8_0, tmp_path, method):
-    """The emulation measures predictor-first selection as recorded ("mixed"); the engine runs every
-    layer gate-first in this version, measures that, and says so in the notes."""
-    import json
-
-    out = convert(tiny_llama_q8_0, tmp_path / "p.flash.gguf", progress=False,
-                  **dict(FAST_CONVERT, sparsity=0.5, selection="predictor", quality=method))
-    info = read_sidecar(out)
-    assert all(lay.selection == "predictor" and lay.pred_rank > 0 for lay in info.layers)
-    report = json.loads((tmp_path / "p.flash.gguf.report.json").read_text())
+    assert report["llamaflash_report"] == 3
+    assert not any(k.startswith("pred") or "predictor" in k for entry in report["layers"] for k in entry)
+    assert "predictors" not in report["layers"][0]["curve"]
+    assert report["quality"]["method"] == "engine" and report["quality"]["chosen"]["selection"] == "gate"
     # llama.cpp's last layer only computes the rows whose logits are asked for: every 4th while profiling
     first, last = report["layers"][0], report["layers"][-1]
     assert first["samples"] >= FAST_CONVERT["calib_tokens"]
     assert last["samples"] == pytest.approx(first["samples"] / 4, rel=0.1)
-    assert report["operating_point"]["layers_predictor"] == 2
-    assert report["quality"]["method"] == info.sparsity.quality["method"] == method
-    if method == "emulated":
-        assert report["quality"]["chosen"]["selection"] == "mixed"
-        assert "EMULATION" in report["quality"]["note"]
-    else:
-        assert report["quality"]["chosen"]["selection"] == "gate"
-        assert any("2 layers are recorded for predictor-first" in n and "gate-first" in n for n in report["notes"])
-
-
-def test_predictor_fit_survives_fewer_samples_than_dimensions():
-    # llama.cpp's last layer gets 1/4 of the profiled tokens: its covariance can be singular
-    x, heldout, gate, up, down = _layer_data(n_tokens=40, n_embd=32, n_ff=64)
-    x[:, 5] = x[:, 4]  # and exactly collinear inputs
-    b, a = train_predictor(x, gate, 16)
-    assert np.all(np.isfinite(b)) and np.all(np.isfinite(a))
-    np.testing.assert_allclose(a.T @ a, np.eye(16), atol=1e-3)

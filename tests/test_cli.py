@@ -77,8 +77,19 @@ def test_convert_auto_with_budget_and_gate_selection(tiny_llama_q8_0, tmp_path, 
     assert result.stderr == ""
     info = read_sidecar(out)
     assert info.sparsity.method == "auto" and abs(info.sparsity.quality_budget - 0.05) < 1e-6
-    assert all(lay.selection == "gate" and lay.pred_rank == 0 for lay in info.layers)
+    assert all(lay.threshold is not None for lay in info.layers)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["side.flash.gguf"]
+
+
+@pytest.mark.parametrize("option, removed, remaining", [("--selection", "predictor", "gate"),
+                                                        ("--selection", "auto", "gate"),
+                                                        ("--quality-method", "emulated", "engine")])
+def test_convert_refuses_removed_values_naming_the_remaining_one(tiny_llama_q8_0, tmp_path, option, removed,
+                                                                 remaining):
+    result = run("convert", tiny_llama_q8_0, "-o", tmp_path / "side.flash.gguf", option, removed)
+    assert result.exit_code == 2
+    assert f"'{removed}' is not '{remaining}'" in result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_convert_refuses_existing_output_unless_forced(tiny_llama_q8_0, tmp_path, texts):
@@ -139,12 +150,13 @@ def test_inspect_describes_sparsity_per_layer(tiny_llama_q8_0, tmp_path, texts):
     assert "sparsity:         fixed, target 0.500, criterion act_gate" in text
     assert "quality method:   engine (measured with the sparse engine)" in text and "curve: sparsity 0.50" in text
     info = read_sidecar(out)
-    rows = [line.split() for line in text.splitlines()
-            if line.split()[:1] in (["0"], ["1"]) and len(line.split()) == 10 and line.split()[4] in ("gate", "predictor")]
+    header = next(line.split() for line in text.splitlines() if line.split()[:2] == ["layer", "threshold"])
+    assert header == ["layer", "threshold", "sparsity", "ffn_err", "hot>=0.5"]
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"]) and len(line.split()) == 5]
     assert [r[0] for r in rows] == ["0", "1"]
     for row, lay in zip(rows, info.layers):
+        assert float(row[1]) == pytest.approx(lay.threshold, rel=1e-3)
         assert float(row[2]) == pytest.approx(lay.sparsity, abs=1e-3)
-        assert row[4] == lay.selection and int(row[5]) == lay.pred_rank
 
 
 def test_inspect_refuses_non_sidecars(tiny_llama_q8_0, tmp_path):

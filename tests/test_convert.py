@@ -192,7 +192,7 @@ def test_bundles_only_conversion_writes_format_1(tiny_llama_q8_0, tmp_path):
     out = convert(tiny_llama_q8_0, tmp_path / "v1.flash.gguf", progress=False, profile=False)
     info = validate_pair(tiny_llama_q8_0, out)
     assert info.format_version == 1 and info.sparsity is None
-    assert all(lay.selection is None and lay.threshold is None for lay in info.layers)
+    assert all(lay.threshold is None and lay.freq_offset is None for lay in info.layers)
     assert listing(tmp_path) == ["v1.flash.gguf"]
 
 

@@ -1,8 +1,8 @@
-"""``--sparsity auto`` measured with the sparse engine (``quality="engine"``, the default): the
-quality keys name their method, the curve carries the lane's measured active fractions, the chosen
-level is within budget, the temporary measurement sidecar never outlives the conversion (also
-when the measurement fails), the emulation still works, and sidecars written before (emulated keys
-only) still read."""
+"""``--sparsity auto`` measured with the sparse engine: the quality keys name their method, the
+curve carries the lane's measured active fractions, the chosen level is within budget, the
+temporary measurement sidecar never outlives the conversion (also when the measurement fails),
+failures name a way to convert without the measurement, and sidecars written by older converters
+(the retired ``emulated`` method's keys only) still read."""
 
 from __future__ import annotations
 
@@ -35,21 +35,16 @@ def _keys(path) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def both(tiny_model_factory, tmp_path_factory):
-    """The same synthetic model converted with quality measured by the engine and by the emulation
-    (budget +0.5%, so that on this random model some levels pass and the sweep is decided by it)."""
+def engine_converted(tiny_model_factory, tmp_path_factory):
+    """A synthetic model converted with --sparsity auto (budget +0.5%, so that on this random model
+    some levels pass and the sweep is decided by it): (model, its directory, the sidecar)."""
     model = tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192)
     d = tmp_path_factory.mktemp("engine-quality")
-    out = {}
-    for method in ("engine", "emulated"):
-        out[method] = convert(model, d / f"{method}.flash.gguf", progress=False, quality=method,
-                              quality_budget=0.005, **FAST_CONVERT)
-    return model, d, out
+    return model, d, convert(model, d / "engine.flash.gguf", progress=False, quality_budget=0.005, **FAST_CONVERT)
 
 
-def test_engine_quality_keys_curve_and_operating_point(both):
-    model, d, out = both
-    path = out["engine"]
+def test_engine_quality_keys_curve_and_operating_point(engine_converted):
+    model, d, path = engine_converted
     keys = _keys(path)
     q_keys = {k for k in keys if k.startswith(fmt.KEY_PREFIX + "quality.")}
     assert q_keys and all(k.startswith("llamaflash.quality.engine.") for k in q_keys)
@@ -73,39 +68,26 @@ def test_engine_quality_keys_curve_and_operating_point(both):
         assert q["ppl"] == pytest.approx(q["curve_ppl"][levels.index(sp.target)])
         assert q["active_fraction"] == pytest.approx(fractions[levels.index(sp.target)])
     report = json.loads((d / "engine.flash.gguf.report.json").read_text())
-    assert report["llamaflash_report"] == 2
+    assert report["llamaflash_report"] == 3
     assert report["quality"]["method"] == report["operating_point"]["quality_method"] == "engine"
     assert all(p["method"] == "engine" and 0 < p["active_fraction"] < 1 for p in report["quality"]["curve"])
     assert report["timings_s"]["quality_sidecar_s"] > 0
     # nothing left beside the outputs (the measurement sidecar was hidden and is gone)
-    assert sorted(p.name for p in d.iterdir()) == sorted(
-        [f"{m}.flash.gguf{s}" for m in ("engine", "emulated") for s in ("", ".report.json")])
+    assert sorted(p.name for p in d.iterdir()) == ["engine.flash.gguf", "engine.flash.gguf.report.json"]
 
 
-def test_emulated_method_still_works_and_agrees_with_the_engine(both):
-    _, d, out = both
-    keys = _keys(out["emulated"])
-    q_keys = {k for k in keys if k.startswith(fmt.KEY_PREFIX + "quality.")}
-    assert q_keys and all(k.startswith("llamaflash.quality.emulated.") for k in q_keys)
-    emu = read_sidecar(out["emulated"]).sparsity.quality
-    eng = read_sidecar(out["engine"]).sparsity.quality
-    assert emu["method"] == "emulated"
-    assert emu["ppl_dense"] == eng["ppl_dense"]  # the same stock reference
-    n = min(len(emu["curve_ppl"]), len(eng["curve_ppl"]))
-    # the same neurons skipped; the lane's numerics differ (f32 h, Q8_0 down_t)
-    np.testing.assert_allclose(eng["curve_ppl"][:n], emu["curve_ppl"][:n], rtol=0.02)
-    np.testing.assert_allclose(eng["curve_active_fraction"][:n], emu["curve_active_fraction"][:n], atol=0.01)
-    report = json.loads((d / "emulated.flash.gguf.report.json").read_text())
-    assert report["quality"]["method"] == "emulated" and "EMULATION" in report["quality"]["note"]
+def test_inspect_names_the_method(engine_converted):
+    result = CliRunner().invoke(main, ["inspect", str(engine_converted[2])])
+    assert result.exit_code == 0, result.output
+    assert "quality method:   engine (measured with the sparse engine)" in result.output
+    assert "active fraction" in result.output
 
 
-def test_inspect_names_the_method(both):
-    _, _, out = both
-    for method, phrase in (("engine", "measured with the sparse engine"), ("emulated", "EMULATED")):
-        result = CliRunner().invoke(main, ["inspect", str(out[method])])
-        assert result.exit_code == 0, result.output
-        assert f"quality method:   {method}" in result.output and phrase in result.output
-        assert "active fraction" in result.output
+def test_the_removed_emulated_method_is_refused_naming_the_remaining_one(tiny_llama_q8_0, tmp_path):
+    result = CliRunner().invoke(main, ["convert", str(tiny_llama_q8_0), "-o", str(tmp_path / "x.flash.gguf"),
+                                       "--quality-method", "emulated"])
+    assert result.exit_code == 2 and "'emulated' is not 'engine'" in result.output
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_measurement_sidecar_is_removed_when_the_measurement_fails(tiny_llama_q8_0, tmp_path, monkeypatch):
@@ -139,14 +121,14 @@ def test_the_engine_path_refuses_a_measurement_off_the_sparse_lane(tiny_llama_q8
         return real_stats(self)
 
     monkeypatch.setattr(engine_quality.EngineRunner, "active_fraction", dense_too)
-    with pytest.raises(ConversionError, match="did not run every FFN .* --quality-method emulated"):
+    with pytest.raises(ConversionError, match="did not run every FFN .* --sparsity 0.3 --no-quality"):
         convert(tiny_llama_q8_0, tmp_path / "m.flash.gguf", progress=False, **dict(FAST_CONVERT, sparsity=0.5))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_sidecars_with_only_emulated_keys_still_read(tiny_llama_q8_0, tmp_path):
     """A format-2 file from before the engine measurement: the emulated keys spelled literally,
-    without active fractions."""
+    without active fractions (no converter writes this method any more; readers keep reading it)."""
     model_path = tmp_path / "m.gguf"
     shutil.copy(tiny_llama_q8_0, model_path)
     model = read_base_model(model_path)
@@ -156,8 +138,8 @@ def test_sidecars_with_only_emulated_keys_still_read(tiny_llama_q8_0, tmp_path):
         x = rng.standard_normal((400, ffn.n_embd)).astype(np.float32)
         an = analyse_layer(ffn.layer, x, np.arange(400) % 4 == 3, dequantize(model_path, ffn.gate),
                            dequantize(model_path, ffn.up), dequantize(model_path, ffn.down), fmt.ACTIVATION_SILU,
-                           AnalysisSettings(levels=(0.0, 0.5), ranks=(), n_error_tokens=50))
-        decisions[ffn.layer] = decide_layer(an, ffn, 0.5, "gate")
+                           AnalysisSettings(levels=(0.0, 0.5), n_error_tokens=50))
+        decisions[ffn.layer] = decide_layer(an, ffn, 0.5)
     stage = SparsityStage(decisions)
     plan = plan_sidecar(model, base_identity(model_path, model), [BundleStage(stage.orders), stage])
     plan.set_string(fmt.KEY_SPARSITY_CRITERION, fmt.CRITERION_ACT_GATE)
@@ -193,8 +175,8 @@ def test_quality_key_names():
 
 
 def test_operating_point_takes_the_highest_level_within_budget_and_stops_early():
-    """The sweep logic both methods share, on made-up measurements: +1%, +1.8%, +3%, +5% (stop: over
-    2 x 2%), never measured: 0.5."""
+    """The sweep logic, on made-up measurements: +1%, +1.8%, +3%, +5% (stop: over 2 x 2%), never
+    measured: 0.5."""
     from types import SimpleNamespace
 
     from llamaflash.converters.calibrate import _operating_point
@@ -216,9 +198,9 @@ def test_operating_point_takes_the_highest_level_within_budget_and_stops_early()
     assert result.target == 0.2 and result.chosen.ppl == 10.18 and result.dense is dense
 
 
-def test_engine_runner_decode_is_llama_eval_from_an_empty_context(both):
-    model, _, out = both
-    with engine_quality.EngineRunner(model, out["engine"], 64, 0.5, n_threads=1) as engine:
+def test_engine_runner_decode_is_llama_eval_from_an_empty_context(engine_converted):
+    model, _, sidecar = engine_converted
+    with engine_quality.EngineRunner(model, sidecar, 64, 0.5, n_threads=1) as engine:
         tokens = np.array(engine.llm.tokenize(b"The quick brown fox jumps over the lazy dog again and again"))
         engine.decode(tokens[::-1].copy())                 # something else first: must not leak in
         ours = engine.decode(tokens).copy()

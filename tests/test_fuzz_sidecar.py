@@ -8,11 +8,11 @@ Every case must end in one of two ways, within a deadline (no hang):
 * a ``LlamaflashError`` (the readers' deliberate, user-facing errors), or
 * a result identical to the clean file's in everything that decides where and how the engine
   reads weights: format, activation, n_embd, base identity, bundle order, and per layer every
-  offset, size, type, stride, width, selection and predictor rank (base file: every served
+  offset, size, type, stride and width (base file: every served
   layer's gate/up/down location, type and shape, n_layer, n_embd, architecture).
 
 Any other exception (numpy, struct, KeyError, MemoryError...) is a failure. The per-layer float
-values (thresholds, measured sparsity, predictor thresholds and quality, FFN errors) are left out
+values (thresholds, measured sparsity, FFN errors) are left out
 of the comparison: a flip inside one of them that keeps it within its checked range (finite,
 non-negative, a fraction, bracketed by the threshold table) is a value corruption, like a flip in
 the tensor data. Data-byte flips are run too: the bytes of weights and statistics are structurally

@@ -106,7 +106,7 @@ def test_decide_rule():
 
 
 def test_measure_runs_both_engines_and_stores(converted):
-    """One rep of each engine in fresh processes (speed_probe); the stored decision is whatever the
+    """One rep of each engine in fresh processes (the bench worker); the stored decision is whatever the
     rule says of the measured speeds."""
     model, sidecar, _ = converted
     lines = []
@@ -116,3 +116,21 @@ def test_measure_runs_both_engines_and_stores(converted):
     assert len(stock["decode"]) == len(sparse["decode"]) == 1 and min(stock["decode"] + sparse["decode"]) > 0
     assert decision.lane == lane_decision.decide(stock, sparse, decision.machine).lane
     assert lane_decision.stored_decision(sidecar).as_dict() == decision.as_dict()
+
+
+def test_demo_in_memory_part_times_stock_and_the_default_with_the_same_harness(converted):
+    """`llamaflash demo`'s in-memory comparison: stock and llamaflash's default, one fresh worker process
+    each (the benchmarks' harness, as `tune`); with no stored measurement the default runs as stock and
+    generates stock's tokens."""
+    from llamaflash import demo
+
+    model, sidecar, _ = converted
+    lines = []
+    mem = demo._in_memory(model, sidecar, n_gen=4, n_threads=1, echo=lines.append)
+    stock, default = mem["stock"], mem["llamaflash"]
+    assert stock["n_prompt"] == default["n_prompt"] == lane_decision.SPEED_PROMPT_TOKENS
+    assert stock["decode_tps"] > 0 and default["decode_tps"] > 0 and len(stock["tokens"]) == 5
+    assert default["flash_stats"]["mode"] == "stock" and default["tokens"] == stock["tokens"]
+    assert lines[-1].startswith("      llamaflash default: running as stock: the sparse lane has not been measured")
+    text = demo.verdict(None, (), mem)
+    assert len(text) == 1 and "it is stock here" in text[0]

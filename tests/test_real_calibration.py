@@ -21,7 +21,7 @@ pytestmark = pytest.mark.real_model
 def test_real_model_calibration(name, tmp_path):
     model = assets.fetch_model(name, progress=False)
     out = convert(model, tmp_path / "m.flash.gguf", progress=False, calib_tokens=2048, valid_tokens=512,
-                  sparsity=0.3, levels=(0.3,), ranks=(16,), selection="auto", order="hot")
+                  sparsity=0.3, levels=(0.3,), order="hot")
     info = validate_pair(model, out)
     report = json.loads((tmp_path / "m.flash.gguf.report.json").read_text())
     assert info.format_version == 3 and info.sparsity.target == pytest.approx(0.3)
@@ -30,7 +30,6 @@ def test_real_model_calibration(name, tmp_path):
         # held-out sparsity near the target (one held-out chunk here: a single document, hence the slack)
         assert abs(lay.sparsity - 0.3) < 0.08, entry["layer"]
         assert 0.0 < lay.ffn_rel_error < 0.5
-        assert lay.pred_rank == 16 and 0.8 < lay.pred_recall <= 1.0
         freq = read_layer_vectors(info, lay)["freq"]
         assert np.all(np.diff(freq) <= 0) and abs(freq.mean() - 0.7) < 0.05
     assert abs(np.mean([lay.sparsity for lay in info.layers]) - 0.3) < 0.03

@@ -1,7 +1,8 @@
 """The sparse decode lane inside llama.cpp (csrc/sparse_lane.*): routing by batch size and
-sidecar, agreement with the dense lane when nothing is skipped, agreement with the converter's
-emulation (stock llama.cpp with the skipped neurons zeroed) at a real sparsity level, statistics,
-and the Python API (flash_mode / flash_sparsity / set_flash_sparsity) with its errors."""
+sidecar, agreement with the dense lane when nothing is skipped, agreement with a reference
+(tests/sparse_emulation.py: stock llama.cpp with the skipped neurons zeroed) at a real sparsity
+level, statistics, and the Python API (flash_mode / flash_sparsity / set_flash_sparsity) with its
+errors."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import pytest
 import llamaflash
 from synth import FAST_CONVERT
 from llamaflash.converters import convert
-from llamaflash.converters.llama_runner import EmulatedLayer, LlamaRunner, SparseFfnEmulator
+from llamaflash.converters.llama_runner import LlamaRunner
 from llamaflash.sidecar import read_sidecar
 from llama_helpers import PROMPT, rel_max_diff, run_model
+from sparse_emulation import SparseFfnEmulator
 
 KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0)
 N_GEN = 12
@@ -72,7 +74,7 @@ def test_nothing_skipped_matches_dense_lane(converted):
 
 
 def test_sparse_lane_matches_emulation_at_a_level(converted):
-    """At level 0.5 the lane must skip exactly the neurons the converter's emulation skips: same
+    """At level 0.5 the lane must skip exactly the neurons the reference emulation skips: same
     thresholds; the whole prompt goes through the lane as one batch (every token sparse, as in the
     emulation), logits close (only float/quantization differences) and far closer than to dense."""
     model, sidecar, _ = converted
@@ -91,16 +93,16 @@ def test_sparse_lane_matches_emulation_at_a_level(converted):
 
     runner = LlamaRunner(model, 128, n_threads=2)
     try:
-        hook = SparseFfnEmulator(info.activation, {k: EmulatedLayer(v) for k, v in thresholds.items()})
-        emulated = runner.decode(np.array(tokens), hook).copy()
+        hook = SparseFfnEmulator(info.activation, thresholds)
+        reference = runner.decode(np.array(tokens), hook).copy()
         stock = runner.decode(np.array(tokens)).copy()
     finally:
         runner.close()
     assert 1.0 - hook.measured_sparsity == pytest.approx(st["mean_active_fraction"], abs=0.02)
     # measured: 0.031 from the emulation, 0.168 from stock (neurons at the threshold may flip,
     # the kernel's h is f32 and its down_t Q8_0)
-    assert rel_max_diff(emulated, lane) < 5e-2
-    assert rel_max_diff(emulated, lane) < 0.3 * rel_max_diff(stock, lane)
+    assert rel_max_diff(reference, lane) < 5e-2
+    assert rel_max_diff(reference, lane) < 0.3 * rel_max_diff(stock, lane)
 
 
 def test_batches_route_by_max_sparse_tokens(converted):

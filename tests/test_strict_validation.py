@@ -258,7 +258,7 @@ def test_threshold_table_entries_are_checked(pair, llama_must_not_start):
     assert_refused_everywhere(model, sidecar, "layer 1", "decreases")
 
 
-@pytest.mark.parametrize("key, value", [(fmt.KEY_SPARSITY_REACHED, 1.5), (fmt.KEY_PRED_RECALL, float("nan")),
+@pytest.mark.parametrize("key, value", [(fmt.KEY_SPARSITY_REACHED, 1.5), (fmt.KEY_SPARSITY_REACHED, float("nan")),
                                         (fmt.KEY_FFN_REL_ERROR, float("inf"))])
 def test_per_layer_measurements_are_range_checked(pair, key, value, llama_must_not_start):
     model, sidecar = pair

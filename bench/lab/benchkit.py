@@ -32,7 +32,8 @@ __all__ = [
     "PROMPT_TEXT", "RESULT_MARK", "PROGRESS_MARK", "STOCK_CONFIGS", "WORKER", "WorkerError",
     "cpu_busy_seconds", "machine_busy_fraction", "wait_until_quiet", "machine_info",
     "resolve_model", "sha256_file", "warm_page_cache", "sidecar_path_for",
-    "run_worker", "worker_command", "parse_worker_output", "median", "greedy_agreement",
+    "run_worker", "worker_command", "parse_worker_output", "require_ok", "prompt_tokens", "timed_run",
+    "median", "greedy_agreement",
     "write_json", "timestamp",
 ]
 
@@ -237,6 +238,34 @@ def parse_worker_output(stdout: str | None) -> tuple[dict[str, Any] | None, list
         elif line.startswith(PROGRESS_MARK):
             progress.append(json.loads(line[len(PROGRESS_MARK) :]))
     return result, progress
+
+
+def require_ok(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` if the worker's run succeeded (``"ok"``); else WorkerError with its error and traceback."""
+    if not result.get("ok"):
+        raise WorkerError(f"worker for {result.get('config')!r} failed: {result.get('error')}\n"
+                          f"{result.get('traceback', '')}".rstrip())
+    return result
+
+
+def prompt_tokens(model: Path | str, n_prompt: int, threads: int = 1, timeout: float | None = 900) -> list[int]:
+    """The first ``n_prompt`` tokens of :data:`PROMPT_TEXT` (repeated as needed) in ``model``'s
+    vocabulary, BOS first where the model adds one; tokenized by a worker (vocabulary only)."""
+    tok = run_worker({"mode": "tokenize", "model": str(model), "config": "tokenize", "prompt_text": PROMPT_TEXT,
+                      "n_prompt": n_prompt, "threads": threads}, timeout=timeout)
+    return require_ok(tok)["prompt_tokens"]
+
+
+def timed_run(model: Path | str, config: str, prompt: Sequence[int], n_gen: int, threads: int,
+              timeout: float | None = 900, **spec: Any) -> dict[str, Any]:
+    """One "run" of the worker in a fresh process: load ``model`` as ``config`` (``spec``: more worker
+    keys, e.g. ``sidecar_path``, ``flash_mode``), warm up, prefill ``prompt`` as one batch, decode
+    ``n_gen`` greedy tokens one at a time, each step timed (see :mod:`llamaflash.bench.worker`).
+    Returns the result dict (``prefill_tps``, ``decode_tps``, ``tokens``, ``flash_stats``, ...);
+    WorkerError if the run failed. The context holds the prompt and the generated tokens."""
+    n_ctx = max(512, len(prompt) + n_gen + 1)
+    return require_ok(run_worker({"mode": "run", "model": str(model), "config": config, "prompt_tokens": list(prompt),
+                                  "n_gen": n_gen, "threads": threads, "n_ctx": n_ctx, **spec}, timeout=timeout))
 
 
 # --------------------------------------------------------------------------------------------
