@@ -175,7 +175,8 @@ void ExpertCache::check_slot(int position, int slot) {
             continue;
         }
         const uint8_t * data = slot_data(position, s.expert, t.kind);
-        const uint32_t got = crc32c(data, t.expert_bytes);
+        uint32_t got = 0;  // one row: the slice (three interleaved lanes with the instruction)
+        crc32c_rows(data, 1, t.expert_bytes, t.expert_bytes, &got);
         stats_.verified_bytes += t.expert_bytes;
         if (got != t.checksums[static_cast<size_t>(s.expert)]) {
             const uint64_t offset = t.offset + t.expert_bytes * static_cast<uint64_t>(s.expert);
@@ -264,9 +265,19 @@ int ExpertCache::take_victim(Layer & layer, const std::vector<char> & keep) {
     return best;
 }
 
+void ExpertCache::drop_demand_slots(Layer & layer) {
+    for (int slot : layer.demand_slots) {
+        Slot & s = layer.slots[static_cast<size_t>(slot)];
+        if (s.expert >= 0) {
+            layer.slot_of[static_cast<size_t>(s.expert)] = -1;
+        }
+        s = Slot{};
+    }
+    layer.demand_slots.clear();
+}
+
 void ExpertCache::begin(int position, const std::vector<int> & experts) {
     Layer & layer = *layers_[static_cast<size_t>(position)];
-    wait_prefetches(layer);
     ++clock_;
     ++stats_.requests;
     stats_.experts_needed += experts.size();
@@ -291,7 +302,17 @@ void ExpertCache::begin(int position, const std::vector<int> & experts) {
             continue;
         }
         slot = take_victim(layer, keep);
+        if (slot < 0 && !layer.prefetch_tickets.empty()) {  // victims still loading: their reads first
+            try {
+                wait_prefetches(layer);
+            } catch (...) {
+                drop_demand_slots(layer);
+                throw;
+            }
+            slot = take_victim(layer, keep);
+        }
         if (slot < 0) {
+            drop_demand_slots(layer);
             throw std::logic_error("expert cache: request larger than the layer's capacity");
         }
         ++stats_.misses;
@@ -308,43 +329,73 @@ void ExpertCache::begin(int position, const std::vector<int> & experts) {
         }
         layer.demand_slots.push_back(slot);
     }
-    layer.demand_pending = !requests.empty();
-    if (layer.demand_pending) {
-        layer.demand_ticket = reader_->submit(requests);
+    layer.demand_pending = false;
+    if (!requests.empty()) {
+        try {
+            layer.demand_ticket = reader_->submit(requests);
+        } catch (...) {
+            drop_demand_slots(layer);
+            throw;
+        }
+        layer.demand_pending = true;
     }
 }
 
 void ExpertCache::finish(int position) {
     Layer & layer = *layers_[static_cast<size_t>(position)];
+    try {
+        // this layer's prefetches (started while the previous layer computed), then the prefetched
+        // slots this request uses, checked while its demand reads are still in flight
+        wait_prefetches(layer);
+        for (size_t i = 0; i < layer.slots.size(); ++i) {
+            Slot & s = layer.slots[i];
+            if (s.unchecked && s.state == Slot::State::ready && s.last_use == clock_) {
+                check_slot(position, static_cast<int>(i));
+            }
+        }
+    } catch (...) {
+        abandon_demand(layer);
+        throw;
+    }
+    if (!layer.demand_pending) {
+        return;
+    }
+    // the demand reads: each expert checked as soon as its reads are in, while later ones are read
+    const size_t per_slot = config_.layers[static_cast<size_t>(position)].tensors.size();
+    size_t request = 0;
+    bool failed = false;
+    try {
+        for (int slot : layer.demand_slots) {
+            const auto t0 = std::chrono::steady_clock::now();
+            for (size_t k = 0; k < per_slot && !failed; ++k) {
+                failed = !reader_->wait_request(layer.demand_ticket, request++);
+            }
+            stats_.wait_seconds += seconds_since(t0);
+            if (failed) {
+                break;
+            }
+            layer.slots[static_cast<size_t>(slot)].state = Slot::State::ready;
+            check_slot(position, slot);
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        layer.demand_pending = false;
+        reader_->wait(layer.demand_ticket);  // forgets the ticket; throws IoError for a failed read
+        stats_.wait_seconds += seconds_since(t0);
+    } catch (...) {
+        abandon_demand(layer);
+        throw;
+    }
+}
+
+void ExpertCache::abandon_demand(Layer & layer) {
     if (layer.demand_pending) {
         layer.demand_pending = false;
-        const auto t0 = std::chrono::steady_clock::now();
         try {
-            reader_->wait(layer.demand_ticket);
+            reader_->wait(layer.demand_ticket);  // the kernel must be done writing into the slots
         } catch (...) {
-            stats_.wait_seconds += seconds_since(t0);
-            for (int slot : layer.demand_slots) {
-                Slot & s = layer.slots[static_cast<size_t>(slot)];
-                layer.slot_of[static_cast<size_t>(s.expert)] = -1;
-                s = Slot{};
-            }
-            throw;
-        }
-        stats_.wait_seconds += seconds_since(t0);
-        for (int slot : layer.demand_slots) {
-            layer.slots[static_cast<size_t>(slot)].state = Slot::State::ready;
         }
     }
-    for (int slot : layer.demand_slots) {
-        check_slot(position, slot);
-    }
-    // prefetched slots are checked when first used
-    for (size_t i = 0; i < layer.slots.size(); ++i) {
-        Slot & s = layer.slots[i];
-        if (s.unchecked && s.state == Slot::State::ready && s.last_use == clock_) {
-            check_slot(position, static_cast<int>(i));
-        }
-    }
+    drop_demand_slots(layer);
 }
 
 void ExpertCache::prefetch(int position, const std::vector<int> & experts) {

@@ -10,9 +10,12 @@
 // are never evicted while it is served. A prefetch (the next layer's predicted experts) fills LRU
 // victims asynchronously; the next request of that layer first waits for its layer's prefetches.
 //
-// A request is served in two steps so that reads overlap: begin() finds hits and submits the misses
-// (one batch), then the caller may prefetch another layer, then finish() waits, checks each read
-// slice against its CRC-32C and returns the slots. A request may not hold more experts than
+// A request is served in two steps so that reads overlap: begin() finds hits (resident, or still
+// being prefetched) and submits the misses (one batch) at once, waiting for the layer's prefetches
+// only when their slots are the only victims left; then the caller may prefetch another layer; then
+// finish() waits for the layer's prefetches, checks the prefetched slots the request uses while the
+// demand reads are in flight, and checks each demand expert against its CRC-32C as soon as its
+// reads are in, while the later ones are still read. A request may not hold more experts than
 // capacity(): the expert lane splits larger sets into rounds.
 //
 // Results never depend on the cache: an expert's bytes are the file's whichever slot holds them.
@@ -95,8 +98,9 @@ public:
     // Experts a request of layer `position` may hold: n_slots minus pinned experts it does not use.
     int capacity(int position, const std::vector<int> & experts) const;
 
-    // Step 1 of a request: `experts` (distinct, size <= capacity) — hits stay, misses get victim
-    // slots and are submitted as one batch. Waits first for this layer's prefetches in flight.
+    // Step 1 of a request: `experts` (distinct, size <= capacity) — hits stay (a prefetch in flight
+    // counts as a hit, finish() waits for it), misses get victim slots and are submitted as one batch.
+    // Waits for this layer's prefetches only when no other victim is left.
     void begin(int position, const std::vector<int> & experts);
     // Step 2: waits for the misses, checks them; then slot_data(position, e, kind) is valid for every
     // requested expert until the next begin() of this layer. Throws IoError, or std::runtime_error
@@ -131,6 +135,8 @@ private:
     struct Slot;
     struct Layer;
     void wait_prefetches(Layer & layer);
+    void drop_demand_slots(Layer & layer);  // the request's demand slots emptied (failed or abandoned)
+    void abandon_demand(Layer & layer);     // waits out the demand reads, then drops their slots
     int take_victim(Layer & layer, const std::vector<char> & keep);
     std::vector<ReadRequest> slot_requests(int position, int slot, int expert);
     void check_slot(int position, int slot);

@@ -47,6 +47,12 @@ void expert_matmul(ggml_tensor * dst, int ith, int nth, void * userdata) {
     for (int64_t task = task0; task < task1; ++task) {
         const int64_t p = task / chunks, c = task % chunks;
         const int32_t e = mm->pairs[3 * p], k = mm->pairs[3 * p + 1], t = mm->pairs[3 * p + 2];
+        float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + k * dst->nb[1] + t * dst->nb[2]);
+        const int64_t r0 = n_rows * c / chunks, r1 = n_rows * (c + 1) / chunks;
+        if (e < 0) {  // a draft pair without a resident expert: no contribution
+            std::fill(out + r0, out + r1, 0.0f);
+            continue;
+        }
         const char * x = static_cast<const char *>(src1->data) + (k % src1->ne[1]) * src1->nb[1] + t * src1->nb[2];
         const void * q = x;
         if (mm->from_float != nullptr) {
@@ -57,8 +63,6 @@ void expert_matmul(ggml_tensor * dst, int ith, int nth, void * userdata) {
             q = mm->qrow[static_cast<size_t>(ith)].data();
         }
         const uint8_t * w = mm->weight[static_cast<size_t>(e)];
-        float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + k * dst->nb[1] + t * dst->nb[2]);
-        const int64_t r0 = n_rows * c / chunks, r1 = n_rows * (c + 1) / chunks;
         for (int64_t r = r0; r < r1; ++r) {
             mm->vec_dot(static_cast<int>(mm->ne0), &out[r], 0, w + static_cast<size_t>(r) * mm->row_bytes, 0, q, 0, 1);
         }
@@ -76,6 +80,61 @@ void copy_staged(ggml_tensor * dst, int ith, int nth, void *) {
         const int64_t i1 = r % dst->ne[1], i2 = r / dst->ne[1];
         std::memcpy(static_cast<char *>(dst->data) + i1 * dst->nb[1] + i2 * dst->nb[2],
                     static_cast<const char *>(src->data) + i1 * src->nb[1] + i2 * src->nb[2], row_bytes);
+    }
+}
+
+// Draft routing (ExpertModel::set_draft): every slot of expert_of [T][n_used] whose expert is not
+// resident takes the resident expert, not yet used by its token, that the layer's router scores
+// highest for the token's FFN input x [n_embd, 1, T] (x null or no router: the lowest-numbered one);
+// with none left, -1. Counts the substituted and the dropped slots.
+void route_among_resident(const ExpertModel & model, int position, const ggml_tensor * x, int64_t n_used,
+                          int64_t n_tokens, std::vector<int32_t> & expert_of, int64_t & substituted,
+                          int64_t & dropped) {
+    const int n_expert = model.layer_spec(position).n_expert;
+    const std::vector<int> ready = model.cache().resident_experts(position);  // sorted
+    std::vector<char> resident(static_cast<size_t>(n_expert), 0);
+    for (int e : ready) {
+        resident[static_cast<size_t>(e)] = 1;
+    }
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        int32_t * row = expert_of.data() + t * n_used;
+        std::vector<char> used(static_cast<size_t>(n_expert), 0);
+        bool missing = false;
+        for (int64_t k = 0; k < n_used; ++k) {
+            missing |= !resident[static_cast<size_t>(row[k])];
+            used[static_cast<size_t>(row[k])] = 1;
+        }
+        if (!missing) {
+            continue;
+        }
+        std::vector<int> candidates;
+        for (int e : ready) {
+            if (!used[static_cast<size_t>(e)]) {
+                candidates.push_back(e);
+            }
+        }
+        if (x != nullptr) {
+            const float * xt = reinterpret_cast<const float *>(static_cast<const char *>(x->data) + t * x->nb[2]);
+            const std::vector<float> logits = model.router_logits(position, xt);
+            if (!logits.empty()) {
+                std::stable_sort(candidates.begin(), candidates.end(), [&](int a, int b) {
+                    return logits[static_cast<size_t>(a)] > logits[static_cast<size_t>(b)];
+                });
+            }
+        }
+        size_t next = 0;
+        for (int64_t k = 0; k < n_used; ++k) {
+            if (resident[static_cast<size_t>(row[k])]) {
+                continue;
+            }
+            if (next < candidates.size()) {
+                row[k] = candidates[next++];
+                ++substituted;
+            } else {
+                row[k] = -1;
+                ++dropped;
+            }
+        }
     }
 }
 
@@ -159,9 +218,21 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         }
     }
 
-    // the rounds: resident experts first, then the misses, at most capacity() per round
     std::lock_guard<std::mutex> lock(model.lane_mutex());
     ExpertCache & cache = model.cache();
+    const bool draft = model.draft();
+    int64_t substituted = 0, dropped = 0;
+    if (draft) {  // resident experts only: one round, nothing read
+        route_among_resident(model, match.position, x, n_used, n_tokens, expert_of, substituted, dropped);
+        std::fill(needed.begin(), needed.end(), 0);
+        for (int32_t e : expert_of) {
+            if (e >= 0) {
+                needed[static_cast<size_t>(e)] = 1;
+            }
+        }
+    }
+
+    // the rounds: resident experts first, then the misses, at most capacity() per round (a draft: one)
     std::vector<int> order;
     std::vector<char> placed(static_cast<size_t>(spec.n_expert), 0);
     for (int e : cache.resident_experts(match.position)) {
@@ -176,7 +247,11 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         }
     }
     std::vector<std::vector<int>> rounds_of;
-    for (size_t next = 0; next < order.size();) {
+    if (draft) {
+        rounds_of.push_back(order);
+        std::sort(rounds_of[0].begin(), rounds_of[0].end());
+    }
+    for (size_t next = draft ? order.size() : 0; next < order.size();) {
         std::vector<int> round;
         while (next < order.size()) {
             round.push_back(order[next]);
@@ -259,17 +334,19 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
     double compute_seconds = 0.0;
     for (const std::vector<int> & round : rounds_of) {
         try {
-            cache.begin(match.position, round);
-            if (rounds == 0 && n_tokens == 1 && x != nullptr) {
-                std::vector<int> predicted = model.predict_next(match.position, static_cast<const float *>(x->data));
-                // best first: keep as many as the measured precision pays for (a wrong one costs bandwidth)
-                predicted.resize(std::min(predicted.size(),
-                                          static_cast<size_t>(cache.prefetch_count(spec.n_used))));
-                if (!predicted.empty()) {
-                    cache.prefetch(match.position + 1, predicted);
+            if (!draft) {  // a draft's experts are all resident and ready
+                cache.begin(match.position, round);
+                if (rounds == 0 && n_tokens == 1 && x != nullptr) {
+                    std::vector<int> predicted = model.predict_next(match.position, static_cast<const float *>(x->data));
+                    // best first: keep as many as the measured precision pays for (a wrong one costs bandwidth)
+                    predicted.resize(std::min(predicted.size(),
+                                              static_cast<size_t>(cache.prefetch_count(spec.n_used))));
+                    if (!predicted.empty()) {
+                        cache.prefetch(match.position + 1, predicted);
+                    }
                 }
+                cache.finish(match.position);
             }
-            cache.finish(match.position);
         } catch (const std::exception & e) {
             model.set_error(e.what());
             status = GGML_STATUS_FAILED;
@@ -288,6 +365,11 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
                     }
                 }
             }
+            for (int64_t p = 0; p < n_used * n_tokens && dropped > 0; ++p) {  // draft pairs written as zero
+                if (expert_of[static_cast<size_t>(p)] < 0) {
+                    mm.pairs.insert(mm.pairs.end(), {-1, static_cast<int32_t>(p % n_used), static_cast<int32_t>(p / n_used)});
+                }
+            }
         }
         const auto t0 = std::chrono::steady_clock::now();
         status = ggml_backend_graph_compute(cpu, graph);
@@ -300,8 +382,12 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
             break;
         }
     }
-    model.count_split(match.position, n_tokens, static_cast<int64_t>(order.size()), rounds, compute_seconds,
-                      seconds_since(t_begin));
+    if (draft) {
+        model.count_draft_split(n_used * n_tokens, substituted, dropped);
+    } else {
+        model.count_split(match.position, n_tokens, static_cast<int64_t>(order.size()), rounds, compute_seconds,
+                          seconds_since(t_begin));
+    }
     ggml_free(ctx);
     return status;
 }

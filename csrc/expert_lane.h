@@ -20,6 +20,11 @@
 // before the element-wise ops run: ggml-alloc lets ops such as ADD_ID write in place into their
 // input, so every round must start them from exact products. Each pair's final value is the one of
 // the round its expert's down projection ran in, which equals one pass over all experts.
+//
+// Draft mode (ExpertModel::set_draft, the self-draft of speculative decoding): the routing is first
+// rewritten among the resident experts (route_among_resident in the .cpp), then one round runs with
+// no begin/finish, no read and no prefetch; a slot left without a resident expert computes zeros.
+// Only draft tokens come from it; the exact pass that verifies them runs as above.
 #pragma once
 
 #include "expert_model.h"

@@ -82,24 +82,34 @@ const ExpertTensorSpec * ExpertModel::tensor(int position, ExpertTensorKind kind
     return nullptr;
 }
 
-std::vector<int> ExpertModel::predict_next(int position, const float * x) const {
-    if (!config_.prefetch || position + 1 >= static_cast<int>(config_.layers.size())) {
+std::vector<float> ExpertModel::router_logits(int position, const float * x) const {
+    const ExpertLayerSpec & spec = config_.layers[static_cast<size_t>(position)];
+    if (spec.router.empty()) {
         return {};
     }
-    const ExpertLayerSpec & next = config_.layers[static_cast<size_t>(position) + 1];
-    if (next.router.empty()) {
-        return {};
-    }
-    // logits_e = router_e · x; the k largest (ties: lower expert first)
-    std::vector<float> logits(static_cast<size_t>(next.n_expert));
-    for (int e = 0; e < next.n_expert; ++e) {
-        const float * row = next.router.data() + static_cast<size_t>(e) * static_cast<size_t>(config_.n_embd);
+    // logits_e = router_e · x
+    std::vector<float> logits(static_cast<size_t>(spec.n_expert));
+    for (int e = 0; e < spec.n_expert; ++e) {
+        const float * row = spec.router.data() + static_cast<size_t>(e) * static_cast<size_t>(config_.n_embd);
         float acc = 0.0f;
         for (int64_t i = 0; i < config_.n_embd; ++i) {
             acc += row[i] * x[i];
         }
         logits[static_cast<size_t>(e)] = acc;
     }
+    return logits;
+}
+
+std::vector<int> ExpertModel::predict_next(int position, const float * x) const {
+    if (!config_.prefetch || position + 1 >= static_cast<int>(config_.layers.size())) {
+        return {};
+    }
+    const ExpertLayerSpec & next = config_.layers[static_cast<size_t>(position) + 1];
+    const std::vector<float> logits = router_logits(position + 1, x);
+    if (logits.empty()) {
+        return {};
+    }
+    // the k largest (ties: lower expert first)
     const int k = std::min(next.n_expert, next.n_used + std::max(0, config_.prefetch_extra));
     std::vector<int> order(static_cast<size_t>(next.n_expert));
     std::iota(order.begin(), order.end(), 0);
@@ -109,6 +119,13 @@ std::vector<int> ExpertModel::predict_next(int position, const float * x) const 
     });
     order.resize(static_cast<size_t>(k));
     return order;
+}
+
+void ExpertModel::count_draft_split(int64_t pairs, int64_t substituted, int64_t dropped) {
+    ++lane_stats_.draft_splits;
+    lane_stats_.draft_pairs += static_cast<uint64_t>(pairs);
+    lane_stats_.draft_substituted += static_cast<uint64_t>(substituted);
+    lane_stats_.draft_dropped += static_cast<uint64_t>(dropped);
 }
 
 void ExpertModel::count_split(int position, int64_t n_tokens, int64_t n_experts, int rounds, double compute_seconds,

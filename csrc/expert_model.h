@@ -21,6 +21,7 @@
 
 #include "expert_cache.h"
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -50,6 +51,19 @@ public:
     // Empty when there is no next layer, no router or prefetch is off.
     std::vector<int> predict_next(int position, const float * x) const;
 
+    // logits_e = router_e · x for the layer at `position` (its router, [n_expert rows of n_embd] f32)
+    // and its FFN input x ([n_embd] f32); empty when the config holds no router for it.
+    std::vector<float> router_logits(int position, const float * x) const;
+
+    // Draft mode (self-speculation). While set, the lane routes each token among the resident experts
+    // only (cache-conditional routing): a routed expert that is not resident is replaced by the
+    // resident expert the layer's router scores highest for that token and the token does not use yet
+    // (the slot keeps its routing weight); with no router, the lowest-numbered such expert; with none
+    // left, the slot's products are zero. Nothing is read from flash, waited for or prefetched. An
+    // approximation, used only to propose tokens that an exact pass then verifies.
+    void set_draft(bool on) { draft_.store(on); }
+    bool draft() const { return draft_.load(); }
+
     // Counting llama.cpp's weights bound to this model (the weight registry), for the load check.
     void count_bound() { ++bound_; }
     int bound_count() const { return bound_; }
@@ -67,9 +81,14 @@ public:
         uint64_t multi_round_splits = 0;
         double compute_seconds = 0.0;  // the private graphs
         double split_seconds = 0.0;    // whole splits: reads, waits, checks and compute
+        uint64_t draft_splits = 0;     // draft-mode splits (not counted above)
+        uint64_t draft_pairs = 0;      // their (slot, token) pairs
+        uint64_t draft_substituted = 0;  // pairs routed to a resident expert instead of their own
+        uint64_t draft_dropped = 0;    // pairs left without a resident expert (zero products)
     };
     void count_split(int position, int64_t n_tokens, int64_t n_experts, int rounds, double compute_seconds,
                      double split_seconds);
+    void count_draft_split(int64_t pairs, int64_t substituted, int64_t dropped);
     LaneStats lane_stats() const { return lane_stats_; }
     void reset_stats();
 
@@ -85,6 +104,7 @@ private:
     std::unique_ptr<ExpertCache> cache_;
     int bound_ = 0;
     std::mutex lane_mu_;
+    std::atomic<bool> draft_{false};
     LaneStats lane_stats_;
     mutable std::mutex error_mu_;
     std::string error_;

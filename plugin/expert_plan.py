@@ -7,9 +7,9 @@ the same number of slots in every MoE layer, each slot one expert (all its tenso
 I/O: ``_native.expert_slot_bytes``). Slots hold the most popular experts of the calibration text
 pinned (up to half the slots above n_used) and LRU for the rest.
 
-When every expert of every layer fits, llamaflash has nothing to do: the model runs as stock
-llama.cpp (``fits``). Below n_used slots per layer the budget is refused (RamBudgetError naming
-the minimum).
+When stock llama.cpp (plain weights, file-backed) fits the budget, llamaflash has nothing to do:
+the model runs as stock (``fits``, :func:`stock_need`), with the largest prefill batch whose buffers
+fit. Below n_used slots per layer the budget is refused (RamBudgetError naming the minimum).
 
 The predicted decode rate is I/O bound: per token, n_layers x n_used experts, of which a share misses
 (LRU simulated on the calibration statistics when the sidecar has them, else the uniform-routing
@@ -30,6 +30,17 @@ MiB = 1024 * 1024
 #: Expert reads: the planner's disk profile is read at this queue depth (the reader keeps several
 #: experts' tensors in flight).
 EXPERT_READ_DEPTH = 16
+#: Just below stock's need, stock llama.cpp loses a few routed experts' pages from its page cache
+#: and faults them back in: per decoded token about AMPLIFICATION x (shortfall / routed expert bytes)
+#: of the token's expert bytes (the dense part stays hot; fault granularity and readahead round up).
+#: Those faults are synchronous, slower per byte than the engine's batched direct reads (FAULT_SLOWDOWN).
+#: Measured on the synthetic qwen3moe bench model at 2,450 MiB (docs/BENCHMARKS.md): 4.7% of a token's
+#: expert bytes re-read at a 3.7% shortfall, ~12 MB per token costing ~20 ms (600 MB/s against the
+#: engine's 916). Trusted up to SHORTFALL_MAX of the routed experts: far below, stock's page cache
+#: thrashes (the same model at 1/2 of the file re-read 9x a token's bytes).
+STOCK_REREAD_AMPLIFICATION = 1.3
+STOCK_FAULT_SLOWDOWN = 1.5
+STOCK_SHORTFALL_MAX = 0.05
 #: Ubatch for prefill under a budget: expert splits of more tokens need more rounds only when the
 #: batch's distinct experts exceed the slots; compute buffers grow linearly with it.
 EXPERT_UBATCH = 256
@@ -57,7 +68,7 @@ class ExpertPlan:
         for k, v in self.share.items():
             lines.append(f"  {k:<22} {v / MiB:8.1f} MiB")
         if self.fits:
-            lines.append("  the whole model fits: runs as stock llama.cpp (nothing to offload)")
+            lines.append(f"  runs as stock llama.cpp (plain weights, n_ubatch {self.n_ubatch}): nothing served from flash")
         else:
             lines.append(f"  expert cache           {self.cache_bytes / MiB:8.1f} MiB: {self.n_slots} slots per layer "
                          f"of {self.slot_bytes / MiB:.2f} MiB ({sum(len(p) for p in self.pinned.values())} pinned)")
@@ -113,6 +124,52 @@ def moe_llama_share(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dic
     return llama_memory(header, n_ctx, n_ubatch, experts, split, embeddings_by_rows=True)
 
 
+def router_copy_bytes(moe: MoeModelInfo) -> int:
+    """The engine's f32 copies of the routers (ExpertLayerSpec.router: n_expert x n_embd per layer that
+    has one), for the next-layer prediction and draft routing."""
+    return sum(layer.n_expert * moe.n_embd * 4 for layer in moe.layers if layer.router is not None)
+
+
+def stock_need(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
+    """What stock llama.cpp with plain weights keeps resident (bytes): the whole file in the page cache
+    (``model_file``), its vocabulary, f16 KV cache and compute buffers at ``n_ubatch`` (no device), and
+    the Python runtime. No margin: a slight overshoot reclaims a few clean file pages (re-read once),
+    while serving experts from flash when the file fits costs far more."""
+    from .plan_llama_share import llama_memory
+    from .planner import RUNTIME_RSS_BYTES
+
+    mem = llama_memory(header, n_ctx, n_ubatch, (), 0, embeddings_by_rows=True)
+    return {"model_file": int(moe.file_size), "llama_vocab": mem["llama_vocab"], "kv_cache": mem["kv_cache"],
+            "compute_buffers": mem["compute_buffers"], "python_runtime": RUNTIME_RSS_BYTES}
+
+
+def stock_reread_per_token(moe: MoeModelInfo, shortfall: int) -> float | None:
+    """Bytes stock llama.cpp re-reads per decoded token when its page cache is ``shortfall`` bytes short
+    of :func:`stock_need` (see STOCK_REREAD_AMPLIFICATION); None beyond STOCK_SHORTFALL_MAX, where
+    the estimate does not hold (stock thrashes)."""
+    routed = sum(layer.n_expert * layer.expert_bytes for layer in moe.layers)
+    share = max(0, shortfall) / routed
+    if share > STOCK_SHORTFALL_MAX:
+        return None
+    return STOCK_REREAD_AMPLIFICATION * share * moe.n_used * sum(layer.expert_bytes for layer in moe.layers)
+
+
+def stock_ubatch(header, moe: MoeModelInfo, budget: int, n_ctx: int, n_ubatch: int | None) -> int | None:
+    """The n_ubatch at which stock fits ``budget`` bytes (:func:`stock_need`), or None: the user's
+    ``n_ubatch`` when given, else the largest of llama-cpp-python's default (512) and the planner's
+    smaller choices that fits (a smaller batch only slows prefill; decode runs as stock)."""
+    from .planner import UBATCH_CHOICES
+
+    if n_ubatch:
+        candidates = [int(n_ubatch)]
+    else:
+        candidates = sorted({u for u in (512, *UBATCH_CHOICES) if u <= 512}, reverse=True)
+    for u in candidates:
+        if sum(stock_need(header, moe, n_ctx, u).values()) <= budget:
+            return u
+    return None
+
+
 def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int, disk: dict[str, Any],
                  alignment: int = 4096, counts: dict[int, np.ndarray] | None = None,
                  n_ubatch: int | None = None, n_slots: int | None = None) -> ExpertPlan:
@@ -125,16 +182,19 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
                           UBATCH_CHOICES, disk_throughput)
 
     budget = int(ram_budget_mb * MiB)
+    forced = n_slots is not None
     slot = max(int(_native.expert_slot_bytes([t.expert_bytes for t in layer.tensors], alignment))
                for layer in moe.layers)
     n_layers = len(moe.layers)
 
     def fixed_parts(u: int) -> dict[str, int]:
         parts = moe_llama_share(header, moe, n_ctx, u)
+        parts["router_copies"] = router_copy_bytes(moe)
         parts["python_runtime"] = RUNTIME_RSS_BYTES
         parts["margin"] = int(MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget)
         return parts
 
+    user_ubatch = n_ubatch
     if n_ubatch is None:
         # the largest prefill batch whose buffers take at most UBATCH_BUDGET_SHARE of the budget and that
         # leaves n_used expert slots per layer (smaller batches when the budget is tight)
@@ -149,13 +209,11 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     min_slots = moe.n_used
     # the least budget: n_used slots per layer, the smallest prefill batch
     least = moe_llama_share(header, moe, n_ctx, UBATCH_CHOICES[-1])
-    min_budget = sum(least.values()) + RUNTIME_RSS_BYTES + int((MARGIN_FIXED_BYTES + slot * n_layers * min_slots) /
-                                                                (1 - MARGIN_FRACTION))
+    # the margin is a share of the whole budget: budget = (everything else + fixed margin) / (1 - share)
+    min_budget = math.ceil((sum(least.values()) + router_copy_bytes(moe) + RUNTIME_RSS_BYTES + MARGIN_FIXED_BYTES +
+                            slot * n_layers * min_slots) / (1 - MARGIN_FRACTION))
     notes: list[str] = []
-    # stock llama.cpp (plain weights, as under a budget) needs the whole file in the page cache beside its
-    # buffers; the margin is left out: a slight overshoot there costs a few reclaimed clean pages, not an
-    # OOM, while serving experts from flash when everything fits would cost far more
-    stock_need = fixed - share["llama_weights"] - share["margin"] + moe.file_size
+    stock_u = stock_ubatch(header, moe, budget, n_ctx, user_ubatch) if n_slots is None else None
     if n_slots is not None:
         if not moe.n_used <= n_slots <= moe.n_expert:
             raise ValueError(f"flash_expert_slots={n_slots} must lie in [n_used, n_expert] = [{moe.n_used}, {moe.n_expert}]")
@@ -163,9 +221,11 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
             raise RamBudgetError(f"flash_expert_slots={n_slots} needs {(fixed + n_slots * slot * n_layers) / MiB:.0f} MiB; "
                                  f"ram_budget_mb={ram_budget_mb:g} is too small for it")
         min_slots = moe.n_used
-    elif budget >= stock_need:
-        return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, share, min_budget, n_ubatch, 0.0, 0.0,
-                          0.0, None, ["the model file and llama.cpp's buffers fit the budget"])
+    elif stock_u is not None:
+        need = stock_need(header, moe, n_ctx, stock_u)
+        return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, need, min_budget, stock_u, 0.0, 0.0,
+                          0.0, None, [f"stock fits: the model file and llama.cpp's buffers at n_ubatch {stock_u} "
+                                      f"({sum(need.values()) / MiB:.0f} MiB) fit the budget"])
     if n_slots is None:
         n_slots = min(moe.n_expert, (budget - fixed) // (slot * n_layers)) if budget > fixed else 0
     if n_slots < min_slots:
@@ -191,5 +251,15 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     bw = disk_throughput(disk, float(slot) / max(1, len(moe.layers[0].tensors)), EXPERT_READ_DEPTH)
     if not counts:
         notes.append("no routing statistics in the sidecar: hit rate predicted for uniform routing, nothing pinned")
+    if not forced:
+        # just below stock's need: stock's few page-cache misses against the expert cache's misses
+        u_min = stock_ubatch(header, moe, 1 << 62, n_ctx, user_ubatch or UBATCH_CHOICES[-1])
+        need = stock_need(header, moe, n_ctx, u_min)
+        reread = stock_reread_per_token(moe, sum(need.values()) - budget)
+        if reread is not None and reread * STOCK_FAULT_SLOWDOWN <= read:
+            return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, need, min_budget, u_min, 0.0, 0.0, 0.0, None,
+                              [f"stock llama.cpp is {(sum(need.values()) - budget) / MiB:.0f} MiB short of the file "
+                               f"and its buffers here: it re-reads ~{reread / 1e6:.0f} MB per token, the expert cache "
+                               f"would read ~{read / 1e6:.0f} MB"])
     return ExpertPlan(budget, False, n_slots, pinned, slot, slot * n_slots * n_layers, share, min_budget, n_ubatch,
                       miss_rate, read, bw, (bw / read) if read > 0 else None, notes)

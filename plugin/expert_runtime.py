@@ -4,7 +4,8 @@ Under ``ram_budget_mb`` an MoE model's routed experts (``*_exps``) are served by
 (csrc/expert_*.h) from the base file through an expert cache; every other weight stays resident in
 llama.cpp's mapping of the file and is locked after load (mlock), so the kernel cannot reclaim it under pressure. The
 result is bit-identical to stock llama.cpp with plain weights (use_extra_bufts=False), whatever the
-cache holds. Without a budget, or when the model fits the budget, or for an architecture not served,
+cache holds. Without a budget, when stock fits the budget (or so nearly that its page-cache misses cost
+less than the expert cache's: expert_plan), or for an architecture not served,
 the model runs as stock llama.cpp and `flash_stats()["decision"]` says why.
 """
 from __future__ import annotations
@@ -58,8 +59,8 @@ def prepare(model_path: str, base: BaseModelInfo, moe: experts.MoeModelInfo, *, 
                                     disk=disk_probe.resolve_profile(disk_profile, sidecar) or _default_disk(),
                                     counts=counts, n_slots=n_slots)
     if plan.fits:
-        return ExpertSetup(f"running as stock: the whole model fits ram_budget_mb={ram_budget_mb:g} "
-                           f"({plan.notes[0] if plan.notes else ''})", plan=plan, sidecar=sidecar, moe=moe)
+        return ExpertSetup(f"running as stock under ram_budget_mb={ram_budget_mb:g}: {plan.notes[0]}", plan=plan,
+                           sidecar=sidecar, moe=moe)
     config = engine_config(model_path, moe, info, plan, io_engine=io_engine, verify=verify)
     model = _native.ExpertModel.open(config)
     return ExpertSetup(f"experts served from flash: {plan.n_slots} of {moe.n_expert} experts per layer cached",
@@ -104,7 +105,7 @@ def engine_config(model_path: str, moe: experts.MoeModelInfo, info: expert_sidec
         spec.tensors = tensors
         spec.n_slots = plan.n_slots
         spec.pinned = plan.pinned.get(layer.layer, [])
-        if prefetch and layer.router is not None:
+        if layer.router is not None:  # f32 copy: next-layer prediction and draft routing (plan: router_copies)
             spec.router = experts.router_matrix(model_path, layer.router).ravel().tolist()
         layers.append(spec)
     config.layers = layers

@@ -376,10 +376,12 @@ class Llama(llama_cpp.Llama):
         self._flash_decision = lane_decision.Decision(lane_decision.STOCK if setup.model is None else
                                                       expert_runtime.EXPERTS_MODE, False, setup.reason)
         spec_settings = speculative.SpeculativeSettings.from_argument(flash_speculative)
-        if spec_settings is not None:
-            spec_settings = dataclasses.replace(spec_settings, self_draft=False)  # no self-draft for experts yet
+        if spec_settings is not None and setup.model is None:
+            spec_settings = dataclasses.replace(spec_settings, self_draft=False)  # stock: nothing to draft with
         if setup.model is None:
             self._flash_mode = "stock"
+            if setup.plan is not None and setup.plan.fits:  # the prefill batch at which stock fits the budget
+                kwargs.setdefault("n_ubatch", setup.plan.n_ubatch)
             if kwargs.get("verbose", True):
                 _say_once(f"llamaflash: '{model_path}': {setup.reason}")
             self._init_llama(model_path, args, kwargs, spec_settings)
@@ -403,6 +405,11 @@ class Llama(llama_cpp.Llama):
         self._expert_lock = expert_runtime.lock_dense_part(model_path, moe, base.header)
         self._flash_mode = expert_runtime.EXPERTS_MODE
         self._flash_sidecar = setup.sidecar
+        if self._speculator is not None and self._user_draft is None and spec_settings.self_draft:
+            # cache-conditional routing: each draft token among the resident experts, nothing read
+            self._speculator.attach_self_draft(
+                speculative.make_self_draft(weakref.ref(self), self.n_vocab()),
+                note="draft tokens route among the resident experts only (no flash reads)")
 
     def _init_llama(self, model_path, args, kwargs, spec_settings) -> None:
         """llama_cpp.Llama.__init__, then the speculator as its draft_model. llama-cpp-python's own

@@ -345,7 +345,9 @@ def make_self_draft(llama_ref: "weakref.ReferenceType", n_vocab: int) -> Callabl
         out = []
         if llama is None or k <= 0 or n_past + k >= llama.n_ctx():
             return out, 0.0
-        flash, ctx, batch = llama._flash, llama._ctx, llama._batch
+        # the served engine in draft mode: the dense FlashModel, or the MoE ExpertModel
+        flash = llama._flash if llama._flash is not None else llama._experts
+        ctx, batch = llama._ctx, llama._batch
         flash.draft = True
         try:
             pos = n_past

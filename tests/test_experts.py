@@ -229,6 +229,68 @@ def test_speculative_verify_batches_give_the_same_tokens(converted):
     llm.close()
 
 
+def test_draft_mode_routes_among_resident_experts_and_reads_nothing(converted):
+    """Draft mode (the self-draft's cache-conditional routing): no flash read, no request, no prefetch;
+    routed experts that are not resident are replaced by resident ones (counted). With every expert
+    resident the draft is the exact computation: its logits equal the exact ones bit for bit."""
+    path = converted("qwen3moe")
+    llm = served(path, 3)
+    llm.reset()
+    llm.eval(TOKENS[:8])
+    before = llm._experts.stats()
+    llm._experts.draft = True
+    try:
+        llm.eval(TOKENS[8:12])
+    finally:
+        llm._experts.draft = False
+    after = llm._experts.stats()
+    for key in ("bytes_read", "requests", "misses", "prefetched", "splits", "tokens"):
+        assert after[key] == before[key], key
+    assert after["draft_splits"] - before["draft_splits"] > 0
+    assert after["draft_substituted"] > 0  # 3 slots of the tiny model's experts: most tokens route elsewhere
+    assert after["draft_pairs"] >= after["draft_substituted"] + after["draft_dropped"]
+    llm.close()
+
+    moe = read_moe_model(read_gguf_header(path))
+    every = served(path, moe.n_expert)
+    every.reset()
+    every.eval(list(range(100, 228)))  # a 128-token prefill routes to every expert: all read once
+    assert all(len(every._experts.resident_experts(p)) == moe.n_expert for p in range(len(moe.layers)))
+    exact = decode_logits(every, TOKENS[:6])
+    every._experts.draft = True
+    try:
+        drafted = decode_logits(every, TOKENS[:6])
+    finally:
+        every._experts.draft = False
+    assert every._experts.stats()["draft_substituted"] == 0
+    assert np.array_equal(exact, drafted)
+    every.close()
+
+
+def test_self_draft_gives_the_greedy_tokens(converted):
+    """Speculation with the self-draft (cache-conditional routing) under a budget: greedy output equals
+    non-speculative decoding token for token; the self-draft ran."""
+    path = converted("qwen3moe")
+    prompt = b"Once upon a time"
+
+    def greedy(**kw):
+        llm = Llama(str(path), n_ctx=256, verbose=False, ram_budget_mb=BUDGET_MB, flash_expert_slots=3, **kw)
+        out = []
+        for t in llm.generate(llm.tokenize(prompt), temp=0.0):
+            out.append(t)
+            if len(out) == 32:
+                break
+        stats = llm.flash_stats()
+        llm.close()
+        return out, stats
+
+    ref, _ = greedy(flash_speculative=False)
+    got, stats = greedy(flash_speculative={"prompt_lookup": False})
+    assert got == ref
+    assert stats["experts"]["draft_splits"] > 0
+    assert stats["speculative"]["drafted"] > 0
+
+
 def test_plan_command_for_moe(converted):
     from click.testing import CliRunner
 
@@ -238,3 +300,66 @@ def test_plan_command_for_moe(converted):
     r = CliRunner().invoke(main, ["plan", str(path), "--ram-budget-mb", "4000"])
     assert r.exit_code == 0, r.output
     assert "fits" in r.output and "minimum budget" in r.output
+
+
+def test_steps_aside_once_stock_fits_with_its_own_batch(tiny_moe_factory):
+    """Stock's need is the file, its vocabulary, KV cache, compute buffers and the runtime (no expert
+    slots, no margin). The plan runs stock from the least budget that holds it at the smallest prefill
+    batch, with the largest batch that fits; below it, experts are served (or the budget is refused)."""
+    from llamaflash.expert_plan import plan_experts, stock_need
+    from llamaflash.planner import UBATCH_CHOICES, default_disk
+
+    path = tiny_moe_factory("qwen3moe")
+    header = read_gguf_header(path)
+    moe = read_moe_model(header)
+    MiB = 1024 * 1024
+    need = {u: sum(stock_need(header, moe, 256, u).values()) for u in (512, *UBATCH_CHOICES)}
+    assert need[512] > need[UBATCH_CHOICES[-1]] and stock_need(header, moe, 256, 32)["model_file"] == moe.file_size
+    least = need[UBATCH_CHOICES[-1]]
+    plan = plan_experts(moe, header, least / MiB, n_ctx=256, disk=default_disk())
+    assert plan.fits and plan.n_ubatch == UBATCH_CHOICES[-1] and "fit" in plan.notes[0]
+    big = plan_experts(moe, header, need[512] / MiB, n_ctx=256, disk=default_disk())
+    assert big.fits and big.n_ubatch == 512
+    try:
+        below = plan_experts(moe, header, (least - MiB) / MiB, n_ctx=256, disk=default_disk())
+        assert not below.fits
+    except RamBudgetError:
+        pass
+    # a user's n_ubatch is the only batch considered
+    try:
+        assert not plan_experts(moe, header, need[256] / MiB, n_ctx=256, disk=default_disk(), n_ubatch=512).fits
+    except RamBudgetError:
+        pass
+
+
+def test_just_below_stock_need_runs_stock_while_its_rereads_cost_less(tiny_moe_factory, monkeypatch):
+    """A budget a little short of stock's need: stock re-reads ~AMPLIFICATION x shortfall share of a
+    token's expert bytes by page faults; when that (x FAULT_SLOWDOWN) is below the expert cache's
+    predicted reads the model runs as stock, and beyond SHORTFALL_MAX of the routed experts never."""
+    from llamaflash import expert_plan
+    from llamaflash.planner import default_disk
+
+    path = tiny_moe_factory("qwen3moe")
+    header = read_gguf_header(path)
+    moe = read_moe_model(header)
+    MiB = 1024 * 1024
+    routed = sum(layer.n_expert * layer.expert_bytes for layer in moe.layers)
+    per_token = moe.n_used * sum(layer.expert_bytes for layer in moe.layers)
+    share = 0.02
+    assert expert_plan.stock_reread_per_token(moe, int(share * routed)) == pytest.approx(
+        expert_plan.STOCK_REREAD_AMPLIFICATION * share * per_token, rel=1e-3)  # int() of the shortfall
+    assert expert_plan.stock_reread_per_token(moe, int(0.2 * routed)) is None
+    least = expert_plan.plan_experts(moe, header, 1000, n_ctx=256, disk=default_disk(), n_slots=moe.n_used)
+    budget = least.min_budget_bytes  # n_used slots per layer: most of a token's experts are read
+    served = expert_plan.plan_experts(moe, header, budget / MiB, n_ctx=256, disk=default_disk(), n_slots=moe.n_used)
+    assert not served.fits and served.read_bytes_per_token > 0
+
+    def short_of(shortfall):  # stock's need, `shortfall` bytes above the budget
+        return lambda *a, **k: {"model_file": budget + shortfall}
+
+    monkeypatch.setattr(expert_plan, "stock_need", short_of(int(share * routed)))
+    near = expert_plan.plan_experts(moe, header, budget / MiB, n_ctx=256, disk=default_disk())
+    assert near.fits and "short of the file" in near.notes[0]
+    monkeypatch.setattr(expert_plan, "stock_need", short_of(int(0.2 * routed)))
+    far = expert_plan.plan_experts(moe, header, budget / MiB, n_ctx=256, disk=default_disk())
+    assert not far.fits

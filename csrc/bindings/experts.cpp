@@ -30,6 +30,10 @@ py::dict stats_dict(const ExpertModel & model) {
     d["multi_round_splits"] = l.multi_round_splits;
     d["compute_seconds"] = l.compute_seconds;
     d["split_seconds"] = l.split_seconds;
+    d["draft_splits"] = l.draft_splits;
+    d["draft_pairs"] = l.draft_pairs;
+    d["draft_substituted"] = l.draft_substituted;
+    d["draft_dropped"] = l.draft_dropped;
     d["requests"] = c.requests;
     d["experts_needed"] = c.experts_needed;
     d["hits"] = c.hits;
@@ -104,6 +108,8 @@ void bind_experts(py::module_ & m) {
                     },
                     py::arg("config"), "Open the expert engine (reads the pinned experts).")
         .def_property_readonly("bound_count", &ExpertModel::bound_count)
+        .def_property("draft", &ExpertModel::draft, &ExpertModel::set_draft,
+                      "Draft mode: route among resident experts only, read nothing (self-speculation).")
         .def("stats", [](const ExpertModel & model) { return stats_dict(model); })
         .def("reset_stats", &ExpertModel::reset_stats)
         .def("take_error", &ExpertModel::take_error)
