@@ -17,10 +17,18 @@ FFN weights resident instead of on flash):
     margin           planner.MARGIN_FIXED_BYTES + planner.MARGIN_FRACTION of the above (allocator slack,
                      and the page-cache headroom that keeps mmapped weights resident under a cgroup)
 
-n_ubatch (unless the caller fixes it) is chosen as the planner chooses it, the largest of
-planner.UBATCH_CHOICES whose compute buffers take at most planner.UBATCH_BUDGET_SHARE of the budget,
-or a smaller one where that one's need does not fit: the budget is stock's when it holds the sum at
-one of them (:func:`decide`), so that a larger budget never runs offload where a smaller ran stock.
+n_ubatch (unless the caller fixes it) is the largest of planner.UBATCH_CHOICES whose compute buffers
+take at most planner.UBATCH_BUDGET_SHARE of the budget (stock's decode does not depend on it, its
+prefill does), or a smaller one where that one's need does not fit: the budget is stock's when it
+holds the sum at one of them (:func:`decide`), so that a larger budget never runs offload where a
+smaller ran stock.
+
+Predicted decode (:func:`stock_decode_tok_s`): with everything resident, stock's decode is taken as
+memory-bound, every weight (``model_weights``) read once per token at STOCK_BYTES_PER_S. An offload
+plan's pass (draft_plan: its flash reads plus llama.cpp's weights and the gate at the slower
+draft_plan.MEMORY_BYTES_PER_S of the batch-invariant kernels) is then predicted slower than stock
+wherever a token reads more than about (up + down bytes) × disk rate / memory rate from flash, so the
+predicted curve does not fall where the budget crosses into stock (tests/test_plan_monotone.py).
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ from . import planner
 from . import sidecar_format as fmt
 from .gguf_header import GGUFHeader
 from .sidecar import SidecarInfo
+
+#: Bytes of weights per second stock llama.cpp decodes with the model resident (repacked kernels, 2
+#: threads): Qwen2.5-Coder-1.5B Q4_K_M (980 MB of weights besides token_embd) measured 20.8-28.5 tok/s
+#: in memory or under a limit that holds it (docs/BENCHMARKS.md), 20-28 GB/s; the middle is taken.
+STOCK_BYTES_PER_S = 24e9
 
 #: The lane names of a budget decision (flash_stats()["decision"]["lane"]).
 STOCK = "stock"
@@ -76,8 +89,15 @@ def stock_need(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int,
     return parts
 
 
+def stock_decode_tok_s(parts: Dict[str, int]) -> float:
+    """Stock's predicted decode tok/s with the model resident (see the module docstring): ``parts`` as
+    :func:`stock_need` gives them (every weight of the model file, ``model_weights``, read once per token)."""
+    return STOCK_BYTES_PER_S / parts["model_weights"]
+
+
 def stock_ubatch(header: GGUFHeader, info: SidecarInfo, budget_bytes: int, n_ctx: int) -> int:
-    """The n_ubatch the planner's rule gives for ``budget_bytes`` (see the module docstring)."""
+    """The n_ubatch stock takes at ``budget_bytes``: the largest of planner.UBATCH_CHOICES whose compute
+    buffers take at most planner.UBATCH_BUDGET_SHARE of it, else the smallest."""
     choices = [u for u in planner.UBATCH_CHOICES if u <= n_ctx] or [n_ctx]
     for u in choices:
         if planner.llama_share(header, info, n_ctx, u)["compute_buffers"] <= planner.UBATCH_BUDGET_SHARE * budget_bytes:
@@ -88,12 +108,12 @@ def stock_ubatch(header: GGUFHeader, info: SidecarInfo, budget_bytes: int, n_ctx
 def decide(header: GGUFHeader, info: SidecarInfo, ram_budget_mb: float, n_ctx: int,
            n_ubatch: Optional[int] = None, runtime_rss_bytes: Optional[int] = None) -> BudgetDecision:
     """STOCK when ``ram_budget_mb`` MiB hold what stock keeps resident at ``n_ctx`` (and ``n_ubatch``, or
-    the planner's choice for the budget), else OFFLOAD; the reason names both numbers."""
+    stock's choice for the budget, :func:`stock_ubatch`), else OFFLOAD; the reason names both numbers."""
     MiB = planner.MiB
     budget = int(ram_budget_mb * MiB)
     if n_ubatch:
         candidates = [min(int(n_ubatch), n_ctx)]
-    else:  # the planner's choice, else a smaller one that fits (so a larger budget is never less stock)
+    else:  # stock's choice, else a smaller one that fits (so a larger budget is never less stock)
         first = stock_ubatch(header, info, budget, n_ctx)
         candidates = [u for u in (planner.UBATCH_CHOICES + (n_ctx,)) if u <= first] or [first]
         candidates = sorted(set(candidates), reverse=True)
@@ -118,4 +138,4 @@ def decide(header: GGUFHeader, info: SidecarInfo, ram_budget_mb: float, n_ctx: i
         f"keeps resident ({detail})"))
 
 
-__all__ = ("BudgetDecision", "decide", "stock_need", "stock_ubatch", "STOCK", "OFFLOAD")
+__all__ = ("BudgetDecision", "STOCK_BYTES_PER_S", "decide", "stock_decode_tok_s", "stock_need", "stock_ubatch", "STOCK", "OFFLOAD")

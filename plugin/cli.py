@@ -408,15 +408,16 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
               help="Format-2 sidecar (default: MODEL's .flash.gguf beside it).")
 @click.option("--n-ctx", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--n-ubatch", type=click.IntRange(min=1), default=None,
-              help="llama.cpp's physical batch (default: the largest of 512..32 whose compute buffers take at "
-                   "most 10% of the budget).")
+              help="llama.cpp's physical batch (default: of 512..32 the one that predicts the fastest decode: the "
+                   "smallest unless every cluster is pinned with a larger one; a larger one speeds up prefill).")
 @click.option("--cluster-size", type=click.IntRange(min=1), default=None,
               help="Neurons per cache slot (default: the size with the best predicted tok/s).")
 @click.option("--prefetch-layers", type=click.IntRange(min=0), default=2, show_default=True,
               help="Layers read ahead.")
 @click.option("--gate", "gate", type=click.Choice(["auto", "resident", "streamed"]), default="auto", show_default=True,
               help="Gate matrices: resident, or read from flash every token one layer ahead (streamed); auto: "
-                   "resident when they fit the budget.")
+                   "the one that predicts the faster decode (streamed only when resident does not fit, or its "
+                   "memory as pinned clusters saves more reads than the gate costs).")
 @click.option("--draft-copy", "draft_copy", type=click.Choice(["auto", "on", "off"]), default="auto",
               show_default=True,
               help="Keep the sidecar's draft copy resident for speculative self-drafts: auto (whichever of the copy "

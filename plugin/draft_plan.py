@@ -17,7 +17,8 @@ Model of one speculative step (docs/SPECULATIVE.md, "Draft length"), per plan:
 with acceptance a = COPY_ACCEPTANCE[type] for the draft copy, and for the resident-only self-draft the
 share of active neurons the hot slots hold (``neuron_hit_rate``) to the power RESIDENT_ACCEPTANCE_EXPONENT
 (both measured, below).
-``resident_bytes`` = llama.cpp's weights + the resident gate (what every token reads from memory),
+``resident_bytes`` = llama.cpp's weights + the gate (what every token reads from memory; a streamed gate
+is computed from the page cache, its reads from flash are in the I/O bound),
 ``draft_bytes`` = what the self-draft computes from the FFN rows (the copy, or the hot slots).
 Prompt-lookup drafts are the same for both plans and left out.
 """
@@ -84,7 +85,9 @@ def predict_plan(plan: "OffloadPlan", info: "SidecarInfo") -> Prediction | None:
     """The prediction for ``plan`` (None when nothing is read from flash: no pass to amortize)."""
     if plan.io_bound_tok_s is None:
         return None
-    resident = plan.parts.get("llama_weights", 0) + plan.parts.get("gate_rows", 0)
+    # the gate is computed from memory every token whether it is resident or streamed (then from the page
+    # cache, its reads in the I/O bound): the same resident bytes for every plan of the model
+    resident = plan.parts.get("llama_weights", 0) + sum(lay.n_ff * lay.gate_row_bytes for lay in info.layers)
     pass_s = 1.0 / plan.io_bound_tok_s + resident / MEMORY_BYTES_PER_S
     if plan.draft_copy:
         draft = plan.parts["draft_copy"]

@@ -42,8 +42,9 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  for the sidecar's disk by `llamaflash plan --probe-disk` if any, else a built-in
                  conservative default; "probe" = measure it now (a few seconds) and save it;
                  "default"; a dict or the path of a saved probe (JSON).
-  flash_stream_gate  offload only: None = the planner's choice (the gate matrices resident when they
-                 fit the budget, else read from flash every token, one layer ahead); True / False
+  flash_stream_gate  offload only: None = the planner's choice (the gate matrices resident, or read
+                 from flash every token one layer ahead, whichever predicts the faster decode: streamed
+                 where resident does not fit or its memory pins enough more clusters); True / False
                  force streamed / resident.
   flash_speculative  speculative decoding (plugin/speculative.py): None = on under ram_budget_mb,
                  off in memory; True / False; or a dict of `SpeculativeSettings` fields. Drafts come

@@ -20,9 +20,10 @@ from .plan_llama_share import MiB, llama_share, vocabulary_size
 from .sidecar import SidecarInfo
 from .speculative import BATCH_INVARIANT_MAX
 
-#: n_ubatch candidates, largest first: the largest whose compute buffers take at most
-#: UBATCH_BUDGET_SHARE of the budget is chosen (dense prefill streams the offloaded FFN weights once
-#: per ubatch, so larger is faster), else the smallest.
+#: n_ubatch candidates, largest first (plan_search takes the one whose plan predicts the fastest decode).
+#: UBATCH_BUDGET_SHARE: prefill's choice, the largest whose compute buffers take at most this share of
+#: the budget (dense prefill streams the offloaded FFN weights once per ubatch, so larger is faster);
+#: a plan with a smaller one says what that one would pin and predict. Stock's n_ubatch follows it.
 UBATCH_CHOICES = (512, 256, 128, 64, 32)
 UBATCH_BUDGET_SHARE = 0.10
 #: The largest speculative verify batch (speculative.BATCH_INVARIANT_MAX): its logits rows, and the

@@ -3,12 +3,13 @@ and the human-readable table of ``llamaflash plan`` (:func:`explain_plan`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import gguf
 
 from . import sidecar_format as fmt
-from .plan_budget import GATE_WINDOW_LAYERS, MARGIN_FIXED_BYTES, MARGIN_FRACTION, VERIFY_ROWS, Layout, PlanRequest
+from .plan_budget import (GATE_WINDOW_LAYERS, MARGIN_FIXED_BYTES, MARGIN_FRACTION, UBATCH_BUDGET_SHARE, VERIFY_ROWS,
+                          Layout, PlanRequest)
 from .plan_llama_share import MiB, VOCAB_BYTES_PER_ENTRY
 
 if TYPE_CHECKING:
@@ -28,7 +29,8 @@ def part_reasons(req: PlanRequest, layout: Layout, choice: "CacheChoice", spare:
         "llama_weights": "non-FFN tensors (attention, norms, token_embd, output) + unserved FFNs, mmapped/repacked",
         "kv_cache": f"f16 K+V, every layer, n_ctx {req.n_ctx} rounded up to 256 cells",
         "compute_buffers": f"llama.cpp CPU + LLAMAFLASH compute at n_ubatch {layout.n_ubatch}, logits output; "
-                           "+5% (fit, measured)",
+                           "+5% (fit, measured)" + ("" if req.n_ubatch is not None else
+                                                     "; n_ubatch chosen for the fastest predicted decode"),
         "prefill_window": "one layer's base up + down, mmapped page cache during dense prefill",
         "draft_copy": (f"the sidecar's draft copy ({gguf.GGMLQuantizationType(lay0.draft_type).name}): every "
                        "neuron's up and down_t rows at low bit width, resident, for speculative self-drafts"
@@ -46,9 +48,8 @@ def part_reasons(req: PlanRequest, layout: Layout, choice: "CacheChoice", spare:
     }
 
 
-def plan_notes(req: PlanRequest, layout: Layout) -> list[str]:
-    """What the plan assumes and where it chose for the caller."""
-    gate = sum(req.gate_layer_bytes)
+def plan_notes(req: PlanRequest) -> list[str]:
+    """What the plan assumes (the search adds where it chose for the caller: gate_note, ubatch_note)."""
     notes = [] if req.disk is not None else ["no disk profile given: built-in conservative default; pass "
                                              "--probe-disk (or disk=probe_disk(...)) for this machine's numbers"]
     if req.info.sparsity.bundle_order != fmt.BUNDLE_ORDER_BASE:
@@ -57,12 +58,45 @@ def plan_notes(req: PlanRequest, layout: Layout) -> list[str]:
     if "output.weight" in {t.name for t in req.header.tensors}:
         notes.append("token_embd is read by rows (get_rows): llama_weights counts the pages of n_ctx of its "
                      "rows, not the whole table")
-    if layout.stream_gate and req.stream_gate is None:
-        notes.append(f"the resident gate ({gate / MiB:.0f} MiB) does not fit this budget: it is streamed from flash "
-                     f"instead, {gate / 1e6:.0f} MB more read per token")
     notes.append("cluster probabilities assume independent neurons at the sidecar's operating point "
                  f"(sparsity target {req.info.sparsity.target:g}); the I/O bound ignores compute and cross-token reuse")
     return notes
+
+
+def gate_note(req: PlanRequest, streamed: "OffloadPlan", resident: "OffloadPlan | None") -> str:
+    """Why the search streamed the gate: the resident gate does not fit (``resident`` None), or its
+    memory as pinned clusters predicts the faster decode."""
+    gate = sum(req.gate_layer_bytes)
+    if resident is None:
+        return (f"the resident gate ({gate / MiB:.0f} MiB) does not fit this budget: it is streamed from flash "
+                f"instead, {gate / 1e6:.0f} MB more read per token")
+    return (f"the gate is streamed from flash ({gate / 1e6:.0f} MB more read per token): its {gate / MiB:.0f} MiB "
+            f"pin clusters instead, {streamed.hot_slots} pinned against {resident.hot_slots} with the gate "
+            f"resident, predicted I/O-bound decode {_tok(streamed.io_bound_tok_s)} against "
+            f"{_tok(resident.io_bound_tok_s)}")
+
+
+def _tok(tok_s: float | None) -> str:
+    return "unbounded (nothing read)" if tok_s is None else f"{tok_s:.2f} tok/s"
+
+
+def ubatch_note(choice: dict[str, Any]) -> str:
+    """The trade of a plan whose n_ubatch is smaller than prefill would take (plan_search's
+    ``ubatch_choice``: the plan's n_ubatch, pinned clusters and I/O bound, and prefill's)."""
+    u, wanted = choice["n_ubatch"], choice["prefill_n_ubatch"]
+    head = (f"n_ubatch {u}, not {wanted} (the largest whose compute buffers take at most "
+            f"{UBATCH_BUDGET_SHARE:.0%} of the budget): the smaller compute buffers are what ")
+    extra = f"{choice['prefill_extra_bytes'] / MiB:.1f} MiB"
+    if choice.get("prefill_hot_slots") is None:
+        trade = (f"let this plan fit: n_ubatch {wanted} needs {extra} more, which this budget does not hold beside "
+                 f"the plan's minimum")
+    else:
+        trade = (f"leave {extra} more to pinned clusters: {choice['hot_slots']} pinned, predicted I/O-bound decode "
+                 f"{_tok(choice['io_bound_tok_s'])}, against {choice['prefill_hot_slots']} and "
+                 f"{_tok(choice['prefill_io_bound_tok_s'])} at n_ubatch {wanted}")
+    return (head + trade + f". Prefill streams the offloaded FFN once per n_ubatch prompt tokens, so a long prompt "
+            f"takes about {wanted // u}x the passes: pass n_ubatch={wanted} (--n-ubatch {wanted}) for faster prefill "
+            "at that decode cost")
 
 
 def explain_plan(plan: "OffloadPlan") -> str:

@@ -58,6 +58,11 @@ class OffloadPlan:
     #: the predicted decode speeds the draft-copy choice compared (draft_plan.DraftChoice.to_dict); {} when
     #: there was no choice to make
     draft_choice: dict[str, Any] = field(default_factory=dict)
+    #: how n_ubatch was chosen (plan_search.with_ubatch_trade): the plan's n_ubatch, pinned clusters and
+    #: I/O bound; ``given`` when the caller fixed it; else ``prefill_n_ubatch`` (the largest whose compute
+    #: buffers take at most UBATCH_BUDGET_SHARE of the budget) and, where larger than the plan's, what it
+    #: would pin and predict (``prefill_hot_slots`` None: it does not fit) and its ``prefill_extra_bytes``
+    ubatch_choice: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self, arrays: bool = True) -> dict[str, Any]:
         """Plain JSON-able dict; ``arrays=False`` replaces the per-layer arrays by per-layer pin counts."""

@@ -8,7 +8,7 @@ Every size is in bytes; "MiB" is 2**20 bytes, the unit of ``ram_budget_mb`` (as 
   plan_llama_share   llama.cpp's memory: vocabulary, weights it keeps, KV cache, compute buffers
   plan_clusters      the neuron cache: cluster tables, which clusters to pin, flash reads per token
   plan_budget        the parts of a budget for a candidate layout, and the least budget it runs in
-  plan_search        one pass over candidate layouts; the draft copy is one more candidate
+  plan_search        the layout that fits with the fastest predicted decode; the draft copy one more candidate
   plan_explain       why each part has its size, the notes, the printed table
   plan_result        OffloadPlan, the plain value the engine is configured from
   draft_plan         the predicted delivered decode that decides for or against the draft copy
@@ -29,7 +29,7 @@ from .plan_clusters import CLUSTER_SIZES, DEPTH_NEAR_BEST, GATE_READ_DEPTH, PREF
 from .plan_disk import default_disk, disk_throughput
 from .plan_llama_share import COMPUTE_SAFETY, VOCAB_BYTES_PER_ENTRY, VOCAB_FIXED_BYTES, MiB, llama_share
 from .plan_result import OffloadPlan
-from .plan_search import copy_layout, plan_layout, plan_with_copy, plan_without_copy
+from .plan_search import copy_layout, plan_layout, plan_with_copy, plan_without_copy, with_ubatch_trade
 from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
 
 __all__ = [
@@ -48,8 +48,10 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     """Plan the RAM of the flash-offload engine for ``model_path`` + its format-2 sidecar under
     ``ram_budget_mb`` MiB (see the module docstring and :class:`OffloadPlan`).
 
-    ``n_ubatch`` None: the largest of UBATCH_CHOICES whose compute buffers fit UBATCH_BUDGET_SHARE of
-    the budget; ``disk`` None: :func:`default_disk`; ``runtime_rss_bytes`` None: RUNTIME_RSS_BYTES;
+    ``n_ubatch`` None: of UBATCH_CHOICES, the one whose plan predicts the fastest decode (the smallest,
+    unless every cluster is pinned with a larger one too: the largest such), so that more memory is
+    never predicted slower; the plan's notes say what a larger one would cost (:mod:`plan_search`);
+    ``disk`` None: :func:`default_disk`; ``runtime_rss_bytes`` None: RUNTIME_RSS_BYTES;
     ``cluster_size`` None: the CLUSTER_SIZES entry with the best predicted tok/s; ``stream_gate`` None:
     the gate matrices stay resident when that fits the budget, else they are streamed from flash
     every token (GATE_WINDOW_LAYERS layers in memory; every gate row read per token). Raises
@@ -63,8 +65,6 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
     ``info`` / ``header``: the pair's :func:`~llamaflash.sidecar.validate_pair` result and the base
     model's parsed header, when the caller has them (``llamaflash.Llama``), so that one load parses
     the base header once and checks the pair's identity once; None: read here."""
-    from . import draft_plan
-
     if n_ctx < 1 or prefetch_layers < 0 or (cluster_size is not None and cluster_size < 1) or (
             n_ubatch is not None and n_ubatch < 1):
         raise ValueError(f"n_ctx {n_ctx}, n_ubatch {n_ubatch} and cluster_size {cluster_size} must be positive, "
@@ -95,6 +95,15 @@ def plan_offload(model_path: str | os.PathLike, sidecar_path: str | os.PathLike 
         runtime_given=runtime_rss_bytes is not None, n_ctx=n_ctx, n_ubatch=n_ubatch, cluster_size=cluster_size,
         prefetch_layers=prefetch_layers, stream_gate=stream_gate, disk=disk,
         tables=tuple(cluster_tables(info, cluster_size)))
+    return with_ubatch_trade(req, _plan_draft_copy(req, info, draft_copy, copy_bytes))
+
+
+def _plan_draft_copy(req: PlanRequest, info: SidecarInfo, draft_copy: bool | None, copy_bytes: int | None
+                     ) -> OffloadPlan:
+    """The plan with the draft copy (``draft_copy`` True), without it (False, or no copy), or the one of
+    the two with the higher predicted delivered decode (None)."""
+    from . import draft_plan
+
     if draft_copy:
         return plan_with_copy(req, copy_bytes)
     without = plan_without_copy(req)

@@ -75,11 +75,12 @@ def test_parts_sum_to_the_budget_and_are_explained(pair):
 
 
 def test_budget_at_the_minimum_pins_nothing_and_below_it_is_refused(pair):
-    low = minimum_mb(pair, cluster_size=16, n_ubatch=32)
-    p = plan(pair, low, cluster_size=16, n_ubatch=32)
+    kw = dict(cluster_size=16, n_ubatch=32, stream_gate=False)
+    low = minimum_mb(pair, **kw)
+    p = plan(pair, low, **kw)
     assert p.hot_slots == 0 and p.parts["hot_slots"] == 0 and p.minimum_bytes == p.budget_bytes
     with pytest.raises(RamBudgetError) as e:
-        plan(pair, low - 0.5, cluster_size=16, n_ubatch=32)
+        plan(pair, low - 0.5, **kw)
     assert isinstance(e.value, LlamaflashError) and isinstance(e.value, ValueError)
     msg = str(e.value)
     assert f"minimum of {math.ceil(low)} MiB" in msg and f"--ram-budget-mb {math.ceil(low)}" in msg
@@ -87,16 +88,17 @@ def test_budget_at_the_minimum_pins_nothing_and_below_it_is_refused(pair):
 
 
 def test_more_budget_pins_more_and_hits_more(pair):
-    low = minimum_mb(pair, cluster_size=8, n_ubatch=32)
+    kw = dict(cluster_size=8, n_ubatch=32, stream_gate=False)
+    low = minimum_mb(pair, **kw)
     # slots of 8 KiB (the cache's formula), 96 clusters: every step pins more, 3 MiB pins all
-    plans = [plan(pair, low + extra, cluster_size=8, n_ubatch=32) for extra in (0, 0.05, 0.2, 0.5, 0.7, 3)]
+    plans = [plan(pair, low + extra, **kw) for extra in (0, 0.05, 0.2, 0.5, 0.7, 3)]
     hot = [p.hot_slots for p in plans]
     hit = [p.hit_rate for p in plans]
     assert hot == sorted(hot) and hot[0] == 0 and hot[-1] == N_LAYER * N_FF // 8  # everything pinned at the end
     assert len(set(hot)) == len(hot)
     assert hit == sorted(hit) and hit[0] == 0 and hit[-1] == pytest.approx(1.0)
     # without read-ahead (whose speculative bytes may buy speed) fewer bytes come from flash
-    flash = [plan(pair, low + extra, cluster_size=8, n_ubatch=32, prefetch_layers=0).flash_bytes_per_token
+    flash = [plan(pair, low + extra, prefetch_layers=0, **kw).flash_bytes_per_token
              for extra in (0, 0.05, 0.2, 0.5, 1, 3)]
     assert flash == sorted(flash, reverse=True) and flash[-1] == 0
     assert plans[-1].io_bound_tok_s is None and plans[-1].flash_bytes_per_token == 0
@@ -106,7 +108,7 @@ def test_more_budget_pins_more_and_hits_more(pair):
     assert speeds == sorted(speeds)
 
 
-def test_gate_is_streamed_only_when_the_resident_gate_does_not_fit(pair):
+def test_gate_is_streamed_where_the_resident_gate_does_not_fit_or_predicts_slower(pair):
     info = read_sidecar(pair[1])
     gate = sum(lay.n_ff * lay.gate_row_bytes for lay in info.layers)
     window = 2 * max(lay.n_ff * lay.gate_row_bytes for lay in info.layers)
@@ -119,11 +121,20 @@ def test_gate_is_streamed_only_when_the_resident_gate_does_not_fit(pair):
     # every gate row is read per token on top of the clusters
     assert streamed.flash_bytes_per_token >= gate + resident.flash_bytes_per_token - 1
     assert "streamed from flash" in streamed.explain() and "gate resident" in resident.explain()
-    # auto: resident where it fits, streamed just below that, refused below the streamed minimum
+    # auto: streamed below the resident gate's minimum (said so), refused below the streamed minimum; from
+    # the resident minimum on, the placement that predicts the faster decode (the gate's memory pins clusters
+    # when streamed), and resident once it pins every cluster
     budget = resident.budget_bytes / MiB
-    assert not plan(pair, budget, **kw).stream_gate
     auto = plan(pair, budget - 0.01, **kw)
     assert auto.stream_gate and any("does not fit" in n for n in auto.notes)
+    for b in (budget, budget + 0.2, budget + 1, budget + 5):
+        auto = plan(pair, b, **kw)
+        forced = [plan(pair, b, stream_gate=s, **kw).io_bound_tok_s or math.inf for s in (False, True)]
+        assert (auto.io_bound_tok_s or math.inf) == max(forced)
+        assert auto.stream_gate == (forced[1] > forced[0])
+        if auto.stream_gate:
+            assert any("pin clusters instead" in n for n in auto.notes)
+    assert not auto.stream_gate and auto.io_bound_tok_s is None
     with pytest.raises(RamBudgetError, match=f"minimum of {math.ceil(streamed.minimum_bytes / MiB)} MiB"):
         plan(pair, streamed.minimum_bytes / MiB - 0.01, **kw)
 
@@ -255,8 +266,7 @@ def test_real_smollm2_plan(smollm2_sidecar):
     assert 200 < low < 360  # includes the 112 MiB page-cache headroom
     with pytest.raises(RamBudgetError, match=f"minimum of {math.ceil(low)} MiB"):
         plan(SMOL, low - 1, cluster_size=64, n_ubatch=64, stream_gate=False)
-    plans = [plan(SMOL, low + extra, cluster_size=64, n_ubatch=64) for extra in (0, 10, 25, 50)]
-    assert not any(p.stream_gate for p in plans)  # the resident gate fits from `low` on
+    plans = [plan(SMOL, low + extra, cluster_size=64, n_ubatch=64, stream_gate=False) for extra in (0, 10, 25, 50)]
     assert all(sum(p.parts.values()) == p.budget_bytes for p in plans)
     assert [p.hot_slots for p in plans] == sorted(p.hot_slots for p in plans)
     assert [p.hit_rate for p in plans] == sorted(p.hit_rate for p in plans)

@@ -6,7 +6,9 @@ budget, the files evicted first (:func:`llamaflash.bench.memlimit.run_one`). Bes
 point the planner's prediction for that budget (:func:`predict`): whether llamaflash runs stock or
 offload there (plugin/budget_decision.py), and for offload the decode speed the plan predicts
 (draft_plan's pass model: the I/O bound plus the resident bytes at memory speed; with speculation its
-best draft length at the plan's predicted self-draft acceptance, prompt lookup left out).
+best draft length at the plan's predicted self-draft acceptance, prompt lookup left out); where the
+budget holds what stock keeps resident, stock's in-memory rate (budget_decision.stock_decode_tok_s)
+for stock and for llamaflash, which runs stock there.
 
 The ladder (:func:`ladder`): by default ``points`` budgets evenly from the planner's least budget to
 max(1.3 × the model file, 1.15 × what stock keeps resident), rounded to 10 MiB.
@@ -100,8 +102,10 @@ def predict(model_path: Path, sidecar: Path, budgets_mb: Sequence[int], n_ctx: i
             disk: Optional[dict] = None) -> dict[str, Any]:
     """The planner's view of the ladder: ``least_mb`` (its least budget), ``stock_need_mb`` (what
     stock keeps resident, at the largest budget's n_ubatch) and per budget a dict: ``lane`` (stock or
-    offload), ``refused`` (below the least budget), ``io_bound_tok_s``, ``nospec_tok_s`` and
-    ``spec_tok_s`` (predicted decode; None for stock or when nothing is read from flash)."""
+    offload), ``refused`` (below the least budget), ``io_bound_tok_s`` (the offload plan's, None when
+    nothing is read from flash), ``nospec_tok_s`` and ``spec_tok_s`` (llamaflash's predicted decode:
+    the offload plan's, or stock's in-memory rate where the lane is stock) and ``stock_tok_s`` (stock's
+    in-memory rate where the budget holds what it keeps resident, else None: it would thrash)."""
     from llamaflash import budget_decision, draft_plan
     from llamaflash.errors import RamBudgetError
     from llamaflash.gguf_model import read_base_model
@@ -117,8 +121,10 @@ def predict(model_path: Path, sidecar: Path, budgets_mb: Sequence[int], n_ctx: i
     points = {}
     for b in budgets_mb:
         d = budget_decision.decide(base.header, info, b, n_ctx)
+        stock_tok_s = budget_decision.stock_decode_tok_s(d.parts) if d.stock else None
         row: dict[str, Any] = {"lane": d.lane, "stock_need_mb": d.stock_need_bytes / MiB, "refused": None,
-                               "io_bound_tok_s": None, "nospec_tok_s": None, "spec_tok_s": None}
+                               "io_bound_tok_s": None, "nospec_tok_s": stock_tok_s, "spec_tok_s": stock_tok_s,
+                               "stock_tok_s": stock_tok_s}
         try:
             plan = plan_offload(model_path, sidecar, b, n_ctx=n_ctx, disk=disk, info=info, header=base.header)
         except RamBudgetError as e:
@@ -330,7 +336,7 @@ def predicted_for(config: str, point: Optional[dict[str, Any]]) -> Optional[floa
         return point.get("nospec_tok_s")
     if config == memlimit.BUDGET_CONFIG:
         return point.get("spec_tok_s")
-    return None
+    return point.get("stock_tok_s")
 
 
 #: Exit status of an interrupted sweep (128 + SIGINT).

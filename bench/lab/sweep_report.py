@@ -112,7 +112,8 @@ def format_table(payload: dict[str, Any]) -> str:
         notes.append("PREDICTIONS ONLY: nothing was measured (" + payload.get("cgroup", {}).get("detail", "") + ")")
     notes.append("predicted: the planner's decode tok/s for flash offload (draft_plan's pass model: I/O bound plus "
                  "resident bytes at memory speed; spec: its best draft length at the plan's predicted self-draft "
-                 "acceptance); (+x%) = measured / predicted - 1" + ("; ! = off by more than "
+                 "acceptance), and where llamaflash runs stock, stock's in-memory rate (every weight read once per "
+                 "token, budget_decision.STOCK_BYTES_PER_S); (+x%) = measured / predicted - 1" + ("; ! = off by more than "
                                                                     f"{PREDICTION_TOLERANCE:.0%}" if flagged else ""))
     return "\n".join(text + [""] + notes)
 

@@ -1,0 +1,137 @@
+"""More memory is never predicted slower. At every budget from the planner's least budget (refused one
+step below it) to past the model (the sweep's default top: the larger of 1.3 x the model file and 1.15
+x what stock keeps resident), in small steps:
+
+* the plan's predicted decode (the I/O bound; draft_plan's pass model without speculation; with its
+  best draft length, the delivered speed the draft-copy choice maximizes) is at least the one at every
+  smaller budget, exactly (the predictions are deterministic floats: no tolerance);
+* its memory is accounted within the budget: the parts sum to it, none negative, the margin at least
+  its formula, the compute buffers those of the plan's own n_ubatch;
+* across the step aside into stock (budget_decision), the curve llamaflash follows (the offload plan's
+  pass model, then stock's predicted in-memory rate) does not fall, and a larger budget never returns
+  from stock to offload;
+* where prefill would take a larger n_ubatch than the plan's, the plan's notes say what it would pin
+  and predict, and it predicts no faster.
+
+Pairs: the synthetic ones of planner_cases (tiny models from the conftest factory, hand-set frequencies,
+one with a draft copy and hot-first bundles) and SmolLM2-135M with its sidecar converted fresh
+(conftest.smollm2_sidecar)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from llamaflash import budget_decision, draft_plan
+from llamaflash.errors import RamBudgetError
+from llamaflash.gguf_model import read_base_model
+from llamaflash.planner import MARGIN_FIXED_BYTES, MARGIN_FRACTION, MiB, llama_share, plan_offload
+from llamaflash.sidecar import validate_pair
+from planner_cases import make_pair
+
+#: The sweep's default top (bench/lab/sweep.py: TOP_MODEL_RATIO, TOP_STOCK_NEED_RATIO).
+TOP_MODEL_RATIO, TOP_STOCK_NEED_RATIO = 1.3, 1.15
+METRICS = ("io_bound", "nospec", "spec")
+
+
+def predictions(plan, info) -> dict[str, float]:
+    """The plan's predicted decode tok/s (inf: nothing read from flash); ``spec`` without speculation
+    where the gate is streamed (a self-draft needs it resident), as the sweep predicts it."""
+    pred = draft_plan.predict_plan(plan, info)
+    if pred is None:
+        return dict.fromkeys(METRICS, math.inf)
+    nospec = 1.0 / pred.pass_seconds
+    return {"io_bound": plan.io_bound_tok_s, "nospec": nospec, "spec": nospec if plan.stream_gate else pred.tok_s}
+
+
+def check_accounting(plan, header, info, n_ctx: int) -> None:
+    parts = plan.parts
+    assert sum(parts.values()) == plan.budget_bytes and all(v >= 0 for v in parts.values()), parts
+    rest = sum(parts.values()) - parts["margin"] - parts["hot_slots"]
+    assert parts["margin"] >= MARGIN_FIXED_BYTES + int(MARGIN_FRACTION * rest)
+    assert parts["compute_buffers"] == llama_share(header, info, n_ctx, plan.n_ubatch)["compute_buffers"]
+    assert plan.n_batch == plan.n_ubatch
+
+
+def check_ubatch_trade(plan) -> None:
+    choice = plan.ubatch_choice
+    assert choice["n_ubatch"] == plan.n_ubatch and choice["hot_slots"] == plan.hot_slots
+    wanted = choice["prefill_n_ubatch"]
+    if wanted > plan.n_ubatch:
+        assert any(f"--n-ubatch {wanted}" in n and f"n_ubatch {plan.n_ubatch}, not {wanted}" in n for n in plan.notes)
+        if choice["prefill_hot_slots"] is not None:
+            assert choice["prefill_hot_slots"] <= plan.hot_slots
+            assert (choice["prefill_io_bound_tok_s"] or math.inf) <= (plan.io_bound_tok_s or math.inf)
+
+
+def sweep_budgets(model: Path, sidecar: Path, step_mb: float, n_ctx: int = 512, **plan_kw) -> list[dict]:
+    """Every budget from the least to the top in ``step_mb`` steps: the plan's checks, and per budget
+    its predictions, lane and the curve value llamaflash follows."""
+    base = read_base_model(model)
+    info = validate_pair(model, sidecar, model=base)
+    kw = dict(n_ctx=n_ctx, info=info, header=base.header, **plan_kw)
+    least = plan_offload(model, sidecar, 1 << 20, **kw).least_budget_bytes / MiB
+    with pytest.raises(RamBudgetError, match=f"minimum of {math.ceil(least)} MiB"):
+        plan_offload(model, sidecar, least - 0.5, **kw)
+    stock_mb = budget_decision.decide(base.header, info, 1 << 20, n_ctx).stock_need_bytes / MiB
+    top = max(TOP_MODEL_RATIO * model.stat().st_size / MiB, TOP_STOCK_NEED_RATIO * stock_mb)
+    rows = []
+    for i in range(int((top - least) / step_mb) + 2):
+        budget = least + i * step_mb
+        plan = plan_offload(model, sidecar, budget, **kw)
+        check_accounting(plan, base.header, info, n_ctx)
+        check_ubatch_trade(plan)
+        d = budget_decision.decide(base.header, info, budget, n_ctx)
+        pred = predictions(plan, info)
+        rows.append({"budget_mb": budget, "plan": plan, "lane": d.lane, **pred,
+                     "curve": budget_decision.stock_decode_tok_s(d.parts) if d.stock else pred["nospec"]})
+    assert rows[-1]["budget_mb"] >= top
+    return rows
+
+
+def assert_non_decreasing(rows: list[dict], key: str) -> None:
+    best = None
+    for r in rows:
+        if best is not None:
+            assert r[key] >= best[key], (f"{key}: {r[key]} at {r['budget_mb']:.2f} MiB < {best[key]} at "
+                                         f"{best['budget_mb']:.2f} MiB (n_ubatch {r['plan'].n_ubatch} vs "
+                                         f"{best['plan'].n_ubatch})")
+        if best is None or r[key] > best[key]:
+            best = r
+
+
+def assert_monotone_curve(rows: list[dict]) -> None:
+    for key in METRICS + ("curve",):
+        assert_non_decreasing(rows, key)
+    lanes = [r["lane"] for r in rows]
+    assert lanes == sorted(lanes, key=lambda lane: lane == budget_decision.STOCK)  # offload, then stock
+    assert lanes[0] == budget_decision.OFFLOAD and lanes[-1] == budget_decision.STOCK
+    # stock's predicted rate is above the offload plan's wherever stock runs (it reads its FFN from memory)
+    assert all(r["curve"] >= r["nospec"] or r["plan"].io_bound_tok_s is None for r in rows
+               if r["lane"] == budget_decision.STOCK)
+
+
+@pytest.mark.parametrize("name, step_mb, draft_copy", [("base-order", 1.0, None), ("hot-order-draft", 2.0, None),
+                                                       ("hot-order-draft", 2.0, False)])
+def test_synthetic_pair_is_never_predicted_slower_with_more_memory(name, step_mb, draft_copy, tiny_model_factory,
+                                                                    tmp_path):
+    model, sidecar = make_pair(name, tiny_model_factory, tmp_path)
+    rows = sweep_budgets(model, sidecar, step_mb, draft_copy=draft_copy)
+    assert_monotone_curve(rows)
+    assert any(r["plan"].stream_gate for r in rows) and not rows[-1]["plan"].stream_gate
+    assert rows[-1]["plan"].io_bound_tok_s is None and rows[-1]["plan"].n_ubatch == 512  # everything pinned
+
+
+def test_smollm2_is_never_predicted_slower_with_more_memory(smollm2_sidecar):
+    model, sidecar = smollm2_sidecar
+    rows = sweep_budgets(model, sidecar, 4.0)
+    assert_monotone_curve(rows)
+    # n_ctx 1024, where the share rule for n_ubatch (64 -> 128 between 299 and 303 MiB) predicted
+    # 12.5 -> 9.25 tok/s: the larger budget now predicts faster, and says what n_ubatch 128 would give
+    at = {b: plan_offload(model, sidecar, b, n_ctx=1024) for b in (299, 303)}
+    assert at[303].io_bound_tok_s >= at[299].io_bound_tok_s
+    assert at[303].n_ubatch < 128 and at[303].ubatch_choice["prefill_n_ubatch"] == 128
+    assert any("--n-ubatch 128" in n for n in at[303].notes)
+    assert at[303].ubatch_choice["prefill_io_bound_tok_s"] < at[303].io_bound_tok_s
