@@ -9,6 +9,7 @@ through the kernel, which reads each row of the union of the batch's active sets
 
 Usage:  python bench/bench_batches.py --sidecar SIDECAR [--model qwen2.5-coder-1.5b] [--configs stock,dense,sparse]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ def worker(cfg: str, model: str, sidecar: str, evals: int, text_path: str) -> No
     elif cfg == "dense":
         llm = llamaflash.Llama(model_path=model, sidecar_path=sidecar, flash_mode="dense", **kw)
     else:
-        llm = llamaflash.Llama(model_path=model, sidecar_path=sidecar, flash_mode="sparse",
-                               flash_max_sparse_tokens=max(SIZES), **kw)
+        llm = llamaflash.Llama(
+            model_path=model, sidecar_path=sidecar, flash_mode="sparse", flash_max_sparse_tokens=max(SIZES), **kw
+        )
     toks = llm.tokenize(Path(text_path).read_text().encode())
     need = 64 + evals * max(SIZES)
     if len(toks) < need:
@@ -45,7 +47,7 @@ def worker(cfg: str, model: str, sidecar: str, evals: int, text_path: str) -> No
         times, pos = [], 64
         for _ in range(evals):
             t0 = time.perf_counter()
-            llm.eval(toks[pos:pos + k])
+            llm.eval(toks[pos : pos + k])
             times.append(time.perf_counter() - t0)
             pos += k
         ms = statistics.median(times[2:]) * 1e3
@@ -59,8 +61,9 @@ def main() -> int:
     ap.add_argument("--sidecar", required=True, help="format-2 sidecar of the model (llamaflash convert)")
     ap.add_argument("--configs", default="stock,dense,sparse")
     ap.add_argument("--evals", type=int, default=12)
-    ap.add_argument("--text", default=None, help="text to tokenize for the batches (default: the registry's "
-                    "held-out Shakespeare)")
+    ap.add_argument(
+        "--text", default=None, help="text to tokenize for the batches (default: the registry's held-out Shakespeare)"
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     model = args.model
@@ -77,8 +80,23 @@ def main() -> int:
         return 0
     print(f"ms per eval of k tokens (median of {args.evals - 2}), k = " + ", ".join(map(str, SIZES)))
     for cfg in args.configs.split(","):
-        subprocess.run([sys.executable, __file__, "--worker", cfg, "--model", model, "--sidecar", args.sidecar,
-                        "--evals", str(args.evals), "--text", args.text], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                cfg,
+                "--model",
+                model,
+                "--sidecar",
+                args.sidecar,
+                "--evals",
+                str(args.evals),
+                "--text",
+                args.text,
+            ],
+            check=True,
+        )
     return 0
 
 

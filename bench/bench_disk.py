@@ -8,6 +8,7 @@ Usage:  python bench/bench_disk.py [--dir DIR] [--engine auto|io_uring|pool|both
                                    [--file-mb 512] [--sizes 4,16,32,64,256] [--depths 1,4,16,32]
 Writes JSON to bench/results/disk-<time>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     engines = ("io_uring", "pool") if args.engine == "both" else (args.engine,)
     results = []
     for engine in engines:
-        r = probe_disk(args.dir, sizes_kib=args.sizes, depths=args.depths, seconds=args.seconds,
-                       file_mb=args.file_mb, engine=engine)
+        r = probe_disk(
+            args.dir,
+            sizes_kib=args.sizes,
+            depths=args.depths,
+            seconds=args.seconds,
+            file_mb=args.file_mb,
+            engine=engine,
+        )
         results.append(r)
         mode = "direct" if r["direct"] else f"BUFFERED ({r['fallback_reason']})"
-        print(f"\n{r['directory']} ({r['filesystem']}), engine {r['engine']}, {mode}, alignment {r['alignment']}, "
-              f"{r['file_mb']} MB scratch file, {r['seconds_per_point']} s per point")
+        print(
+            f"\n{r['directory']} ({r['filesystem']}), engine {r['engine']}, {mode}, alignment {r['alignment']}, "
+            f"{r['file_mb']} MB scratch file, {r['seconds_per_point']} s per point"
+        )
         print(format_table(r))
         print(f"sequential (1 MiB reads, 8 in flight): {r.get('sequential_mb_s', 0):,.0f} MB/s")
     out = args.json or common.RESULTS_DIR / f"disk-{common.timestamp()}.json"

@@ -45,19 +45,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-ctx", type=int, default=512)
     p.add_argument("--n-batch", type=int, default=512)
     p.add_argument("--configs", default="stock,dense", help="comma-separated; 'stock' is the baseline")
-    p.add_argument("--sidecar", type=Path, default=None, help="sidecar path (default <stem>.flash.gguf beside the model)")
+    p.add_argument(
+        "--sidecar", type=Path, default=None, help="sidecar path (default <stem>.flash.gguf beside the model)"
+    )
     p.add_argument("--reconvert", action="store_true", help="convert the sidecar again even if it exists")
-    p.add_argument("--json", type=Path, default=None, help="output JSON (default bench/results/<model>-<timestamp>.json)")
+    p.add_argument(
+        "--json", type=Path, default=None, help="output JSON (default bench/results/<model>-<timestamp>.json)"
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    p.add_argument("--quiet-wait", type=float, default=60,
-                   help="before each run, wait up to this many seconds for the machine to be <=10%% busy (0: don't)")
-    p.add_argument("--max-other-load", type=float, default=0.05,
-                   help="a run during which other processes used more than this share of the cores is noisy")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=60,
+        help="before each run, wait up to this many seconds for the machine to be <=10%% busy (0: don't)",
+    )
+    p.add_argument(
+        "--max-other-load",
+        type=float,
+        default=0.05,
+        help="a run during which other processes used more than this share of the cores is noisy",
+    )
     p.add_argument("--retry-noisy", type=int, default=2, help="re-run a noisy run up to this many times")
     p.add_argument("--no-warm-cache", action="store_true", help="don't read the model file before the runs")
-    p.add_argument("--ppl-tokens", type=int, default=1024,
-                   help="quality: perplexity of every config on this many tokens of held-out text (Shakespeare, "
-                        "never used for calibration), in windows of --n-ctx scoring their second half; 0: skip")
+    p.add_argument(
+        "--ppl-tokens",
+        type=int,
+        default=1024,
+        help="quality: perplexity of every config on this many tokens of held-out text (Shakespeare, "
+        "never used for calibration), in windows of --n-ctx scoring their second half; 0: skip",
+    )
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not args.configs:
@@ -98,13 +114,16 @@ def report_bound(model_path: Path, sidecar: Path | None, runs: list[dict], args,
     import statistics
 
     from bound import decode_bytes
+
     from llamaflash.sidecar import read_sidecar
 
     info = read_sidecar(sidecar) if sidecar is not None else None
     bw = bandwidth["bytes_per_second"]
-    print(f"bound: read bandwidth {bw / 1e9:.1f} GB/s ({args.threads} threads, best of "
-          f"{bandwidth['repetitions']}; median {bandwidth['median_bytes_per_second'] / 1e9:.1f}); weight bytes per "
-          f"decoded token ÷ bandwidth")
+    print(
+        f"bound: read bandwidth {bw / 1e9:.1f} GB/s ({args.threads} threads, best of "
+        f"{bandwidth['repetitions']}; median {bandwidth['median_bytes_per_second'] / 1e9:.1f}); weight bytes per "
+        f"decoded token ÷ bandwidth"
+    )
     out = {}
     for config in args.configs:
         ok = [r for r in runs if r.get("ok") and r["config"] == config]
@@ -122,20 +141,36 @@ def report_bound(model_path: Path, sidecar: Path | None, runs: list[dict], args,
         b = decode_bytes(model_path, info, frac or None, dense_up=dense_up)
         per_token = b.sparse if b.sparse is not None else b.stock
         ms = 1e3 / decode_tps
-        ffn_ms = statistics.median(st.get("compute_seconds", 0.0) for st in stats) * 1e3 / args.n_gen if any(stats) else None
+        ffn_ms = (
+            statistics.median(st.get("compute_seconds", 0.0) for st in stats) * 1e3 / args.n_gen if any(stats) else None
+        )
         # the rest's weights (attention, output, embedding row) at the bandwidth bound; what the rest
         # takes beyond that is compute above the bound plus llama.cpp / Python / sampling overhead
         rest_weights_ms = (b.stock - b.ffn) / bw * 1e3
-        row = {"bytes_per_token": per_token, "dense_up": dense_up, "bound_tps": bw / per_token, "decode_tps": decode_tps,
-               "of_bound": decode_tps / (bw / per_token), "ms_per_token": ms, "ffn_ms_per_token": ffn_ms,
-               "rest_weights_bound_ms": rest_weights_ms,
-               "mean_active_fraction": statistics.median(frac.values()) if frac else None}
+        row = {
+            "bytes_per_token": per_token,
+            "dense_up": dense_up,
+            "bound_tps": bw / per_token,
+            "decode_tps": decode_tps,
+            "of_bound": decode_tps / (bw / per_token),
+            "ms_per_token": ms,
+            "ffn_ms_per_token": ffn_ms,
+            "rest_weights_bound_ms": rest_weights_ms,
+            "mean_active_fraction": statistics.median(frac.values()) if frac else None,
+        }
         out[config] = row
-        split = "" if ffn_ms is None else (
-            f"  per token {ms:.1f} ms = FFN splits {ffn_ms:.1f} + rest {ms - ffn_ms:.1f} (its weights at the bound "
-            f"{rest_weights_ms:.1f}, overhead {ms - ffn_ms - rest_weights_ms:.1f})")
-        print(f"  {config:<12} {per_token / 1e6:7.1f} MB/token  bound {row['bound_tps']:6.1f} tok/s  "
-              f"decode {decode_tps:6.1f} = {row['of_bound']:.0%} of bound{split}")
+        split = (
+            ""
+            if ffn_ms is None
+            else (
+                f"  per token {ms:.1f} ms = FFN splits {ffn_ms:.1f} + rest {ms - ffn_ms:.1f} (its weights at the bound "
+                f"{rest_weights_ms:.1f}, overhead {ms - ffn_ms - rest_weights_ms:.1f})"
+            )
+        )
+        print(
+            f"  {config:<12} {per_token / 1e6:7.1f} MB/token  bound {row['bound_tps']:6.1f} tok/s  "
+            f"decode {decode_tps:6.1f} = {row['of_bound']:.0%} of bound{split}"
+        )
     return out
 
 
@@ -219,7 +254,9 @@ def main(argv=None) -> int:
                 except common.WorkerError as e:
                     r = {"ok": False, "config": config, "rep": rep, "error": str(e)}
                 r["machine_busy_before"] = busy_before
-                if not (r.get("ok") and r["foreign_cpu"] > args.max_other_load and len(noisy_attempts) < args.retry_noisy):
+                if not (
+                    r.get("ok") and r["foreign_cpu"] > args.max_other_load and len(noisy_attempts) < args.retry_noisy
+                ):
                     break
                 noisy_attempts.append({k: r[k] for k in ("foreign_cpu", "prefill_tps", "decode_tps")})
                 print(f"  rep {rep} {config:<8} other processes used {r['foreign_cpu']:.0%} of the cores: "
@@ -251,10 +288,12 @@ def main(argv=None) -> int:
           f"processes used during the timed sections; anon MB = RssAnon after generation. Spread (min..max):")  # fmt: skip
     print(common.format_spread(rows))
     if quality:
-        print(f"quality: perplexity on {args.ppl_tokens} tokens of held-out text (sparse configs: every token "
-              f"through the sparse lane); top-1 = share of the scored positions whose most likely next token "
-              f"equals {baseline}'s (teacher-forced greedy agreement: unlike the free-running greedy agreement "
-              f"above, one near tie does not decide it)")
+        print(
+            f"quality: perplexity on {args.ppl_tokens} tokens of held-out text (sparse configs: every token "
+            f"through the sparse lane); top-1 = share of the scored positions whose most likely next token "
+            f"equals {baseline}'s (teacher-forced greedy agreement: unlike the free-running greedy agreement "
+            f"above, one near tie does not decide it)"
+        )
         for config in args.configs:
             q = quality.get(config, {})
             if not q.get("ok"):
@@ -264,9 +303,11 @@ def main(argv=None) -> int:
             delta = f"{q['ppl'] / base_q['ppl'] - 1:+.2%}" if base_q.get("ok") else "?"
             frac = (q.get("flash_stats") or {}).get("mean_active_fraction")
             agree = top1_agreement(q, base_q)
-            print(f"  {config:<12} ppl {q['ppl']:8.3f}  vs {baseline} {delta:>8}  "
-                  f"top-1 {'?' if agree is None else f'{agree:.1%}'}  "
-                  f"active neurons {'' if frac is None else f'{frac:.1%}'}  ({q['seconds']:.0f} s)")
+            print(
+                f"  {config:<12} ppl {q['ppl']:8.3f}  vs {baseline} {delta:>8}  "
+                f"top-1 {'?' if agree is None else f'{agree:.1%}'}  "
+                f"active neurons {'' if frac is None else f'{frac:.1%}'}  ({q['seconds']:.0f} s)"
+            )
     # Measured last: the probe's 1 GiB buffer would raise the peak RSS of every worker started after it
     # (Linux keeps ru_maxrss across fork + exec).
     from llamaflash import _native_testing

@@ -25,6 +25,7 @@ time spent checking (``read_verify_seconds``) bounds what the checks can add to 
 
 Writes bench/results/integrity-<model>.json (or --json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,16 +47,26 @@ def worker(spec: dict) -> dict:
 
     import llamaflash
 
-    common = dict(model_path=spec["model"], sidecar_path=spec["sidecar"], n_ctx=256, n_threads=N_THREADS,
-                  n_threads_batch=N_THREADS, verbose=False, flash_verify=spec["verify"])
+    common = dict(
+        model_path=spec["model"],
+        sidecar_path=spec["sidecar"],
+        n_ctx=256,
+        n_threads=N_THREADS,
+        n_threads_batch=N_THREADS,
+        verbose=False,
+        flash_verify=spec["verify"],
+    )
     if spec["run"] in ("load", "default_load"):
         t0 = time.perf_counter()
         llm = llamaflash.Llama(flash_mode="sparse" if spec["run"] == "load" else None, **common)
         load_s = time.perf_counter() - t0
         integrity = llm.flash_stats()["integrity"]
         llm.close()
-        return {"load_s": load_s, "load_verify_s": integrity.get("load_verify_seconds", 0.0),
-                "load_verified_bytes": integrity.get("load_verified_bytes", 0)}
+        return {
+            "load_s": load_s,
+            "load_verify_s": integrity.get("load_verify_seconds", 0.0),
+            "load_verified_bytes": integrity.get("load_verified_bytes", 0),
+        }
     if spec["run"] == "offload_pair":
         return offload_pair(spec, common)
     llm = llamaflash.Llama(ram_budget_mb=spec["budget_mb"], flash_speculative=False, **common)
@@ -71,28 +82,38 @@ def worker(spec: dict) -> dict:
     stats = llm.flash_stats()
     off, integrity = stats["offload"], stats["integrity"]
     llm.close()
-    return {"tok_s": spec["n_gen"] / decode_s, "tokens": tokens, "bytes_read": off["bytes_read"],
-            "io_wait_s": off["io_wait_seconds"], "read_verify_s": integrity.get("read_verify_seconds", 0.0),
-            "read_verified_bytes": integrity.get("read_verified_bytes", 0),
-            "read_clusters_checked_by_compute": integrity.get("read_clusters_checked_by_compute", 0),
-            "read_compute_verify_s": integrity.get("read_compute_verify_seconds", 0.0)}
+    return {
+        "tok_s": spec["n_gen"] / decode_s,
+        "tokens": tokens,
+        "bytes_read": off["bytes_read"],
+        "io_wait_s": off["io_wait_seconds"],
+        "read_verify_s": integrity.get("read_verify_seconds", 0.0),
+        "read_verified_bytes": integrity.get("read_verified_bytes", 0),
+        "read_clusters_checked_by_compute": integrity.get("read_clusters_checked_by_compute", 0),
+        "read_compute_verify_s": integrity.get("read_compute_verify_seconds", 0.0),
+    }
 
 
 def offload_pair(spec: dict, common: dict) -> dict:
     """Both settings in one process, token by token in turn (on, off; then off, on): drifting load on
     a shared machine hits both alike. Each model decodes its own greedy tokens (the same ones)."""
     import numpy as np
+
     import llamaflash
 
-    models = {key: llamaflash.Llama(ram_budget_mb=spec["budget_mb"], flash_speculative=False,
-                                    **{**common, "flash_verify": key == "on"}) for key in ("on", "off")}
+    models = {
+        key: llamaflash.Llama(
+            ram_budget_mb=spec["budget_mb"], flash_speculative=False, **{**common, "flash_verify": key == "on"}
+        )
+        for key in ("on", "off")
+    }
     for llm in models.values():
         llm.eval(llm.tokenize(PROMPT.encode()))
         llm.reset_flash_stats()
     seconds = {key: [] for key in models}
     tokens = {key: [] for key in models}
     for i in range(spec["n_gen"]):
-        for key in (("on", "off") if i % 2 == 0 else ("off", "on")):
+        for key in ("on", "off") if i % 2 == 0 else ("off", "on"):
             llm = models[key]
             tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
             tokens[key].append(tok)
@@ -102,17 +123,22 @@ def offload_pair(spec: dict, common: dict) -> dict:
     integrity = models["on"].flash_stats()["integrity"]
     for llm in models.values():
         llm.close()
-    return {"decode_s_on": sum(seconds["on"]), "decode_s_off": sum(seconds["off"]),
-            "token_ratio_median": statistics.median(a / b for a, b in zip(seconds["on"], seconds["off"])),
-            "same_tokens": tokens["on"] == tokens["off"], "tokens": tokens["on"],
-            "read_verify_s": integrity.get("read_verify_seconds", 0.0),
-            "read_clusters_checked_by_compute": integrity.get("read_clusters_checked_by_compute", 0),
-            "read_compute_verify_s": integrity.get("read_compute_verify_seconds", 0.0)}
+    return {
+        "decode_s_on": sum(seconds["on"]),
+        "decode_s_off": sum(seconds["off"]),
+        "token_ratio_median": statistics.median(a / b for a, b in zip(seconds["on"], seconds["off"])),
+        "same_tokens": tokens["on"] == tokens["off"],
+        "tokens": tokens["on"],
+        "read_verify_s": integrity.get("read_verify_seconds", 0.0),
+        "read_clusters_checked_by_compute": integrity.get("read_clusters_checked_by_compute", 0),
+        "read_compute_verify_s": integrity.get("read_compute_verify_seconds", 0.0),
+    }
 
 
 def run_worker(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
         raise SystemExit(f"worker failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -176,10 +202,10 @@ def main() -> int:
     busy = []
     for rep in range(args.reps):
         busy.append(round(wait_until_quiet(args.max_wait), 3))  # another process's load ruins a pair
-        for verify in ((True, False) if rep % 2 == 0 else (False, True)):  # alternated order
+        for verify in (True, False) if rep % 2 == 0 else (False, True):  # alternated order
             key = "on" if verify else "off"
             for path in (model, sidecar):  # in memory the files are in the page cache (stock's load reads
-                warm_page_cache(path)     # the whole model); the offload runs drop pages of both
+                warm_page_cache(path)  # the whole model); the offload runs drop pages of both
             runs[f"load_{key}"].append(run_worker({**base, "run": "load", "verify": verify}))
             for path in (model, sidecar):
                 warm_page_cache(path)
@@ -191,15 +217,19 @@ def main() -> int:
         print(f"rep {rep + 1}/{args.reps} (machine busy {busy[-1]:.2f} before it)", file=sys.stderr, flush=True)
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0] if f != "tokens"} for k, v in runs.items()}
     paired_load = [100 * (a["load_s"] / b["load_s"] - 1) for a, b in zip(runs["load_on"], runs["load_off"])]
-    paired_default = [100 * (a["load_s"] / b["load_s"] - 1)
-                      for a, b in zip(runs["default_load_on"], runs["default_load_off"])]
+    paired_default = [
+        100 * (a["load_s"] / b["load_s"] - 1) for a, b in zip(runs["default_load_on"], runs["default_load_off"])
+    ]
     summary = {
-        "load_s_off": med["load_off"]["load_s"], "load_s_on": med["load_on"]["load_s"],
+        "load_s_off": med["load_off"]["load_s"],
+        "load_s_on": med["load_on"]["load_s"],
         "load_cost_pct": 100 * (med["load_on"]["load_s"] / med["load_off"]["load_s"] - 1),
         "load_cost_pct_paired_median": statistics.median(paired_load),
-        "load_verify_s": med["load_on"]["load_verify_s"], "load_verified_bytes": med["load_on"]["load_verified_bytes"],
+        "load_verify_s": med["load_on"]["load_verify_s"],
+        "load_verified_bytes": med["load_on"]["load_verified_bytes"],
         # the default running stock: the base model's FFN rows checked beside llama.cpp's load
-        "default_load_s_off": med["default_load_off"]["load_s"], "default_load_s_on": med["default_load_on"]["load_s"],
+        "default_load_s_off": med["default_load_off"]["load_s"],
+        "default_load_s_on": med["default_load_on"]["load_s"],
         "default_load_cost_pct": 100 * (med["default_load_on"]["load_s"] / med["default_load_off"]["load_s"] - 1),
         "default_load_cost_pct_paired_median": statistics.median(paired_default),
         "default_load_verify_s": med["default_load_on"]["load_verify_s"],
@@ -208,10 +238,16 @@ def main() -> int:
     }
     if not args.load_only:
         summary.update(offload_summary(runs, med, args.n_gen))
-    payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "time": time.strftime("%Y-%m-%d %H:%M"),
-               "settings": {**base, "reps": args.reps, "order": "alternated, medians"}, "machine_busy_before_rep": busy,
-               "crc32c": crc_throughput(), "summary": summary, "medians": med,
-               "runs": {k: [{f: x for f, x in r.items() if f != "tokens"} for r in v] for k, v in runs.items()}}
+    payload = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "time": time.strftime("%Y-%m-%d %H:%M"),
+        "settings": {**base, "reps": args.reps, "order": "alternated, medians"},
+        "machine_busy_before_rep": busy,
+        "crc32c": crc_throughput(),
+        "summary": summary,
+        "medians": med,
+        "runs": {k: [{f: x for f, x in r.items() if f != "tokens"} for r in v] for k, v in runs.items()},
+    }
     out = args.json or REPO / "bench" / "results" / f"integrity-{model.stem.split('.')[0].lower()}.json"
     out.write_text(json.dumps(payload, indent=1) + "\n")
     print(json.dumps({"crc32c": payload["crc32c"], **summary}, indent=1))
@@ -230,22 +266,27 @@ def offload_summary(runs: dict, med: dict, n_gen: int) -> dict:
         # one process, both models, token by token in turn: median over reps of (time on / time off − 1)
         "decode_cost_pct_interleaved_median": statistics.median(pair_ratio),
         "decode_cost_pct_interleaved_runs": [round(x, 2) for x in pair_ratio],
-        "decode_cost_pct_interleaved_token_median": 100 * (
-            statistics.median(r["token_ratio_median"] for r in runs["offload_pair"]) - 1),
+        "decode_cost_pct_interleaved_token_median": 100
+        * (statistics.median(r["token_ratio_median"] for r in runs["offload_pair"]) - 1),
         # the engine's own account of the check time no read hides: the compute threads' checks,
         # spread over N_THREADS (the waiting thread's checks run while reads of its layer are in
         # flight, one slot at a time), as a share of the decode time without checks
         "checks_on_critical_path_pct_of_decode": statistics.median(
-            100 * r["read_compute_verify_s"] / N_THREADS / r["decode_s_off"] for r in runs["offload_pair"]),
-        "read_verify_share_of_decode_time_pct": 100 * med["offload_on"]["read_verify_s"] / n_gen
+            100 * r["read_compute_verify_s"] / N_THREADS / r["decode_s_off"] for r in runs["offload_pair"]
+        ),
+        "read_verify_share_of_decode_time_pct": 100
+        * med["offload_on"]["read_verify_s"]
+        / n_gen
         * med["offload_off"]["tok_s"],
-        "decode_tok_s_off": med["offload_off"]["tok_s"], "decode_tok_s_on": med["offload_on"]["tok_s"],
+        "decode_tok_s_off": med["offload_off"]["tok_s"],
+        "decode_tok_s_on": med["offload_on"]["tok_s"],
         "decode_cost_pct": 100 * (1 - med["offload_on"]["tok_s"] / med["offload_off"]["tok_s"]),
         "read_verify_s_per_token": med["offload_on"]["read_verify_s"] / n_gen,
         "bytes_read_per_token": med["offload_on"]["bytes_read"] / n_gen,
         "io_wait_s_per_token_on": med["offload_on"]["io_wait_s"] / n_gen,
         "same_tokens": len(tokens) == 1 and all(r["same_tokens"] for r in runs["offload_pair"]),
     }
+
 
 if __name__ == "__main__":
     sys.exit(main())

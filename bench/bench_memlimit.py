@@ -33,15 +33,25 @@ from llamaflash.bench import memlimit  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     d = memlimit.BenchOptions(model="", limits_mb=[])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-coder-1.5b", help="asset name (llamaflash.assets.MODELS) or a .gguf path")
+    p.add_argument(
+        "--model", default="qwen2.5-coder-1.5b", help="asset name (llamaflash.assets.MODELS) or a .gguf path"
+    )
     p.add_argument("--limits", type=int, nargs="+", default=[1400, 1100, 900, 700], help="memory limits in MB")
-    p.add_argument("--configs", default="stock,llamaflash", help="comma-separated: stock, llamaflash (ram_budget_mb = "
-                   "the limit; speculative), llamaflash-nospec (the same without speculative decoding), llamaflash-copy / "
-                   "llamaflash-resident (speculative, the self-draft from the sidecar's draft copy / from the "
-                   "resident clusters only), a flash_mode")
-    p.add_argument("--prompt-set", default=None, choices=["chat", "code", "prose"],
-                   help="decode the prompt set (llamaflash.bench.prompt_sets) with llm.generate, n_gen tokens or EOS "
-                        "per prompt, instead of one text prompt token by token")
+    p.add_argument(
+        "--configs",
+        default="stock,llamaflash",
+        help="comma-separated: stock, llamaflash (ram_budget_mb = "
+        "the limit; speculative), llamaflash-nospec (the same without speculative decoding), llamaflash-copy / "
+        "llamaflash-resident (speculative, the self-draft from the sidecar's draft copy / from the "
+        "resident clusters only), a flash_mode",
+    )
+    p.add_argument(
+        "--prompt-set",
+        default=None,
+        choices=["chat", "code", "prose"],
+        help="decode the prompt set (llamaflash.bench.prompt_sets) with llm.generate, n_gen tokens or EOS "
+        "per prompt, instead of one text prompt token by token",
+    )
     p.add_argument("--sidecar", default=None, help="sidecar path (default <stem>.flash.gguf beside the model)")
     p.add_argument("--reps", type=int, default=d.reps)
     p.add_argument("--threads", type=int, default=d.threads)
@@ -49,17 +59,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-gen", type=int, default=d.n_gen)
     p.add_argument("--n-ctx", type=int, default=d.n_ctx)
     p.add_argument("--n-batch", type=int, default=d.n_batch)
-    p.add_argument("--max-decode-s", type=float, default=d.max_decode_s,
-                   help="stop decoding after this many seconds (tok/s over the tokens done)")
+    p.add_argument(
+        "--max-decode-s",
+        type=float,
+        default=d.max_decode_s,
+        help="stop decoding after this many seconds (tok/s over the tokens done)",
+    )
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per run, load included")
-    p.add_argument("--quiet-wait", type=float, default=d.quiet_wait_s,
-                   help="before each run, wait up to this long for the cores to be idle (0: don't)")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=d.quiet_wait_s,
+        help="before each run, wait up to this long for the cores to be idle (0: don't)",
+    )
     p.add_argument("--no-cgroup", action="store_true", help="run without memory limits (cold page cache only)")
-    p.add_argument("--private-copy", default=None, metavar="DIR",
-                   help="benchmark copies of the model/sidecar made in DIR (removed afterwards): use it when other "
-                        "processes may map the same files (their pages cannot be evicted)")
-    p.add_argument("--from-json", type=Path, default=None, metavar="JSON",
-                   help="run nothing: summarize the runs of an earlier JSON again and redraw its table and plot")
+    p.add_argument(
+        "--private-copy",
+        default=None,
+        metavar="DIR",
+        help="benchmark copies of the model/sidecar made in DIR (removed afterwards): use it when other "
+        "processes may map the same files (their pages cannot be evicted)",
+    )
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="run nothing: summarize the runs of an earlier JSON again and redraw its table and plot",
+    )
     p.add_argument("--json", type=Path, default=None, help="default bench/results/memlimit-<model>-<timestamp>.json")
     p.add_argument("--png", type=Path, default=None, help="default: the JSON path with .png")
     args = p.parse_args(argv)
@@ -76,10 +103,21 @@ def main(argv=None) -> int:
         memlimit.report(payload, out, args.png or out.with_suffix(".png"))
         return 0
     opts = memlimit.BenchOptions(
-        model=args.model, limits_mb=args.limits, configs=args.configs, sidecar=args.sidecar, reps=args.reps,
-        threads=args.threads, n_prompt=args.prompt_tokens, n_gen=args.n_gen, n_ctx=args.n_ctx,
-        n_batch=args.n_batch, max_decode_s=args.max_decode_s, timeout_s=args.timeout,
-        quiet_wait_s=args.quiet_wait, use_cgroup=not args.no_cgroup, private_copy_dir=args.private_copy,
+        model=args.model,
+        limits_mb=args.limits,
+        configs=args.configs,
+        sidecar=args.sidecar,
+        reps=args.reps,
+        threads=args.threads,
+        n_prompt=args.prompt_tokens,
+        n_gen=args.n_gen,
+        n_ctx=args.n_ctx,
+        n_batch=args.n_batch,
+        max_decode_s=args.max_decode_s,
+        timeout_s=args.timeout,
+        quiet_wait_s=args.quiet_wait,
+        use_cgroup=not args.no_cgroup,
+        private_copy_dir=args.private_copy,
         prompt_set=args.prompt_set,
     )
     try:

@@ -18,6 +18,7 @@ per token, I/O wait per token), the I/O bound (disk bandwidth for expert-sized d
 disk probe, divided by the bytes read per token) and decode as a share of it, the speed-up over
 stock-norepack, and the routing statistics recorded in the sidecar.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="MoE .gguf (its expert sidecar beside it, or --sidecar)")
     p.add_argument("--sidecar", default=None)
-    p.add_argument("--fractions", type=float, nargs="+", default=[1 / 3, 1 / 2],
-                   help="memory limits as fractions of the model file's size")
+    p.add_argument(
+        "--fractions",
+        type=float,
+        nargs="+",
+        default=[1 / 3, 1 / 2],
+        help="memory limits as fractions of the model file's size",
+    )
     p.add_argument("--limits", type=int, nargs="*", default=None, help="memory limits in MiB (instead of fractions)")
     p.add_argument("--configs", default="stock,stock-norepack,llamaflash-nospec")
     p.add_argument("--reps", type=int, default=2)
@@ -84,28 +90,48 @@ def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
         for config in payload["options"]["configs"]:
             runs = [r for r in payload["runs"] if r["config"] == config and r["limit_mb"] == limit]
             ok = [r for r in runs if r.get("ok")]
-            row = {"limit_mb": limit, "config": config, "runs": len(runs), "ok": len(ok),
-                   "status": sorted({r["status"] for r in runs}),
-                   "decode_tps": median([r["decode_tps"] for r in ok if r.get("decode_tps")]) if ok else None,
-                   "prefill_tps": median([r["prefill_tps"] for r in ok]) if ok else None,
-                   "load_s": median([r["load_s"] for r in ok]) if ok else None,
-                   "cg_peak_mb": median([r["cg_peak_mb"] for r in ok if r.get("cg_peak_mb")]) if ok else None,
-                   "decode_read_mb_per_tok": median([r["read_bytes_phases"]["decode"] / max(1, r["n_gen_done"]) / 1e6
-                                                     for r in ok]) if ok else None,
-                   "tokens": ok[0].get("tokens") if ok else None}
+            row = {
+                "limit_mb": limit,
+                "config": config,
+                "runs": len(runs),
+                "ok": len(ok),
+                "status": sorted({r["status"] for r in runs}),
+                "decode_tps": median([r["decode_tps"] for r in ok if r.get("decode_tps")]) if ok else None,
+                "prefill_tps": median([r["prefill_tps"] for r in ok]) if ok else None,
+                "load_s": median([r["load_s"] for r in ok]) if ok else None,
+                "cg_peak_mb": median([r["cg_peak_mb"] for r in ok if r.get("cg_peak_mb")]) if ok else None,
+                "decode_read_mb_per_tok": median(
+                    [r["read_bytes_phases"]["decode"] / max(1, r["n_gen_done"]) / 1e6 for r in ok]
+                )
+                if ok
+                else None,
+                "tokens": ok[0].get("tokens") if ok else None,
+            }
             ex = [r["flash_stats"]["experts"] for r in ok if (r.get("flash_stats") or {}).get("experts")]
             if ex:
+
                 def med(key):
                     vals = [e[key] for e in ex if e.get(key) is not None]
                     return median(vals) if vals else None
+
                 per_tok = med("bytes_read_per_token")
-                row["experts"] = {k: med(k) for k in ("hit_rate", "prefetch_recall", "prefetch_waste",
-                                                      "bytes_read_per_token", "io_wait_per_token_s",
-                                                      "slots_per_layer", "pinned_per_layer",
-                                                      "predicted_miss_rate")}
+                row["experts"] = {
+                    k: med(k)
+                    for k in (
+                        "hit_rate",
+                        "prefetch_recall",
+                        "prefetch_waste",
+                        "bytes_read_per_token",
+                        "io_wait_per_token_s",
+                        "slots_per_layer",
+                        "pinned_per_layer",
+                        "predicted_miss_rate",
+                    )
+                }
                 row["io_bound_tps"] = mb_s * 1e6 / per_tok if per_tok else None
-                row["of_io_bound"] = (row["decode_tps"] / row["io_bound_tps"]
-                                      if row["io_bound_tps"] and row["decode_tps"] else None)
+                row["of_io_bound"] = (
+                    row["decode_tps"] / row["io_bound_tps"] if row["io_bound_tps"] and row["decode_tps"] else None
+                )
             by_config[config] = row
             rows.append(row)
         ref = by_config.get("stock-norepack")
@@ -114,30 +140,46 @@ def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
                 row["x_stock_norepack"] = row["decode_tps"] / ref["decode_tps"]
             if ref and ref.get("tokens") and row.get("tokens") and config != "stock-norepack":
                 row["tokens_equal_stock_norepack"] = row["tokens"] == ref["tokens"]
-    payload["moe"] = {"label": payload.get("label"), "disk_mb_s": mb_s, "disk_profile": profile,
-                      "read_bytes": tensor_bytes, "architecture": moe.architecture, "n_layer": len(moe.layers),
-                      "n_expert": moe.n_expert, "n_used": moe.n_used, "file_bytes": moe.file_size,
-                      "expert_bytes": moe.expert_bytes_total,
-                      "routing": {"tokens": info.routing_tokens, "source": info.routing_source,
-                                  "reuse_mean": float(sum(s.reuse for s in info.layers) / len(info.layers))}}
+    payload["moe"] = {
+        "label": payload.get("label"),
+        "disk_mb_s": mb_s,
+        "disk_profile": profile,
+        "read_bytes": tensor_bytes,
+        "architecture": moe.architecture,
+        "n_layer": len(moe.layers),
+        "n_expert": moe.n_expert,
+        "n_used": moe.n_used,
+        "file_bytes": moe.file_size,
+        "expert_bytes": moe.expert_bytes_total,
+        "routing": {
+            "tokens": info.routing_tokens,
+            "source": info.routing_source,
+            "reuse_mean": float(sum(s.reuse for s in info.layers) / len(info.layers)),
+        },
+    }
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
-    out = [f"{'limit':>6} {'config':<18} {'decode':>7} {'x':>6} {'prefill':>8} {'hit':>5} {'MB/tok':>7} "
-           f"{'bound':>6} {'of':>5} {'recall':>6} {'waste':>6} {'wait/tok':>8} {'same':>5} status"]
+    out = [
+        f"{'limit':>6} {'config':<18} {'decode':>7} {'x':>6} {'prefill':>8} {'hit':>5} {'MB/tok':>7} "
+        f"{'bound':>6} {'of':>5} {'recall':>6} {'waste':>6} {'wait/tok':>8} {'same':>5} status"
+    ]
     for r in rows:
         e = r.get("experts") or {}
 
         def f(v, spec):
             return format(v, spec) if v is not None else "-"
-        out.append(f"{r['limit_mb']!s:>6} {r['config']:<18} {f(r['decode_tps'], '7.2f')} {f(r.get('x_stock_norepack'), '6.2f')} "
-                   f"{f(r['prefill_tps'], '8.1f')} {f(e.get('hit_rate'), '5.2f')} "
-                   f"{f((e.get('bytes_read_per_token') or 0) / 1e6 if e else None, '7.1f')} "
-                   f"{f(r.get('io_bound_tps'), '6.2f')} {f(r.get('of_io_bound'), '5.2f')} "
-                   f"{f(e.get('prefetch_recall'), '6.2f')} {f(e.get('prefetch_waste'), '6.2f')} "
-                   f"{f(e.get('io_wait_per_token_s'), '8.3f')} {str(r.get('tokens_equal_stock_norepack', '-')):>5} "
-                   f"{','.join(r['status'])}")
+
+        out.append(
+            f"{r['limit_mb']!s:>6} {r['config']:<18} {f(r['decode_tps'], '7.2f')} {f(r.get('x_stock_norepack'), '6.2f')} "
+            f"{f(r['prefill_tps'], '8.1f')} {f(e.get('hit_rate'), '5.2f')} "
+            f"{f((e.get('bytes_read_per_token') or 0) / 1e6 if e else None, '7.1f')} "
+            f"{f(r.get('io_bound_tps'), '6.2f')} {f(r.get('of_io_bound'), '5.2f')} "
+            f"{f(e.get('prefetch_recall'), '6.2f')} {f(e.get('prefetch_waste'), '6.2f')} "
+            f"{f(e.get('io_wait_per_token_s'), '8.3f')} {str(r.get('tokens_equal_stock_norepack', '-')):>5} "
+            f"{','.join(r['status'])}"
+        )
     return "\n".join(out)
 
 
@@ -147,10 +189,21 @@ def main(argv=None) -> int:
     sidecar = Path(a.sidecar).expanduser().resolve() if a.sidecar else model.with_name(model.stem + ".flash.gguf")
     size_mib = model.stat().st_size / MiB
     limits = a.limits or [int(size_mib * f) for f in a.fractions]
-    opts = memlimit.BenchOptions(model=str(model), limits_mb=limits, configs=a.configs.split(","),
-                                 sidecar=str(sidecar), reps=a.reps, threads=a.threads, n_prompt=a.prompt_tokens,
-                                 n_gen=a.n_gen, n_ctx=a.n_ctx, n_batch=256, max_decode_s=a.max_decode_s,
-                                 timeout_s=a.timeout, quiet_wait_s=a.quiet_wait)
+    opts = memlimit.BenchOptions(
+        model=str(model),
+        limits_mb=limits,
+        configs=a.configs.split(","),
+        sidecar=str(sidecar),
+        reps=a.reps,
+        threads=a.threads,
+        n_prompt=a.prompt_tokens,
+        n_gen=a.n_gen,
+        n_ctx=a.n_ctx,
+        n_batch=256,
+        max_decode_s=a.max_decode_s,
+        timeout_s=a.timeout,
+        quiet_wait_s=a.quiet_wait,
+    )
     print(f"model {model} ({size_mib:.0f} MiB, {a.label}); limits {limits} MiB")
     payload = memlimit.run_benchmark(opts)
     payload["label"] = a.label

@@ -14,6 +14,7 @@ nothing is read) k measured draft steps come first. The model runs with the expe
 (the engine's memory is fixed by its slots; the dense part is anonymous memory, the experts are read
 with direct I/O, so no cgroup is needed for the engine's behaviour; no other process should run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,15 @@ def main(argv=None) -> int:
     from llamaflash import Llama
     from llamaflash.converters import texts
 
-    llm = Llama(a.model, n_ctx=1024, n_threads=a.threads, n_threads_batch=a.threads, verbose=False,
-                ram_budget_mb=a.budget_mb, flash_speculative=False)
+    llm = Llama(
+        a.model,
+        n_ctx=1024,
+        n_threads=a.threads,
+        n_threads_batch=a.threads,
+        verbose=False,
+        ram_budget_mb=a.budget_mb,
+        flash_speculative=False,
+    )
     if llm.flash_mode != "experts":
         print(f"the model runs {llm.flash_mode!r} at {a.budget_mb} MiB: {llm.flash_stats()['decision']['reason']}")
         return 2
@@ -57,7 +65,7 @@ def main(argv=None) -> int:
         llm.reset_flash_stats()
         t0 = time.perf_counter()
         for _ in range(a.passes):
-            batch = context[pos: pos + k] if pos + k <= len(context) else context[128: 128 + k]
+            batch = context[pos : pos + k] if pos + k <= len(context) else context[128 : 128 + k]
             llm.eval(batch)
             pos += k
             if llm.n_tokens + k >= 1000:
@@ -65,13 +73,20 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - t0
         s = llm.flash_stats()["experts"]
         passes = a.passes
-        row = {"batch": k, "passes": passes, "s_per_pass": wall / passes,
-               "union_experts_per_layer": s["experts_computed"] / max(1, s["splits"]),
-               "mb_read_per_pass": s["bytes_read"] / passes / 1e6,
-               "hit_rate": s["hit_rate"], "io_wait_per_pass_s": s["io_wait_seconds"] / passes}
+        row = {
+            "batch": k,
+            "passes": passes,
+            "s_per_pass": wall / passes,
+            "union_experts_per_layer": s["experts_computed"] / max(1, s["splits"]),
+            "mb_read_per_pass": s["bytes_read"] / passes / 1e6,
+            "hit_rate": s["hit_rate"],
+            "io_wait_per_pass_s": s["io_wait_seconds"] / passes,
+        }
         rows.append(row)
-        print(f"batch {k}: {row['s_per_pass'] * 1e3:7.1f} ms/pass  union {row['union_experts_per_layer']:5.1f} "
-              f"experts/layer  {row['mb_read_per_pass']:6.1f} MB/pass  hit {row['hit_rate']:.2f}")
+        print(
+            f"batch {k}: {row['s_per_pass'] * 1e3:7.1f} ms/pass  union {row['union_experts_per_layer']:5.1f} "
+            f"experts/layer  {row['mb_read_per_pass']:6.1f} MB/pass  hit {row['hit_rate']:.2f}"
+        )
     # the self-draft's step: one token in draft mode (no reads), KV rolled back after each
     llm.reset()
     llm.eval(context[:128])
@@ -90,8 +105,10 @@ def main(argv=None) -> int:
     s = llm.flash_stats()["experts"]
     draft_step = float(np.median(steps))
     substituted = s["draft_substituted"] / max(1, s["draft_pairs"])
-    print(f"self-draft step: {draft_step * 1e3:.1f} ms (median), {substituted:.0%} of routed experts replaced by "
-          f"resident ones, {s['bytes_read'] / 1e6:.1f} MB read")
+    print(
+        f"self-draft step: {draft_step * 1e3:.1f} ms (median), {substituted:.0%} of routed experts replaced by "
+        f"resident ones, {s['bytes_read'] / 1e6:.1f} MB read"
+    )
     base = next(r for r in rows if r["batch"] == 1)["s_per_pass"]
     print("PREDICTION (published acceptance rates, not measured on this random-weight model):")
     for r in rows:
@@ -101,16 +118,32 @@ def main(argv=None) -> int:
             tokens = (1 - acc ** (k + 1)) / (1 - acc)
             r["predicted_tok_s"][acc] = tokens / r["s_per_pass"]
             r["predicted_tok_s_self_draft"][acc] = tokens / (r["s_per_pass"] + k * draft_step)
-        print(f"  verify batch {r['batch']} (k={k}), free draft: " + ", ".join(
-            f"a={acc}: {v:.2f} tok/s ({v * base:.2f}x)" for acc, v in r["predicted_tok_s"].items()))
-        print(f"  {'':>17} self-draft: " + ", ".join(
-            f"a={acc}: {v:.2f} tok/s ({v * base:.2f}x)" for acc, v in r["predicted_tok_s_self_draft"].items()))
+        print(
+            f"  verify batch {r['batch']} (k={k}), free draft: "
+            + ", ".join(f"a={acc}: {v:.2f} tok/s ({v * base:.2f}x)" for acc, v in r["predicted_tok_s"].items())
+        )
+        print(
+            f"  {'':>17} self-draft: "
+            + ", ".join(
+                f"a={acc}: {v:.2f} tok/s ({v * base:.2f}x)" for acc, v in r["predicted_tok_s_self_draft"].items()
+            )
+        )
     if a.json:
-        Path(a.json).write_text(json.dumps({"model": a.model, "budget_mb": a.budget_mb, "label": "synthetic",
-                                            "rows": rows, "acceptance_assumed": ACCEPTANCE,
-                                            "self_draft_step_s": draft_step,
-                                            "self_draft_substituted_share": substituted,
-                                            "self_draft_bytes_read": s["bytes_read"]}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "model": a.model,
+                    "budget_mb": a.budget_mb,
+                    "label": "synthetic",
+                    "rows": rows,
+                    "acceptance_assumed": ACCEPTANCE,
+                    "self_draft_step_s": draft_step,
+                    "self_draft_substituted_share": substituted,
+                    "self_draft_bytes_read": s["bytes_read"],
+                },
+                indent=1,
+            )
+        )
     llm.close()
     return 0
 

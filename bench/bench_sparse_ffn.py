@@ -30,6 +30,7 @@ Two cache regimes (the layer's FFN is ~30 MB, about the size of this machine's 3
 Usage:  python bench/bench_sparse_ffn.py [--model qwen2.5-coder-1.5b] [--layer 10] [--threads 1,2]
 Writes JSON to bench/results/sparse-ffn-<model>-<time>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,14 @@ def find_sidecar(model: Path, convert_dir: Path, down_t_type: str | None = None)
 
     out = candidates[-1]
     print(f"[bench] converting {model.name} -> {out}", file=sys.stderr)
-    convert(model, out, force=True, progress=False, profile=False,  # bundle-only: what the kernel reads
-            down_t_type=down_t_type or "q8_0")  # the default sidecar of earlier runs
+    convert(
+        model,
+        out,
+        force=True,
+        progress=False,
+        profile=False,  # bundle-only: what the kernel reads
+        down_t_type=down_t_type or "q8_0",
+    )  # the default sidecar of earlier runs
     return out, validate_pair(model, out)
 
 
@@ -90,29 +97,64 @@ class Layer:
         n_ff, n_embd = lay.n_ff, lay.n_embd
         self.bundles = side[lay.bundle_offset : lay.bundle_offset + n_ff * lay.bundle_stride]
         self.down_t = side[lay.down_t_offset : lay.down_t_offset + n_ff * lay.down_t_row_bytes]
-        self.kernel = N.SparseFfnKernel(self.bundles, lay.bundle_stride, lay.gate_type, lay.up_type,
-                                        lay.gate_row_bytes, lay.up_row_bytes, self.down_t, lay.down_t_type,
-                                        lay.down_t_row_bytes, n_embd, n_ff, activation)
+        self.kernel = N.SparseFfnKernel(
+            self.bundles,
+            lay.bundle_stride,
+            lay.gate_type,
+            lay.up_type,
+            lay.gate_row_bytes,
+            lay.up_row_bytes,
+            self.down_t,
+            lay.down_t_type,
+            lay.down_t_row_bytes,
+            n_embd,
+            n_ff,
+            activation,
+        )
         gate_bytes = n_ff * lay.gate_row_bytes
         up_bytes = n_ff * lay.up_row_bytes
         down_bytes = n_embd * lay.base_down_row_bytes
-        self.dense = N.DenseFfnGraph(base[lay.base_gate_offset : lay.base_gate_offset + gate_bytes], lay.gate_type,
-                                     base[lay.base_up_offset : lay.base_up_offset + up_bytes], lay.up_type,
-                                     base[lay.base_down_offset : lay.base_down_offset + down_bytes],
-                                     lay.base_down_type, n_embd, n_ff, activation, n_tokens=1, n_threads=1,
-                                     repack=True)
+        self.dense = N.DenseFfnGraph(
+            base[lay.base_gate_offset : lay.base_gate_offset + gate_bytes],
+            lay.gate_type,
+            base[lay.base_up_offset : lay.base_up_offset + up_bytes],
+            lay.up_type,
+            base[lay.base_down_offset : lay.base_down_offset + down_bytes],
+            lay.base_down_type,
+            n_embd,
+            n_ff,
+            activation,
+            n_tokens=1,
+            n_threads=1,
+            repack=True,
+        )
         self.dense_bytes = gate_bytes + up_bytes + down_bytes
-        self.gate_graph = N.DenseFfnGraph(base[lay.base_gate_offset : lay.base_gate_offset + gate_bytes],
-                                          lay.gate_type, None, 0, None, 0, n_embd, n_ff, activation, n_tokens=1,
-                                          n_threads=1, repack=True, gate_only=True)
-        assert np.array_equal(np.frombuffer(side[lay.order_offset : lay.order_offset + 4 * n_ff], np.int32),
-                              np.arange(n_ff)), "hybrid lane assumes the identity neuron order"
+        self.gate_graph = N.DenseFfnGraph(
+            base[lay.base_gate_offset : lay.base_gate_offset + gate_bytes],
+            lay.gate_type,
+            None,
+            0,
+            None,
+            0,
+            n_embd,
+            n_ff,
+            activation,
+            n_tokens=1,
+            n_threads=1,
+            repack=True,
+            gate_only=True,
+        )
+        assert np.array_equal(
+            np.frombuffer(side[lay.order_offset : lay.order_offset + 4 * n_ff], np.int32), np.arange(n_ff)
+        ), "hybrid lane assumes the identity neuron order"
 
     def abs_act(self, x: np.ndarray) -> np.ndarray:
         """|act(gate · x)| per token [n_tokens, n_ff], as the kernel computes it."""
         lay = self.lay
         b = self.bundles.reshape(lay.n_ff, lay.bundle_stride)
-        G = gguf.quants.dequantize(np.ascontiguousarray(b[:, : lay.gate_row_bytes]), gguf.GGMLQuantizationType(lay.gate_type))
+        G = gguf.quants.dequantize(
+            np.ascontiguousarray(b[:, : lay.gate_row_bytes]), gguf.GGMLQuantizationType(lay.gate_type)
+        )
         xg = np.stack([N.activation_roundtrip(lay.gate_type, r) for r in x])
         g = (xg @ G.T).astype(np.float32)
         return np.abs(np.stack([N.sparse_ffn_activation(self.activation, r) for r in g]))
@@ -143,11 +185,15 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--fractions", default="1.0,0.5,0.3,0.1")
     ap.add_argument("--convert-dir", default="/tmp")
-    ap.add_argument("--down-t-type", default=None,
-                    help="time a bundle-only sidecar with this down_t type (converter --down-t-type), converted "
-                         "into --convert-dir once, instead of the model's sidecar")
-    ap.add_argument("--quiet-wait", type=float, default=120.0,
-                    help="seconds to wait for other processes to go quiet before timing")
+    ap.add_argument(
+        "--down-t-type",
+        default=None,
+        help="time a bundle-only sidecar with this down_t type (converter --down-t-type), converted "
+        "into --convert-dir once, instead of the model's sidecar",
+    )
+    ap.add_argument(
+        "--quiet-wait", type=float, default=120.0, help="seconds to wait for other processes to go quiet before timing"
+    )
     args = ap.parse_args()
 
     model, name, _ = common.resolve_model(args.model)
@@ -170,10 +216,12 @@ def main() -> int:
     threads = [int(t) for t in args.threads.split(",")]
     fractions = [float(f) for f in args.fractions.split(",")]
     lay0 = by_layer[args.layer]
-    print(f"[bench] n_embd {lay0.n_embd}, n_ff {lay0.n_ff}, gate/up {gguf.GGMLQuantizationType(lay0.gate_type).name}, "
-          f"base down {gguf.GGMLQuantizationType(lay0.base_down_type).name}, "
-          f"down_t {gguf.GGMLQuantizationType(lay0.down_t_type).name}, kernel ISA {N.sparse_ffn_best_isa()}",
-          file=sys.stderr)
+    print(
+        f"[bench] n_embd {lay0.n_embd}, n_ff {lay0.n_ff}, gate/up {gguf.GGMLQuantizationType(lay0.gate_type).name}, "
+        f"base down {gguf.GGMLQuantizationType(lay0.base_down_type).name}, "
+        f"down_t {gguf.GGMLQuantizationType(lay0.down_t_type).name}, kernel ISA {N.sparse_ffn_best_isa()}",
+        file=sys.stderr,
+    )
     for L in rotation:  # warm: page cache, scratch, first-touch
         layers[L].kernel.time(xs[L][:1], -1.0, n_threads=max(threads), n_iter=2)
         layers[L].dense.run(xs[L][:1], 2)
@@ -183,14 +231,25 @@ def main() -> int:
     target = args.layer
 
     def record(lane, fraction, nt, streamed, hot, nbytes, extra):
-        row = dict(lane=lane, active=fraction, threads=nt, us_streamed=statistics.median(streamed) * 1e6,
-                   us_streamed_p20=float(np.percentile(streamed, 20)) * 1e6, samples=len(streamed),
-                   us_hot=statistics.median(hot) * 1e6, mbytes=nbytes / 1e6,
-                   gbs_streamed=nbytes / statistics.median(streamed) / 1e9, gbs_hot=nbytes / statistics.median(hot) / 1e9)
+        row = dict(
+            lane=lane,
+            active=fraction,
+            threads=nt,
+            us_streamed=statistics.median(streamed) * 1e6,
+            us_streamed_p20=float(np.percentile(streamed, 20)) * 1e6,
+            samples=len(streamed),
+            us_hot=statistics.median(hot) * 1e6,
+            mbytes=nbytes / 1e6,
+            gbs_streamed=nbytes / statistics.median(streamed) / 1e9,
+            gbs_hot=nbytes / statistics.median(hot) / 1e9,
+        )
         row.update(extra)
         rows.append(row)
-        print(f"[bench] {lane:<26} {fraction:>5.0%} t={nt}  streamed {row['us_streamed']:8.1f} us "
-              f"{row['gbs_streamed']:5.1f} GB/s   hot {row['us_hot']:8.1f} us {row['gbs_hot']:5.1f} GB/s", file=sys.stderr)
+        print(
+            f"[bench] {lane:<26} {fraction:>5.0%} t={nt}  streamed {row['us_streamed']:8.1f} us "
+            f"{row['gbs_streamed']:5.1f} GB/s   hot {row['us_hot']:8.1f} us {row['gbs_hot']:5.1f} GB/s",
+            file=sys.stderr,
+        )
 
     # every configuration: name, fraction, kernel ("gate-first", "hybrid"; None = ggml dense)
     configs = [("ggml dense (stock)", 1.0, None)]
@@ -250,20 +309,37 @@ def main() -> int:
     print(f"[bench] {wall:.0f} s; other processes kept {others_busy:.0%} of the CPUs busy meanwhile", file=sys.stderr)
 
     print()
-    print(f"{model.name} layer {args.layer}: n_embd {lay0.n_embd}, n_ff {lay0.n_ff}; x from token embeddings; "
-          f"streamed = {len(rotation)} layers in rotation (DRAM), hot = same layer repeated (L3-assisted)")
-    print(f"{'lane':<27}{'active':>7}{'thr':>4}{'MB read':>9}{'us/token':>10}{'p20':>8}{'GB/s':>7}{'x dense':>9}"
-          f"{'us hot':>9}{'GB/s hot':>9}")
+    print(
+        f"{model.name} layer {args.layer}: n_embd {lay0.n_embd}, n_ff {lay0.n_ff}; x from token embeddings; "
+        f"streamed = {len(rotation)} layers in rotation (DRAM), hot = same layer repeated (L3-assisted)"
+    )
+    print(
+        f"{'lane':<27}{'active':>7}{'thr':>4}{'MB read':>9}{'us/token':>10}{'p20':>8}{'GB/s':>7}{'x dense':>9}"
+        f"{'us hot':>9}{'GB/s hot':>9}"
+    )
     dense_us = {r["threads"]: r["us_streamed"] for r in rows if r["lane"].startswith("ggml")}
     for r in rows:
-        print(f"{r['lane']:<27}{r['active']:>7.0%}{r['threads']:>4}{r['mbytes']:>9.2f}{r['us_streamed']:>10.1f}"
-              f"{r['us_streamed_p20']:>8.1f}{r['gbs_streamed']:>7.1f}{dense_us[r['threads']] / r['us_streamed']:>8.2f}x"
-              f"{r['us_hot']:>9.1f}{r['gbs_hot']:>9.1f}")
+        print(
+            f"{r['lane']:<27}{r['active']:>7.0%}{r['threads']:>4}{r['mbytes']:>9.2f}{r['us_streamed']:>10.1f}"
+            f"{r['us_streamed_p20']:>8.1f}{r['gbs_streamed']:>7.1f}{dense_us[r['threads']] / r['us_streamed']:>8.2f}x"
+            f"{r['us_hot']:>9.1f}{r['gbs_hot']:>9.1f}"
+        )
     out = common.RESULTS_DIR / f"sparse-ffn-{name}-{common.timestamp()}.json"
-    common.write_json(out, dict(model=str(model), sidecar=str(sidecar), layer=args.layer, rotation=rotation,
-                                tokens=args.tokens, reps=args.reps, busy_before=busy_before,
-                                others_busy=others_busy,
-                                machine=common.machine_info(), rows=rows))
+    common.write_json(
+        out,
+        dict(
+            model=str(model),
+            sidecar=str(sidecar),
+            layer=args.layer,
+            rotation=rotation,
+            tokens=args.tokens,
+            reps=args.reps,
+            busy_before=busy_before,
+            others_busy=others_busy,
+            machine=common.machine_info(),
+            rows=rows,
+        ),
+    )
     print(f"\nJSON: {out}")
     return 0
 

@@ -20,9 +20,9 @@ from llamaflash.sidecar import SidecarInfo
 
 @dataclass
 class DecodeBytes:
-    stock: int                   # bytes per token, stock llama.cpp (and the dense lane)
-    ffn: int                     # of which the served FFN layers' gate/up/down
-    sparse: int | None = None    # bytes per token with the sparse lane at the measured active fractions
+    stock: int  # bytes per token, stock llama.cpp (and the dense lane)
+    ffn: int  # of which the served FFN layers' gate/up/down
+    sparse: int | None = None  # bytes per token with the sparse lane at the measured active fractions
     note: str = "weights only (KV cache and activations left out)"
 
     def bound_tps(self, bandwidth: float, sparse: bool = False) -> float:
@@ -30,8 +30,12 @@ class DecodeBytes:
         return bandwidth / b if b else float("nan")
 
 
-def decode_bytes(model_path: str | os.PathLike[str], sidecar: SidecarInfo | None = None,
-                 active_fraction: dict[int, float] | None = None, dense_up: bool = False) -> DecodeBytes:
+def decode_bytes(
+    model_path: str | os.PathLike[str],
+    sidecar: SidecarInfo | None = None,
+    active_fraction: dict[int, float] | None = None,
+    dense_up: bool = False,
+) -> DecodeBytes:
     """Weight bytes read per decoded token (see the module docstring); ``active_fraction``: per
     served layer, the fraction of neurons the sparse lane computed (``flash_stats()``);
     ``dense_up``: the lane computed u for every neuron with ggml's GEMV (the whole up matrix)."""

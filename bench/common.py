@@ -58,7 +58,11 @@ def summarize(runs: list[dict[str, Any]], configs: Sequence[str], baseline: str 
     base = {}
     for cfg in configs:
         rs = [r for r in ok if r["config"] == cfg]
-        row: dict[str, Any] = {"config": cfg, "n_ok": len(rs), "n_failed": sum(1 for r in runs if r["config"] == cfg and not r.get("ok"))}
+        row: dict[str, Any] = {
+            "config": cfg,
+            "n_ok": len(rs),
+            "n_failed": sum(1 for r in runs if r["config"] == cfg and not r.get("ok")),
+        }
         for key in ("prefill_tps", "decode_tps", "peak_rss_mb", "anon_mb", "file_mb", "load_s", "foreign_cpu"):
             vals = [r.get(key) for r in rs]
             vals = [v for v in vals if v is not None]

@@ -39,7 +39,9 @@ def _child(args: argparse.Namespace) -> None:
     """Runs in the measured process; prints one JSON line."""
     if args.child == "runtime":
         import llama_cpp  # noqa: F401
+
         import llamaflash  # noqa: F401
+
         print(json.dumps({"rss_bytes": _rss_bytes()}))
         return
     model, mode, ubatch, n_ctx = args.child.split(",")
@@ -53,15 +55,26 @@ def _child(args: argparse.Namespace) -> None:
     try:
         if mode == "stock":
             import llama_cpp
-            llm = llama_cpp.Llama(model_path=path, n_ctx=int(n_ctx), n_batch=int(ubatch), n_ubatch=int(ubatch),
-                                  n_threads=2, verbose=True)
+
+            llm = llama_cpp.Llama(
+                model_path=path, n_ctx=int(n_ctx), n_batch=int(ubatch), n_ubatch=int(ubatch), n_threads=2, verbose=True
+            )
         else:
             import llamaflash
-            sidecar = args.sidecar or (args.sidecar_dir and os.path.join(
-                args.sidecar_dir, os.path.basename(path)[:-5] + ".flash.gguf"))
-            llm = llamaflash.Llama(model_path=path, sidecar_path=sidecar,
-                                   n_ctx=int(n_ctx), n_batch=int(ubatch), n_ubatch=int(ubatch),
-                                   n_threads=2, verbose=True, flash_mode="dense")
+
+            sidecar = args.sidecar or (
+                args.sidecar_dir and os.path.join(args.sidecar_dir, os.path.basename(path)[:-5] + ".flash.gguf")
+            )
+            llm = llamaflash.Llama(
+                model_path=path,
+                sidecar_path=sidecar,
+                n_ctx=int(n_ctx),
+                n_batch=int(ubatch),
+                n_ubatch=int(ubatch),
+                n_threads=2,
+                verbose=True,
+                flash_mode="dense",
+            )
         rss1 = _rss_bytes()
     finally:
         sys.stderr.flush()
@@ -71,17 +84,29 @@ def _child(args: argparse.Namespace) -> None:
     for m in _BUFFER.finditer(log.read()):
         key = f"{m.group(1)} {m.group(2)}"  # summed: Gemma-3 logs a SWA and a non-SWA KV buffer
         buffers[key] = buffers.get(key, 0.0) + float(m.group(3))
-    print(json.dumps({"model": model, "mode": mode, "n_ubatch": int(ubatch), "n_ctx": int(n_ctx),
-                      "n_vocab": llm.n_vocab(), "buffers_mib": buffers,
-                      "rss_before_load": rss0, "rss_after_load": rss1}))
+    print(
+        json.dumps(
+            {
+                "model": model,
+                "mode": mode,
+                "n_ubatch": int(ubatch),
+                "n_ctx": int(n_ctx),
+                "n_vocab": llm.n_vocab(),
+                "buffers_mib": buffers,
+                "rss_before_load": rss0,
+                "rss_after_load": rss1,
+            }
+        )
+    )
     del llm
 
 
 def _run(child: str, sidecar_dir: str | None = None, sidecar: str | None = None) -> dict:
     extra = ["--sidecar-dir", sidecar_dir] if sidecar_dir else []
     extra += ["--sidecar", sidecar] if sidecar else []
-    out = subprocess.run([sys.executable, __file__, "--child", child, *extra], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", child, *extra], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -93,11 +118,14 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=["stock", "llamaflash"])
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--runtime-reps", type=int, default=3)
-    ap.add_argument("--sidecar-dir", default=None,
-                    help="llamaflash mode: take <model stem>.flash.gguf from this directory "
-                         "(default: beside the model)")
-    ap.add_argument("--sidecar", default=None,
-                    help="llamaflash mode, one model: this sidecar file (instead of --sidecar-dir)")
+    ap.add_argument(
+        "--sidecar-dir",
+        default=None,
+        help="llamaflash mode: take <model stem>.flash.gguf from this directory (default: beside the model)",
+    )
+    ap.add_argument(
+        "--sidecar", default=None, help="llamaflash mode, one model: this sidecar file (instead of --sidecar-dir)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.child:
@@ -114,8 +142,12 @@ def main(argv=None) -> int:
                 r = _run(f"{model},{mode},{u},{args.n_ctx}", args.sidecar_dir, args.sidecar)
                 rows.append(r)
                 b = r["buffers_mib"]
-                print(f"{model:20s} {mode:10s} n_ubatch {u:4d}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items())
-                      + f"; RSS after load {r['rss_after_load'] / 2**20:.0f} MiB (n_vocab {r['n_vocab']})", flush=True)
+                print(
+                    f"{model:20s} {mode:10s} n_ubatch {u:4d}: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in b.items())
+                    + f"; RSS after load {r['rss_after_load'] / 2**20:.0f} MiB (n_vocab {r['n_vocab']})",
+                    flush=True,
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runtime_rss_bytes": runtime, "rows": rows}, f, indent=1)

@@ -21,6 +21,7 @@ into place: an interrupted fetch leaves nothing that a later build would mistake
 usage: fetch_ggml_headers.py VERSION OUT_DIR
 Writes OUT_DIR/include/*.h and OUT_DIR/VERSION; exits non-zero with a message naming the way out.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -53,15 +54,16 @@ SDIST_SHA256 = llama_sdist.SDIST_SHA256
 
 
 def obtain_sdist(version: str, dest: Path) -> Path:
-    return llama_sdist.obtain_sdist(version, dest, local=os.environ.get("LLAMAFLASH_LLAMA_CPP_SDIST"),
-                                    index_url=os.environ.get("PIP_INDEX_URL"))
+    return llama_sdist.obtain_sdist(
+        version, dest, local=os.environ.get("LLAMAFLASH_LLAMA_CPP_SDIST"), index_url=os.environ.get("PIP_INDEX_URL")
+    )
 
 
 def extract_headers(sdist: Path, include: Path) -> int:
     def wanted(name: str) -> Optional[Path]:
         if not name.endswith(".h"):
             return None
-        in_dir = any(name.startswith(d) and "/" not in name[len(d):] for d in HEADER_DIRS)
+        in_dir = any(name.startswith(d) and "/" not in name[len(d) :] for d in HEADER_DIRS)
         return include / Path(name).name if in_dir or name in HEADER_FILES else None
 
     n = len(llama_sdist.extract_members(sdist, wanted))
@@ -73,11 +75,17 @@ def extract_headers(sdist: Path, include: Path) -> int:
 def fetch(version: str, out_dir: Path) -> Optional[int]:
     """Makes out_dir hold the headers of `version`; returns how many were extracted (None: cached)."""
     stamp = out_dir / "VERSION"
-    if stamp.exists() and stamp.read_text().strip() == version and (out_dir / "include" / "ggml-backend-impl.h").exists():
+    if (
+        stamp.exists()
+        and stamp.read_text().strip() == version
+        and (out_dir / "include" / "ggml-backend-impl.h").exists()
+    ):
         return None
     if version not in SDIST_SHA256:
-        raise FetchError(f"llama-cpp-python {version} is not supported by this llamaflash "
-                         f"(supported: {', '.join(SDIST_SHA256)}); install llama-cpp-python=={next(iter(SDIST_SHA256))}")
+        raise FetchError(
+            f"llama-cpp-python {version} is not supported by this llamaflash "
+            f"(supported: {', '.join(SDIST_SHA256)}); install llama-cpp-python=={next(iter(SDIST_SHA256))}"
+        )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-") as tmp:
         work = Path(tmp)
@@ -100,8 +108,10 @@ def main() -> int:
     try:
         n = fetch(version, out_dir)
     except FetchError as e:
-        sys.stderr.write(f"llamaflash: could not obtain the ggml headers of llama-cpp-python {version}: {e}\n"
-                         f"{llama_sdist.how_to_fix(version)}\n")
+        sys.stderr.write(
+            f"llamaflash: could not obtain the ggml headers of llama-cpp-python {version}: {e}\n"
+            f"{llama_sdist.how_to_fix(version)}\n"
+        )
         return 1
     if n is not None:
         print(f"extracted {n} ggml headers for llama-cpp-python {version} into {out_dir / 'include'}")

@@ -49,15 +49,15 @@ class LayerAnalysis:
     levels: np.ndarray
     n_train: int
     n_heldout: int
-    thresholds: np.ndarray            # t_s on |act(g)|
-    sparsity_heldout: np.ndarray      # fraction inactive on held-out tokens at t_s
-    ffn_error: np.ndarray             # rel. L2 error of y, inactive neurons skipped (held-out)
-    thresholds_gate_up: np.ndarray    # alternative criterion |act(g)·u|
+    thresholds: np.ndarray  # t_s on |act(g)|
+    sparsity_heldout: np.ndarray  # fraction inactive on held-out tokens at t_s
+    ffn_error: np.ndarray  # rel. L2 error of y, inactive neurons skipped (held-out)
+    thresholds_gate_up: np.ndarray  # alternative criterion |act(g)·u|
     sparsity_heldout_gate_up: np.ndarray
     ffn_error_gate_up: np.ndarray
-    natural_sparsity: float           # fraction with act(g) == 0 exactly (ReLU: the zero pattern)
-    freq: np.ndarray                  # (levels, n_ff): fraction of all tokens active at t_s
-    mag: np.ndarray                   # (n_ff,): mean |h|
+    natural_sparsity: float  # fraction with act(g) == 0 exactly (ReLU: the zero pattern)
+    freq: np.ndarray  # (levels, n_ff): fraction of all tokens active at t_s
+    mag: np.ndarray  # (n_ff,): mean |h|
     gate_check_error: float | None = None
 
     def level_index(self, sparsity: float) -> int:
@@ -100,9 +100,9 @@ def analyse_layer(
         ref = xc.astype(np.float32) @ gate.T
         check_error = float(np.linalg.norm(ref - gc) / max(np.linalg.norm(gc), 1e-30))
 
-    g = x @ gate.T                       # (N, n_ff)
-    a = act(g)                           # act(g)
-    h = a * (x @ up.T)                   # coefficient of each down column
+    g = x @ gate.T  # (N, n_ff)
+    a = act(g)  # act(g)
+    h = a * (x @ up.T)  # coefficient of each down column
     abs_a = np.abs(a)
     abs_h = np.abs(h)
     natural = float(np.mean(a == 0))
@@ -130,11 +130,22 @@ def analyse_layer(
     mag = np.mean(abs_h, axis=0).astype(np.float32)
 
     return LayerAnalysis(
-        layer=layer, n_embd=n_embd, n_ff=n_ff, activation=activation, levels=levels,
-        n_train=int(train_idx.size), n_heldout=int(ho_idx.size),
-        thresholds=thresholds, sparsity_heldout=sparsity_ho, ffn_error=ffn_error,
-        thresholds_gate_up=thresholds_gu, sparsity_heldout_gate_up=sparsity_ho_gu,
-        ffn_error_gate_up=ffn_error_gu, natural_sparsity=natural, freq=freq, mag=mag,
+        layer=layer,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        activation=activation,
+        levels=levels,
+        n_train=int(train_idx.size),
+        n_heldout=int(ho_idx.size),
+        thresholds=thresholds,
+        sparsity_heldout=sparsity_ho,
+        ffn_error=ffn_error,
+        thresholds_gate_up=thresholds_gu,
+        sparsity_heldout_gate_up=sparsity_ho_gu,
+        ffn_error_gate_up=ffn_error_gu,
+        natural_sparsity=natural,
+        freq=freq,
+        mag=mag,
         gate_check_error=check_error,
     )
 
@@ -165,4 +176,3 @@ def _skip_error(h: np.ndarray, skipped: np.ndarray, down: np.ndarray, y_norm: fl
     if y_norm == 0.0 or not skipped.any():
         return 0.0
     return float(np.linalg.norm(np.where(skipped, h, 0.0) @ down.T) / y_norm)
-

@@ -21,22 +21,28 @@ import gguf
 import numpy as np
 
 from llamaflash import sidecar_format as fmt
-from llamaflash.sidecar_format import DEFAULT_DOWN_T, DOWN_T_CHOICES
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan
 from llamaflash.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
+from llamaflash.sidecar_format import DEFAULT_DOWN_T, DOWN_T_CHOICES
 
 
 def bundle_stride(ffn: FfnLayer) -> int:
     """Bytes per bundle row of ``ffn`` (see :func:`llamaflash.sidecar_format.bundle_stride`)."""
-    return fmt.bundle_stride(ffn.gate.row_bytes, ffn.up.row_bytes,
-                             gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ffn.gate.ggml_type)][1],
-                             gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ffn.up.ggml_type)][1])
+    return fmt.bundle_stride(
+        ffn.gate.row_bytes,
+        ffn.up.row_bytes,
+        gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ffn.gate.ggml_type)][1],
+        gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ffn.up.ggml_type)][1],
+    )
 
 
 _NAMED = {
-    "f16": gguf.GGMLQuantizationType.F16, "q6_k": gguf.GGMLQuantizationType.Q6_K,
-    "q5_k": gguf.GGMLQuantizationType.Q5_K, "q4_k": gguf.GGMLQuantizationType.Q4_K,
-    "q5_0": gguf.GGMLQuantizationType.Q5_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "f16": gguf.GGMLQuantizationType.F16,
+    "q6_k": gguf.GGMLQuantizationType.Q6_K,
+    "q5_k": gguf.GGMLQuantizationType.Q5_K,
+    "q4_k": gguf.GGMLQuantizationType.Q4_K,
+    "q5_0": gguf.GGMLQuantizationType.Q5_0,
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
 }
 
@@ -87,27 +93,33 @@ class BundleStage:
         plan.append_layer_value(fmt.KEY_DOWN_T_TYPES, int(dt_type))
         plan.append_layer_value(fmt.KEY_BUNDLE_STRIDES, stride)
 
-        plan.add_tensor(PlannedTensor(
-            name=fmt.bundle_tensor_name(ffn.layer),
-            ggml_type=gguf.GGMLQuantizationType.I8,
-            shape=(ffn.n_ff, stride),
-            produce=lambda: build_bundle(model, ffn, order, stride),
-            layer=ffn.layer,
-        ))
-        plan.add_tensor(PlannedTensor(
-            name=fmt.down_t_tensor_name(ffn.layer),
-            ggml_type=dt_type,
-            shape=(ffn.n_ff, ffn.n_embd),
-            produce=lambda: build_down_t(model, ffn, order, dt_type),
-            layer=ffn.layer,
-        ))
-        plan.add_tensor(PlannedTensor(
-            name=fmt.order_tensor_name(ffn.layer),
-            ggml_type=gguf.GGMLQuantizationType.I32,
-            shape=(ffn.n_ff,),
-            produce=lambda: order,
-            layer=ffn.layer,
-        ))
+        plan.add_tensor(
+            PlannedTensor(
+                name=fmt.bundle_tensor_name(ffn.layer),
+                ggml_type=gguf.GGMLQuantizationType.I8,
+                shape=(ffn.n_ff, stride),
+                produce=lambda: build_bundle(model, ffn, order, stride),
+                layer=ffn.layer,
+            )
+        )
+        plan.add_tensor(
+            PlannedTensor(
+                name=fmt.down_t_tensor_name(ffn.layer),
+                ggml_type=dt_type,
+                shape=(ffn.n_ff, ffn.n_embd),
+                produce=lambda: build_down_t(model, ffn, order, dt_type),
+                layer=ffn.layer,
+            )
+        )
+        plan.add_tensor(
+            PlannedTensor(
+                name=fmt.order_tensor_name(ffn.layer),
+                ggml_type=gguf.GGMLQuantizationType.I32,
+                shape=(ffn.n_ff,),
+                produce=lambda: order,
+                layer=ffn.layer,
+            )
+        )
 
     def _order(self, ffn: FfnLayer) -> np.ndarray:
         order = self._orders.get(ffn.layer)
@@ -126,7 +138,7 @@ def build_bundle(model: BaseModelInfo, ffn: FfnLayer, order: np.ndarray, stride:
     g, u = ffn.gate.row_bytes, ffn.up.row_bytes
     rows = np.zeros((ffn.n_ff, stride), dtype=np.uint8)
     rows[:, :g] = gate[order]
-    rows[:, g:g + u] = up[order]
+    rows[:, g : g + u] = up[order]
     return rows.view(np.int8)
 
 
@@ -141,4 +153,5 @@ def build_down_t(
     if dtype in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0):
         return gguf.quants.quantize(down_t, dtype)
     from llamaflash import _native  # ggml's own quantizer: gguf-py has none for K-quants
+
     return _native.quantize_rows(int(dtype), down_t)

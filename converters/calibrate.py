@@ -21,8 +21,8 @@ import numpy as np
 
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters import texts
-from llamaflash.converters.blas import blas_threads
 from llamaflash.converters.analysis import AnalysisSettings, LayerAnalysis, analyse_layer
+from llamaflash.converters.blas import blas_threads
 from llamaflash.converters.engine_quality import EngineRunner, measurement_sidecar
 from llamaflash.converters.llama_runner import LlamaRunner, ProfileHook
 from llamaflash.converters.progress import Progress
@@ -37,13 +37,13 @@ class CalibrationResult:
     """What the calibration decided and measured (see :mod:`.report` for how it is shown)."""
 
     model: BaseModelInfo
-    options: object                      # ConvertOptions
+    options: object  # ConvertOptions
     calibration: texts.TextSource
     calibration_tokens: int
     heldout_tokens: int
     samples_per_layer: int
     chunk_len: int
-    method: str                          # "fixed" | "auto"
+    method: str  # "fixed" | "auto"
     target: float
     analyses: dict[int, LayerAnalysis]
     decisions: dict[int, LayerDecision]
@@ -52,11 +52,11 @@ class CalibrationResult:
     validation_tokens: int = 0
     dense: QualityPoint | None = None
     curve: list[QualityPoint] = field(default_factory=list)
-    chosen: QualityPoint | None = None   # the operating point with the recorded selection modes
+    chosen: QualityPoint | None = None  # the operating point with the recorded selection modes
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    threads: int = 0                     # llama.cpp threads used
-    quality_method: str | None = None    # "engine", or None (quality not measured)
+    threads: int = 0  # llama.cpp threads used
+    quality_method: str | None = None  # "engine", or None (quality not measured)
 
     def add_header_keys(self, plan: SidecarPlan) -> None:
         """The file-level v2 keys."""
@@ -85,15 +85,15 @@ class CalibrationResult:
                 plan.set_float32_array(key(fmt.QUALITY_CURVE_SPARSITY), [p.target_sparsity for p in self.curve])
                 plan.set_float32_array(key(fmt.QUALITY_CURVE_PPL), [p.ppl for p in self.curve])
                 plan.set_float32_array(key(fmt.QUALITY_CURVE_GREEDY), [p.greedy_agreement for p in self.curve])
-                plan.set_float32_array(key(fmt.QUALITY_CURVE_ACTIVE_FRACTION),
-                                       [p.active_fraction for p in self.curve])
+                plan.set_float32_array(key(fmt.QUALITY_CURVE_ACTIVE_FRACTION), [p.active_fraction for p in self.curve])
 
     def set_decisions(self, target: float) -> None:
         """Per served layer, the :class:`LayerDecision` at ``target``; and the stage."""
         opts = self.options
-        self.decisions = {ffn.layer: decide_layer(self.analyses[ffn.layer], ffn, target, opts.order,
-                                                  opts.down_t_type)
-                          for ffn in self.model.ffn_layers}
+        self.decisions = {
+            ffn.layer: decide_layer(self.analyses[ffn.layer], ffn, target, opts.order, opts.down_t_type)
+            for ffn in self.model.ffn_layers
+        }
         self.stage = SparsityStage(self.decisions)
 
     def threshold_table(self) -> tuple[list[float], list[float]]:
@@ -124,8 +124,13 @@ class CalibrationResult:
 SidecarWriter = Callable[[CalibrationResult, Path], object]
 
 
-def calibrate(model: BaseModelInfo, opts, stream: TextIO | None, out: Path | None = None,
-              write_sidecar: SidecarWriter | None = None) -> CalibrationResult:
+def calibrate(
+    model: BaseModelInfo,
+    opts,
+    stream: TextIO | None,
+    out: Path | None = None,
+    write_sidecar: SidecarWriter | None = None,
+) -> CalibrationResult:
     """Profile ``model``, analyse every served layer and choose the operating point.
 
     Quality is measured by the sparse engine on a temporary sidecar beside ``out`` written by
@@ -146,12 +151,14 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None, out: Path | Non
         bos = runner.bos
         per_chunk = runner.n_ctx - (1 if bos is not None else 0)
         windows = texts.calibration_tokens(runner.tokenize, calib.text, opts.calib_tokens, per_chunk)
-        chunks = texts.calibration_chunks(windows, opts.calib_tokens, runner.n_ctx, bos,
-                                          texts.required_calibration_tokens(model.n_embd), calib, label)
+        chunks = texts.calibration_chunks(
+            windows, opts.calib_tokens, runner.n_ctx, bos, texts.required_calibration_tokens(model.n_embd), calib, label
+        )
         vchunks = None
         if valid is not None:
-            vchunks = texts.validation_chunks(runner.tokenize(valid.text), opts.valid_tokens, runner.n_ctx,
-                                              bos, valid.source, label)
+            vchunks = texts.validation_chunks(
+                runner.tokenize(valid.text), opts.valid_tokens, runner.n_ctx, bos, valid.source, label
+            )
         timings["texts_s"] = time.perf_counter() - t0
 
         t = time.perf_counter()
@@ -167,28 +174,33 @@ def calibrate(model: BaseModelInfo, opts, stream: TextIO | None, out: Path | Non
 
         t = time.perf_counter()
         result = CalibrationResult(
-            model=model, options=opts, calibration=calib,
+            model=model,
+            options=opts,
+            calibration=calib,
             calibration_tokens=int(sum(c.size - (1 if bos is not None else 0) for c in chunks)),
             heldout_tokens=int(np.count_nonzero(heldout[model.ffn_layers[0].layer])),
             samples_per_layer=int(heldout[model.ffn_layers[0].layer].size),
             chunk_len=runner.n_ctx,
             method=fmt.SPARSITY_METHOD_FIXED if fixed else fmt.SPARSITY_METHOD_AUTO,
             target=float(opts.sparsity) if fixed else 0.0,
-            analyses=analyses, decisions={}, stage=SparsityStage({}), validation=valid,
+            analyses=analyses,
+            decisions={},
+            stage=SparsityStage({}),
+            validation=valid,
         )
         if need_quality:
             result.quality_method = fmt.QUALITY_METHOD_ENGINE
             bar = Progress(stream, 0, f"quality ({fmt.QUALITY_METHOD_ENGINE})", unit="eval")
             evaluator = QualityEvaluator(runner, vchunks, GREEDY_PROMPTS, GREEDY_TOKENS, tick=bar.update)
             result.validation_tokens = evaluator.n_tokens
-            to_eval = ([s for s in levels if s > 0] if not fixed
-                       else [float(opts.sparsity)] if opts.sparsity > 0 else [])
+            to_eval = [s for s in levels if s > 0] if not fixed else [float(opts.sparsity)] if opts.sparsity > 0 else []
             try:
                 bar.add_total(evaluator.steps_per_eval * (1 + len(to_eval)))
                 dense = evaluator.measure_dense()
                 runner.close()  # the stock model is not needed any more: free its context first
-                _engine_operating_point(result, evaluator, dense, to_eval, fixed, opts, bar, threads,
-                                        out, write_sidecar)
+                _engine_operating_point(
+                    result, evaluator, dense, to_eval, fixed, opts, bar, threads, out, write_sidecar
+                )
             finally:
                 bar.close()
         result.set_decisions(result.target)
@@ -261,9 +273,9 @@ def _profile(runner: LlamaRunner, model: BaseModelInfo, chunks, bos, opts, strea
             outputs = (pos % OUTPUT_STRIDE == OUTPUT_STRIDE - 1) & (pos >= first)
             outputs[-1] = True
             runner.decode(chunk, hook, outputs=outputs)
-            if len(chunks) >= period:      # whole chunks held out: every period-th chunk
+            if len(chunks) >= period:  # whole chunks held out: every period-th chunk
                 held = np.full(chunk.size, i % period == period - 1)
-            else:                          # too few chunks: the last part of each
+            else:  # too few chunks: the last part of each
                 held = pos >= chunk.size - max(1, int((chunk.size - first) * opts.heldout_fraction))
             heldout_parts.append(held[first:])
             heldout_last.append(held[outputs])
@@ -281,8 +293,11 @@ def _profile(runner: LlamaRunner, model: BaseModelInfo, chunks, bos, opts, strea
             keep = np.sort(rng.choice(held.size, opts.max_samples, replace=False))
             rows, held = rows[keep], held[keep]
         x[layer], heldout[layer] = rows, held
-    checks = {layer: (hook.x_check[layer], hook.gate_check[layer]) for layer in layers
-              if layer in hook.gate_check and layer in hook.x_check}
+    checks = {
+        layer: (hook.x_check[layer], hook.gate_check[layer])
+        for layer in layers
+        if layer in hook.gate_check and layer in hook.x_check
+    }
     return x, heldout, checks
 
 
@@ -299,17 +314,32 @@ def _analyse(model, x, heldout, gate_checks, settings, stream) -> dict[int, Laye
         for ffn in model.ffn_layers:
             rows = x.pop(ffn.layer).astype(np.float32)
             analyses[ffn.layer] = analyse_layer(
-                ffn.layer, rows, heldout[ffn.layer],
-                dequantize(model.path, ffn.gate), dequantize(model.path, ffn.up), dequantize(model.path, ffn.down),
-                model.activation, settings, gate_check=gate_checks.get(ffn.layer),
+                ffn.layer,
+                rows,
+                heldout[ffn.layer],
+                dequantize(model.path, ffn.gate),
+                dequantize(model.path, ffn.up),
+                dequantize(model.path, ffn.down),
+                model.activation,
+                settings,
+                gate_check=gate_checks.get(ffn.layer),
             )
             bar.update()
     return analyses
 
 
-def _engine_operating_point(result: CalibrationResult, ev: QualityEvaluator, dense: QualityPoint, to_eval,
-                            fixed: bool, opts, bar, threads: int, out: Path | None,
-                            write_sidecar: SidecarWriter | None) -> None:
+def _engine_operating_point(
+    result: CalibrationResult,
+    ev: QualityEvaluator,
+    dense: QualityPoint,
+    to_eval,
+    fixed: bool,
+    opts,
+    bar,
+    threads: int,
+    out: Path | None,
+    write_sidecar: SidecarWriter | None,
+) -> None:
     """:func:`_operating_point` with every level measured by the sparse engine on a measurement
     sidecar (the sidecar being converted, thresholds of all levels; no quality record), written
     beside ``out`` and removed afterwards. With no level to measure (fixed sparsity 0) only the
@@ -319,8 +349,9 @@ def _engine_operating_point(result: CalibrationResult, ev: QualityEvaluator, den
         return
     # Bundle order and down_t type as in the final sidecar (the lane computes gate by ggml for base
     # order, from the bundles for hot order); a hot order is that of the first level evaluated.
-    measuring = dataclasses.replace(result, decisions={}, curve=[], notes=[], dense=None, chosen=None,
-                                    target=to_eval[0])
+    measuring = dataclasses.replace(
+        result, decisions={}, curve=[], notes=[], dense=None, chosen=None, target=to_eval[0]
+    )
     measuring.set_decisions(to_eval[0])
     bar.set_postfix("writing the measurement sidecar")
     t = time.perf_counter()
@@ -328,6 +359,7 @@ def _engine_operating_point(result: CalibrationResult, ev: QualityEvaluator, den
         result.timings["quality_sidecar_s"] = time.perf_counter() - t
         bar.set_postfix("")
         with EngineRunner(result.model.path, path, result.chunk_len, to_eval[0], threads) as engine:
+
             def measure(level: float) -> QualityPoint:
                 engine.set_level(level)
                 point = ev.measure_with(engine.decode, level, fmt.SELECTION_GATE, fmt.QUALITY_METHOD_ENGINE)
@@ -336,8 +368,15 @@ def _engine_operating_point(result: CalibrationResult, ev: QualityEvaluator, den
             _operating_point(result, dense, measure, to_eval, fixed, opts, bar)
 
 
-def _operating_point(result: CalibrationResult, dense: QualityPoint, measure: Callable[[float], QualityPoint] | None,
-                     to_eval, fixed: bool, opts, bar) -> None:
+def _operating_point(
+    result: CalibrationResult,
+    dense: QualityPoint,
+    measure: Callable[[float], QualityPoint] | None,
+    to_eval,
+    fixed: bool,
+    opts,
+    bar,
+) -> None:
     """Given the dense reference, (auto) ``measure`` the levels in increasing order until perplexity
     exceeds ``stop_factor`` x budget, choosing the highest level within budget; or (fixed) the one level."""
     result.dense = dense
@@ -359,5 +398,5 @@ def _operating_point(result: CalibrationResult, dense: QualityPoint, measure: Ca
         result.notes.append(
             f"no sparsity level kept perplexity within +{100 * opts.quality_budget:g}% of dense "
             f"(lowest level {result.curve[0].target_sparsity:g}: {100 * result.curve[0].ppl_delta(dense):+.2f}%); "
-            "thresholds are 0 (only exact zeros are skipped)")
-
+            "thresholds are 0 (only exact zeros are skipped)"
+        )

@@ -44,8 +44,10 @@ def draft_type(n_embd: int, choice: str = fmt.DEFAULT_DRAFT) -> gguf.GGMLQuantiz
     wanted = _NAMED[choice]
     block = gguf.GGML_QUANT_SIZES[wanted][0]
     if n_embd % block:
-        raise ValueError(f"draft_type {choice!r}: its {block}-value blocks do not divide n_embd {n_embd}; "
-                         f"use --draft-type auto or a type with smaller blocks (q4_0)")
+        raise ValueError(
+            f"draft_type {choice!r}: its {block}-value blocks do not divide n_embd {n_embd}; "
+            f"use --draft-type auto or a type with smaller blocks (q4_0)"
+        )
     return wanted
 
 
@@ -63,42 +65,66 @@ class DraftCopyStage:
         order = np.arange(ffn.n_ff, dtype=np.int32) if order is None else np.asarray(order, dtype=np.int32)
         dtype = self._dtype
         plan.append_layer_value(fmt.KEY_DRAFT_TYPES, int(dtype))
-        plan.add_tensor(PlannedTensor(
-            name=fmt.draft_up_tensor_name(ffn.layer), ggml_type=dtype, shape=(ffn.n_ff, ffn.n_embd),
-            produce=lambda: build_draft_up(model, ffn, order, dtype), layer=ffn.layer))
-        plan.add_tensor(PlannedTensor(
-            name=fmt.draft_down_t_tensor_name(ffn.layer), ggml_type=dtype, shape=(ffn.n_ff, ffn.n_embd),
-            produce=lambda: build_draft_down_t(model, ffn, order, dtype), layer=ffn.layer))
+        plan.add_tensor(
+            PlannedTensor(
+                name=fmt.draft_up_tensor_name(ffn.layer),
+                ggml_type=dtype,
+                shape=(ffn.n_ff, ffn.n_embd),
+                produce=lambda: build_draft_up(model, ffn, order, dtype),
+                layer=ffn.layer,
+            )
+        )
+        plan.add_tensor(
+            PlannedTensor(
+                name=fmt.draft_down_t_tensor_name(ffn.layer),
+                ggml_type=dtype,
+                shape=(ffn.n_ff, ffn.n_embd),
+                produce=lambda: build_draft_down_t(model, ffn, order, dtype),
+                layer=ffn.layer,
+            )
+        )
         # row checksums of the very bytes written (the integrity section's algorithm)
         seen: dict[int, np.ndarray] = {}
         for column, name in enumerate((fmt.draft_up_tensor_name(ffn.layer), fmt.draft_down_t_tensor_name(ffn.layer))):
-            plan.observe_tensor(name, lambda data, column=column, n=ffn.n_ff:
-                                seen.__setitem__(column, row_checksums(data.reshape(n, -1))))
+            plan.observe_tensor(
+                name,
+                lambda data, column=column, n=ffn.n_ff: seen.__setitem__(column, row_checksums(data.reshape(n, -1))),
+            )
 
         def table() -> np.ndarray:
             if len(seen) != 2:
                 raise RuntimeError(f"layer {ffn.layer}: draft copy not written before its checksums")
             return np.stack([seen[0], seen[1]], axis=1).astype(np.uint32).view(np.int32)
-        plan.add_tensor(PlannedTensor(
-            name=fmt.draft_checksum_tensor_name(ffn.layer), ggml_type=gguf.GGMLQuantizationType.I32,
-            shape=(ffn.n_ff, 2), produce=table, layer=ffn.layer))
+
+        plan.add_tensor(
+            PlannedTensor(
+                name=fmt.draft_checksum_tensor_name(ffn.layer),
+                ggml_type=gguf.GGMLQuantizationType.I32,
+                shape=(ffn.n_ff, 2),
+                produce=table,
+                layer=ffn.layer,
+            )
+        )
 
 
 def _requantize(rows: np.ndarray, dtype: gguf.GGMLQuantizationType) -> np.ndarray:
     from llamaflash import _native  # ggml's own quantizer: gguf-py has none for K-quants
+
     return _native.quantize_rows(int(dtype), np.ascontiguousarray(rows, dtype=np.float32))
 
 
-def build_draft_up(model: BaseModelInfo, ffn: FfnLayer, order: np.ndarray,
-                   dtype: gguf.GGMLQuantizationType) -> np.ndarray:
+def build_draft_up(
+    model: BaseModelInfo, ffn: FfnLayer, order: np.ndarray, dtype: gguf.GGMLQuantizationType
+) -> np.ndarray:
     """The draft up rows of ``ffn`` (n_ff, n_embd) in ``dtype``, bundle order."""
     raw = np.asarray(read_tensor_rows(model.path, ffn.up))
     up = gguf.quants.dequantize(raw, _Q(ffn.up.ggml_type)).reshape(ffn.n_ff, ffn.n_embd)
     return _requantize(up[order], dtype)
 
 
-def build_draft_down_t(model: BaseModelInfo, ffn: FfnLayer, order: np.ndarray,
-                       dtype: gguf.GGMLQuantizationType) -> np.ndarray:
+def build_draft_down_t(
+    model: BaseModelInfo, ffn: FfnLayer, order: np.ndarray, dtype: gguf.GGMLQuantizationType
+) -> np.ndarray:
     """The draft down_t rows of ``ffn`` (n_ff, n_embd) in ``dtype``, bundle order."""
     raw = np.asarray(read_tensor_rows(model.path, ffn.down))
     down = gguf.quants.dequantize(raw, _Q(ffn.down.ggml_type)).reshape(ffn.n_embd, ffn.n_ff)

@@ -29,8 +29,9 @@ from llamaflash.converters.writer import held
 from llamaflash.errors import ConversionError, LlamaflashError
 
 #: How to convert when the quality measurement cannot run (the end of the errors below).
-WITHOUT_MEASUREMENT = ("convert with a fixed sparsity and no measurement instead "
-                       "(`llamaflash convert MODEL --sparsity 0.3 --no-quality`)")
+WITHOUT_MEASUREMENT = (
+    "convert with a fixed sparsity and no measurement instead (`llamaflash convert MODEL --sparsity 0.3 --no-quality`)"
+)
 
 
 @contextmanager
@@ -59,22 +60,37 @@ class EngineRunner:
     the sparse lane; :meth:`decode` has :meth:`LlamaRunner.decode`'s contract (tokens from an
     empty context → logits of every position)."""
 
-    def __init__(self, model_path: str | os.PathLike[str], sidecar_path: str | os.PathLike[str], n_ctx: int,
-                 level: float, n_threads: int) -> None:
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        sidecar_path: str | os.PathLike[str],
+        n_ctx: int,
+        level: float,
+        n_threads: int,
+    ) -> None:
         from llamaflash.llama import Llama  # loads the native extension only when measuring
 
         self.n_ctx = n_ctx
         try:
             self.llm = Llama(
-                model_path=os.fspath(model_path), sidecar_path=os.fspath(sidecar_path),
-                flash_mode="sparse", flash_sparsity=level, flash_max_sparse_tokens=n_ctx,
-                logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                n_threads=n_threads, n_threads_batch=n_threads, verbose=False,
+                model_path=os.fspath(model_path),
+                sidecar_path=os.fspath(sidecar_path),
+                flash_mode="sparse",
+                flash_sparsity=level,
+                flash_max_sparse_tokens=n_ctx,
+                logits_all=True,
+                n_ctx=n_ctx,
+                n_batch=n_ctx,
+                n_ubatch=n_ctx,
+                n_threads=n_threads,
+                n_threads_batch=n_threads,
+                verbose=False,
             )
         except LlamaflashError as exc:
             raise ConversionError(
                 f"the sparse engine could not run {os.fspath(model_path)} for the quality measurement ({exc}); "
-                f"{WITHOUT_MEASUREMENT}") from exc
+                f"{WITHOUT_MEASUREMENT}"
+            ) from exc
         self.llm.reset_flash_stats()
 
     def set_level(self, level: float) -> None:
@@ -106,7 +122,8 @@ class EngineRunner:
             raise ConversionError(
                 f"the sparse engine did not run every FFN of the measurement on its sparse lane "
                 f"(sparse lane calls {st.get('sparse_lane_calls')}, dense lane calls {st['dense_lane_calls']}, "
-                f"fallbacks {st.get('sparse_fallbacks')}); {WITHOUT_MEASUREMENT}")
+                f"fallbacks {st.get('sparse_fallbacks')}); {WITHOUT_MEASUREMENT}"
+            )
         return float(st["mean_active_fraction"])
 
     def close(self) -> None:

@@ -14,13 +14,12 @@ base file as it is now, so a conversion records the base model it read.
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan
 from llamaflash.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
-
-import gguf
 
 
 def row_checksums(rows: np.ndarray) -> np.ndarray:
@@ -49,12 +48,18 @@ class IntegrityStage:
             plan.set_string(fmt.KEY_INTEGRITY_ALGORITHM, fmt.INTEGRITY_ALGORITHM)
             self._header_done = True
         seen: dict[str, np.ndarray] = {}
-        for column, name in (("bundle", fmt.bundle_tensor_name(ffn.layer)),
-                             ("down_t", fmt.down_t_tensor_name(ffn.layer))):
+        for column, name in (
+            ("bundle", fmt.bundle_tensor_name(ffn.layer)),
+            ("down_t", fmt.down_t_tensor_name(ffn.layer)),
+        ):
             planned = next(t for t in plan.tensors if t.name == name)
             n_rows = planned.shape[0]
-            plan.observe_tensor(name, lambda data, column=column, n_rows=n_rows:
-                                seen.__setitem__(column, row_checksums(data.reshape(n_rows, -1))))
+            plan.observe_tensor(
+                name,
+                lambda data, column=column, n_rows=n_rows: seen.__setitem__(
+                    column, row_checksums(data.reshape(n_rows, -1))
+                ),
+            )
 
         def table() -> np.ndarray:
             missing = [c for c in ("bundle", "down_t") if c not in seen]
@@ -67,17 +72,21 @@ class IntegrityStage:
             out[:, 3] = row_checksums(read_tensor_rows(model.path, ffn.up))
             return out.view(np.int32)
 
-        plan.add_tensor(PlannedTensor(
-            name=fmt.checksum_tensor_name(ffn.layer),
-            ggml_type=gguf.GGMLQuantizationType.I32,
-            shape=(ffn.n_ff, len(fmt.CHECKSUM_COLUMNS)),
-            produce=table,
-            layer=ffn.layer,
-        ))
-        plan.add_tensor(PlannedTensor(
-            name=fmt.base_down_checksum_tensor_name(ffn.layer),
-            ggml_type=gguf.GGMLQuantizationType.I32,
-            shape=(ffn.n_embd,),
-            produce=lambda: row_checksums(read_tensor_rows(model.path, ffn.down)).view(np.int32),
-            layer=ffn.layer,
-        ))
+        plan.add_tensor(
+            PlannedTensor(
+                name=fmt.checksum_tensor_name(ffn.layer),
+                ggml_type=gguf.GGMLQuantizationType.I32,
+                shape=(ffn.n_ff, len(fmt.CHECKSUM_COLUMNS)),
+                produce=table,
+                layer=ffn.layer,
+            )
+        )
+        plan.add_tensor(
+            PlannedTensor(
+                name=fmt.base_down_checksum_tensor_name(ffn.layer),
+                ggml_type=gguf.GGMLQuantizationType.I32,
+                shape=(ffn.n_embd,),
+                produce=lambda: row_checksums(read_tensor_rows(model.path, ffn.down)).view(np.int32),
+                layer=ffn.layer,
+            )
+        )

@@ -30,9 +30,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
-
 import llama_cpp
+import numpy as np
 from llama_cpp import _internals
 from llama_cpp._logger import set_verbose
 
@@ -248,8 +247,7 @@ class LlamaRunner:
 
     # -- evaluation --------------------------------------------------------------------
 
-    def decode(self, tokens: Sequence[int], hook: Hook | None = None, outputs: np.ndarray | None = None
-               ) -> np.ndarray:
+    def decode(self, tokens: Sequence[int], hook: Hook | None = None, outputs: np.ndarray | None = None) -> np.ndarray:
         """Evaluate ``tokens`` from an empty context (at most ``n_ctx``), with ``hook`` installed;
         returns the logits of the output positions, float32 (n_outputs, n_vocab), a view valid
         until the next decode. ``outputs`` (bool per token) selects the output positions (default:

@@ -6,6 +6,7 @@ running the model through stock llama.cpp (converters/moe_routing.py): how often
 selected (the planner pins the most popular), and the previous-token reuse. The base model's bytes
 are not copied: the engine reads experts straight from the base file.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,9 @@ def expert_checksums(moe: MoeModelInfo) -> dict[int, dict[str, np.ndarray]]:
                 data = f.read(t.expert_bytes * t.n_expert)
                 if len(data) != t.expert_bytes * t.n_expert:
                     raise ConversionError(f"{moe.path}: tensor {t.name} runs past the end of the file")
-                out[layer.layer][t.kind] = np.asarray(_native.crc32c_rows(data, t.expert_bytes, "auto"),
-                                                      dtype=np.uint32)
+                out[layer.layer][t.kind] = np.asarray(
+                    _native.crc32c_rows(data, t.expert_bytes, "auto"), dtype=np.uint32
+                )
     return out
 
 
@@ -51,9 +53,19 @@ def routing_statistics(trace, n_expert: int) -> tuple[dict[int, np.ndarray], dic
     return counts, reuse
 
 
-def convert_experts(model_path: Path, model: BaseModelInfo, moe: MoeModelInfo, out: Path, *, force: bool = False,
-                    progress: bool = True, calib_text: str | None = None, calib_tokens: int = 2048,
-                    calib_source: str = "", n_threads: int | None = None) -> Path:
+def convert_experts(
+    model_path: Path,
+    model: BaseModelInfo,
+    moe: MoeModelInfo,
+    out: Path,
+    *,
+    force: bool = False,
+    progress: bool = True,
+    calib_text: str | None = None,
+    calib_tokens: int = 2048,
+    calib_source: str = "",
+    n_threads: int | None = None,
+) -> Path:
     """Writes the expert sidecar of ``moe`` to ``out``; returns ``out``. ``calib_text``: text to measure
     routing on (None: no routing statistics; the planner then pins nothing)."""
     from llamaflash.converters.writer import removing_temporaries_on_signal
@@ -70,8 +82,10 @@ def convert_experts(model_path: Path, model: BaseModelInfo, moe: MoeModelInfo, o
         if stream is not None:
             print(f"[convert {time.perf_counter() - t0:6.1f}s] {line}", file=stream, flush=True)
 
-    say(f"{model_path} -> {out} ({len(moe.layers)} MoE layers, {moe.n_expert} experts, {moe.n_used} used, "
-        f"{moe.architecture}; experts {moe.expert_bytes_total / 2**20:.0f} MiB of {moe.file_size / 2**20:.0f} MiB)")
+    say(
+        f"{model_path} -> {out} ({len(moe.layers)} MoE layers, {moe.n_expert} experts, {moe.n_used} used, "
+        f"{moe.architecture}; experts {moe.expert_bytes_total / 2**20:.0f} MiB of {moe.file_size / 2**20:.0f} MiB)"
+    )
     with removing_temporaries_on_signal(out):
         identity = base_identity(model_path, model)
         checksums = expert_checksums(moe)
@@ -81,8 +95,9 @@ def convert_experts(model_path: Path, model: BaseModelInfo, moe: MoeModelInfo, o
         if calib_text:
             from llamaflash.converters import moe_routing
 
-            trace = moe_routing.record_text_routing(model_path, n_tokens=calib_tokens, text=calib_text,
-                                                    n_threads=n_threads)
+            trace = moe_routing.record_text_routing(
+                model_path, n_tokens=calib_tokens, text=calib_text, n_threads=n_threads
+            )
             counts, reuse = routing_statistics(trace, moe.n_expert)
             tokens = trace.n_tokens
             say(f"routing measured on {tokens} tokens: previous-token reuse {np.nanmean(list(reuse.values())):.2f}")

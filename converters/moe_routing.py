@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 import llama_cpp
+import numpy as np
 from llama_cpp import _internals
 from llama_cpp._logger import set_verbose
 
@@ -89,7 +88,8 @@ def _read_topk(t, ptr: int) -> np.ndarray:
     if t.type != _GGML_TYPE_I32 or t.ne[2] != 1 or t.ne[3] != 1 or t.nb[0] != 4:
         raise RuntimeError(
             f"llama.cpp tensor {t.name.decode()} is not a 2-D I32 tensor with contiguous rows "
-            f"(type {t.type}, ne {list(t.ne)}, nb {list(t.nb)}); this llama.cpp build is not supported")
+            f"(type {t.type}, ne {list(t.ne)}, nb {list(t.nb)}); this llama.cpp build is not supported"
+        )
     nbytes = int(_ggml.ggml_nbytes(ptr))
     raw = np.empty(nbytes // 4 + 1, dtype=np.int32)
     _ggml.ggml_backend_tensor_get(ptr, raw.ctypes.data, 0, nbytes)
@@ -100,8 +100,9 @@ def _read_topk(t, ptr: int) -> np.ndarray:
 class RoutingRecorder:
     """One stock llama.cpp model + context that records the experts of every MoE layer."""
 
-    def __init__(self, model_path: str | os.PathLike[str], n_ctx: int = 2048, n_batch: int = 512,
-                 n_threads: int | None = None) -> None:
+    def __init__(
+        self, model_path: str | os.PathLike[str], n_ctx: int = 2048, n_batch: int = 512, n_threads: int | None = None
+    ) -> None:
         if n_batch <= 0 or n_ctx <= 0:
             raise ValueError("n_ctx and n_batch must be positive")
         path = Path(model_path)
@@ -161,7 +162,7 @@ class RoutingRecorder:
             n_vocab = self.model.n_vocab()
             if seq.size and (seq.min() < 0 or seq.max() >= n_vocab):
                 raise ValueError(f"token ids must lie in [0, {n_vocab})")
-            pieces += [seq[i:i + self.n_ctx] for i in range(0, seq.size, self.n_ctx)]
+            pieces += [seq[i : i + self.n_ctx] for i in range(0, seq.size, self.n_ctx)]
         self._rows = {}
         starts, offset = [], 0
         for piece in pieces:
@@ -171,14 +172,15 @@ class RoutingRecorder:
         experts = {layer: np.concatenate(rows).astype(np.int32) for layer, rows in self._rows.items()}
         tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
         if not experts and tokens.size:
-            raise RuntimeError(f"llama.cpp computed no {TOPK_KIND} tensors: not a MoE graph, or this "
-                               f"llama.cpp names them differently")
+            raise RuntimeError(
+                f"llama.cpp computed no {TOPK_KIND} tensors: not a MoE graph, or this llama.cpp names them differently"
+            )
         return RoutingTrace(experts, self.n_expert, tokens, np.asarray(starts, dtype=np.int64))
 
     def _evaluate(self, tokens: np.ndarray) -> None:
         self.ctx.kv_cache_clear()
         for begin in range(0, tokens.size, self.n_batch):
-            chunk = tokens[begin:begin + self.n_batch]
+            chunk = tokens[begin : begin + self.n_batch]
             before = {layer: sum(r.shape[0] for r in rows) for layer, rows in self._rows.items()}
             self.batch.set_batch(chunk.tolist(), n_past=begin, logits_all=True)
             self._error = None
@@ -220,8 +222,9 @@ class RoutingRecorder:
         self.close()
 
 
-def text_sequences(recorder: RoutingRecorder, n_tokens: int, seq_len: int = 512,
-                   cache_dir: Path | None = None, text: str | None = None) -> list[np.ndarray]:
+def text_sequences(
+    recorder: RoutingRecorder, n_tokens: int, seq_len: int = 512, cache_dir: Path | None = None, text: str | None = None
+) -> list[np.ndarray]:
     """About ``n_tokens`` tokens of real text in sequences of ``seq_len``: evenly spaced windows
     over the registry calibration corpus (English essays and code, the document heads the converter
     calibrates on; :func:`llamaflash.converters.texts.default_calibration`), or over ``text``."""
@@ -240,9 +243,14 @@ def text_sequences(recorder: RoutingRecorder, n_tokens: int, seq_len: int = 512,
     return out
 
 
-def record_text_routing(model_path: str | os.PathLike[str], n_tokens: int = 4096, seq_len: int = 512,
-                        cache_dir: Path | None = None, text: str | None = None,
-                        n_threads: int | None = None) -> RoutingTrace:
+def record_text_routing(
+    model_path: str | os.PathLike[str],
+    n_tokens: int = 4096,
+    seq_len: int = 512,
+    cache_dir: Path | None = None,
+    text: str | None = None,
+    n_threads: int | None = None,
+) -> RoutingTrace:
     """The routing of ``model_path`` on about ``n_tokens`` tokens of real text (:func:`text_sequences`)."""
     with RoutingRecorder(model_path, n_ctx=seq_len, n_batch=seq_len, n_threads=n_threads) as rec:
         return rec.record(text_sequences(rec, n_tokens, seq_len, cache_dir, text))
@@ -274,10 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     slots = [int(s) for s in a.slots.split(",") if s]
     s = moe_routing_stats.summarize(trace, a.top_k, slots, a.pin)
-    print(f"{a.model}: {s['n_tokens']} tokens in {s['n_sequences']} sequences, {s['n_expert']} experts, "
-          f"{s['n_used']} used (random reuse {s['random_reuse']:.3f})")
-    print(f"  top-{a.top_k} share  mean {s['top_k_share']['mean']:.3f}  min {s['top_k_share']['min']:.3f}  "
-          f"max {s['top_k_share']['max']:.3f}")
+    print(
+        f"{a.model}: {s['n_tokens']} tokens in {s['n_sequences']} sequences, {s['n_expert']} experts, "
+        f"{s['n_used']} used (random reuse {s['random_reuse']:.3f})"
+    )
+    print(
+        f"  top-{a.top_k} share  mean {s['top_k_share']['mean']:.3f}  min {s['top_k_share']['min']:.3f}  "
+        f"max {s['top_k_share']['max']:.3f}"
+    )
     print(f"  reuse        mean {s['reuse']['mean']:.3f}  min {s['reuse']['min']:.3f}  max {s['reuse']['max']:.3f}")
     for slot in slots:
         lru = np.mean([v["lru"][slot] for v in s["layers"].values()])

@@ -84,8 +84,7 @@ def layer_transitions(ids_a: np.ndarray, ids_b: np.ndarray, n_expert: int) -> np
     return out.reshape(n_expert, n_expert)
 
 
-def lru_hit_rate(ids: np.ndarray, slots: int, pinned: Iterable[int] = (),
-                 continues: np.ndarray | None = None) -> float:
+def lru_hit_rate(ids: np.ndarray, slots: int, pinned: Iterable[int] = (), continues: np.ndarray | None = None) -> float:
     """Hit rate of a cache of one layer's experts over the token stream.
 
     The cache holds ``slots`` experts in all, ``pinned`` ones (at most ``slots``) permanently and the

@@ -35,6 +35,8 @@ from typing import Protocol, TextIO
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters.bundle import DEFAULT_DOWN_T, DOWN_T_CHOICES, BundleStage
 from llamaflash.converters.draft_copy import DraftCopyStage, draft_type
+from llamaflash.converters.integrity import IntegrityStage
+from llamaflash.converters.moe_convert import convert_experts
 from llamaflash.converters.writer import (
     PlannedTensor,
     SidecarPlan,
@@ -42,8 +44,6 @@ from llamaflash.converters.writer import (
     removing_temporaries_on_signal,
     write_sidecar_atomically,
 )
-from llamaflash.converters.integrity import IntegrityStage
-from llamaflash.converters.moe_convert import convert_experts
 from llamaflash.errors import ConversionError, OutputExistsError
 from llamaflash.experts import read_moe_model
 from llamaflash.gguf_model import (
@@ -156,18 +156,23 @@ def convert(
         from llamaflash.converters.calibrate import _calibration_source
 
         source = _calibration_source(opts) if opts.profile else None
-        return convert_experts(model_path, model, moe, out, force=force, progress=progress,
-                               calib_text=source.text if source is not None else None,
-                               calib_tokens=opts.calib_tokens,
-                               calib_source=source.source if source is not None else "",
-                               n_threads=opts.n_threads)
+        return convert_experts(
+            model_path,
+            model,
+            moe,
+            out,
+            force=force,
+            progress=progress,
+            calib_text=source.text if source is not None else None,
+            calib_tokens=opts.calib_tokens,
+            calib_source=source.source if source is not None else "",
+            n_threads=opts.n_threads,
+        )
     require_supported(model)
     draft_type(model.n_embd, opts.draft_type)  # a named type must divide n_embd: refused before any work
     out = Path(out_path) if out_path is not None else default_sidecar_path(model_path)
     if out.exists() and os.path.samefile(out, model_path):
-        raise ConversionError(
-            f"{out}: the output would overwrite the base model. Choose another output path (-o)."
-        )
+        raise ConversionError(f"{out}: the output would overwrite the base model. Choose another output path (-o).")
     if out.exists() and not force:
         raise OutputExistsError(f"{out}: already exists. Pass --force to overwrite it.")
     if not out.parent.is_dir():
@@ -176,20 +181,27 @@ def convert(
         )
 
     stream = sys.stderr if progress else None
-    _say(stream, f"llamaflash convert: {model_path} -> {out} "
-                 f"({len(model.ffn_layers)} FFN layers, {model.architecture})")
+    _say(
+        stream, f"llamaflash convert: {model_path} -> {out} ({len(model.ffn_layers)} FFN layers, {model.architecture})"
+    )
     _report_stale_temporaries(out, stream)
     with removing_temporaries_on_signal(out):
         return _convert(model_path, model, out, force, stream, opts, t_start)
 
 
-def _convert(model_path: Path, model: BaseModelInfo, out: Path, force: bool, stream: TextIO | None,
-             opts: ConvertOptions, t_start: float) -> Path:
+def _convert(
+    model_path: Path,
+    model: BaseModelInfo,
+    out: Path,
+    force: bool,
+    stream: TextIO | None,
+    opts: ConvertOptions,
+    t_start: float,
+) -> Path:
     identity = base_identity(model_path, model)
     if not opts.profile:
         plan = plan_sidecar(model, identity, [BundleStage(down_t=opts.down_t_type), IntegrityStage()])
-        write_sidecar_atomically(plan, out, force=force,
-                                 progress=_LayerProgress(plan, stream) if stream else None)
+        write_sidecar_atomically(plan, out, force=force, progress=_LayerProgress(plan, stream) if stream else None)
         _say(stream, f"llamaflash convert: wrote {out} ({out.stat().st_size} bytes)")
         return out
 
@@ -201,8 +213,7 @@ def _convert(model_path: Path, model: BaseModelInfo, out: Path, force: bool, str
     result = calibrate(model, opts, stream, out=out, write_sidecar=write_measurement)
     plan = sidecar_plan(model, identity, result, draft=opts.draft_type)
     t_write = time.perf_counter()
-    write_sidecar_atomically(plan, out, force=force,
-                             progress=_LayerProgress(plan, stream) if stream else None)
+    write_sidecar_atomically(plan, out, force=force, progress=_LayerProgress(plan, stream) if stream else None)
     result.timings["write_s"] = time.perf_counter() - t_write
     result.timings["total_s"] = time.perf_counter() - t_start
     _say(stream, f"llamaflash convert: wrote {out} ({out.stat().st_size} bytes)")
@@ -283,8 +294,11 @@ def _report_stale_temporaries(out: Path, stream: TextIO | None) -> None:
     removed, kept = remove_stale_temporaries(out)
     if removed:
         names = ", ".join(f"{path.name} (process {pid})" for path, pid in removed)
-        _say(stream, f"llamaflash convert: removed {len(removed)} temporary file(s) left by conversions "
-                     f"that did not finish: {names}")
+        _say(
+            stream,
+            f"llamaflash convert: removed {len(removed)} temporary file(s) left by conversions "
+            f"that did not finish: {names}",
+        )
     if kept:
         names = ", ".join(f"{path.name} (process {pid})" for path, pid in kept)
         _say(stream, f"llamaflash convert: left in place, in use by a running conversion: {names}")

@@ -16,8 +16,15 @@ class Progress:
             except ImportError:  # pragma: no cover - tqdm comes with gguf
                 tqdm = None
             if tqdm is not None:
-                self._bar = tqdm(total=total, desc=f"  {desc}", unit=unit, file=stream,
-                                 leave=True, dynamic_ncols=True, mininterval=0.5)
+                self._bar = tqdm(
+                    total=total,
+                    desc=f"  {desc}",
+                    unit=unit,
+                    file=stream,
+                    leave=True,
+                    dynamic_ncols=True,
+                    mininterval=0.5,
+                )
 
     def update(self, n: int = 1) -> None:
         if self._bar is not None:

@@ -28,7 +28,7 @@ from llamaflash.converters.llama_runner import LlamaRunner
 #: Fixed prompts for greedy agreement (prose, code, question answering, story).
 GREEDY_PROMPTS: tuple[str, ...] = (
     "The history of the printing press begins in",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Q: Why is the sky blue during the day and red at sunset?\nA:",
     "Once upon a time, in a small village by the sea, there lived",
 )
@@ -42,20 +42,20 @@ _ROW_BLOCK = 64
 #: (len(tokens), n_vocab) (a view valid until the next call is fine).
 Decoder = Callable[[np.ndarray], np.ndarray]
 
-METHOD_STOCK = "stock"   # the dense reference
+METHOD_STOCK = "stock"  # the dense reference
 
 
 @dataclass(frozen=True)
 class QualityPoint:
     """One measurement (see the module docstring)."""
 
-    target_sparsity: float          # the level whose thresholds were used (0 for dense)
+    target_sparsity: float  # the level whose thresholds were used (0 for dense)
     ppl: float
-    nll: float                      # mean negative log-likelihood, nats per token
+    nll: float  # mean negative log-likelihood, nats per token
     greedy_agreement: float
-    measured_sparsity: float        # fraction of (token, neuron) FFN activations skipped, all served layers
-    selection: str                  # "dense" (the reference) or "gate" (gate-first sparse selection)
-    method: str                     # "engine", or "stock" for the dense reference
+    measured_sparsity: float  # fraction of (token, neuron) FFN activations skipped, all served layers
+    selection: str  # "dense" (the reference) or "gate" (gate-first sparse selection)
+    method: str  # "engine", or "stock" for the dense reference
 
     @property
     def active_fraction(self) -> float:
@@ -99,10 +99,10 @@ class QualityEvaluator:
         self.n_tokens = int(sum(c.size - 1 for c in self.validation))
         #: called once per chunk/prompt evaluated (progress)
         self.tick: Callable[[], None] = tick or (lambda: None)
-        self._prompts: list[tuple[np.ndarray, int]] = []   # (prompt + continuation, prompt length)
+        self._prompts: list[tuple[np.ndarray, int]] = []  # (prompt + continuation, prompt length)
         self._prompt_src = list(prompts)
         self._n_gen = n_gen
-        self._reference: list[np.ndarray] = []             # dense argmax on each continuation
+        self._reference: list[np.ndarray] = []  # dense argmax on each continuation
         self.dense: QualityPoint | None = None
 
     @property
@@ -122,8 +122,9 @@ class QualityEvaluator:
         self.dense = dense
         return dense
 
-    def measure_with(self, decode: Decoder, target: float, selection: str, method: str,
-                     *, _reference: bool = False) -> QualityPoint:
+    def measure_with(
+        self, decode: Decoder, target: float, selection: str, method: str, *, _reference: bool = False
+    ) -> QualityPoint:
         """Perplexity over the validation chunks and greedy agreement over the prompts, with
         ``decode`` computing the model under test (``measured_sparsity`` is left 0: the caller
         knows what its decoder skipped)."""
@@ -138,7 +139,7 @@ class QualityEvaluator:
         agree, total = 0, 0
         for i, (seq, n_prompt) in enumerate(self._prompts):
             logits = decode(seq[:-1])
-            pred = np.argmax(logits[n_prompt - 1:], axis=1)
+            pred = np.argmax(logits[n_prompt - 1 :], axis=1)
             if _reference:
                 self._reference.append(pred)
             agree += int(np.count_nonzero(pred == self._reference[i]))
@@ -152,8 +153,8 @@ def _nll_sum(logits: np.ndarray, targets: np.ndarray) -> float:
     """Sum over rows of -log softmax(logits[row])[targets[row]] (float64 accumulation)."""
     total = 0.0
     for start in range(0, logits.shape[0], _ROW_BLOCK):
-        block = np.asarray(logits[start:start + _ROW_BLOCK], dtype=np.float32)
-        tgt = targets[start:start + _ROW_BLOCK]
+        block = np.asarray(logits[start : start + _ROW_BLOCK], dtype=np.float32)
+        tgt = targets[start : start + _ROW_BLOCK]
         peak = block.max(axis=1, keepdims=True)
         lse = np.log(np.exp(block - peak).sum(axis=1, dtype=np.float64)) + peak[:, 0]
         total += float(np.sum(lse - block[np.arange(block.shape[0]), tgt]))

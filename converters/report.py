@@ -30,7 +30,8 @@ REPORT_VERSION = 3
 QUALITY_NOTE = (
     "Measured with llamaflash's sparse engine: every token of every evaluated batch ran through the "
     "sparse lane inside llama.cpp (gate-first selection in every layer, the sidecar's down_t), as decode "
-    "computes it; the dense reference and the greedy continuations are stock llama.cpp.")
+    "computes it; the dense reference and the greedy continuations are stock llama.cpp."
+)
 
 
 def report_path(sidecar: Path) -> Path:
@@ -85,7 +86,10 @@ def build_report(result, sidecar: Path, model_path: Path) -> dict:
         }
 
     n_served = len(result.decisions)
-    mean = (lambda xs: float(np.mean(xs)) if xs else None)
+
+    def mean(xs):
+        return float(np.mean(xs)) if xs else None
+
     report = {
         "llamaflash_report": REPORT_VERSION,
         "sidecar": str(sidecar),
@@ -147,13 +151,17 @@ def print_table(result, stream: TextIO) -> None:
         p(f"{layer:>5} {d.threshold:>10.4g} {d.sparsity:>8.3f} {d.ffn_rel_error:>8.4f} {d.bytes_gate:>10.0f}")
     if result.dense is not None:
         dense = result.dense
-        p(f"quality ({fmt.QUALITY_METHOD_LABELS[result.quality_method]}; {result.validation_tokens} tokens of "
-          f"{result.validation.source}):")
+        p(
+            f"quality ({fmt.QUALITY_METHOD_LABELS[result.quality_method]}; {result.validation_tokens} tokens of "
+            f"{result.validation.source}):"
+        )
         p(f"  dense ppl {dense.ppl:.4f}")
 
         def point(label, q):
-            p(f"  {label}: ppl {q.ppl:.4f} ({100 * q.ppl_delta(dense):+.2f}%), "
-              f"greedy agreement {q.greedy_agreement:.3f}, active fraction {q.active_fraction:.3f}")
+            p(
+                f"  {label}: ppl {q.ppl:.4f} ({100 * q.ppl_delta(dense):+.2f}%), "
+                f"greedy agreement {q.greedy_agreement:.3f}, active fraction {q.active_fraction:.3f}"
+            )
 
         for q in result.curve:
             point(f"sparsity {q.target_sparsity:.2f}", q)

@@ -35,14 +35,14 @@ class LayerDecision:
     """Everything the sidecar records for one served layer (arrays in *bundle* order)."""
 
     layer: int
-    level: float                  # target sparsity of the operating point
+    level: float  # target sparsity of the operating point
     threshold: float
-    sparsity: float               # reached on held-out calibration tokens
-    ffn_rel_error: float          # gate-first, held-out
-    order: np.ndarray             # int32 (n_ff,): base neuron at bundle position k
-    freq: np.ndarray              # float32 (n_ff,), non-increasing
-    mag: np.ndarray               # float32 (n_ff,)
-    bytes_gate: float = 0.0       # expected bytes per token read by gate-first selection
+    sparsity: float  # reached on held-out calibration tokens
+    ffn_rel_error: float  # gate-first, held-out
+    order: np.ndarray  # int32 (n_ff,): base neuron at bundle position k
+    freq: np.ndarray  # float32 (n_ff,), non-increasing
+    mag: np.ndarray  # float32 (n_ff,)
+    bytes_gate: float = 0.0  # expected bytes per token read by gate-first selection
 
 
 def layer_bytes(ffn: FfnLayer, down_t: str = DEFAULT_DOWN_T) -> dict[str, int]:
@@ -55,7 +55,10 @@ def layer_bytes(ffn: FfnLayer, down_t: str = DEFAULT_DOWN_T) -> dict[str, int]:
 
 
 def decide_layer(
-    an: LayerAnalysis, ffn: FfnLayer, level: float, bundle_order: str = fmt.BUNDLE_ORDER_BASE,
+    an: LayerAnalysis,
+    ffn: FfnLayer,
+    level: float,
+    bundle_order: str = fmt.BUNDLE_ORDER_BASE,
     down_t: str = DEFAULT_DOWN_T,
 ) -> LayerDecision:
     """The decision for ``an`` at operating point ``level`` (one of ``an.levels``); bundles in
@@ -71,9 +74,14 @@ def decide_layer(
     active = 1.0 - an.sparsity_heldout[i]
     bytes_gate = an.n_ff * rows["gate"] + active * an.n_ff * (rows["up"] + rows["down_t"])
     return LayerDecision(
-        layer=an.layer, level=float(level), threshold=float(an.thresholds[i]),
-        sparsity=float(an.sparsity_heldout[i]), ffn_rel_error=float(an.ffn_error[i]),
-        order=order, freq=an.freq[i][order].astype(np.float32), mag=an.mag[order].astype(np.float32),
+        layer=an.layer,
+        level=float(level),
+        threshold=float(an.thresholds[i]),
+        sparsity=float(an.sparsity_heldout[i]),
+        ffn_rel_error=float(an.ffn_error[i]),
+        order=order,
+        freq=an.freq[i][order].astype(np.float32),
+        mag=an.mag[order].astype(np.float32),
         bytes_gate=float(bytes_gate),
     )
 
@@ -106,7 +114,7 @@ class SparsityStage:
 
         f32 = gguf.GGMLQuantizationType.F32
         freq, mag = d.freq.astype(np.float32), d.mag.astype(np.float32)
-        plan.add_tensor(PlannedTensor(fmt.freq_tensor_name(ffn.layer), f32, (ffn.n_ff,),
-                                      lambda: freq, layer=ffn.layer))
-        plan.add_tensor(PlannedTensor(fmt.magnitude_tensor_name(ffn.layer), f32, (ffn.n_ff,),
-                                      lambda: mag, layer=ffn.layer))
+        plan.add_tensor(PlannedTensor(fmt.freq_tensor_name(ffn.layer), f32, (ffn.n_ff,), lambda: freq, layer=ffn.layer))
+        plan.add_tensor(
+            PlannedTensor(fmt.magnitude_tensor_name(ffn.layer), f32, (ffn.n_ff,), lambda: mag, layer=ffn.layer)
+        )

@@ -105,13 +105,18 @@ def calibration_tokens(tokenize, text: str, n_tokens: int, per_chunk: int) -> li
     for start in np.linspace(0, len(text) - window, n_windows).astype(np.int64):
         nl = text.find("\n", int(start), int(start) + window // 4)
         begin = int(start) if nl < 0 else nl + 1
-        out.append(tokenize(text[begin:begin + window])[:per_chunk])
+        out.append(tokenize(text[begin : begin + window])[:per_chunk])
     return out
 
 
 def calibration_chunks(
-    windows: list[np.ndarray], n_tokens: int, chunk_len: int, bos: int | None, needed: int,
-    source: TextSource, model: str,
+    windows: list[np.ndarray],
+    n_tokens: int,
+    chunk_len: int,
+    bos: int | None,
+    needed: int,
+    source: TextSource,
+    model: str,
 ) -> list[np.ndarray]:
     """Cut the token ``windows`` of the calibration text (:func:`calibration_tokens`, no BOS)
     into chunks for profiling.
@@ -124,8 +129,11 @@ def calibration_chunks(
     if len(windows) > 1:  # a corpus, already cut into windows of per_chunk tokens
         total = int(sum(w.size for w in windows))
         if total >= needed:
-            return [np.concatenate([[bos], w]).astype(np.int32) if bos is not None else w.astype(np.int32)
-                    for w in windows if w.size >= 1]
+            return [
+                np.concatenate([[bos], w]).astype(np.int32) if bos is not None else w.astype(np.int32)
+                for w in windows
+                if w.size >= 1
+            ]
         tokens = np.concatenate(windows)
     else:
         tokens = windows[0]
@@ -148,7 +156,12 @@ def calibration_chunks(
 
 
 def validation_chunks(
-    tokens: np.ndarray, n_tokens: int, chunk_len: int, bos: int | None, source: str, model: str,
+    tokens: np.ndarray,
+    n_tokens: int,
+    chunk_len: int,
+    bos: int | None,
+    source: str,
+    model: str,
 ) -> list[np.ndarray]:
     """The first ``n_tokens`` tokens of the validation text, in consecutive chunks of ``chunk_len``
     (BOS first). Raises :class:`CalibrationError` when fewer than
@@ -168,7 +181,7 @@ def _chunks(tokens: np.ndarray, starts, per_chunk: int, bos: int | None) -> list
     2 tokens (nothing to predict) are dropped."""
     chunks = []
     for start in starts:
-        piece = tokens[start:start + per_chunk]
+        piece = tokens[start : start + per_chunk]
         if bos is not None:
             piece = np.concatenate([[bos], piece])
         if piece.size >= 2:

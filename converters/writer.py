@@ -130,8 +130,7 @@ class SidecarPlan:
             raise ValueError(f"per-layer array '{key}' mixes {existing.name} and {vtype.name} values")
         values.append(value)
 
-    def _set(self, key: str, value: Any, vtype: gguf.GGUFValueType,
-             sub_type: gguf.GGUFValueType | None = None) -> None:
+    def _set(self, key: str, value: Any, vtype: gguf.GGUFValueType, sub_type: gguf.GGUFValueType | None = None) -> None:
         if key in self._metadata or key in self._layer_arrays:
             raise ValueError(f"metadata key '{key}' is set twice")
         self._metadata[key] = (value, vtype, sub_type)
@@ -172,13 +171,10 @@ def write_sidecar_atomically(
     """
     out_path = Path(out_path)
     if out_path.exists() and not force:
-        raise OutputExistsError(
-            f"{out_path}: already exists. Pass --force (force=True) to overwrite it."
-        )
+        raise OutputExistsError(f"{out_path}: already exists. Pass --force (force=True) to overwrite it.")
     if not out_path.parent.is_dir():
         raise ConversionError(
-            f"{out_path}: the directory {out_path.parent} does not exist. Create it or "
-            "choose another output path."
+            f"{out_path}: the directory {out_path.parent} does not exist. Create it or choose another output path."
         )
     tmp_path = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     try:
@@ -214,9 +210,7 @@ def _write_gguf(plan: SidecarPlan, path: Path, progress: ProgressCallback | None
         for i, t in enumerate(plan.tensors):
             data = np.ascontiguousarray(t.produce())
             if data.nbytes != t.nbytes:
-                raise ValueError(
-                    f"tensor '{t.name}': produced {data.nbytes} bytes, planned {t.nbytes}"
-                )
+                raise ValueError(f"tensor '{t.name}': produced {data.nbytes} bytes, planned {t.nbytes}")
             for observe in plan.observers(t.name):
                 observe(data)
             writer.write_tensor_data(data)
@@ -275,8 +269,11 @@ def own_temporaries(out: Path) -> list[Path]:
         return []
     for entry in entries:
         m = _TEMPORARY_RE.match(entry.name)
-        if m and int(m.group("pid")) == pid and (m.group("rest") == out.name
-                                                 or m.group("rest").startswith(out.name + ".")):
+        if (
+            m
+            and int(m.group("pid")) == pid
+            and (m.group("rest") == out.name or m.group("rest").startswith(out.name + "."))
+        ):
             found.append(Path(entry.path))
     return found
 
@@ -352,8 +349,11 @@ def removing_temporaries_on_signal(out: Path) -> Iterator[None]:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
-    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
-                signal.SIGHUP: signal.SIG_DFL}
+    defaults = {
+        signal.SIGINT: signal.default_int_handler,
+        signal.SIGTERM: signal.SIG_DFL,
+        signal.SIGHUP: signal.SIG_DFL,
+    }
     installed = []
     for signum, default in defaults.items():
         if signal.getsignal(signum) is default:

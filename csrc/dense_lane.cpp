@@ -60,8 +60,7 @@ ggml_tensor * DenseLane::map_src(const ggml_tensor * src) {
             GGML_ABORT("llamaflash: no resident weight for phantom '%s' (dense weights not loaded)", src->name);
         }
         if (!ggml_are_same_shape(mapped, src) || mapped->type != src->type) {
-            GGML_ABORT("llamaflash: resident weight for '%s' has another shape/type than llama.cpp expects",
-                       src->name);
+            GGML_ABORT("llamaflash: resident weight for '%s' has another shape/type than llama.cpp expects", src->name);
         }
         model_ = bound->model.get();
     } else if (src->op == GGML_OP_NONE) {
@@ -131,8 +130,8 @@ bool DenseLane::try_fuse(int i, const ggml_tensor * node) {
     for (const ggml_tensor * orig : {node, partner}) {
         const bool is_gate = registry.lookup(orig->src[0])->kind == FfnWeightKind::gate;
         ggml_tensor * args[1] = {z};
-        ggml_tensor * m = ggml_custom_4d(ctx_, GGML_TYPE_F32, orig->ne[0], orig->ne[1], orig->ne[2], orig->ne[3],
-                                         args, 1, deinterleave_gate_up, GGML_N_TASKS_MAX,
+        ggml_tensor * m = ggml_custom_4d(ctx_, GGML_TYPE_F32, orig->ne[0], orig->ne[1], orig->ne[2], orig->ne[3], args,
+                                         1, deinterleave_gate_up, GGML_N_TASKS_MAX,
                                          const_cast<int *>(is_gate ? &kGateParity : &kUpParity));
         m->data = orig->data;
         m->buffer = orig->buffer;

@@ -10,13 +10,9 @@ namespace llamaflash {
 
 namespace {
 
-[[noreturn]] void invalid(const std::string & message) {
-    throw std::invalid_argument("llamaflash: " + message);
-}
+[[noreturn]] void invalid(const std::string & message) { throw std::invalid_argument("llamaflash: " + message); }
 
-std::string layer_name(const LayerSpec & s) {
-    return "layer " + std::to_string(s.layer);
-}
+std::string layer_name(const LayerSpec & s) { return "layer " + std::to_string(s.layer); }
 
 void validate_layer(const LayerSpec & s) {
     if (s.n_embd <= 0 || s.n_ff <= 0) {
@@ -39,8 +35,9 @@ void validate_offload(const EngineConfig & c) {
     const OffloadConfig & o = *c.offload;
     const size_t n = c.layers.size();
     if (!c.sparse.enabled) {
-        invalid("flash offload needs the sparse lane (sparse.enabled): the dense lane would stream every "
-                "layer from flash");
+        invalid(
+            "flash offload needs the sparse lane (sparse.enabled): the dense lane would stream every "
+            "layer from flash");
     }
     if (o.hot.size() != n || o.cluster_prob.size() != n) {
         invalid("offload.hot and offload.cluster_prob need one entry per served layer (" + std::to_string(n) +
@@ -55,7 +52,8 @@ void validate_offload(const EngineConfig & c) {
     if (o.draft_copy) {
         for (const LayerSpec & s : c.layers) {
             if (s.draft_type == GGML_TYPE_COUNT) {
-                invalid("offload.draft_copy: layer " + std::to_string(s.layer) + " has no draft copy in the sidecar "
+                invalid("offload.draft_copy: layer " + std::to_string(s.layer) +
+                        " has no draft copy in the sidecar "
                         "(convert with --draft-type auto)");
             }
             check_row_bytes(s, s.draft_type, s.n_embd, s.draft_row_bytes, "draft copy");
@@ -102,7 +100,7 @@ void EngineConfig::validate() const {
         validate_layer(s);
     }
     try {
-        (void) parse_ffn_activation(activation);
+        (void)parse_ffn_activation(activation);
     } catch (const std::exception &) {
         invalid("activation must be 'silu', 'gelu' or 'relu', got '" + activation + "'");
     }

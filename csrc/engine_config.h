@@ -24,9 +24,9 @@ enum class FfnWeightKind : int { gate = 0, up = 1, down = 2 };
 // One served layer, as described by the sidecar reader (llamaflash.sidecar.LayerLayout). All
 // offsets are absolute byte offsets in their file.
 struct LayerSpec {
-    int      layer = -1;
-    int64_t  n_embd = 0;
-    int64_t  n_ff = 0;
+    int layer = -1;
+    int64_t n_embd = 0;
+    int64_t n_ff = 0;
     ggml_type gate_type = GGML_TYPE_COUNT;
     ggml_type up_type = GGML_TYPE_COUNT;
     ggml_type down_type = GGML_TYPE_COUNT;    // base down type
@@ -40,8 +40,8 @@ struct LayerSpec {
     uint64_t order_offset = 0;
     uint64_t base_down_offset = 0;
     uint64_t base_down_row_bytes = 0;
-    uint64_t base_up_offset = 0;   // the base model's row-major ffn_up (n_ff rows of up_row_bytes)
-    uint64_t base_gate_offset = 0; // the base model's row-major ffn_gate (n_ff rows of gate_row_bytes)
+    uint64_t base_up_offset = 0;    // the base model's row-major ffn_up (n_ff rows of up_row_bytes)
+    uint64_t base_gate_offset = 0;  // the base model's row-major ffn_gate (n_ff rows of gate_row_bytes)
     // sparsity: neuron k is skipped for input x when |act(gate_k·x)| <= threshold; threshold < 0
     // (no threshold) = the layer always runs dense
     float threshold = -1.0f;
@@ -52,7 +52,7 @@ struct LayerSpec {
     uint64_t draft_row_bytes = 0;
     uint64_t draft_up_offset = 0;
     uint64_t draft_down_t_offset = 0;
-    uint64_t draft_checksum_offset = 0;  // uint32 [n_ff][2]: draft up, draft down_t rows (0: no checksums)
+    uint64_t draft_checksum_offset = 0;            // uint32 [n_ff][2]: draft up, draft down_t rows (0: no checksums)
     std::string draft_up_name, draft_down_t_name;  // tensor names for messages
     // integrity (integrity.h): absolute sidecar offsets of the layer's row-checksum tables, both 0 when
     // the sidecar has none; and the tensor names the checks' messages use
@@ -64,9 +64,9 @@ struct LayerSpec {
 // How the sparse lane runs. The lane of a split is fixed by this and the layer's threshold: a
 // split of a layer with threshold >= 0 over T <= max_tokens tokens runs sparse when enabled.
 struct SparseConfig {
-    bool enabled = false;       // false: every split runs on the dense lane (and, at open, no sparse lane is loaded)
-    int64_t max_tokens = 1;     // batches of more tokens run dense (prefill); >= 1
-    int cluster_size = 32;      // neurons per work unit of the kernel (and per neuron-cache slot); 1..256
+    bool enabled = false;    // false: every split runs on the dense lane (and, at open, no sparse lane is loaded)
+    int64_t max_tokens = 1;  // batches of more tokens run dense (prefill); >= 1
+    int cluster_size = 32;   // neurons per work unit of the kernel (and per neuron-cache slot); 1..256
     // g = gate·x comes from ggml's dense (repacked) GEMV whenever the bundles are in base order (the
     // kernel then reads only the selected neurons' up and down_t rows), else from the kernel.
     // true (in memory, bundles in base order): u = up·x for all neurons by ggml's dense GEMV too; the
@@ -81,13 +81,13 @@ struct SparseConfig {
 struct OffloadConfig {
     // gate matrices read from the base file every token (one layer ahead) instead of resident
     bool stream_gate = false;
-    int64_t cold_slots = 0;          // LRU slots, >= (1 + prefetch_layers) · max clusters per layer
-    int prefetch_layers = 1;         // read-ahead depth in served layers (0: demand reads only)
-    float prefetch_min_prob = 0.5f;  // read ahead clusters at least this likely to be needed
-    unsigned queue_depth = 32;       // reads in flight per file
-    bool direct = true;              // O_DIRECT where the filesystem allows it
-    std::string engine = "auto";     // "auto" | "io_uring" | "pool"
-    std::vector<std::vector<int32_t>> hot;       // per layer: clusters to pin
+    int64_t cold_slots = 0;                        // LRU slots, >= (1 + prefetch_layers) · max clusters per layer
+    int prefetch_layers = 1;                       // read-ahead depth in served layers (0: demand reads only)
+    float prefetch_min_prob = 0.5f;                // read ahead clusters at least this likely to be needed
+    unsigned queue_depth = 32;                     // reads in flight per file
+    bool direct = true;                            // O_DIRECT where the filesystem allows it
+    std::string engine = "auto";                   // "auto" | "io_uring" | "pool"
+    std::vector<std::vector<int32_t>> hot;         // per layer: clusters to pin
     std::vector<std::vector<float>> cluster_prob;  // per layer: P(cluster needed), one per cluster
     // keep every layer's draft copy resident (read at open) and compute draft-mode splits from it
     // (offload_state.h); needs a draft copy in every layer

@@ -11,9 +11,7 @@ namespace llamaflash {
 
 namespace {
 
-uint64_t round_up(uint64_t v, uint64_t a) {
-    return (v + a - 1) / a * a;
-}
+uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 // Region of one expert slice in a slot: its covering aligned extent, whatever the slice's offset
 // modulo the alignment (round_up(len, A) + A >= round_up(r + len, A) for every r < A).
@@ -49,10 +47,10 @@ struct ExpertCache::Layer {
     size_t slot_stride = 0;
     AlignedBuffer memory;
     std::vector<Slot> slots;
-    std::vector<int> slot_of;              // expert → slot, -1
-    std::vector<char> is_pinned;           // expert → pinned
+    std::vector<int> slot_of;     // expert → slot, -1
+    std::vector<char> is_pinned;  // expert → pinned
     std::vector<FlashReader::Ticket> prefetch_tickets;
-    std::vector<int> prefetch_slots;       // slots filled by those tickets
+    std::vector<int> prefetch_slots;  // slots filled by those tickets
     bool demand_pending = false;
     FlashReader::Ticket demand_ticket = 0;
     std::vector<int> demand_slots;
@@ -455,9 +453,7 @@ int ExpertCache::prefetch_count(int n_used) {
     return precision >= 0.5 ? n_used : static_cast<int>(n_used * precision);
 }
 
-size_t ExpertCache::slot_bytes(int position) const {
-    return layers_[static_cast<size_t>(position)]->slot_stride;
-}
+size_t ExpertCache::slot_bytes(int position) const { return layers_[static_cast<size_t>(position)]->slot_stride; }
 
 size_t ExpertCache::resident_bytes() const {
     size_t total = 0;
@@ -467,17 +463,11 @@ size_t ExpertCache::resident_bytes() const {
     return total;
 }
 
-size_t ExpertCache::alignment() const {
-    return reader_->alignment();
-}
+size_t ExpertCache::alignment() const { return reader_->alignment(); }
 
-bool ExpertCache::direct() const {
-    return reader_->direct();
-}
+bool ExpertCache::direct() const { return reader_->direct(); }
 
-const char * ExpertCache::engine_name() const {
-    return reader_->engine_name();
-}
+const char * ExpertCache::engine_name() const { return reader_->engine_name(); }
 
 std::vector<int> ExpertCache::resident_experts(int position) const {
     std::vector<int> out;

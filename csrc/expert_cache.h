@@ -38,11 +38,11 @@ constexpr int kExpertTensorKinds = 4;
 // One expert tensor of a layer, as the base GGUF stores it.
 struct ExpertTensorSpec {
     ExpertTensorKind kind = ExpertTensorKind::up;
-    uint64_t offset = 0;        // absolute offset of the tensor's data in the base file
-    int type = 0;               // ggml_type
-    int64_t ne0 = 0;            // input size (row length)
-    int64_t ne1 = 0;            // output rows of one expert
-    uint64_t expert_bytes = 0;  // nb[2]: one expert's slice, ne1 rows of ggml_row_size(type, ne0)
+    uint64_t offset = 0;              // absolute offset of the tensor's data in the base file
+    int type = 0;                     // ggml_type
+    int64_t ne0 = 0;                  // input size (row length)
+    int64_t ne1 = 0;                  // output rows of one expert
+    uint64_t expert_bytes = 0;        // nb[2]: one expert's slice, ne1 rows of ggml_row_size(type, ne0)
     std::vector<uint32_t> checksums;  // CRC-32C of each expert's slice (n_expert), or empty: unchecked
 };
 
@@ -63,26 +63,26 @@ struct ExpertConfig {
     std::vector<ExpertLayerSpec> layers;  // served layers, in layer order
     std::string io_engine = "auto";       // FlashReader engine: auto | io_uring | pool
     unsigned queue_depth = 32;
-    bool direct = true;                   // O_DIRECT reads (falls back to buffered where refused)
-    bool verify = true;                   // check every read slice against its checksum
-    bool prefetch = true;                 // predict the next layer's experts and read them early
-    int prefetch_extra = 0;               // experts predicted beyond n_used
+    bool direct = true;      // O_DIRECT reads (falls back to buffered where refused)
+    bool verify = true;      // check every read slice against its checksum
+    bool prefetch = true;    // predict the next layer's experts and read them early
+    int prefetch_extra = 0;  // experts predicted beyond n_used
 };
 
 // Counters since open or the last reset.
 struct ExpertCacheStats {
-    uint64_t requests = 0;          // layer requests (one per layer per batch round)
-    uint64_t experts_needed = 0;    // expert activations requested (distinct per request)
-    uint64_t hits = 0;              // already resident (pinned, cached, or prefetched and ready)
+    uint64_t requests = 0;        // layer requests (one per layer per batch round)
+    uint64_t experts_needed = 0;  // expert activations requested (distinct per request)
+    uint64_t hits = 0;            // already resident (pinned, cached, or prefetched and ready)
     uint64_t pinned_hits = 0;
-    uint64_t misses = 0;            // read on demand
-    uint64_t prefetched = 0;        // experts read by prefetch
-    uint64_t prefetch_used = 0;     // of those, needed before being evicted
-    uint64_t prefetch_wasted = 0;   // of those, evicted unused
-    uint64_t bytes_read = 0;        // by demand and prefetch
+    uint64_t misses = 0;           // read on demand
+    uint64_t prefetched = 0;       // experts read by prefetch
+    uint64_t prefetch_used = 0;    // of those, needed before being evicted
+    uint64_t prefetch_wasted = 0;  // of those, evicted unused
+    uint64_t bytes_read = 0;       // by demand and prefetch
     uint64_t demand_bytes = 0;
     uint64_t verified_bytes = 0;
-    double wait_seconds = 0.0;      // blocked waiting for reads (demand and the layer's prefetches)
+    double wait_seconds = 0.0;  // blocked waiting for reads (demand and the layer's prefetches)
     double verify_seconds = 0.0;
 };
 

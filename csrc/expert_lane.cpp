@@ -14,8 +14,8 @@ namespace llamaflash {
 
 struct ExpertLane::Matmul {
     ExpertTensorKind kind = ExpertTensorKind::up;
-    int64_t ne0 = 0;                         // input length (src1 row, weight row)
-    size_t row_bytes = 0;                    // one weight row
+    int64_t ne0 = 0;       // input length (src1 row, weight row)
+    size_t row_bytes = 0;  // one weight row
     ggml_vec_dot_t vec_dot = nullptr;
     ggml_from_float_t from_float = nullptr;  // nullptr: src1 rows are used as they are (f32 vec_dot)
     std::vector<const uint8_t *> weight;     // by expert: its slice in the cache this round, or nullptr
@@ -310,8 +310,8 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
                 mm.staged.resize(static_cast<size_t>(ggml_nelements(node)));
                 m->data = mm.staged.data();
                 ggml_tensor * copy_args[1] = {m};
-                m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], copy_args,
-                                   1, copy_staged, GGML_N_TASKS_MAX, nullptr);
+                m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], copy_args, 1,
+                                   copy_staged, GGML_N_TASKS_MAX, nullptr);
             }
             std::memcpy(m->nb, node->nb, sizeof(m->nb));
             m->data = node->data;
@@ -337,10 +337,11 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
             if (!draft) {  // a draft's experts are all resident and ready
                 cache.begin(match.position, round);
                 if (rounds == 0 && n_tokens == 1 && x != nullptr) {
-                    std::vector<int> predicted = model.predict_next(match.position, static_cast<const float *>(x->data));
+                    std::vector<int> predicted =
+                        model.predict_next(match.position, static_cast<const float *>(x->data));
                     // best first: keep as many as the measured precision pays for (a wrong one costs bandwidth)
-                    predicted.resize(std::min(predicted.size(),
-                                              static_cast<size_t>(cache.prefetch_count(spec.n_used))));
+                    predicted.resize(
+                        std::min(predicted.size(), static_cast<size_t>(cache.prefetch_count(spec.n_used))));
                     if (!predicted.empty()) {
                         cache.prefetch(match.position + 1, predicted);
                     }
@@ -367,7 +368,8 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
             }
             for (int64_t p = 0; p < n_used * n_tokens && dropped > 0; ++p) {  // draft pairs written as zero
                 if (expert_of[static_cast<size_t>(p)] < 0) {
-                    mm.pairs.insert(mm.pairs.end(), {-1, static_cast<int32_t>(p % n_used), static_cast<int32_t>(p / n_used)});
+                    mm.pairs.insert(mm.pairs.end(),
+                                    {-1, static_cast<int32_t>(p % n_used), static_cast<int32_t>(p / n_used)});
                 }
             }
         }

@@ -76,15 +76,15 @@ public:
     struct LaneStats {
         uint64_t splits = 0;
         uint64_t tokens = 0;
-        uint64_t experts = 0;        // distinct experts per split, summed
+        uint64_t experts = 0;  // distinct experts per split, summed
         uint64_t rounds = 0;
         uint64_t multi_round_splits = 0;
-        double compute_seconds = 0.0;  // the private graphs
-        double split_seconds = 0.0;    // whole splits: reads, waits, checks and compute
-        uint64_t draft_splits = 0;     // draft-mode splits (not counted above)
-        uint64_t draft_pairs = 0;      // their (slot, token) pairs
+        double compute_seconds = 0.0;    // the private graphs
+        double split_seconds = 0.0;      // whole splits: reads, waits, checks and compute
+        uint64_t draft_splits = 0;       // draft-mode splits (not counted above)
+        uint64_t draft_pairs = 0;        // their (slot, token) pairs
         uint64_t draft_substituted = 0;  // pairs routed to a resident expert instead of their own
-        uint64_t draft_dropped = 0;    // pairs left without a resident expert (zero products)
+        uint64_t draft_dropped = 0;      // pairs left without a resident expert (zero products)
     };
     void count_split(int position, int64_t n_tokens, int64_t n_experts, int rounds, double compute_seconds,
                      double split_seconds);

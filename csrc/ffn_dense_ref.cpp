@@ -16,7 +16,7 @@ namespace {
 ggml_backend_buffer_type_t repack_buft_for(ggml_tensor * w) {
     ggml_backend_dev_t cpu_dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     if (cpu_dev == nullptr) return nullptr;
-    auto get_extra = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
+    auto get_extra = (ggml_backend_dev_get_extra_bufts_t)ggml_backend_reg_get_proc_address(
         ggml_backend_dev_backend_reg(cpu_dev), "ggml_backend_dev_get_extra_bufts");
     if (get_extra == nullptr) return nullptr;
     ggml_init_params params = {ggml_tensor_overhead() * 4, nullptr, true};
@@ -67,7 +67,8 @@ DenseFfnGraph::DenseFfnGraph(const DenseFfnRefWeights & w, int64_t n_tokens, int
             buffers_.push_back(buf);
             ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
             ggml_tallocr alloc = ggml_tallocr_new(buf);
-            if (ggml_tallocr_alloc(&alloc, t) != GGML_STATUS_SUCCESS) throw std::runtime_error("DenseFfnGraph: tallocr");
+            if (ggml_tallocr_alloc(&alloc, t) != GGML_STATUS_SUCCESS)
+                throw std::runtime_error("DenseFfnGraph: tallocr");
             ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
             weight_bytes_ += ggml_nbytes(t);
         }
@@ -96,9 +97,7 @@ DenseFfnGraph::DenseFfnGraph(const DenseFfnRefWeights & w, int64_t n_tokens, int
     }
 }
 
-DenseFfnGraph::~DenseFfnGraph() {
-    release();
-}
+DenseFfnGraph::~DenseFfnGraph() { release(); }
 
 void DenseFfnGraph::release() {
     if (galloc_ != nullptr) ggml_gallocr_free(galloc_);
@@ -129,27 +128,29 @@ double DenseFfnGraph::run(const float * x, float * y) {
 }
 
 std::vector<float> activation_roundtrip(ggml_type weight_type, const float * x, int64_t n) {
-    if (weight_type < 0 || weight_type >= GGML_TYPE_COUNT) throw std::invalid_argument("activation_roundtrip: bad type");
+    if (weight_type < 0 || weight_type >= GGML_TYPE_COUNT)
+        throw std::invalid_argument("activation_roundtrip: bad type");
     ggml_cpu_init();
     const ggml_type_traits_cpu * tr = ggml_get_type_traits_cpu(weight_type);
-    if (tr == nullptr || tr->vec_dot == nullptr) throw std::invalid_argument("activation_roundtrip: no vec_dot for this type");
+    if (tr == nullptr || tr->vec_dot == nullptr)
+        throw std::invalid_argument("activation_roundtrip: no vec_dot for this type");
     const ggml_type vt = tr->vec_dot_type;
-    if (n % ggml_blck_size(vt) != 0) throw std::invalid_argument("activation_roundtrip: n is not a whole number of blocks");
+    if (n % ggml_blck_size(vt) != 0)
+        throw std::invalid_argument("activation_roundtrip: n is not a whole number of blocks");
     std::vector<uint8_t> q(ggml_row_size(vt, n));
     ggml_get_type_traits_cpu(vt)->from_float(x, q.data(), n);
     std::vector<float> out(n);
     const int64_t nb = n / ggml_blck_size(vt);
     switch (vt) {
-        case GGML_TYPE_F32:
-            std::memcpy(out.data(), q.data(), n * sizeof(float));
-            break;
+        case GGML_TYPE_F32: std::memcpy(out.data(), q.data(), n * sizeof(float)); break;
         case GGML_TYPE_Q8_0:
         case GGML_TYPE_Q8_1: {  // {f16 d, [f16 s,] int8 qs[32]}
             const size_t head = vt == GGML_TYPE_Q8_0 ? 2 : 4, bs = ggml_type_size(vt);
             for (int64_t b = 0; b < nb; ++b) {
                 const uint8_t * blk = q.data() + b * bs;
                 const float d = read_f16(blk);
-                for (int j = 0; j < 32; ++j) out[b * 32 + j] = d * static_cast<float>(static_cast<int8_t>(blk[head + j]));
+                for (int j = 0; j < 32; ++j)
+                    out[b * 32 + j] = d * static_cast<float>(static_cast<int8_t>(blk[head + j]));
             }
             break;
         }
@@ -159,7 +160,8 @@ std::vector<float> activation_roundtrip(ggml_type weight_type, const float * x, 
                 const uint8_t * blk = q.data() + b * bs;
                 float d;
                 std::memcpy(&d, blk, sizeof(d));
-                for (int j = 0; j < 256; ++j) out[b * 256 + j] = d * static_cast<float>(static_cast<int8_t>(blk[4 + j]));
+                for (int j = 0; j < 256; ++j)
+                    out[b * 256 + j] = d * static_cast<float>(static_cast<int8_t>(blk[4 + j]));
             }
             break;
         }

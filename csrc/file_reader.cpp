@@ -1,13 +1,13 @@
 // file_reader.cpp — see file_reader.h.
 #include "file_reader.h"
 
-#include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 namespace llamaflash {
 
@@ -16,7 +16,7 @@ FileReader::FileReader(const std::string & path) : path_(path) {
     if (fd_ < 0) {
         throw IoError("cannot open '" + path + "': " + std::strerror(errno));
     }
-    struct stat st {};
+    struct stat st{};
     if (::fstat(fd_, &st) != 0) {
         const int err = errno;
         ::close(fd_);
@@ -28,7 +28,7 @@ FileReader::FileReader(const std::string & path) : path_(path) {
 }
 
 void FileReader::check_size() const {
-    struct stat st {};
+    struct stat st{};
     std::string what;
     if (::fstat(fd_, &st) != 0) {
         what = std::string("it cannot be inspected: ") + std::strerror(errno);
@@ -44,12 +44,12 @@ void FileReader::check_size() const {
 }
 
 bool FileReader::modified() const {
-    struct stat st {};
+    struct stat st{};
     return ::fstat(fd_, &st) != 0 || st.st_mtim.tv_sec != mtime_sec_ || st.st_mtim.tv_nsec != mtime_nsec_;
 }
 
 void FileReader::accept_modified() {
-    struct stat st {};
+    struct stat st{};
     if (::fstat(fd_, &st) == 0) {
         mtime_sec_ = static_cast<int64_t>(st.st_mtim.tv_sec);
         mtime_nsec_ = static_cast<int64_t>(st.st_mtim.tv_nsec);
@@ -80,8 +80,8 @@ void FileReader::read_exact(void * dst, size_t n, uint64_t offset) const {
             if (errno == EINTR) {
                 continue;
             }
-            throw IoError("read error in '" + path_ + "' at offset " + std::to_string(offset + done) +
-                          ": " + std::strerror(errno));
+            throw IoError("read error in '" + path_ + "' at offset " + std::to_string(offset + done) + ": " +
+                          std::strerror(errno));
         }
         if (r == 0) {
             throw IoError("unexpected end of '" + path_ + "' at offset " + std::to_string(offset + done) +
@@ -92,7 +92,7 @@ void FileReader::read_exact(void * dst, size_t n, uint64_t offset) const {
 }
 
 void FileReader::drop_cache(uint64_t offset, uint64_t n) const {
-    (void) ::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(n), POSIX_FADV_DONTNEED);
+    (void)::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(n), POSIX_FADV_DONTNEED);
 }
 
 MappedFile::MappedFile(const std::string & path, uint64_t offset, uint64_t length) {

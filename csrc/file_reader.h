@@ -72,8 +72,8 @@ public:
     uint64_t size() const { return size_; }
 
 private:
-    void * addr_ = nullptr;     // start of the mapping (page aligned)
-    uint64_t mapped_ = 0;       // bytes mapped
+    void * addr_ = nullptr;  // start of the mapping (page aligned)
+    uint64_t mapped_ = 0;    // bytes mapped
     const uint8_t * data_ = nullptr;
     uint64_t size_ = 0;
 };

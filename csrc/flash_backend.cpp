@@ -7,9 +7,9 @@
 #include "split_executor.h"
 #include "weight_registry.h"
 
+#include <sys/sysinfo.h>
 #include <cstring>
 #include <mutex>
-#include <sys/sysinfo.h>
 
 namespace llamaflash {
 
@@ -78,8 +78,7 @@ bool is_ffn_elementwise_op(ggml_op op) {
         case GGML_OP_DIV:
         case GGML_OP_ADD_ID:  // per-expert biases (gpt-oss)
             return true;
-        default:
-            return false;
+        default: return false;
     }
 }
 
@@ -122,8 +121,7 @@ bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
         case GGML_OP_VIEW:
         case GGML_OP_RESHAPE:
         case GGML_OP_PERMUTE:
-        case GGML_OP_TRANSPOSE:
-            return lives_in_phantom_buffer(op);
+        case GGML_OP_TRANSPOSE: return lives_in_phantom_buffer(op);
         case GGML_OP_MUL_MAT:
             return is_served_weight(op->src[0]) && op->src[1] != nullptr && op->src[1]->type == GGML_TYPE_F32;
         case GGML_OP_MUL_MAT_ID: {
@@ -151,9 +149,7 @@ struct BackendContext {
     SplitExecutor executor;
 };
 
-const char * backend_get_name(ggml_backend_t) {
-    return kName;
-}
+const char * backend_get_name(ggml_backend_t) { return kName; }
 
 void backend_free(ggml_backend_t backend) {
     delete static_cast<BackendContext *>(backend->context);
@@ -200,24 +196,18 @@ void set_n_threads(ggml_backend_t backend, int n_threads) {
 // ---------------------------------------------------------------------------------------------
 // device
 
-const char * device_get_name(ggml_backend_dev_t) {
-    return kName;
-}
+const char * device_get_name(ggml_backend_dev_t) { return kName; }
 
-const char * device_get_description(ggml_backend_dev_t) {
-    return kDescription;
-}
+const char * device_get_description(ggml_backend_dev_t) { return kDescription; }
 
 void device_get_memory(ggml_backend_dev_t, size_t * free, size_t * total) {
-    struct sysinfo info {};
+    struct sysinfo info{};
     sysinfo(&info);
     *total = static_cast<size_t>(info.totalram) * info.mem_unit;
     *free = static_cast<size_t>(info.freeram + info.bufferram) * info.mem_unit;
 }
 
-enum ggml_backend_dev_type device_get_type(ggml_backend_dev_t) {
-    return GGML_BACKEND_DEVICE_TYPE_ACCEL;
-}
+enum ggml_backend_dev_type device_get_type(ggml_backend_dev_t) { return GGML_BACKEND_DEVICE_TYPE_ACCEL; }
 
 void device_get_props(ggml_backend_dev_t dev, ggml_backend_dev_props * props) {
     props->name = kName;
@@ -238,9 +228,7 @@ ggml_backend_t device_init_backend(ggml_backend_dev_t dev, const char *) {
     return new ggml_backend{backend_guid(), kBackendInterface, dev, ctx};
 }
 
-ggml_backend_buffer_type_t device_get_buffer_type(ggml_backend_dev_t dev) {
-    return phantom_buffer_type(dev);
-}
+ggml_backend_buffer_type_t device_get_buffer_type(ggml_backend_dev_t dev) { return phantom_buffer_type(dev); }
 
 // Our own buffers, and host memory: inputs computed by the CPU backend (the FFN input x, biases) are
 // read in place instead of being copied into a llamaflash buffer.
@@ -248,9 +236,7 @@ bool device_supports_buft(ggml_backend_dev_t, ggml_backend_buffer_type_t buft) {
     return is_phantom_buffer_type(buft) || ggml_backend_buft_is_host(buft);
 }
 
-bool device_offload_op(ggml_backend_dev_t, const ggml_tensor *) {
-    return false;
-}
+bool device_offload_op(ggml_backend_dev_t, const ggml_tensor *) { return false; }
 
 const ggml_backend_device_i kDeviceInterface = {
     /* .get_name             = */ device_get_name,
@@ -273,13 +259,9 @@ const ggml_backend_device_i kDeviceInterface = {
 // ---------------------------------------------------------------------------------------------
 // registry
 
-const char * reg_get_name(ggml_backend_reg_t) {
-    return kName;
-}
+const char * reg_get_name(ggml_backend_reg_t) { return kName; }
 
-size_t reg_get_device_count(ggml_backend_reg_t) {
-    return 1;
-}
+size_t reg_get_device_count(ggml_backend_reg_t) { return 1; }
 
 ggml_backend_dev_t reg_get_device(ggml_backend_reg_t reg, size_t index);
 
@@ -300,9 +282,7 @@ const ggml_backend_reg_i kRegInterface = {
 ggml_backend_reg kReg = {GGML_BACKEND_API_VERSION, kRegInterface, nullptr};
 ggml_backend_device kDevice = {kDeviceInterface, &kReg, nullptr};
 
-ggml_backend_dev_t reg_get_device(ggml_backend_reg_t, size_t index) {
-    return index == 0 ? &kDevice : nullptr;
-}
+ggml_backend_dev_t reg_get_device(ggml_backend_reg_t, size_t index) { return index == 0 ? &kDevice : nullptr; }
 
 }  // namespace
 

@@ -4,22 +4,22 @@
 #include "flash_io.h"
 #include "io_engine.h"
 
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <linux/magic.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <fcntl.h>
-#include <linux/fs.h>
-#include <linux/magic.h>
 #include <mutex>
 #include <new>
 #include <stdexcept>
-#include <sys/ioctl.h>
-#include <sys/stat.h>
-#include <sys/vfs.h>
-#include <unistd.h>
 #include <unordered_map>
 
 namespace llamaflash {
@@ -95,17 +95,15 @@ namespace {
 struct Batch {
     std::vector<IoOp> ops;
     std::atomic<size_t> pending{0};
-    bool complete = false;   // guarded by Impl::mu
-    std::string error;       // first failure; guarded by Impl::mu
+    bool complete = false;  // guarded by Impl::mu
+    std::string error;      // first failure; guarded by Impl::mu
     // per ReadRequest (by index in the submitted array): ops not finished, and whether one failed
     std::unique_ptr<std::atomic<uint32_t>[]> request_pending;
     std::vector<uint8_t> request_failed;  // guarded by Impl::mu
     size_t n_requests = 0;
 };
 
-std::string errno_text(int err) {
-    return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
-}
+std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
 bool is_pow2(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
 
@@ -118,7 +116,7 @@ struct FlashReader::Impl {
     uint64_t size = 0;
     dev_t dev = 0;
     ino_t ino = 0;
-    struct timespec mtime {};
+    struct timespec mtime{};
     size_t alignment = 4096;
     bool direct = false;
     std::string fallback_reason;
@@ -149,7 +147,7 @@ void FlashReader::Impl::open_file() {
         throw IoError("cannot open '" + path + "' for flash reads: " + errno_text(err) +
                       "; check the path (is the sidecar beside the model?) and its permissions");
     }
-    struct stat st {};
+    struct stat st{};
     if (::fstat(fd, &st) != 0) {
         const int err = errno;
         throw IoError("cannot stat '" + path + "': " + errno_text(err));
@@ -176,7 +174,7 @@ void FlashReader::Impl::choose_mode() {
     size_t align = 0;
     bool dio_unsupported = false;
 #ifdef STATX_DIOALIGN
-    struct statx sx {};
+    struct statx sx{};
     if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN)) {
         if (sx.stx_dio_offset_align == 0) {
             dio_unsupported = true;
@@ -185,7 +183,7 @@ void FlashReader::Impl::choose_mode() {
         }
     }
 #endif
-    struct stat st {};
+    struct stat st{};
     if (align == 0 && ::fstat(fd, &st) == 0 && S_ISBLK(st.st_mode)) {
         int lbs = 0;
         if (::ioctl(fd, BLKSSZGET, &lbs) == 0 && lbs > 0) align = static_cast<size_t>(lbs);
@@ -195,9 +193,8 @@ void FlashReader::Impl::choose_mode() {
 
     direct = false;
     if (!opts.direct) return;
-    struct statfs sfs {};
-    if (::fstatfs(fd, &sfs) == 0 &&
-        (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC)) {
+    struct statfs sfs{};
+    if (::fstatfs(fd, &sfs) == 0 && (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC)) {
         fallback_reason = "the file is on a memory filesystem (tmpfs/ramfs), where O_DIRECT is meaningless";
         return;
     }
@@ -214,7 +211,7 @@ void FlashReader::Impl::choose_mode() {
 }
 
 std::string FlashReader::Impl::replaced_note() const {
-    struct stat now {};
+    struct stat now{};
     if (::stat(path.c_str(), &now) != 0) {
         return "; the path no longer exists (deleted or renamed while in use)";
     }
@@ -227,7 +224,7 @@ std::string FlashReader::Impl::replaced_note() const {
 std::string FlashReader::Impl::describe_failure(const IoOp & op) const {
     const std::string range = std::to_string(op.user_length) + " bytes at offset " + std::to_string(op.user_offset);
     if (op.eof) {
-        struct stat st {};
+        struct stat st{};
         const std::string now = ::fstat(fd, &st) == 0 ? std::to_string(st.st_size) : std::string("?");
         return "'" + path + "' ended early while reading " + range + ": it has " + now + " bytes now, " +
                std::to_string(size) + " when opened (truncated or rewritten while in use)" + replaced_note() +
@@ -238,8 +235,9 @@ std::string FlashReader::Impl::describe_failure(const IoOp & op) const {
     }
     std::string msg = "read error in '" + path + "' reading " + range + ": " + errno_text(op.error);
     if (op.error == EIO) {
-        msg += "; the device reported an I/O error: check the disk (dmesg), copy the file to healthy "
-               "storage or re-create it (llamaflash convert --force)";
+        msg +=
+            "; the device reported an I/O error: check the disk (dmesg), copy the file to healthy "
+            "storage or re-create it (llamaflash convert --force)";
     } else if (op.error == EINVAL && direct) {
         msg += "; the filesystem rejected an aligned O_DIRECT read: open the reader with direct=False";
     }
@@ -357,7 +355,8 @@ FlashReader::Ticket FlashReader::submit(const ReadRequest * requests, size_t n) 
     uint64_t bounced = 0;
     for (size_t i = 0; i < n; ++i) {
         const ReadRequest & r = requests[i];
-        batch->request_pending[i].store(static_cast<uint32_t>((r.length + chunk - 1) / chunk), std::memory_order_relaxed);
+        batch->request_pending[i].store(static_cast<uint32_t>((r.length + chunk - 1) / chunk),
+                                        std::memory_order_relaxed);
         for (uint64_t pos = 0; pos < r.length; pos += chunk) {
             IoOp & op = batch->ops[k++];
             op.batch = batch.get();
@@ -365,8 +364,8 @@ FlashReader::Ticket FlashReader::submit(const ReadRequest * requests, size_t n) 
             op.user_offset = r.offset + pos;
             op.user_length = std::min(chunk, r.length - pos);
             uint8_t * dst = static_cast<uint8_t *>(r.dst) + pos;
-            const bool aligned = op.user_offset % A == 0 && op.user_length % A == 0 &&
-                                 reinterpret_cast<uintptr_t>(dst) % A == 0;
+            const bool aligned =
+                op.user_offset % A == 0 && op.user_length % A == 0 && reinterpret_cast<uintptr_t>(dst) % A == 0;
             if (!m.direct || aligned) {
                 op.buf = dst;
                 op.offset = op.user_offset;
@@ -414,7 +413,8 @@ void FlashReader::wait(Ticket ticket) {
         std::unique_lock<std::mutex> lock(m.mu);
         auto it = m.batches_by_ticket.find(ticket);
         if (it == m.batches_by_ticket.end()) {
-            throw std::invalid_argument("unknown read ticket " + std::to_string(ticket) + " (never submitted, or already waited for)");
+            throw std::invalid_argument("unknown read ticket " + std::to_string(ticket) +
+                                        " (never submitted, or already waited for)");
         }
         Batch * b = it->second.get();
         m.cv.wait(lock, [b] { return b->complete; });
@@ -445,11 +445,11 @@ bool FlashReader::wait_request(Ticket ticket, size_t request) const {
     }
     Batch * b = it->second.get();
     if (request >= b->n_requests) {
-        throw std::invalid_argument("read ticket " + std::to_string(ticket) + " has no request " + std::to_string(request));
+        throw std::invalid_argument("read ticket " + std::to_string(ticket) + " has no request " +
+                                    std::to_string(request));
     }
-    m.cv.wait(lock, [b, request] {
-        return b->complete || b->request_pending[request].load(std::memory_order_acquire) == 0;
-    });
+    m.cv.wait(lock,
+              [b, request] { return b->complete || b->request_pending[request].load(std::memory_order_acquire) == 0; });
     return b->request_failed[request] == 0;
 }
 
@@ -458,7 +458,7 @@ void FlashReader::read(const std::vector<ReadRequest> & requests) { wait(submit(
 void FlashReader::verify() const {
     const Impl & m = *impl_;
     const std::string replaced = m.replaced_note();
-    struct stat st {};
+    struct stat st{};
     std::string what;
     if (!replaced.empty()) {
         what = replaced.substr(2);
@@ -520,11 +520,11 @@ void FlashReader::inject_fault_for_testing(uint64_t offset, int err) {
 // ---------------------------------------------------------------------------------------------
 // measure_random_reads
 
-RandomReadResult measure_random_reads(FlashReader & reader, uint64_t request_bytes, unsigned depth,
-                                      double seconds, uint64_t region_offset, uint64_t region_bytes,
-                                      uint64_t seed) {
+RandomReadResult measure_random_reads(FlashReader & reader, uint64_t request_bytes, unsigned depth, double seconds,
+                                      uint64_t region_offset, uint64_t region_bytes, uint64_t seed) {
     if (request_bytes == 0 || depth == 0 || region_bytes < request_bytes) {
-        throw std::invalid_argument("measure_random_reads: need request_bytes > 0, depth > 0 and a region of at least one request");
+        throw std::invalid_argument(
+            "measure_random_reads: need request_bytes > 0, depth > 0 and a region of at least one request");
     }
     const uint64_t slots_in_region = region_bytes / request_bytes;
     AlignedBuffer buffer(request_bytes * depth, std::max<size_t>(reader.alignment(), 4096));
@@ -542,8 +542,8 @@ RandomReadResult measure_random_reads(FlashReader & reader, uint64_t request_byt
     };
     RandomReadResult out;
     const auto t0 = std::chrono::steady_clock::now();
-    const auto deadline = t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                   std::chrono::duration<double>(seconds));
+    const auto deadline =
+        t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
     std::vector<bool> live(depth, false);
     try {
         for (unsigned s = 0; s < depth; ++s) {

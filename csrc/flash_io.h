@@ -70,26 +70,26 @@ IoEngineKind parse_io_engine(const std::string & name);
 
 struct FlashReaderOptions {
     IoEngineKind engine = IoEngineKind::Auto;
-    unsigned queue_depth = 32;       // kernel reads in flight at most (pool: number of threads); 1..1024
-    bool direct = true;              // try O_DIRECT (see the fallback rules above)
-    uint64_t max_op_bytes = 1 << 20; // requests are split into reads of at most this (rounded to alignment)
+    unsigned queue_depth = 32;        // kernel reads in flight at most (pool: number of threads); 1..1024
+    bool direct = true;               // try O_DIRECT (see the fallback rules above)
+    uint64_t max_op_bytes = 1 << 20;  // requests are split into reads of at most this (rounded to alignment)
 };
 
 // Counters since the reader was opened. bytes_requested counts what callers asked for; bytes_read
 // what the kernel delivered (alignment padding and resumed reads included).
 struct FlashReaderStats {
-    uint64_t batches = 0;          // submit() calls
-    uint64_t requests = 0;         // ReadRequests submitted (length > 0)
+    uint64_t batches = 0;   // submit() calls
+    uint64_t requests = 0;  // ReadRequests submitted (length > 0)
     uint64_t bytes_requested = 0;
-    uint64_t reads = 0;            // kernel reads issued (pread calls / SQEs), resumptions and retries included
+    uint64_t reads = 0;  // kernel reads issued (pread calls / SQEs), resumptions and retries included
     uint64_t bytes_read = 0;
-    uint64_t bounced = 0;          // reads that went through a bounce buffer (unaligned requests)
-    uint64_t resumed = 0;          // partial reads continued with a further read
-    uint64_t retried = 0;          // reads repeated after EINTR/EAGAIN
-    uint64_t errors = 0;           // failed reads (each fails its batch)
+    uint64_t bounced = 0;  // reads that went through a bounce buffer (unaligned requests)
+    uint64_t resumed = 0;  // partial reads continued with a further read
+    uint64_t retried = 0;  // reads repeated after EINTR/EAGAIN
+    uint64_t errors = 0;   // failed reads (each fails its batch)
     uint64_t wait_calls = 0;
-    uint64_t wait_ns = 0;          // time spent blocked in wait()
-    std::string engine;            // "io_uring" or "pool"
+    uint64_t wait_ns = 0;  // time spent blocked in wait()
+    std::string engine;    // "io_uring" or "pool"
     bool direct = false;
 };
 
@@ -138,14 +138,14 @@ public:
     void verify() const;
 
     const std::string & path() const;
-    uint64_t file_size() const;            // at open
+    uint64_t file_size() const;  // at open
     size_t alignment() const;
     bool direct() const;
     const std::string & fallback_reason() const;  // empty when direct() or direct was not asked for
-    const char * engine_name() const;      // "io_uring" or "pool"
-    const std::string & engine_note() const;       // why auto chose the pool; empty otherwise
+    const char * engine_name() const;             // "io_uring" or "pool"
+    const std::string & engine_note() const;      // why auto chose the pool; empty otherwise
     unsigned queue_depth() const;
-    FlashReaderStats stats() const;        // thread-safe snapshot
+    FlashReaderStats stats() const;  // thread-safe snapshot
 
     // Test hook: every later kernel read whose range contains `offset` fails with errno `err`
     // (e.g. EIO) instead of reaching the kernel; err = 0 removes the fault. Not for production use.
@@ -168,8 +168,7 @@ struct RandomReadResult {
     uint64_t bytes = 0;
     double seconds = 0.0;
 };
-RandomReadResult measure_random_reads(FlashReader & reader, uint64_t request_bytes, unsigned depth,
-                                      double seconds, uint64_t region_offset, uint64_t region_bytes,
-                                      uint64_t seed);
+RandomReadResult measure_random_reads(FlashReader & reader, uint64_t request_bytes, unsigned depth, double seconds,
+                                      uint64_t region_offset, uint64_t region_bytes, uint64_t seed);
 
 }  // namespace llamaflash

@@ -111,7 +111,8 @@ void FlashModel::check_files() {
     for (FileReader * f : {sidecar_watch_.get(), base_watch_.get()}) {
         if (!f->modified()) continue;
         if (!store_.verifying()) {
-            throw IoError("'" + f->path() + "' changed while in use: it was modified (its bytes are not checked: the "
+            throw IoError("'" + f->path() +
+                          "' changed while in use: it was modified (its bytes are not checked: the "
                           "sidecar has no checksums, or flash_verify is off); restore the file or re-create it "
                           "(llamaflash convert --force), then load the model again");
         }
@@ -120,9 +121,7 @@ void FlashModel::check_files() {
     }
 }
 
-std::string FlashModel::take_error() {
-    return offload_ ? offload_->take_error() : std::string();
-}
+std::string FlashModel::take_error() { return offload_ ? offload_->take_error() : std::string(); }
 
 void FlashModel::set_non_finite(const std::string & message) {
     std::lock_guard<std::mutex> lock(non_finite_mutex_);

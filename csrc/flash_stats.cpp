@@ -5,13 +5,9 @@ namespace llamaflash {
 
 namespace {
 
-uint64_t to_ns(double seconds) {
-    return static_cast<uint64_t>(seconds * 1e9);
-}
+uint64_t to_ns(double seconds) { return static_cast<uint64_t>(seconds * 1e9); }
 
-double to_seconds(const std::atomic<uint64_t> & ns) {
-    return static_cast<double>(ns.load()) * 1e-9;
-}
+double to_seconds(const std::atomic<uint64_t> & ns) { return static_cast<double>(ns.load()) * 1e-9; }
 
 }  // namespace
 
@@ -78,9 +74,9 @@ FlashStatsSnapshot FlashStats::snapshot() const {
 }
 
 void FlashStats::reset() {
-    for (std::atomic<uint64_t> * c : {&splits_, &ffn_evals_, &tokens_, &dense_calls_, &compute_ns_, &prepare_ns_,
-                                      &sparse_calls_, &sparse_fallbacks_, &sparse_ns_, &draft_splits_,
-                                      &draft_tokens_, &draft_ns_}) {
+    for (std::atomic<uint64_t> * c :
+         {&splits_, &ffn_evals_, &tokens_, &dense_calls_, &compute_ns_, &prepare_ns_, &sparse_calls_,
+          &sparse_fallbacks_, &sparse_ns_, &draft_splits_, &draft_tokens_, &draft_ns_}) {
         c->store(0);
     }
     for (size_t p = 0; p < layer_ids_.size(); ++p) {

@@ -23,21 +23,21 @@
 namespace llamaflash {
 
 struct FlashStatsSnapshot {
-    uint64_t graph_splits = 0;     // graph_compute calls handled
-    uint64_t ffn_evals = 0;        // (layer, ubatch) FFN evaluations
-    uint64_t tokens = 0;           // tokens through the first served layer
+    uint64_t graph_splits = 0;  // graph_compute calls handled
+    uint64_t ffn_evals = 0;     // (layer, ubatch) FFN evaluations
+    uint64_t tokens = 0;        // tokens through the first served layer
     uint64_t dense_lane_calls = 0;
-    double   compute_seconds = 0;  // wall time computing splits (ggml kernels)
-    double   prepare_seconds = 0;  // wall time preparing them (mirroring the split into a private graph)
-    uint64_t sparse_lane_calls = 0;   // splits whose FFN ran on the sparse lane
-    uint64_t sparse_fallbacks = 0;    // splits of sparse layers that had to run dense (pattern not plain GLU)
-    double   sparse_seconds = 0;      // wall time in the sparse lane's graph computes (gate GEMV + kernel)
-    uint64_t draft_splits = 0;        // draft-mode splits
-    uint64_t draft_tokens = 0;        // draft tokens through the first served layer
-    double   draft_seconds = 0;       // wall time in draft-mode graph computes
-    std::vector<int> layer_ids;                // served layers, in the order of the vectors below
-    std::vector<uint64_t> layer_sparse_tokens; // tokens computed sparsely per layer
-    std::vector<uint64_t> layer_active;        // Σ over those tokens of the active neuron count
+    double compute_seconds = 0;                 // wall time computing splits (ggml kernels)
+    double prepare_seconds = 0;                 // wall time preparing them (mirroring the split into a private graph)
+    uint64_t sparse_lane_calls = 0;             // splits whose FFN ran on the sparse lane
+    uint64_t sparse_fallbacks = 0;              // splits of sparse layers that had to run dense (pattern not plain GLU)
+    double sparse_seconds = 0;                  // wall time in the sparse lane's graph computes (gate GEMV + kernel)
+    uint64_t draft_splits = 0;                  // draft-mode splits
+    uint64_t draft_tokens = 0;                  // draft tokens through the first served layer
+    double draft_seconds = 0;                   // wall time in draft-mode graph computes
+    std::vector<int> layer_ids;                 // served layers, in the order of the vectors below
+    std::vector<uint64_t> layer_sparse_tokens;  // tokens computed sparsely per layer
+    std::vector<uint64_t> layer_active;         // Σ over those tokens of the active neuron count
 };
 
 class FlashStats {

@@ -55,8 +55,9 @@ std::vector<LayerChecksums> read_checksums(const FileReader & sidecar, const std
     for (size_t p = 0; p < layers.size(); ++p) {
         const LayerSpec & s = layers[p];
         if ((s.checksum_offset == 0) != (s.base_down_checksum_offset == 0)) {
-            throw std::invalid_argument("llamaflash: layer " + std::to_string(s.layer) +
-                                        ": checksum_offset and base_down_checksum_offset must both be set or both be 0");
+            throw std::invalid_argument(
+                "llamaflash: layer " + std::to_string(s.layer) +
+                ": checksum_offset and base_down_checksum_offset must both be set or both be 0");
         }
         if (s.checksum_offset == 0) continue;
         const size_t n_ff = static_cast<size_t>(s.n_ff);
@@ -75,10 +76,13 @@ std::vector<LayerChecksums> read_checksums(const FileReader & sidecar, const std
 }
 
 RowSource row_source(const LayerSpec & s, RowSet set, const std::string & sidecar_path, const std::string & base_path) {
-    const std::string sidecar_way = "the sidecar is damaged: copy it again from the original, or re-create it with "
-                                    "`llamaflash convert " + base_path + " -o " + sidecar_path + " --force`";
-    const std::string base_way = "the base model file is damaged: copy or download it again (a sidecar converted "
-                                 "from a damaged model would carry the damage)";
+    const std::string sidecar_way =
+        "the sidecar is damaged: copy it again from the original, or re-create it with "
+        "`llamaflash convert " +
+        base_path + " -o " + sidecar_path + " --force`";
+    const std::string base_way =
+        "the base model file is damaged: copy or download it again (a sidecar converted "
+        "from a damaged model would carry the damage)";
     switch (set) {
         case RowSet::bundle: return {sidecar_path, s.bundle_name, s.bundle_offset, s.bundle_stride, sidecar_way};
         case RowSet::down_t: return {sidecar_path, s.down_t_name, s.down_t_offset, s.down_t_row_bytes, sidecar_way};
@@ -86,7 +90,8 @@ RowSource row_source(const LayerSpec & s, RowSet set, const std::string & sideca
         case RowSet::base_up: return {base_path, s.base_up_name, s.base_up_offset, s.up_row_bytes, base_way};
         case RowSet::base_down:
             return {base_path, s.base_down_name, s.base_down_offset, s.base_down_row_bytes, base_way};
-        case RowSet::draft_up: return {sidecar_path, s.draft_up_name, s.draft_up_offset, s.draft_row_bytes, sidecar_way};
+        case RowSet::draft_up:
+            return {sidecar_path, s.draft_up_name, s.draft_up_offset, s.draft_row_bytes, sidecar_way};
         case RowSet::draft_down_t:
             return {sidecar_path, s.draft_down_t_name, s.draft_down_t_offset, s.draft_row_bytes, sidecar_way};
     }

@@ -35,11 +35,11 @@ extern const char * const kIntegrityErrorPrefix;
 
 // One tensor's rows as the check names them: row r lies at file offset `offset + r·row_bytes`.
 struct RowSource {
-    std::string file;       // path
-    std::string tensor;     // tensor name
-    uint64_t offset = 0;    // absolute offset of row 0
-    uint64_t row_bytes = 0; // bytes per row (checked bytes = the whole row)
-    std::string way_out;    // what the user should do
+    std::string file;        // path
+    std::string tensor;      // tensor name
+    uint64_t offset = 0;     // absolute offset of row 0
+    uint64_t row_bytes = 0;  // bytes per row (checked bytes = the whole row)
+    std::string way_out;     // what the user should do
 };
 
 // Checks rows [first, first + n) against expected[first ...]: row first + i starts at data + i·stride
@@ -61,8 +61,15 @@ struct LayerChecksums {
 };
 
 // Which of a layer's row sets a RowSource describes.
-enum class RowSet : int { bundle = 0, down_t = 1, base_gate = 2, base_up = 3, base_down = 4, draft_up = 5,
-                          draft_down_t = 6 };
+enum class RowSet : int {
+    bundle = 0,
+    down_t = 1,
+    base_gate = 2,
+    base_up = 3,
+    base_down = 4,
+    draft_up = 5,
+    draft_down_t = 6
+};
 
 // The checksums of every layer with checksum_offset != 0, read from the sidecar (one read per table).
 // Throws IoError (truncated file) or std::invalid_argument (a layer has one table offset but not the other).

@@ -21,22 +21,22 @@ namespace llamaflash {
 
 struct IoOp {
     // what to read (set by the reader; aligned when the file is open O_DIRECT)
-    uint8_t * buf = nullptr;     // kernel destination: the caller's memory or bounce.data()
-    uint64_t offset = 0;         // file offset of buf[0]
-    uint64_t length = 0;         // bytes asked of the kernel
-    uint64_t needed = 0;         // bytes that must arrive (< length only when the range passes EOF)
-    int inject_errno = 0;        // test hook: fail with this errno instead of reading
+    uint8_t * buf = nullptr;  // kernel destination: the caller's memory or bounce.data()
+    uint64_t offset = 0;      // file offset of buf[0]
+    uint64_t length = 0;      // bytes asked of the kernel
+    uint64_t needed = 0;      // bytes that must arrive (< length only when the range passes EOF)
+    int inject_errno = 0;     // test hook: fail with this errno instead of reading
 
     // progress (engine)
     uint64_t done = 0;
-    int error = 0;               // errno of the failure; 0 = none
-    bool eof = false;            // the file ended before `needed` bytes arrived
+    int error = 0;     // errno of the failure; 0 = none
+    bool eof = false;  // the file ended before `needed` bytes arrived
     unsigned retries = 0;
 
     // reader bookkeeping
     void * batch = nullptr;
-    size_t request = 0;          // index of the ReadRequest in its batch
-    uint64_t user_offset = 0;    // the caller's range this op serves (for copies and messages)
+    size_t request = 0;        // index of the ReadRequest in its batch
+    uint64_t user_offset = 0;  // the caller's range this op serves (for copies and messages)
     uint64_t user_length = 0;
     uint8_t * copy_dst = nullptr;  // non-null: copy buf[user_offset - offset, +user_length) here
     AlignedBuffer bounce;

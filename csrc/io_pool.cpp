@@ -2,6 +2,7 @@
 // Works on every kernel and filesystem; see io_engine.h for the engine contract.
 #include "io_engine.h"
 
+#include <unistd.h>
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -9,7 +10,6 @@
 #include <deque>
 #include <mutex>
 #include <thread>
-#include <unistd.h>
 
 namespace llamaflash {
 
@@ -83,8 +83,8 @@ private:
             if (op.inject_errno != 0) {
                 res = -static_cast<int64_t>(op.inject_errno);
             } else {
-                const ssize_t r = ::pread(cfg_.fd, op.buf + op.done, op.length - op.done,
-                                          static_cast<off_t>(op.offset + op.done));
+                const ssize_t r =
+                    ::pread(cfg_.fd, op.buf + op.done, op.length - op.done, static_cast<off_t>(op.offset + op.done));
                 res = r < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(r);
             }
             if (op_result(op, res, cfg_.direct, cfg_.alignment, *cfg_.counters) == OpNext::Done) {

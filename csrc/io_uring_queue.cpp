@@ -8,6 +8,11 @@
 
 #include <linux/io_uring.h>
 
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -15,12 +20,7 @@
 #include <fstream>
 #include <future>
 #include <mutex>
-#include <poll.h>
-#include <sys/eventfd.h>
-#include <sys/mman.h>
-#include <sys/syscall.h>
 #include <thread>
-#include <unistd.h>
 
 namespace llamaflash {
 
@@ -161,8 +161,8 @@ private:
     unsigned * cq_head_ = nullptr;
     unsigned * cq_tail_ = nullptr;
     unsigned sq_mask_ = 0, cq_mask_ = 0, sq_entries_ = 0;
-    unsigned tail_ = 0;      // local SQ tail (published in enter())
-    unsigned pending_ = 0;   // prepared SQEs not yet consumed by the kernel
+    unsigned tail_ = 0;     // local SQ tail (published in enter())
+    unsigned pending_ = 0;  // prepared SQEs not yet consumed by the kernel
 };
 
 constexpr uint64_t kWakeTag = 1;  // user_data of the eventfd poll (IoOp pointers are never 1)
@@ -265,7 +265,7 @@ private:
         arm_wake(ring);
         ready.set_value(std::string());
 
-        std::deque<IoOp *> backlog;   // accepted, not yet in the kernel (FIFO; resumptions first)
+        std::deque<IoOp *> backlog;  // accepted, not yet in the kernel (FIFO; resumptions first)
         unsigned in_flight = 0;
         bool wake_armed = true;
         for (;;) {

@@ -48,7 +48,8 @@ NeuronCache::NeuronCache(const std::string & sidecar_path, const std::string & u
         }
         std::vector<bool> seen(static_cast<size_t>(nc), false);
         for (int32_t c : L.hot) {
-            if (c < 0 || c >= nc || seen[c]) fail("layer " + std::to_string(L.layer) + ": bad or repeated hot cluster " + std::to_string(c));
+            if (c < 0 || c >= nc || seen[c])
+                fail("layer " + std::to_string(L.layer) + ": bad or repeated hot cluster " + std::to_string(c));
             seen[c] = true;
         }
         up_row = std::max<size_t>(up_row, L.up_row_bytes);
@@ -232,9 +233,9 @@ void NeuronCache::finish(int li, bool check_all) {
                 overlap = false;
                 break;
             }
-            const bool ok = (!b.has_up || up_file_->wait_request(b.up, k)) &&
-                            (!b.has_down || sidecar_->wait_request(b.down, k));
-            if (!ok) break;  // a failed read: wait() below reports it
+            const bool ok =
+                (!b.has_up || up_file_->wait_request(b.up, k)) && (!b.has_down || sidecar_->wait_request(b.down, k));
+            if (!ok) break;      // a failed read: wait() below reports it
             if (!in_flight()) {  // that was the layer's last read: nothing left to overlap with
                 overlap = false;
                 break;
@@ -324,9 +325,12 @@ void NeuronCache::plan(int li, const uint8_t * needed, LayerPlan & out) {
         int64_t s = where_[li][c];
         if (s >= 0) {
             Slot & slot = slots_[s];
-            if (slot.hot) ++stats_.hits_hot;
-            else if (slot.prefetched) ++stats_.hits_prefetch;
-            else ++stats_.hits_cold;
+            if (slot.hot)
+                ++stats_.hits_hot;
+            else if (slot.prefetched)
+                ++stats_.hits_prefetch;
+            else
+                ++stats_.hits_cold;
             slot.prefetched = false;
             slot.locked = clock_;
             slot.last_use = clock_;
@@ -412,7 +416,8 @@ NeuronCacheStats NeuronCache::stats() const {
     const FlashReaderStats io = sidecar_->stats();
     s.engine = io.engine;
     s.direct = io.direct && up_file_->direct();
-    s.fallback_reason = !sidecar_->fallback_reason().empty() ? sidecar_->fallback_reason() : up_file_->fallback_reason();
+    s.fallback_reason =
+        !sidecar_->fallback_reason().empty() ? sidecar_->fallback_reason() : up_file_->fallback_reason();
     return s;
 }
 

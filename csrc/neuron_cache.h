@@ -66,9 +66,9 @@ namespace llamaflash {
 struct CacheLayerSource {
     int layer = -1;
     int64_t n_ff = 0;
-    uint64_t up_offset = 0;        // row 0 of up in the up file (row k at + k·up_row_bytes)
+    uint64_t up_offset = 0;  // row 0 of up in the up file (row k at + k·up_row_bytes)
     uint64_t up_row_bytes = 0;
-    uint64_t down_t_offset = 0;    // row 0 of down_t in the sidecar
+    uint64_t down_t_offset = 0;  // row 0 of down_t in the sidecar
     uint64_t down_t_row_bytes = 0;
     std::vector<float> cluster_prob;  // P(cluster needed) per cluster (read-ahead); empty = all 1
     std::vector<int32_t> hot;         // clusters to pin (from the planner)
@@ -89,39 +89,39 @@ size_t neuron_cache_slot_bytes(int64_t cluster_size, uint64_t up_row_bytes, uint
 int64_t neuron_cache_min_cold_slots(int prefetch_layers, int64_t max_clusters_per_layer);
 
 struct NeuronCacheConfig {
-    int cluster_size = 32;          // neurons per cluster (= the kernel's cluster size)
-    int64_t cold_slots = 0;         // >= (1 + prefetch_layers) · max clusters per layer
-    int prefetch_layers = 1;        // read-ahead depth in served layers (0 = demand reads only)
-    float prefetch_min_prob = 0.5f; // read ahead clusters at least this likely to be needed
-    FlashReaderOptions io;          // both files are read with these options
+    int cluster_size = 32;           // neurons per cluster (= the kernel's cluster size)
+    int64_t cold_slots = 0;          // >= (1 + prefetch_layers) · max clusters per layer
+    int prefetch_layers = 1;         // read-ahead depth in served layers (0 = demand reads only)
+    float prefetch_min_prob = 0.5f;  // read ahead clusters at least this likely to be needed
+    FlashReaderOptions io;           // both files are read with these options
 };
 
 struct NeuronCacheStats {
-    uint64_t plans = 0;             // plan() calls (layer-tokens)
-    uint64_t clusters_needed = 0;   // Σ needed clusters
-    uint64_t hits_hot = 0;          // needed and pinned
-    uint64_t hits_cold = 0;         // needed and already in a cold slot (reuse across tokens)
-    uint64_t hits_prefetch = 0;     // needed and read ahead (complete or still in flight)
-    uint64_t misses = 0;            // needed and read on demand
-    uint64_t prefetched = 0;        // clusters read ahead
-    uint64_t prefetch_unused = 0;   // read-ahead clusters replaced or re-planned without being needed
-    uint64_t bytes_read = 0;        // bytes requested from both files (slot payloads)
-    uint64_t hot_bytes_loaded = 0;  // by load_hot()
-    double io_wait_seconds = 0;     // time blocked in wait()
-    double plan_seconds = 0;        // time in plan()
-    uint64_t verified_bytes = 0;    // bytes checked against the checksums (load_hot and reads)
-    double verify_seconds = 0;      // time spent checking them, on every thread (the checks run by
-                                    // wait() are part of io_wait_seconds, those of check_cluster not)
+    uint64_t plans = 0;                        // plan() calls (layer-tokens)
+    uint64_t clusters_needed = 0;              // Σ needed clusters
+    uint64_t hits_hot = 0;                     // needed and pinned
+    uint64_t hits_cold = 0;                    // needed and already in a cold slot (reuse across tokens)
+    uint64_t hits_prefetch = 0;                // needed and read ahead (complete or still in flight)
+    uint64_t misses = 0;                       // needed and read on demand
+    uint64_t prefetched = 0;                   // clusters read ahead
+    uint64_t prefetch_unused = 0;              // read-ahead clusters replaced or re-planned without being needed
+    uint64_t bytes_read = 0;                   // bytes requested from both files (slot payloads)
+    uint64_t hot_bytes_loaded = 0;             // by load_hot()
+    double io_wait_seconds = 0;                // time blocked in wait()
+    double plan_seconds = 0;                   // time in plan()
+    uint64_t verified_bytes = 0;               // bytes checked against the checksums (load_hot and reads)
+    double verify_seconds = 0;                 // time spent checking them, on every thread (the checks run by
+                                               // wait() are part of io_wait_seconds, those of check_cluster not)
     uint64_t clusters_checked_by_compute = 0;  // slots checked by check_cluster (not while waiting)
     double compute_verify_seconds = 0;         // their part of verify_seconds (summed over threads)
-    uint64_t draft_plans = 0;             // plan_resident() calls (draft layer-tokens)
-    uint64_t draft_clusters_needed = 0;   // Σ clusters a draft's tokens select
-    uint64_t draft_clusters_resident = 0; // of those, resident (computed); the rest were skipped
+    uint64_t draft_plans = 0;                  // plan_resident() calls (draft layer-tokens)
+    uint64_t draft_clusters_needed = 0;        // Σ clusters a draft's tokens select
+    uint64_t draft_clusters_resident = 0;      // of those, resident (computed); the rest were skipped
     int64_t hot_slots = 0, cold_slots = 0;
     size_t slot_bytes = 0;
-    std::string engine;             // "io_uring" / "pool"
+    std::string engine;  // "io_uring" / "pool"
     bool direct = false;
-    std::string fallback_reason;    // why direct I/O is off, when it was asked for
+    std::string fallback_reason;  // why direct I/O is off, when it was asked for
 };
 
 class NeuronCache {
@@ -138,7 +138,7 @@ public:
     void load_hot();
 
     struct LayerPlan {
-        std::vector<const uint8_t *> up;      // per cluster of the layer: slot address of its up rows (nullptr: not needed)
+        std::vector<const uint8_t *> up;  // per cluster of the layer: slot address of its up rows (nullptr: not needed)
         std::vector<const uint8_t *> down_t;  // likewise down_t rows
         std::vector<int32_t> ready;           // needed clusters resident now
         std::vector<int32_t> pending;         // needed clusters resident after wait()
@@ -173,24 +173,24 @@ public:
 
 private:
     struct Slot {
-        int32_t layer = -1;     // position in layers_, -1 free
+        int32_t layer = -1;  // position in layers_, -1 free
         int32_t cluster = -1;
         bool hot = false;
-        bool loading = false;   // reads submitted, not yet waited for
+        bool loading = false;     // reads submitted, not yet waited for
         bool prefetched = false;  // filled by read-ahead and not yet needed
-        bool unchecked = false; // reads complete, rows not yet checked (check_cluster checks them)
-        bool bad = false;       // a check failed: dropped at the next plan()
-        uint64_t last_use = 0;  // plan counter of the last use (LRU)
-        uint64_t locked = 0;    // plan counter of the plan that uses it (not replaceable then)
+        bool unchecked = false;   // reads complete, rows not yet checked (check_cluster checks them)
+        bool bad = false;         // a check failed: dropped at the next plan()
+        uint64_t last_use = 0;    // plan counter of the last use (LRU)
+        uint64_t locked = 0;      // plan counter of the plan that uses it (not replaceable then)
     };
-    struct Batch {              // one layer's outstanding reads
+    struct Batch {  // one layer's outstanding reads
         FlashReader::Ticket up = 0, down = 0;
         bool has_up = false, has_down = false;
         std::vector<int64_t> slots;
-        bool waited = false;        // its reads waited for (complete)
-        size_t next = 0;            // slots[0, next) were checked by the waiting thread (or skipped)
-        std::string error;          // its read or check failure, kept until its layer's finish
-        bool integrity = false;     // the error is a failed check
+        bool waited = false;     // its reads waited for (complete)
+        size_t next = 0;         // slots[0, next) were checked by the waiting thread (or skipped)
+        std::string error;       // its read or check failure, kept until its layer's finish
+        bool integrity = false;  // the error is a failed check
     };
 
     uint8_t * slot_data(int64_t s) const { return pool_.data() + static_cast<size_t>(s) * slot_bytes_; }
@@ -204,8 +204,8 @@ private:
     // the slot's rows against its layer's checksums; throws IntegrityError; returns the nanoseconds taken
     uint64_t check_slot(int64_t s);
     bool arrived(const Batch & b) const;  // every read of the batch complete (poll, no blocking)
-    void await_reads(Batch & b);  // block until the batch's reads are complete (a failure kept in b.error)
-    void drop_bad_slots();        // forget the slots whose check failed (plan())
+    void await_reads(Batch & b);          // block until the batch's reads are complete (a failure kept in b.error)
+    void drop_bad_slots();                // forget the slots whose check failed (plan())
 
     std::vector<CacheLayerSource> layers_;
     NeuronCacheConfig config_;

@@ -60,8 +60,8 @@ OffloadState::OffloadState(const EngineConfig & config, const WeightStore & stor
             src.down_t_source = row_source(s, RowSet::down_t, config.sidecar_path, config.base_path);
         }
     }
-    cache_ = std::make_unique<NeuronCache>(config.sidecar_path, config.base_path, std::move(sources),
-                                           cache_config(config));
+    cache_ =
+        std::make_unique<NeuronCache>(config.sidecar_path, config.base_path, std::move(sources), cache_config(config));
 
     // next served layer by layer id, cyclic (after the last comes the first, for the next token)
     std::vector<size_t> by_id(n);
@@ -97,7 +97,9 @@ OffloadState::OffloadState(const EngineConfig & config, const WeightStore & stor
                                    : offset == s.base_down_offset ? RowSet::base_down
                                                                   : RowSet::base_gate;
                 const LayerChecksums & c = store.checksums(p);
-                r.expected = set == RowSet::base_up ? &c.base_up : set == RowSet::base_down ? &c.base_down : &c.base_gate;
+                r.expected = set == RowSet::base_up     ? &c.base_up
+                             : set == RowSet::base_down ? &c.base_down
+                                                        : &c.base_gate;
                 r.source = row_source(s, set, config.sidecar_path, config.base_path);
             }
             streamed_[p].push_back(r);
@@ -142,7 +144,7 @@ void OffloadState::load_draft_copy(const EngineConfig & config, bool verify) {
             const RowSource src = row_source(s, sets[col], config.sidecar_path, config.base_path);
             sidecar.read_exact(draft_copy_.data() + at, bytes, src.offset);  // IoError: truncated or unreadable
             sidecar.drop_cache(src.offset, bytes);  // resident once, in the copy, not also in the page cache
-            if (!table.empty()) {  // IntegrityError: a draft never computes from unverified bytes
+            if (!table.empty()) {                   // IntegrityError: a draft never computes from unverified bytes
                 std::vector<uint32_t> expected(static_cast<size_t>(s.n_ff));
                 for (size_t k = 0; k < expected.size(); ++k) expected[k] = table[2 * k + col];
                 verify_rows(draft_copy_.data() + at, s.draft_row_bytes, 0, s.n_ff, expected.data(), src);
@@ -155,12 +157,10 @@ void OffloadState::load_draft_copy(const EngineConfig & config, bool verify) {
 
 OffloadState::~OffloadState() = default;
 
-void OffloadState::load_hot() {
-    cache_->load_hot();
-}
+void OffloadState::load_hot() { cache_->load_hot(); }
 
 void OffloadState::release(const Region & r) const {
-    (void) madvise(r.map->mapping(), r.map->mapping_size(), MADV_DONTNEED);
+    (void)madvise(r.map->mapping(), r.map->mapping_size(), MADV_DONTNEED);
     base_file_->drop_cache(r.offset, r.length);  // advice: pages mapped elsewhere stay
 }
 
@@ -186,7 +186,7 @@ bool OffloadState::before_split(int pos, bool sparse) {
     }
     if (sparse) {
         for (const Region & r : gate_[next_[pos]]) {
-            (void) madvise(r.map->mapping(), r.map->mapping_size(), MADV_WILLNEED);
+            (void)madvise(r.map->mapping(), r.map->mapping_size(), MADV_WILLNEED);
         }
     }
     return ok;

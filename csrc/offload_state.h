@@ -105,7 +105,7 @@ public:
 private:
     struct Region {
         const MappedFile * map;
-        uint64_t offset, length;  // in the base file
+        uint64_t offset, length;                           // in the base file
         const std::vector<uint32_t> * expected = nullptr;  // row checksums (nullptr: not checked)
         RowSource source;
     };
@@ -115,12 +115,12 @@ private:
     void load_draft_copy(const EngineConfig & config, bool verify);
 
     std::unique_ptr<NeuronCache> cache_;
-    std::vector<int> next_;                     // [pos] -> position of the next served layer id, cyclic
+    std::vector<int> next_;                      // [pos] -> position of the next served layer id, cyclic
     std::vector<std::vector<Region>> streamed_;  // [pos] -> its up/down (and gate) views
     std::vector<std::vector<Region>> gate_;      // [pos] -> its gate view when streamed (0 or 1)
     bool stream_gate_ = false;
     uint64_t streamed_gate_bytes_ = 0;
-    std::unique_ptr<FileReader> base_file_;      // for dropping streamed pages
+    std::unique_ptr<FileReader> base_file_;  // for dropping streamed pages
     std::mutex error_mutex_;
     std::string error_;
     std::atomic<bool> draft_{false};

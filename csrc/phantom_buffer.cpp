@@ -4,11 +4,11 @@
 #include "ggml-backend-impl.h"
 #include "weight_registry.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <sys/mman.h>
-#include <unistd.h>
 
 namespace llamaflash {
 
@@ -21,15 +21,14 @@ struct PhantomBuffer {
     size_t mapped = 0;
 };
 
-bool is_weights(ggml_backend_buffer_t buffer) {
-    return buffer->usage == GGML_BACKEND_BUFFER_USAGE_WEIGHTS;
-}
+bool is_weights(ggml_backend_buffer_t buffer) { return buffer->usage == GGML_BACKEND_BUFFER_USAGE_WEIGHTS; }
 
 [[noreturn]] void phantom_read_abort(const ggml_tensor * tensor, const char * how) {
-    GGML_ABORT("llamaflash: %s of phantom FFN weight '%s': its bytes live in the llamaflash sidecar, not in "
-               "this buffer. An op using it was scheduled on a backend other than llamaflash; this is a "
-               "llamaflash bug (unsupported graph pattern) - please report it with the model architecture",
-               how, tensor->name);
+    GGML_ABORT(
+        "llamaflash: %s of phantom FFN weight '%s': its bytes live in the llamaflash sidecar, not in "
+        "this buffer. An op using it was scheduled on a backend other than llamaflash; this is a "
+        "llamaflash bug (unsupported graph pattern) - please report it with the model architecture",
+        how, tensor->name);
 }
 
 void buffer_free(ggml_backend_buffer_t buffer) {
@@ -41,9 +40,7 @@ void buffer_free(ggml_backend_buffer_t buffer) {
     delete ctx;
 }
 
-void * buffer_get_base(ggml_backend_buffer_t buffer) {
-    return static_cast<PhantomBuffer *>(buffer->context)->base;
-}
+void * buffer_get_base(ggml_backend_buffer_t buffer) { return static_cast<PhantomBuffer *>(buffer->context)->base; }
 
 void buffer_memset_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, uint8_t value, size_t offset,
                           size_t size) {
@@ -86,7 +83,7 @@ void release_source_pages(const void * data, size_t size) {
     const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) & ~(page - 1);
     const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + size) & ~(page - 1);
     if (end > begin && in_shared_file_mapping(begin, end)) {
-        (void) madvise(reinterpret_cast<void *>(begin), end - begin, MADV_DONTNEED);
+        (void)madvise(reinterpret_cast<void *>(begin), end - begin, MADV_DONTNEED);
     }
 }
 
@@ -94,8 +91,10 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
                        size_t size) {
     if (is_weights(buffer)) {
         if (!WeightRegistry::instance().bind(tensor, buffer)) {
-            GGML_ABORT("llamaflash: weight '%s' was placed on the llamaflash device but no sidecar being loaded "
-                       "serves it", tensor->name);
+            GGML_ABORT(
+                "llamaflash: weight '%s' was placed on the llamaflash device but no sidecar being loaded "
+                "serves it",
+                tensor->name);
         }
         if (offset == 0 && size == ggml_nbytes(tensor)) {
             release_source_pages(data, size);
@@ -149,17 +148,15 @@ const ggml_backend_buffer_i kBufferInterface = {
     /* .reset         = */ nullptr,
 };
 
-const char * buft_get_name(ggml_backend_buffer_type_t) {
-    return "LLAMAFLASH";
-}
+const char * buft_get_name(ggml_backend_buffer_type_t) { return "LLAMAFLASH"; }
 
 ggml_backend_buffer_t buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
     auto * ctx = new PhantomBuffer();
     if (size != 0) {
         const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
         ctx->mapped = (size + page - 1) & ~(page - 1);
-        ctx->base = mmap(nullptr, ctx->mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                         -1, 0);
+        ctx->base =
+            mmap(nullptr, ctx->mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (ctx->base == MAP_FAILED) {
             delete ctx;
             return nullptr;
@@ -170,13 +167,9 @@ ggml_backend_buffer_t buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t 
     return ggml_backend_buffer_init(buft, kBufferInterface, ctx, size);
 }
 
-size_t buft_get_alignment(ggml_backend_buffer_type_t) {
-    return kAlignment;
-}
+size_t buft_get_alignment(ggml_backend_buffer_type_t) { return kAlignment; }
 
-bool buft_is_host(ggml_backend_buffer_type_t) {
-    return false;
-}
+bool buft_is_host(ggml_backend_buffer_type_t) { return false; }
 
 ggml_backend_buffer_type kBufferType = {
     /* .iface = */ {
@@ -198,8 +191,6 @@ ggml_backend_buffer_type_t phantom_buffer_type(ggml_backend_dev_t device) {
     return &kBufferType;
 }
 
-bool is_phantom_buffer_type(ggml_backend_buffer_type_t buft) {
-    return buft == &kBufferType;
-}
+bool is_phantom_buffer_type(ggml_backend_buffer_type_t buft) { return buft == &kBufferType; }
 
 }  // namespace llamaflash

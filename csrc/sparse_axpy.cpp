@@ -183,8 +183,8 @@ void axpy_f32(float * acc, const uint8_t * const * rows, const float * h, int n,
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 // Q2_K, one row at a time (the scalar loop's order per value): 8 floats per FMA.
-__attribute__((target("avx2,f16c,fma"))) void axpy_q2_k_avx2(float * acc, const uint8_t * const * rows,
-                                                             const float * h, int n, int64_t n_embd) {
+__attribute__((target("avx2,f16c,fma"))) void axpy_q2_k_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                             int n, int64_t n_embd) {
     const __m128i three = _mm_set1_epi8(3);
     for (int r = 0; r < n; ++r) {
         for (int64_t b = 0; b < n_embd / kQK; ++b) {
@@ -210,7 +210,7 @@ __attribute__((target("avx2,f16c,fma"))) void axpy_q2_k_avx2(float * acc, const 
 // R rows (1..4) in one pass over acc.
 template <int R>
 __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q8_0_pass_avx512(float * acc, const uint8_t * const * rows,
-                                                                            const float * h, int64_t nb) {
+                                                                           const float * h, int64_t nb) {
     for (int64_t b = 0; b < nb; ++b) {
         __m512 y0 = _mm512_loadu_ps(acc + 32 * b);
         __m512 y1 = _mm512_loadu_ps(acc + 32 * b + 16);
@@ -230,7 +230,7 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q8_0_pass_avx512(float
 
 template <int R>
 __attribute__((target("avx2,f16c,fma"))) void q8_0_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
-                                                              int64_t nb) {
+                                                             int64_t nb) {
     for (int64_t b = 0; b < nb; ++b) {
         __m256 y[4];
         for (int k = 0; k < 4; ++k) {
@@ -253,7 +253,7 @@ __attribute__((target("avx2,f16c,fma"))) void q8_0_pass_avx2(float * acc, const 
 // R rows (1..4) of Q4_0 (kMin false) or Q4_1 (true) in one pass over acc.
 template <bool kMin, int R>
 __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_pass_avx512(float * acc, const uint8_t * const * rows,
-                                                                          const float * h, int64_t nb) {
+                                                                         const float * h, int64_t nb) {
     const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
     const __m128i low = _mm_set1_epi8(15);
     for (int64_t b = 0; b < nb; ++b) {
@@ -277,7 +277,7 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_pass_avx512(float *
 
 template <bool kMin, int R>
 __attribute__((target("avx2,f16c,fma"))) void q4_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
-                                                            int64_t nb) {
+                                                           int64_t nb) {
     const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
     const __m128i low = _mm_set1_epi8(15);
     for (int64_t b = 0; b < nb; ++b) {
@@ -307,7 +307,7 @@ __attribute__((target("avx2,f16c,fma"))) void q4_pass_avx2(float * acc, const ui
 // The min terms are summed over the R rows per sub-block first and subtracted once per pass.
 template <int R>
 __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_pass_avx512(float * acc, const uint8_t * const * rows,
-                                                                            const float * h, int64_t nb) {
+                                                                           const float * h, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < nb; ++b) {
         float * a = acc + b * kQK;
@@ -351,7 +351,7 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_pass_avx512(float
 // R rows (1..4) of Q6_K in one pass over acc, one 256-value super-block at a time (16 zmm of acc).
 template <int R>
 __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q6_k_pass_avx512(float * acc, const uint8_t * const * rows,
-                                                                            const float * h, int64_t nb) {
+                                                                           const float * h, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
     for (int64_t b = 0; b < nb; ++b) {
         float * a = acc + b * kQK;
@@ -373,13 +373,17 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q6_k_pass_avx512(float
                 // q_j: the 32 values l + 32j of this half, as int8 in −32..31
                 const __m256i q[4] = {
                     _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql0, low),
-                                                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), two_bits)), bias),
+                                                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), two_bits)),
+                                    bias),
                     _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql1, low),
-                                                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), two_bits)), bias),
+                                                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), two_bits)),
+                                    bias),
                     _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
-                                                    _mm256_and_si256(qh, two_bits)), bias),
+                                                    _mm256_and_si256(qh, two_bits)),
+                                    bias),
                     _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
-                                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), two_bits)), bias),
+                                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), two_bits)),
+                                    bias),
                 };
                 for (int j = 0; j < 4; ++j) {
                     const int k = 8 * half + 2 * j;  // zmm index of values l + 32j, l < 16; scale index likewise
@@ -396,10 +400,22 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q6_k_pass_avx512(float
     }
 }
 
-template <int R> void q4_0_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx512<false, R>(a, rw, h, nb); }
-template <int R> void q4_1_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx512<true, R>(a, rw, h, nb); }
-template <int R> void q4_0_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx2<false, R>(a, rw, h, nb); }
-template <int R> void q4_1_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) { q4_pass_avx2<true, R>(a, rw, h, nb); }
+template <int R>
+void q4_0_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) {
+    q4_pass_avx512<false, R>(a, rw, h, nb);
+}
+template <int R>
+void q4_1_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) {
+    q4_pass_avx512<true, R>(a, rw, h, nb);
+}
+template <int R>
+void q4_0_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) {
+    q4_pass_avx2<false, R>(a, rw, h, nb);
+}
+template <int R>
+void q4_1_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) {
+    q4_pass_avx2<true, R>(a, rw, h, nb);
+}
 
 template <int R>
 __attribute__((target("avx512f,f16c,fma"))) void f16_pass_avx512(float * acc, const uint8_t * const * rows,
@@ -422,7 +438,7 @@ __attribute__((target("avx512f,f16c,fma"))) void f16_pass_avx512(float * acc, co
 
 template <int R>
 __attribute__((target("avx2,f16c,fma"))) void f16_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
-                                                             int64_t n_embd) {
+                                                            int64_t n_embd) {
     int64_t j = 0;
     for (; j + 8 <= n_embd; j += 8) {
         __m256 y = _mm256_loadu_ps(acc + j);
@@ -440,17 +456,17 @@ __attribute__((target("avx2,f16c,fma"))) void f16_pass_avx2(float * acc, const u
 }
 
 // n rows in passes of 4, then the remainder: PASS<R>(acc, rows, h, arg)
-#define LLAMAFLASH_DEFINE_AXPY(name, pass, arg_expr)                                                  \
-    void name(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {      \
-        const int64_t arg = (arg_expr);                                                                \
-        int r = 0;                                                                                     \
-        for (; r + kRowsPerPass <= n; r += kRowsPerPass) pass<4>(acc, rows + r, h + r, arg);           \
-        switch (n - r) {                                                                               \
-            case 3: pass<3>(acc, rows + r, h + r, arg); break;                                         \
-            case 2: pass<2>(acc, rows + r, h + r, arg); break;                                         \
-            case 1: pass<1>(acc, rows + r, h + r, arg); break;                                         \
-            default: break;                                                                            \
-        }                                                                                              \
+#define LLAMAFLASH_DEFINE_AXPY(name, pass, arg_expr)                                               \
+    void name(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) { \
+        const int64_t arg = (arg_expr);                                                            \
+        int r = 0;                                                                                 \
+        for (; r + kRowsPerPass <= n; r += kRowsPerPass) pass<4>(acc, rows + r, h + r, arg);       \
+        switch (n - r) {                                                                           \
+            case 3: pass<3>(acc, rows + r, h + r, arg); break;                                     \
+            case 2: pass<2>(acc, rows + r, h + r, arg); break;                                     \
+            case 1: pass<1>(acc, rows + r, h + r, arg); break;                                     \
+            default: break;                                                                        \
+        }                                                                                          \
     }
 LLAMAFLASH_DEFINE_AXPY(axpy_q8_0_avx512, q8_0_pass_avx512, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_q8_0_avx2, q8_0_pass_avx2, n_embd / 32)
@@ -479,10 +495,14 @@ AxpyFn pick_axpy(ggml_type type, SparseIsa isa) {
         return isa == SparseIsa::avx512 ? axpy_f16_avx512 : isa == SparseIsa::avx2 ? axpy_f16_avx2 : axpy_f16_scalar;
     }
     if (type == GGML_TYPE_Q4_0) {
-        return isa == SparseIsa::avx512 ? axpy_q4_0_avx512 : isa == SparseIsa::avx2 ? axpy_q4_0_avx2 : axpy_q4_scalar<false>;
+        return isa == SparseIsa::avx512 ? axpy_q4_0_avx512
+               : isa == SparseIsa::avx2 ? axpy_q4_0_avx2
+                                        : axpy_q4_scalar<false>;
     }
     if (type == GGML_TYPE_Q4_1) {
-        return isa == SparseIsa::avx512 ? axpy_q4_1_avx512 : isa == SparseIsa::avx2 ? axpy_q4_1_avx2 : axpy_q4_scalar<true>;
+        return isa == SparseIsa::avx512 ? axpy_q4_1_avx512
+               : isa == SparseIsa::avx2 ? axpy_q4_1_avx2
+                                        : axpy_q4_scalar<true>;
     }
     // K-quants: AVX-512 or the fused scalar loop (no AVX2 pass)
     if (type == GGML_TYPE_Q4_K) return isa == SparseIsa::avx512 ? axpy_q4_k_avx512 : axpy_q4_k_scalar;

@@ -16,7 +16,7 @@ namespace llamaflash {
 
 // Instruction set of the fused down_t accumulation. auto_ = the best this CPU supports.
 enum class SparseIsa : int { auto_ = -1, scalar = 0, avx2 = 1, avx512 = 2 };
-SparseIsa sparse_ffn_best_isa();       // avx512 (F+BW+F16C+FMA) > avx2 (+F16C+FMA) > scalar
+SparseIsa sparse_ffn_best_isa();  // avx512 (F+BW+F16C+FMA) > avx2 (+F16C+FMA) > scalar
 const char * sparse_isa_name(SparseIsa isa);
 
 // acc: n_embd floats; rows: n row pointers; h: n scales. n_embd a multiple of the type's block.

@@ -43,7 +43,6 @@ inline void prefetch_l2(const uint8_t * p, size_t bytes) {
     }
 }
 
-
 // Selection prefilter (exact). silu and gelu are increasing for g >= 0 and bounded in magnitude by
 // a small peak for g < 0 (silu: 0.2785 at g = -1.278; gelu: 0.1700 at g = -0.752). For a threshold
 // above that peak, |act(g)| > thr only for g above the positive crossing g*, so every g below a point
@@ -58,8 +57,9 @@ float prefilter_bound(FfnActivation act, float thr) {
     }
     if (!(thr > 1.01 * peak)) return -INFINITY;
     auto f = [act](double g) {
-        return act == FfnActivation::silu ? g / (1.0 + std::exp(-g))
-                                          : 0.5 * g * (1.0 + std::tanh(0.7978845608028654 * g * (1.0 + 0.044715 * g * g)));
+        return act == FfnActivation::silu
+                   ? g / (1.0 + std::exp(-g))
+                   : 0.5 * g * (1.0 + std::tanh(0.7978845608028654 * g * (1.0 + 0.044715 * g * g)));
     };
     const double target = 0.99 * thr;
     double lo = 0.0, hi = 2.0 * thr + 1.0;  // f(hi) > thr: both are >= g - 0.5 for g >= 0
@@ -106,18 +106,17 @@ const char * ffn_activation_name(FfnActivation act) {
 
 float ffn_activation(FfnActivation act, float g) {
     switch (act) {
-        case FfnActivation::silu:
-            return g / (1.0f + std::exp(-g));
+        case FfnActivation::silu: return g / (1.0f + std::exp(-g));
         case FfnActivation::gelu: {
             // ggml-cpu GEGLU (GGML_GELU_FP16): table[f16(g)] with table[v] = f16(gelu_tanh(v))
             if (g <= -10.0f) return 0.0f;
             if (g >= 10.0f) return g;
             const float v = ggml_fp16_to_fp32(ggml_fp32_to_fp16(g));
-            const float r = 0.5f * v * (1.0f + std::tanh(0.79788456080286535587989211986876f * v * (1.0f + 0.044715f * v * v)));
+            const float r =
+                0.5f * v * (1.0f + std::tanh(0.79788456080286535587989211986876f * v * (1.0f + 0.044715f * v * v)));
             return ggml_fp16_to_fp32(ggml_fp32_to_fp16(r));
         }
-        case FfnActivation::relu:
-            return g > 0.0f ? g : 0.0f;
+        case FfnActivation::relu: return g > 0.0f ? g : 0.0f;
     }
     return 0.0f;
 }
@@ -128,12 +127,13 @@ void sparse_ffn_validate(const SparseFfnLayer & L) {
     if ((L.up_slots == nullptr) != (L.down_t_slots == nullptr)) fail("up_slots and down_t_slots go together");
     if (L.up_slots == nullptr && (L.bundles == nullptr || L.down_t == nullptr)) fail("null weight view");
     for (ggml_type t : {L.gate_type, L.up_type, L.down_t_type}) {
-        if (t < 0 || t >= GGML_TYPE_COUNT || ggml_blck_size(t) <= 0) fail("unknown ggml type " + std::to_string(int(t)));
+        if (t < 0 || t >= GGML_TYPE_COUNT || ggml_blck_size(t) <= 0)
+            fail("unknown ggml type " + std::to_string(int(t)));
     }
     auto check_row = [&](ggml_type t, size_t bytes, const char * what) {
         if (L.n_embd % ggml_blck_size(t) != 0 || ggml_row_size(t, L.n_embd) != bytes) {
-            fail(std::string(what) + " row of " + std::to_string(L.n_embd) + " " + ggml_type_name(t) + " values is not " +
-                 std::to_string(bytes) + " bytes");
+            fail(std::string(what) + " row of " + std::to_string(L.n_embd) + " " + ggml_type_name(t) +
+                 " values is not " + std::to_string(bytes) + " bytes");
         }
     };
     check_row(L.gate_type, L.gate_row_bytes, "gate");
@@ -143,7 +143,8 @@ void sparse_ffn_validate(const SparseFfnLayer & L) {
     if (L.up_rows != nullptr && L.up_stride < L.up_row_bytes) fail("up stride smaller than an up row");
     dot_traits(L.gate_type, "gate");
     dot_traits(L.up_type, "up");
-    if (pick_axpy(L.down_t_type, SparseIsa::scalar) == nullptr && ggml_get_type_traits(L.down_t_type)->to_float == nullptr) {
+    if (pick_axpy(L.down_t_type, SparseIsa::scalar) == nullptr &&
+        ggml_get_type_traits(L.down_t_type)->to_float == nullptr) {
         fail(std::string("down_t type ") + ggml_type_name(L.down_t_type) + " cannot be dequantized");
     }
 }
@@ -184,7 +185,8 @@ size_t sparse_ffn_scratch_bytes(ggml_type gate_type, ggml_type up_type, int64_t 
     size_t gate_bytes = 0, up_bytes = 0;
     xq_row_bytes(gate_type, up_type, n_embd, gate_bytes, up_bytes);
     return scratch_regions(gate_bytes + up_bytes, std::max<int64_t>(n_tokens, 1), std::max(n_threads, 1), n_embd,
-                           n_clusters).total();
+                           n_clusters)
+        .total();
 }
 
 void SparseFfnScratch::reserve(const SparseFfnLayer & L, int64_t n_tokens, int n_threads, int64_t n_clusters) {
@@ -229,8 +231,8 @@ inline bool selected(FfnActivation act, float g, float g_lo, float thr, float & 
 struct UnitSelection {
     int n = 0;
     int32_t ids[kMaxCluster];
-    float hs[kMaxCluster];                 // act(g_i); pass 2 multiplies in u_i
-    const uint8_t * rows[kMaxCluster];     // down_t rows
+    float hs[kMaxCluster];              // act(g_i); pass 2 multiplies in u_i
+    const uint8_t * rows[kMaxCluster];  // down_t rows
     const uint8_t * up_rows[kMaxCluster];
 
     // Appends neuron i; prefetches its down_t row (and its up row when pass 2 dots it).
@@ -318,8 +320,9 @@ struct SparseFfnImpl {
         const SparseFfnParams & P = S.params_;
         const uint8_t * xq_gate = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
         return {xq_gate, S.xq_up_bytes_ == 0 ? xq_gate : xq_gate + S.xq_gate_bytes_,
-                P.gate_values != nullptr ? P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff)
-                                         : nullptr,
+                P.gate_values != nullptr
+                    ? P.gate_values + t * (P.gate_values_stride != 0 ? P.gate_values_stride : L.n_ff)
+                    : nullptr,
                 P.up_values != nullptr ? P.up_values + t * (P.up_values_stride != 0 ? P.up_values_stride : L.n_ff)
                                        : nullptr,
                 S.batch_.active_mask != nullptr ? S.batch_.active_mask + t * L.n_ff : nullptr};
@@ -363,10 +366,13 @@ void SparseFfnImpl::begin(const SparseFfnLayer & L, const SparseFfnParams & P, c
 
 void SparseFfnImpl::quantize(SparseFfnScratch & S, int ith, int nth) {
     const SparseFfnLayer & L = S.layer_;
-    const ggml_from_float_t gate_q = ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(L.gate_type)->vec_dot_type)->from_float;
-    const ggml_from_float_t up_q = ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(L.up_type)->vec_dot_type)->from_float;
+    const ggml_from_float_t gate_q =
+        ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(L.gate_type)->vec_dot_type)->from_float;
+    const ggml_from_float_t up_q =
+        ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(L.up_type)->vec_dot_type)->from_float;
     for (int64_t t = ith; t < S.batch_.n_tokens; t += nth) {
-        const float * xt = reinterpret_cast<const float *>(reinterpret_cast<const uint8_t *>(S.batch_.x) + t * S.batch_.x_stride);
+        const float * xt =
+            reinterpret_cast<const float *>(reinterpret_cast<const uint8_t *>(S.batch_.x) + t * S.batch_.x_stride);
         uint8_t * q = S.xq_ + static_cast<size_t>(t) * S.xq_token_bytes_;
         gate_q(xt, q, L.n_embd);
         if (S.xq_up_bytes_ != 0) up_q(xt, q + S.xq_gate_bytes_, L.n_embd);
@@ -405,8 +411,7 @@ void SparseFfnImpl::accumulate(SparseFfnScratch & S, int ith, int nth) {
             }
             if (!selected(L.activation, g, g_lo, thr, a)) continue;
             sel.add(static_cast<int32_t>(i), a, L.down_t + static_cast<size_t>(i) * L.down_t_row_bytes,
-                    L.down_t_row_bytes, up_base + static_cast<size_t>(i) * up_stride, L.up_row_bytes,
-                    tv.uv == nullptr);
+                    L.down_t_row_bytes, up_base + static_cast<size_t>(i) * up_stride, L.up_row_bytes, tv.uv == nullptr);
         }
         pass2.run(partial(S, t, ith), tmp, sel, tv.uv, tv.xq_up, tv.mask);  // partial zeroed by begin
         if (sel.n != 0) __atomic_fetch_add(batch.active_counts + t, sel.n, __ATOMIC_RELAXED);
@@ -452,10 +457,9 @@ void SparseFfnImpl::accumulate_clusters(SparseFfnScratch & S, int ith, const int
                 float a;
                 if (!selected(L.activation, tv.gv[i], g_lo, thr, a)) continue;
                 const size_t r = static_cast<size_t>(slotted ? i - i0 : i);  // row within its view
-                sel.add(static_cast<int32_t>(i), a,
-                        (slotted ? L.down_t_slots[c] : L.down_t) + r * L.down_t_row_bytes, L.down_t_row_bytes,
-                        slotted ? L.up_slots[c] + r * L.up_row_bytes : up_base + r * up_stride, L.up_row_bytes,
-                        tv.uv == nullptr);
+                sel.add(static_cast<int32_t>(i), a, (slotted ? L.down_t_slots[c] : L.down_t) + r * L.down_t_row_bytes,
+                        L.down_t_row_bytes, slotted ? L.up_slots[c] + r * L.up_row_bytes : up_base + r * up_stride,
+                        L.up_row_bytes, tv.uv == nullptr);
             }
             pass2.run(acc, tmp, sel, tv.uv, tv.xq_up, tv.mask);
             if (sel.n != 0) __atomic_fetch_add(batch.active_counts + t, sel.n, __ATOMIC_RELAXED);
@@ -525,20 +529,15 @@ void sparse_ffn_begin(const SparseFfnLayer & layer, const SparseFfnParams & para
     SparseFfnImpl::begin(layer, params, batch, scratch);
 }
 
-void sparse_ffn_quantize(SparseFfnScratch & scratch, int ith, int nth) {
-    SparseFfnImpl::quantize(scratch, ith, nth);
-}
+void sparse_ffn_quantize(SparseFfnScratch & scratch, int ith, int nth) { SparseFfnImpl::quantize(scratch, ith, nth); }
 
 void sparse_ffn_accumulate(SparseFfnScratch & scratch, int ith, int nth) {
     SparseFfnImpl::accumulate(scratch, ith, nth);
 }
 
-void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth) {
-    SparseFfnImpl::reduce(scratch, ith, nth);
-}
+void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth) { SparseFfnImpl::reduce(scratch, ith, nth); }
 
-void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, const int32_t * clusters,
-                                    int64_t n_clusters) {
+void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, const int32_t * clusters, int64_t n_clusters) {
     SparseFfnImpl::accumulate_clusters(scratch, ith, clusters, n_clusters);
 }
 
@@ -564,7 +563,8 @@ bool sparse_ffn_can_rebind(const SparseFfnLayer & layer, ggml_type up_type, ggml
     if (up->vec_dot == nullptr || up->vec_dot_type != ggml_get_type_traits_cpu(layer.up_type)->vec_dot_type) {
         return false;
     }
-    return pick_axpy(down_t_type, SparseIsa::scalar) != nullptr || ggml_get_type_traits(down_t_type)->to_float != nullptr;
+    return pick_axpy(down_t_type, SparseIsa::scalar) != nullptr ||
+           ggml_get_type_traits(down_t_type)->to_float != nullptr;
 }
 
 void sparse_ffn_rebind_cluster_rows(SparseFfnScratch & scratch, ggml_type up_type, ggml_type down_t_type,

@@ -118,8 +118,8 @@ struct SparseFfnParams {
     // sparsity streams the up matrix faster than per-row dots; the kernel then reads down_t only.
     const float * up_values = nullptr;
     size_t up_values_stride = 0;
-    int n_threads = 1;       // threads that run the phases (>= 1); see the phase API below
-    int cluster_size = 32;   // neurons per work unit, 1..256
+    int n_threads = 1;                 // threads that run the phases (>= 1); see the phase API below
+    int cluster_size = 32;             // neurons per work unit, 1..256
     SparseIsa isa = SparseIsa::auto_;  // tests force scalar/avx2 to compare paths
 };
 
@@ -158,11 +158,11 @@ private:
                                                const uint8_t * const *);
     std::vector<uint8_t> buf_;
     // carved out of buf_ by reserve()
-    uint8_t * xq_ = nullptr;        // [n_tokens][xq_gate_bytes + xq_up_bytes] quantized activations
+    uint8_t * xq_ = nullptr;  // [n_tokens][xq_gate_bytes + xq_up_bytes] quantized activations
     size_t xq_gate_bytes_ = 0, xq_up_bytes_ = 0, xq_token_bytes_ = 0;
-    float * partial_ = nullptr;     // [n_tokens][cap_threads][embd_pad] per-thread partial y
-    float * row_tmp_ = nullptr;     // [cap_threads][embd_pad] dequantized down_t row (generic path)
-    int32_t * counts_ = nullptr;    // [n_tokens] when the caller wants no counts
+    float * partial_ = nullptr;          // [n_tokens][cap_threads][embd_pad] per-thread partial y
+    float * row_tmp_ = nullptr;          // [cap_threads][embd_pad] dequantized down_t row (generic path)
+    int32_t * counts_ = nullptr;         // [n_tokens] when the caller wants no counts
     float * cluster_partial_ = nullptr;  // cluster phase: [n_clusters][n_tokens][embd_pad] partial y
     uint8_t * listed_ = nullptr;         // cluster phase: [n_clusters] 1 once listed in this call
     int64_t cap_clusters_ = 0;
@@ -214,8 +214,7 @@ void sparse_ffn_begin(const SparseFfnLayer & layer, const SparseFfnParams & para
 void sparse_ffn_quantize(SparseFfnScratch & scratch, int ith, int nth);
 void sparse_ffn_accumulate(SparseFfnScratch & scratch, int ith, int nth);
 void sparse_ffn_reduce(SparseFfnScratch & scratch, int ith, int nth);
-void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, const int32_t * clusters,
-                                    int64_t n_clusters);
+void sparse_ffn_accumulate_clusters(SparseFfnScratch & scratch, int ith, const int32_t * clusters, int64_t n_clusters);
 void sparse_ffn_reduce_clusters(SparseFfnScratch & scratch, int ith, int nth);
 
 // The summation order a call takes: by cluster exactly when the caller supplies the gate values and

@@ -13,8 +13,8 @@ namespace {
 bool glu_activation(const ggml_tensor * node, FfnActivation & act) {
     switch (ggml_get_glu_op(node)) {
         case GGML_GLU_OP_SWIGLU: act = FfnActivation::silu; return true;
-        case GGML_GLU_OP_GEGLU:  act = FfnActivation::gelu; return true;
-        case GGML_GLU_OP_REGLU:  act = FfnActivation::relu; return true;
+        case GGML_GLU_OP_GEGLU: act = FfnActivation::gelu; return true;
+        case GGML_GLU_OP_REGLU: act = FfnActivation::relu; return true;
         default: return false;  // erf/quick gelu, clamped or OAI swiglu: not what the kernel computes
     }
 }
@@ -149,7 +149,7 @@ bool match_glu_ffn(const ggml_cgraph * split, const WeightRegistry & registry, G
     GluFfnPattern p;
     const ggml_tensor * act_node = nullptr;  // GLU, or the UNARY of MUL(UNARY(gate), up)
     const ggml_tensor * mul_node = nullptr;
-    const ggml_tensor * h = nullptr;         // the input of down
+    const ggml_tensor * h = nullptr;  // the input of down
     for (int i = 0; i < n; ++i) {
         const ggml_tensor * node = ggml_graph_node(g, i);
         switch (node->op) {
@@ -161,7 +161,7 @@ bool match_glu_ffn(const ggml_cgraph * split, const WeightRegistry & registry, G
                 p.model = b->model.get();
                 p.layer = b->layer;
                 const ggml_tensor *& slot = b->kind == FfnWeightKind::gate ? p.gate
-                                          : b->kind == FfnWeightKind::up   ? p.up
+                                            : b->kind == FfnWeightKind::up ? p.up
                                                                            : p.down;
                 if (slot != nullptr) {
                     return false;
@@ -182,8 +182,7 @@ bool match_glu_ffn(const ggml_cgraph * split, const WeightRegistry & registry, G
                 }
                 mul_node = node;
                 break;
-            default:
-                return false;
+            default: return false;
         }
     }
     if (p.gate == nullptr || p.up == nullptr || p.down == nullptr || act_node == nullptr) {
@@ -263,7 +262,8 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
         cache_layer_ = ffn.model->layer_position(ffn.layer);
         if (params_.cluster_size != cache_->cluster_size() ||
             cache_->n_clusters(cache_layer_) != static_cast<int64_t>(nc)) {
-            throw std::invalid_argument("the neuron cache's clusters differ from the kernel's (cluster size, layer shape)");
+            throw std::invalid_argument(
+                "the neuron cache's clusters differ from the kernel's (cluster size, layer shape)");
         }
         plan_.reset(static_cast<int64_t>(nc));  // plan() refills it in place: the kernel keeps these pointers
         layer_.up_slots = plan_.up.data();
@@ -334,7 +334,8 @@ void SparseLane::append_by_range(ggml_context * ctx, ggml_cgraph * graph, const 
     for (ggml_tensor * t : {gate, up}) {
         if (t != nullptr) args[n_args++] = t;
     }
-    ggml_tensor * prev = phase_node(ctx, args, n_args, phase_quantize, &scratch_, phase_outputs_, "quantize", ffn.layer);
+    ggml_tensor * prev =
+        phase_node(ctx, args, n_args, phase_quantize, &scratch_, phase_outputs_, "quantize", ffn.layer);
     ggml_tensor * args_a[1] = {prev};
     prev = phase_node(ctx, args_a, 1, phase_accumulate, &scratch_, phase_outputs_ + 4, "accumulate", ffn.layer);
     append_output(ctx, graph, ffn, prev, phase_reduce, &scratch_);
@@ -346,8 +347,8 @@ void SparseLane::append_by_cluster(ggml_context * ctx, ggml_cgraph * graph, cons
                                         ClusterPhases::accumulate_pending, nullptr};
     const char * names[4] = {"accumulate-ready", "wait", "accumulate-pending", nullptr};
     ggml_tensor * args_q[2] = {x_leaf, gate};
-    ggml_tensor * prev = phase_node(ctx, args_q, 2, ClusterPhases::quantize_plan, this, phase_outputs_,
-                                    "quantize-plan", ffn.layer);
+    ggml_tensor * prev =
+        phase_node(ctx, args_q, 2, ClusterPhases::quantize_plan, this, phase_outputs_, "quantize-plan", ffn.layer);
     for (int k = 0; phases[k] != nullptr; ++k) {
         ggml_tensor * args[1] = {prev};
         prev = phase_node(ctx, args, 1, phases[k], this, phase_outputs_ + 4 + 2 * k, names[k], ffn.layer);

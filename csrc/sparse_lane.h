@@ -80,10 +80,10 @@ enum class DraftMode : int {
 struct GluFfnPattern {
     FlashModel * model = nullptr;
     int layer = -1;
-    const ggml_tensor * gate = nullptr;   // MUL_MAT node with the gate weight
-    const ggml_tensor * up = nullptr;     // MUL_MAT node with the up weight
-    const ggml_tensor * down = nullptr;   // MUL_MAT node with the down weight (its data = y)
-    const ggml_tensor * x = nullptr;      // the FFN input, src[1] of gate and up
+    const ggml_tensor * gate = nullptr;  // MUL_MAT node with the gate weight
+    const ggml_tensor * up = nullptr;    // MUL_MAT node with the up weight
+    const ggml_tensor * down = nullptr;  // MUL_MAT node with the down weight (its data = y)
+    const ggml_tensor * x = nullptr;     // the FFN input, src[1] of gate and up
     FfnActivation activation = FfnActivation::silu;
 };
 
@@ -138,7 +138,7 @@ private:
     // the cluster phase (in memory and offload)
     friend struct ClusterPhases;
     NeuronCache * cache_ = nullptr;  // offload: the neuron cache; nullptr in memory
-    int cache_layer_ = -1;  // position of the layer in the cache
+    int cache_layer_ = -1;           // position of the layer in the cache
     NeuronCache::LayerPlan plan_;
     DraftMode draft_ = DraftMode::none;
     ggml_type copy_type_ = GGML_TYPE_COUNT;

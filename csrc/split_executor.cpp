@@ -52,9 +52,9 @@ std::string first_non_finite(const ggml_cgraph * split) {
 
 // The split's lane and the served layer it computes.
 struct Route {
-    FlashModel * model = nullptr;         // nullptr: no served weight in the split
+    FlashModel * model = nullptr;  // nullptr: no served weight in the split
     int layer = -1;
-    GluFfnPattern ffn;                    // set when the split is a plain GLU FFN
+    GluFfnPattern ffn;                         // set when the split is a plain GLU FFN
     const SparseLayerView * sparse = nullptr;  // non-null: the sparse lane runs it
 };
 

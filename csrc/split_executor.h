@@ -18,9 +18,9 @@
 
 #include "dense_lane.h"
 #include "expert_lane.h"
-#include "graph_mirror.h"
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "graph_mirror.h"
 #include "sparse_lane.h"
 
 #include <cstdint>

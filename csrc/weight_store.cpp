@@ -21,8 +21,8 @@ ggml_backend_buffer_type_t pick_cpu_weight_buft(ggml_tensor * w) {
         throw std::runtime_error("llamaflash: ggml has no CPU device");
     }
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(cpu_dev);
-    auto get_extra = (ggml_backend_dev_get_extra_bufts_t)
-        ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
+    auto get_extra =
+        (ggml_backend_dev_get_extra_bufts_t)ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
     if (get_extra != nullptr) {
         ggml_init_params params = {ggml_tensor_overhead() * 4, nullptr, true};
         ggml_context * ctx = ggml_init(params);
@@ -46,7 +46,9 @@ ggml_backend_buffer_type_t pick_cpu_weight_buft(ggml_tensor * w) {
 }  // namespace
 
 WeightStore::WeightStore(std::vector<LayerSpec> layers, std::string sidecar_path, std::string base_path, bool verify)
-    : layers_(std::move(layers)), sidecar_path_(std::move(sidecar_path)), base_path_(std::move(base_path)),
+    : layers_(std::move(layers)),
+      sidecar_path_(std::move(sidecar_path)),
+      base_path_(std::move(base_path)),
       verify_(verify) {
     for (const LayerSpec & s : layers_) has_checksums_ = has_checksums_ || s.checksum_offset != 0;
 }
@@ -164,7 +166,7 @@ WeightStore::~WeightStore() {
 }
 
 std::vector<std::vector<int32_t>> WeightStore::read_orders(const FileReader & sidecar,
-                                                          std::vector<bool> & identity) const {
+                                                           std::vector<bool> & identity) const {
     std::vector<std::vector<int32_t>> orders(layers_.size());
     identity.assign(layers_.size(), true);
     for (size_t li = 0; li < layers_.size(); ++li) {
@@ -232,8 +234,9 @@ void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
                 if (kind == 0 && !stream_gate) {
                     copies[buft].push_back(t);
                 } else {
-                    views_base.emplace_back(t, kind == 0 ? s.base_gate_offset : kind == 1 ? s.base_up_offset
-                                                                                          : s.base_down_offset);
+                    views_base.emplace_back(t, kind == 0   ? s.base_gate_offset
+                                               : kind == 1 ? s.base_up_offset
+                                                           : s.base_down_offset);
                 }
             } else if (buft != plain) {
                 copies[buft].push_back(t);
@@ -309,7 +312,8 @@ void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
         }
         ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, total + align);
         if (buf == nullptr) {
-            throw std::runtime_error("llamaflash: cannot allocate " + std::to_string(total >> 20) + " MiB for FFN weights");
+            throw std::runtime_error("llamaflash: cannot allocate " + std::to_string(total >> 20) +
+                                     " MiB for FFN weights");
         }
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         buffers_.push_back(buf);
@@ -457,18 +461,21 @@ ggml_tensor * WeightStore::dense_weight(size_t pos, FfnWeightKind kind) const {
     return pos < layers_.size() && dense_loaded() ? weights_[3 * pos + static_cast<size_t>(kind)] : nullptr;
 }
 
-ggml_tensor * WeightStore::fused_gate_up(size_t pos) const {
-    return pos < fused_.size() ? fused_[pos] : nullptr;
-}
+ggml_tensor * WeightStore::fused_gate_up(size_t pos) const { return pos < fused_.size() ? fused_[pos] : nullptr; }
 
 void WeightStore::recheck_mapped() {
     if (!verifying()) return;
     for (size_t li = 0; li < layers_.size(); ++li) {
         const LayerSpec & s = layers_[li];
-        const struct { RowSet set; File file; uint64_t offset; } sets[] = {
-            {RowSet::bundle, kSidecar, s.bundle_offset},     {RowSet::down_t, kSidecar, s.down_t_offset},
-            {RowSet::base_gate, kBase, s.base_gate_offset}, {RowSet::base_up, kBase, s.base_up_offset},
-            {RowSet::base_down, kBase, s.base_down_offset}};
+        const struct {
+            RowSet set;
+            File file;
+            uint64_t offset;
+        } sets[] = {{RowSet::bundle, kSidecar, s.bundle_offset},
+                    {RowSet::down_t, kSidecar, s.down_t_offset},
+                    {RowSet::base_gate, kBase, s.base_gate_offset},
+                    {RowSet::base_up, kBase, s.base_up_offset},
+                    {RowSet::base_down, kBase, s.base_down_offset}};
         for (const auto & r : sets) {
             auto it = regions_.find({r.file, r.offset});
             if (it == regions_.end()) continue;

@@ -33,8 +33,8 @@
 
 #include "engine_config.h"
 #include "file_reader.h"
-#include "integrity.h"
 #include "ggml-backend.h"
+#include "integrity.h"
 #include "sparse_ffn.h"
 
 #include <map>
@@ -48,8 +48,8 @@ namespace llamaflash {
 
 // One layer as the sparse lane sees it: views into the sidecar mapping.
 struct SparseLayerView {
-    SparseFfnLayer kernel;           // bundles + down_t, bundle order
-    bool base_order = true;          // bundle k holds base neuron k (gate values from ggml usable)
+    SparseFfnLayer kernel;   // bundles + down_t, bundle order
+    bool base_order = true;  // bundle k holds base neuron k (gate values from ggml usable)
 };
 
 class WeightStore {
@@ -89,13 +89,13 @@ public:
     // The sidecar's row checksums of the layer at `pos` (empty when it has none or verify is off);
     // valid after load_dense.
     const LayerChecksums & checksums(size_t pos) const { return checksums_.at(pos); }
-    bool has_checksums() const { return has_checksums_; }   // the sidecar carries them
+    bool has_checksums() const { return has_checksums_; }  // the sidecar carries them
     bool verifying() const { return verify_ && has_checksums_; }
     uint64_t verified_bytes() const { return verified_bytes_; }  // checked at load (and by recheck_mapped)
     // Checks again every row set used in place from a file mapping (the files changed on disk: a
     // shared mapping shows the new bytes). Throws IntegrityError. No-op unless verifying().
     void recheck_mapped();
-    double verify_seconds() const { return verify_seconds_; }    // time spent checking at load
+    double verify_seconds() const { return verify_seconds_; }  // time spent checking at load
 
 private:
     enum File : int { kSidecar = 0, kBase = 1 };
@@ -121,16 +121,16 @@ private:
 
     ggml_context * ctx_ = nullptr;
     std::vector<ggml_backend_buffer_t> buffers_;
-    std::vector<ggml_tensor *> weights_;  // 3 per layer, in layers_ order
-    std::vector<ggml_tensor *> fused_;    // 1 per layer (or nullptr), see fused_gate_up()
-    std::vector<std::unique_ptr<MappedFile>> maps_;           // one per mapped region
+    std::vector<ggml_tensor *> weights_;                        // 3 per layer, in layers_ order
+    std::vector<ggml_tensor *> fused_;                          // 1 per layer (or nullptr), see fused_gate_up()
+    std::vector<std::unique_ptr<MappedFile>> maps_;             // one per mapped region
     std::map<std::pair<int, uint64_t>, MappedFile *> regions_;  // (File, offset) -> its mapping
-    std::vector<SparseLayerView> sparse_;  // 1 per layer once load_sparse ran
+    std::vector<SparseLayerView> sparse_;                       // 1 per layer once load_sparse ran
     size_t copied_bytes_ = 0;
     bool verify_ = true;
     bool has_checksums_ = false;
-    std::vector<LayerChecksums> checksums_;           // 1 per layer once load_dense ran
-    std::set<std::pair<size_t, int>> checked_;        // (layer position, RowSet) checked
+    std::vector<LayerChecksums> checksums_;     // 1 per layer once load_dense ran
+    std::set<std::pair<size_t, int>> checked_;  // (layer position, RowSet) checked
     uint64_t verified_bytes_ = 0;
     double verify_seconds_ = 0;
 };

@@ -14,6 +14,7 @@ The extensions ``llamaflash._native`` (and ``llamaflash._native_testing``) link 
 import _native`` (and ``from . import _native`` inside the package) goes through this module's
 ``__getattr__``, which imports ``llama_cpp`` first.
 """
+
 from __future__ import annotations
 
 import importlib

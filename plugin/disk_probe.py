@@ -76,8 +76,11 @@ def saved_profile(path: str | os.PathLike, cache_dir: str | os.PathLike | None =
     return data if isinstance(data, dict) and data.get("points") else None
 
 
-def resolve_profile(spec: str | os.PathLike | dict[str, Any] | None, sidecar: str | os.PathLike,
-                    cache_dir: str | os.PathLike | None = None) -> dict[str, Any] | None:
+def resolve_profile(
+    spec: str | os.PathLike | dict[str, Any] | None,
+    sidecar: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+) -> dict[str, Any] | None:
     """The disk profile the planner should use for ``sidecar``: ``spec`` None = the saved profile of
     its filesystem if there is one, else None (the planner's built-in default); "default" = None;
     "probe" = measure now beside the sidecar (a few seconds, a scratch file) and save it; a dict =
@@ -96,8 +99,10 @@ def resolve_profile(spec: str | os.PathLike | dict[str, Any] | None, sidecar: st
     try:
         data = json.loads(Path(spec).read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"disk profile {spec!s}: {e}; pass a JSON file written by llamaflash plan --probe-disk "
-                         "or bench/bench_disk.py, 'probe', 'default' or None") from e
+        raise ValueError(
+            f"disk profile {spec!s}: {e}; pass a JSON file written by llamaflash plan --probe-disk "
+            "or bench/bench_disk.py, 'probe', 'default' or None"
+        ) from e
     if not isinstance(data, dict) or not data.get("points"):
         raise ValueError(f"disk profile {spec!s} has no measured points; pass a disk probe result")
     return data
@@ -167,8 +172,10 @@ def probe_disk(
         raise FlashIoError(f"cannot use {directory} for the disk probe: {e}; pass another directory") from e
     file_mb = int(min(file_mb, max(free_mb // 4, 0)))
     if file_mb * 1024 < 4 * max(sizes):
-        raise FlashIoError(f"{directory} has only {free_mb} MB free: too little for the disk probe; "
-                           "pass a directory on a disk with free space")
+        raise FlashIoError(
+            f"{directory} has only {free_mb} MB free: too little for the disk probe; "
+            "pass a directory on a disk with free space"
+        )
     scratch = directory / f".llamaflash-disk-probe-{os.getpid()}.tmp"
     result: dict[str, Any] = {
         "directory": str(directory),
@@ -182,27 +189,34 @@ def probe_disk(
         try:
             _write_scratch(scratch, file_mb << 20)
         except OSError as e:
-            raise FlashIoError(f"cannot write the disk probe's scratch file {scratch}: {e}; "
-                               "pass a writable directory with free space") from e
+            raise FlashIoError(
+                f"cannot write the disk probe's scratch file {scratch}: {e}; pass a writable directory with free space"
+            ) from e
         _evict(scratch)
         t_start = time.perf_counter()
         for depth in depth_list:
             reader = open_reader(scratch, engine=engine, queue_depth=depth, warn=False)
             try:
-                result.update(engine=reader.engine, direct=reader.direct, fallback_reason=reader.fallback_reason,
-                              alignment=reader.alignment)
+                result.update(
+                    engine=reader.engine,
+                    direct=reader.direct,
+                    fallback_reason=reader.fallback_reason,
+                    alignment=reader.alignment,
+                )
                 for kib in sizes:
                     _evict(scratch)
                     m = reader.measure_random_reads(kib << 10, depth, seconds, seed=depth * 1000 + kib)
                     iops = m["reads"] / m["seconds"]
-                    result["points"].append({
-                        "request_kib": kib,
-                        "depth": depth,
-                        "reads": m["reads"],
-                        "iops": round(iops, 1),
-                        "mb_s": round(m["bytes"] / m["seconds"] / 1e6, 1),
-                        "latency_us": round(depth / iops * 1e6, 1),
-                    })
+                    result["points"].append(
+                        {
+                            "request_kib": kib,
+                            "depth": depth,
+                            "reads": m["reads"],
+                            "iops": round(iops, 1),
+                            "mb_s": round(m["bytes"] / m["seconds"] / 1e6, 1),
+                            "latency_us": round(depth / iops * 1e6, 1),
+                        }
+                    )
             finally:
                 reader.close()
         if sequential:

@@ -118,8 +118,9 @@ class Decision:
 class SourceControl:
     """One draft source's estimates, ledger and state (see the module docstring)."""
 
-    def __init__(self, name: str, k_max: int, prior_acceptance: float, prior_step_seconds: float = 0.0,
-                 note: str = "") -> None:
+    def __init__(
+        self, name: str, k_max: int, prior_acceptance: float, prior_step_seconds: float = 0.0, note: str = ""
+    ) -> None:
         self.name, self.k_max, self.note = name, k_max, note
         self.accept_num, self.accept_den = prior_acceptance * PRIOR_TOKENS, PRIOR_TOKENS
         self.step_seconds = float(prior_step_seconds)
@@ -178,10 +179,18 @@ class SourceControl:
             self.recent_weight = self.recent_weight * RECENT_DECAY + 1.0
 
     def status(self) -> Dict[str, Any]:
-        return {"state": self.state, "reason": self.reason + (f" [{self.note}]" if self.note else ""), "acceptance_estimate": round(self.acceptance, 4),
-                "passes": self.passes, "drafted": self.drafted, "accepted": self.accepted, "probes": self.probes,
-                "draft_step_seconds": self.step_seconds, "net_saving_seconds": self.net_saving_seconds,
-                "next_k": self.last_k}
+        return {
+            "state": self.state,
+            "reason": self.reason + (f" [{self.note}]" if self.note else ""),
+            "acceptance_estimate": round(self.acceptance, 4),
+            "passes": self.passes,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "probes": self.probes,
+            "draft_step_seconds": self.step_seconds,
+            "net_saving_seconds": self.net_saving_seconds,
+            "next_k": self.last_k,
+        }
 
 
 class DraftController:
@@ -197,8 +206,9 @@ class DraftController:
         self.elapsed_seconds = 0.0  # every verify pass and every draft
         self.ledger_seconds = 0.0  # realized saving of all drafts against no drafts
 
-    def add_source(self, name: str, prior_acceptance: float, prior_step_seconds: float = 0.0,
-                   note: str = "") -> SourceControl:
+    def add_source(
+        self, name: str, prior_acceptance: float, prior_step_seconds: float = 0.0, note: str = ""
+    ) -> SourceControl:
         """A draft source; ``note`` (e.g. where its prior came from) is appended to its reasons."""
         src = SourceControl(name, self.k_max, prior_acceptance, prior_step_seconds, note)
         self.sources[name] = src
@@ -231,23 +241,31 @@ class DraftController:
         deficit = self.allowance() < 0
         if k and gain >= 1 + ON_MARGIN and not src.losing() and not deficit:
             src.state, src.last_k = "on", k
-            src.reason = (f"on: acceptance {src.acceptance:.2f}, {k}-token drafts predict {gain:.2f}x the rate "
-                          f"without drafts ({self._costs_text(src)}); measured net saving "
-                          f"{src.net_saving_seconds:+.2f} s")
+            src.reason = (
+                f"on: acceptance {src.acceptance:.2f}, {k}-token drafts predict {gain:.2f}x the rate "
+                f"without drafts ({self._costs_text(src)}); measured net saving "
+                f"{src.net_saving_seconds:+.2f} s"
+            )
             return Decision(k)
         if src.state == "on":  # just switched off: the next probe waits a full interval
             src.next_probe = self.passes + src.probe_interval(self.cost, self.explore_share)
         src.last_k = 0
         if deficit:
-            why = (f"off: speculation has lost {-self.ledger_seconds:.2f} s of {self.elapsed_seconds:.1f} s decoding, "
-                   f"more than the {self.explore_share:.0%} allowed; drafting resumes when the allowance recovers")
+            why = (
+                f"off: speculation has lost {-self.ledger_seconds:.2f} s of {self.elapsed_seconds:.1f} s decoding, "
+                f"more than the {self.explore_share:.0%} allowed; drafting resumes when the allowance recovers"
+            )
         elif src.losing():
-            why = (f"off: its drafts lost {-src.recent_saving / max(src.recent_weight, 1e-9) * 1e3:.1f} ms per pass "
-                   f"recently against no drafts (measured net {src.net_saving_seconds:+.2f} s)")
+            why = (
+                f"off: its drafts lost {-src.recent_saving / max(src.recent_weight, 1e-9) * 1e3:.1f} ms per pass "
+                f"recently against no drafts (measured net {src.net_saving_seconds:+.2f} s)"
+            )
         else:
-            why = (f"off: acceptance {src.acceptance:.2f} over {src.drafted} drafted tokens; the best draft predicts "
-                   f"{gain:.2f}x the rate without drafts, under the {1 + ON_MARGIN:.2f}x needed "
-                   f"({self._costs_text(src)})")
+            why = (
+                f"off: acceptance {src.acceptance:.2f} over {src.drafted} drafted tokens; the best draft predicts "
+                f"{gain:.2f}x the rate without drafts, under the {1 + ON_MARGIN:.2f}x needed "
+                f"({self._costs_text(src)})"
+            )
         src.state = "off"
         if self.passes >= src.next_probe and self.allowance() >= src.probe_cost(self.cost):
             src.probes += 1
@@ -256,8 +274,15 @@ class DraftController:
         src.reason = why + (f"; next probe in {max(0, src.next_probe - self.passes)} passes" if not deficit else "")
         return Decision(0)
 
-    def settle(self, name: str, drafted: int, accepted: int, draft_seconds: float,
-               verify_seconds: Optional[float], probe: bool = False) -> None:
+    def settle(
+        self,
+        name: str,
+        drafted: int,
+        accepted: int,
+        draft_seconds: float,
+        verify_seconds: Optional[float],
+        probe: bool = False,
+    ) -> None:
         """Book a pass that drafted ``drafted`` tokens from ``name`` of which ``accepted`` were kept;
         ``verify_seconds``: that pass's measured time (None: not measured, nothing booked to the ledger)."""
         src = self.sources[name]
@@ -278,10 +303,14 @@ class DraftController:
         return f"pass {v1 * 1e3:.0f} ms, +{slope * 1e3:.1f} ms per drafted token{step}"
 
     def summary(self) -> Dict[str, Any]:
-        return {"explore_share": self.explore_share, "elapsed_seconds": self.elapsed_seconds,
-                "net_saving_seconds": self.ledger_seconds, "passes": self.passes,
-                "verify_1_seconds": self.cost.seconds(1) if self.cost.known() else None,
-                "sources": {name: src.status() for name, src in self.sources.items()}}
+        return {
+            "explore_share": self.explore_share,
+            "elapsed_seconds": self.elapsed_seconds,
+            "net_saving_seconds": self.ledger_seconds,
+            "passes": self.passes,
+            "verify_1_seconds": self.cost.seconds(1) if self.cost.known() else None,
+            "sources": {name: src.status() for name, src in self.sources.items()},
+        }
 
 
 __all__ = ("DraftController", "Decision", "PassCost", "SourceControl", "delivered")

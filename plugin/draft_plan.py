@@ -94,7 +94,7 @@ def predict_plan(plan: "OffloadPlan", info: "SidecarInfo") -> Prediction | None:
         acceptance = COPY_ACCEPTANCE.get(int(info.layers[0].draft_type), COPY_ACCEPTANCE[int(_Q.Q2_K)])
     else:
         draft = plan.parts.get("hot_slots", 0)
-        acceptance = plan.neuron_hit_rate ** RESIDENT_ACCEPTANCE_EXPONENT
+        acceptance = plan.neuron_hit_rate**RESIDENT_ACCEPTANCE_EXPONENT
     return predict(pass_s, (resident + draft) / MEMORY_BYTES_PER_S, acceptance)
 
 
@@ -105,8 +105,11 @@ def copy_unused(without: "OffloadPlan", why: str) -> "OffloadPlan":
 
 def copy_does_not_fit(without: "OffloadPlan", copy_bytes: int) -> "OffloadPlan":
     """``without``, noting that the draft copy does not fit its budget beside the minimum."""
-    return copy_unused(without, f"its {copy_bytes / MiB:.0f} MiB do not fit this budget beside the minimum "
-                                f"(it would need about {(without.minimum_bytes + copy_bytes) / MiB:.0f} MiB)")
+    return copy_unused(
+        without,
+        f"its {copy_bytes / MiB:.0f} MiB do not fit this budget beside the minimum "
+        f"(it would need about {(without.minimum_bytes + copy_bytes) / MiB:.0f} MiB)",
+    )
 
 
 def choose_draft_copy(info: "SidecarInfo", without: "OffloadPlan", with_copy: "OffloadPlan") -> "OffloadPlan":
@@ -119,12 +122,18 @@ def choose_draft_copy(info: "SidecarInfo", without: "OffloadPlan", with_copy: "O
         return copy_unused(without, "every cluster is pinned at this budget, nothing is read from flash")
     if p1 is None:  # (unreachable: the copy leaves fewer pinned clusters) nothing to draft for
         return without
-    choice: dict[str, Any] = {"resident_only": dataclasses.asdict(p0), "draft_copy": dataclasses.asdict(p1),
-                              "chosen": "draft_copy" if p1.tok_s > p0.tok_s else "resident_only"}
+    choice: dict[str, Any] = {
+        "resident_only": dataclasses.asdict(p0),
+        "draft_copy": dataclasses.asdict(p1),
+        "chosen": "draft_copy" if p1.tok_s > p0.tok_s else "resident_only",
+    }
     chosen = with_copy if p1.tok_s > p0.tok_s else without
     copy_bytes = with_copy.parts["draft_copy"]
-    note = (f"draft copy ({copy_bytes / MiB:.0f} MiB) vs the same memory as pinned clusters: predicted "
-            f"{p1.tok_s:.1f} vs {p0.tok_s:.1f} tok/s delivered (acceptance {p1.acceptance:.2f} vs "
-            f"{p0.acceptance:.2f}, draft {p1.draft} vs {p0.draft}): {choice['chosen'].replace('_', ' ')} chosen")
-    return dataclasses.replace(chosen, least_budget_bytes=without.least_budget_bytes, draft_choice=choice,
-                               notes=chosen.notes + [note])
+    note = (
+        f"draft copy ({copy_bytes / MiB:.0f} MiB) vs the same memory as pinned clusters: predicted "
+        f"{p1.tok_s:.1f} vs {p0.tok_s:.1f} tok/s delivered (acceptance {p1.acceptance:.2f} vs "
+        f"{p0.acceptance:.2f}, draft {p1.draft} vs {p0.draft}): {choice['chosen'].replace('_', ' ')} chosen"
+    )
+    return dataclasses.replace(
+        chosen, least_budget_bytes=without.least_budget_bytes, draft_choice=choice, notes=chosen.notes + [note]
+    )

@@ -33,9 +33,26 @@ from .sidecar import LayerLayout, SidecarInfo
 
 #: LayerSpec field <- LayerLayout field, where the names differ
 _RENAMED = {"down_type": "base_down_type"}
-_SPEC_FIELDS = ("layer", "n_embd", "n_ff", "gate_type", "up_type", "down_type", "down_t_type", "gate_row_bytes",
-                "up_row_bytes", "bundle_offset", "bundle_stride", "down_t_offset", "down_t_row_bytes",
-                "order_offset", "base_down_offset", "base_down_row_bytes", "base_up_offset", "base_gate_offset")
+_SPEC_FIELDS = (
+    "layer",
+    "n_embd",
+    "n_ff",
+    "gate_type",
+    "up_type",
+    "down_type",
+    "down_t_type",
+    "gate_row_bytes",
+    "up_row_bytes",
+    "bundle_offset",
+    "bundle_stride",
+    "down_t_offset",
+    "down_t_row_bytes",
+    "order_offset",
+    "base_down_offset",
+    "base_down_row_bytes",
+    "base_up_offset",
+    "base_gate_offset",
+)
 
 
 def layer_spec(layout: LayerLayout, threshold: Optional[float]) -> "_native.LayerSpec":
@@ -63,10 +80,12 @@ def layer_spec(layout: LayerLayout, threshold: Optional[float]) -> "_native.Laye
     return spec
 
 
-def sparse_config(enabled: bool, max_tokens: int = 1, cluster_size: int = 32,
-                  up_by_ggml: bool = False) -> "_native.SparseConfig":
-    return _native.SparseConfig(enabled=enabled, max_tokens=int(max_tokens), cluster_size=int(cluster_size),
-                                up_by_ggml=bool(up_by_ggml))
+def sparse_config(
+    enabled: bool, max_tokens: int = 1, cluster_size: int = 32, up_by_ggml: bool = False
+) -> "_native.SparseConfig":
+    return _native.SparseConfig(
+        enabled=enabled, max_tokens=int(max_tokens), cluster_size=int(cluster_size), up_by_ggml=bool(up_by_ggml)
+    )
 
 
 def offload_config(plan: Any, engine: str = "auto", direct: bool = True) -> "_native.OffloadConfig":
@@ -85,9 +104,14 @@ def offload_config(plan: Any, engine: str = "auto", direct: bool = True) -> "_na
     return o
 
 
-def engine_config(info: SidecarInfo, model_path: str | os.PathLike, thresholds: Optional[Sequence[float]],
-                  sparse: "_native.SparseConfig", offload: Optional["_native.OffloadConfig"] = None,
-                  verify: bool = True) -> "_native.EngineConfig":
+def engine_config(
+    info: SidecarInfo,
+    model_path: str | os.PathLike,
+    thresholds: Optional[Sequence[float]],
+    sparse: "_native.SparseConfig",
+    offload: Optional["_native.OffloadConfig"] = None,
+    verify: bool = True,
+) -> "_native.EngineConfig":
     """The whole configuration; ``thresholds`` None: every layer dense (the sparse lane is not used).
     ``verify``: check what is read against the sidecar's row checksums (csrc/integrity.h)."""
     config = _native.EngineConfig()

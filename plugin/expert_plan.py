@@ -15,6 +15,7 @@ The predicted decode rate is I/O bound: per token, n_layers x n_used experts, of
 (LRU simulated on the calibration statistics when the sidecar has them, else the uniform-routing
 share), at the disk's measured bandwidth for expert-sized reads.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,15 +50,15 @@ EXPERT_UBATCH = 256
 @dataclass(frozen=True)
 class ExpertPlan:
     budget_bytes: int
-    fits: bool                      # everything fits: run stock
-    n_slots: int                    # per MoE layer
-    pinned: dict[int, list[int]]    # layer -> experts pinned
+    fits: bool  # everything fits: run stock
+    n_slots: int  # per MoE layer
+    pinned: dict[int, list[int]]  # layer -> experts pinned
     slot_bytes: int
     cache_bytes: int
-    share: dict[str, int]           # llama.cpp's and the process's fixed parts (bytes)
+    share: dict[str, int]  # llama.cpp's and the process's fixed parts (bytes)
     min_budget_bytes: int
     n_ubatch: int
-    miss_rate: float                # predicted share of a token's experts read from flash
+    miss_rate: float  # predicted share of a token's experts read from flash
     read_bytes_per_token: float
     disk_bytes_per_s: float
     predicted_tok_s: float | None
@@ -68,13 +69,19 @@ class ExpertPlan:
         for k, v in self.share.items():
             lines.append(f"  {k:<22} {v / MiB:8.1f} MiB")
         if self.fits:
-            lines.append(f"  runs as stock llama.cpp (plain weights, n_ubatch {self.n_ubatch}): nothing served from flash")
+            lines.append(
+                f"  runs as stock llama.cpp (plain weights, n_ubatch {self.n_ubatch}): nothing served from flash"
+            )
         else:
-            lines.append(f"  expert cache           {self.cache_bytes / MiB:8.1f} MiB: {self.n_slots} slots per layer "
-                         f"of {self.slot_bytes / MiB:.2f} MiB ({sum(len(p) for p in self.pinned.values())} pinned)")
-            lines.append(f"  predicted: {self.miss_rate:.0%} of a token's experts read, "
-                         f"{self.read_bytes_per_token / 1e6:.0f} MB/token at {self.disk_bytes_per_s / 1e6:.0f} MB/s"
-                         + (f" -> <= {self.predicted_tok_s:.1f} tok/s (I/O bound)" if self.predicted_tok_s else ""))
+            lines.append(
+                f"  expert cache           {self.cache_bytes / MiB:8.1f} MiB: {self.n_slots} slots per layer "
+                f"of {self.slot_bytes / MiB:.2f} MiB ({sum(len(p) for p in self.pinned.values())} pinned)"
+            )
+            lines.append(
+                f"  predicted: {self.miss_rate:.0%} of a token's experts read, "
+                f"{self.read_bytes_per_token / 1e6:.0f} MB/token at {self.disk_bytes_per_s / 1e6:.0f} MB/s"
+                + (f" -> <= {self.predicted_tok_s:.1f} tok/s (I/O bound)" if self.predicted_tok_s else "")
+            )
         lines.append(f"  minimum budget {self.min_budget_bytes / MiB:.0f} MiB")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -139,8 +146,13 @@ def stock_need(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dict[str
     from .planner import RUNTIME_RSS_BYTES
 
     mem = llama_memory(header, n_ctx, n_ubatch, (), 0, embeddings_by_rows=True)
-    return {"model_file": int(moe.file_size), "llama_vocab": mem["llama_vocab"], "kv_cache": mem["kv_cache"],
-            "compute_buffers": mem["compute_buffers"], "python_runtime": RUNTIME_RSS_BYTES}
+    return {
+        "model_file": int(moe.file_size),
+        "llama_vocab": mem["llama_vocab"],
+        "kv_cache": mem["kv_cache"],
+        "compute_buffers": mem["compute_buffers"],
+        "python_runtime": RUNTIME_RSS_BYTES,
+    }
 
 
 def stock_reread_per_token(moe: MoeModelInfo, shortfall: int) -> float | None:
@@ -170,21 +182,37 @@ def stock_ubatch(header, moe: MoeModelInfo, budget: int, n_ctx: int, n_ubatch: i
     return None
 
 
-def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int, disk: dict[str, Any],
-                 alignment: int = 4096, counts: dict[int, np.ndarray] | None = None,
-                 n_ubatch: int | None = None, n_slots: int | None = None) -> ExpertPlan:
+def plan_experts(
+    moe: MoeModelInfo,
+    header,
+    ram_budget_mb: float,
+    *,
+    n_ctx: int,
+    disk: dict[str, Any],
+    alignment: int = 4096,
+    counts: dict[int, np.ndarray] | None = None,
+    n_ubatch: int | None = None,
+    n_slots: int | None = None,
+) -> ExpertPlan:
     """The plan for ``moe`` under ``ram_budget_mb``; raises RamBudgetError below the minimum.
     ``n_slots``: the expert slots per layer the user asked for (then the engine serves the experts even
     when the whole model would fit; refused when those slots do not fit the budget)."""
     from . import _native
     from .errors import RamBudgetError
-    from .planner import (MARGIN_FIXED_BYTES, MARGIN_FRACTION, RUNTIME_RSS_BYTES, UBATCH_BUDGET_SHARE,
-                          UBATCH_CHOICES, disk_throughput)
+    from .planner import (
+        MARGIN_FIXED_BYTES,
+        MARGIN_FRACTION,
+        RUNTIME_RSS_BYTES,
+        UBATCH_BUDGET_SHARE,
+        UBATCH_CHOICES,
+        disk_throughput,
+    )
 
     budget = int(ram_budget_mb * MiB)
     forced = n_slots is not None
-    slot = max(int(_native.expert_slot_bytes([t.expert_bytes for t in layer.tensors], alignment))
-               for layer in moe.layers)
+    slot = max(
+        int(_native.expert_slot_bytes([t.expert_bytes for t in layer.tensors], alignment)) for layer in moe.layers
+    )
     n_layers = len(moe.layers)
 
     def fixed_parts(u: int) -> dict[str, int]:
@@ -199,9 +227,12 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
         # the largest prefill batch whose buffers take at most UBATCH_BUDGET_SHARE of the budget and that
         # leaves n_used expert slots per layer (smaller batches when the budget is tight)
         choices = [u for u in UBATCH_CHOICES if u <= EXPERT_UBATCH]
-        fitting = [u for u in choices
-                   if fixed_parts(u)["compute_buffers"] <= UBATCH_BUDGET_SHARE * budget and
-                   sum(fixed_parts(u).values()) + moe.n_used * slot * n_layers <= budget]
+        fitting = [
+            u
+            for u in choices
+            if fixed_parts(u)["compute_buffers"] <= UBATCH_BUDGET_SHARE * budget
+            and sum(fixed_parts(u).values()) + moe.n_used * slot * n_layers <= budget
+        ]
         n_ubatch = fitting[0] if fitting else choices[-1]
     n_ubatch = int(n_ubatch)
     share = fixed_parts(n_ubatch)
@@ -210,22 +241,50 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
     # the least budget: n_used slots per layer, the smallest prefill batch
     least = moe_llama_share(header, moe, n_ctx, UBATCH_CHOICES[-1])
     # the margin is a share of the whole budget: budget = (everything else + fixed margin) / (1 - share)
-    min_budget = math.ceil((sum(least.values()) + router_copy_bytes(moe) + RUNTIME_RSS_BYTES + MARGIN_FIXED_BYTES +
-                            slot * n_layers * min_slots) / (1 - MARGIN_FRACTION))
+    min_budget = math.ceil(
+        (
+            sum(least.values())
+            + router_copy_bytes(moe)
+            + RUNTIME_RSS_BYTES
+            + MARGIN_FIXED_BYTES
+            + slot * n_layers * min_slots
+        )
+        / (1 - MARGIN_FRACTION)
+    )
     notes: list[str] = []
     stock_u = stock_ubatch(header, moe, budget, n_ctx, user_ubatch) if n_slots is None else None
     if n_slots is not None:
         if not moe.n_used <= n_slots <= moe.n_expert:
-            raise ValueError(f"flash_expert_slots={n_slots} must lie in [n_used, n_expert] = [{moe.n_used}, {moe.n_expert}]")
+            raise ValueError(
+                f"flash_expert_slots={n_slots} must lie in [n_used, n_expert] = [{moe.n_used}, {moe.n_expert}]"
+            )
         if fixed + n_slots * slot * n_layers > budget:
-            raise RamBudgetError(f"flash_expert_slots={n_slots} needs {(fixed + n_slots * slot * n_layers) / MiB:.0f} MiB; "
-                                 f"ram_budget_mb={ram_budget_mb:g} is too small for it")
+            raise RamBudgetError(
+                f"flash_expert_slots={n_slots} needs {(fixed + n_slots * slot * n_layers) / MiB:.0f} MiB; "
+                f"ram_budget_mb={ram_budget_mb:g} is too small for it"
+            )
         min_slots = moe.n_used
     elif stock_u is not None:
         need = stock_need(header, moe, n_ctx, stock_u)
-        return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, need, min_budget, stock_u, 0.0, 0.0,
-                          0.0, None, [f"stock fits: the model file and llama.cpp's buffers at n_ubatch {stock_u} "
-                                      f"({sum(need.values()) / MiB:.0f} MiB) fit the budget"])
+        return ExpertPlan(
+            budget,
+            True,
+            moe.n_expert,
+            {},
+            slot,
+            0,
+            need,
+            min_budget,
+            stock_u,
+            0.0,
+            0.0,
+            0.0,
+            None,
+            [
+                f"stock fits: the model file and llama.cpp's buffers at n_ubatch {stock_u} "
+                f"({sum(need.values()) / MiB:.0f} MiB) fit the budget"
+            ],
+        )
     if n_slots is None:
         n_slots = min(moe.n_expert, (budget - fixed) // (slot * n_layers)) if budget > fixed else 0
     if n_slots < min_slots:
@@ -233,7 +292,8 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
             f"ram_budget_mb={ram_budget_mb:g} is below the minimum for this model ({math.ceil(min_budget / MiB)} MiB: "
             f"llama.cpp's dense part, KV cache and buffers {(fixed - share['margin']) / MiB:.0f} MiB, and "
             f"{min_slots} expert slots per layer of {slot / MiB:.2f} MiB); give at least "
-            f"{math.ceil(min_budget / MiB)} MiB, or a smaller n_ctx")
+            f"{math.ceil(min_budget / MiB)} MiB, or a smaller n_ctx"
+        )
     n_slots = int(n_slots)
     n_pin = (n_slots - moe.n_used) // 2 if counts else 0
     pinned: dict[int, list[int]] = {}
@@ -244,8 +304,11 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
             pinned[layer.layer] = [int(e) for e in np.argsort(-np.asarray(c), kind="stable")[:n_pin]]
         else:
             pinned[layer.layer] = []
-        miss.append(lru_miss_rate(c if c is not None else np.ones(layer.n_expert), moe.n_used, n_slots,
-                                  len(pinned[layer.layer])))
+        miss.append(
+            lru_miss_rate(
+                c if c is not None else np.ones(layer.n_expert), moe.n_used, n_slots, len(pinned[layer.layer])
+            )
+        )
     miss_rate = float(np.mean(miss))
     read = miss_rate * moe.n_used * sum(layer.expert_bytes for layer in moe.layers)
     bw = disk_throughput(disk, float(slot) / max(1, len(moe.layers[0].tensors)), EXPERT_READ_DEPTH)
@@ -257,9 +320,39 @@ def plan_experts(moe: MoeModelInfo, header, ram_budget_mb: float, *, n_ctx: int,
         need = stock_need(header, moe, n_ctx, u_min)
         reread = stock_reread_per_token(moe, sum(need.values()) - budget)
         if reread is not None and reread * STOCK_FAULT_SLOWDOWN <= read:
-            return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, need, min_budget, u_min, 0.0, 0.0, 0.0, None,
-                              [f"stock llama.cpp is {(sum(need.values()) - budget) / MiB:.0f} MiB short of the file "
-                               f"and its buffers here: it re-reads ~{reread / 1e6:.0f} MB per token, the expert cache "
-                               f"would read ~{read / 1e6:.0f} MB"])
-    return ExpertPlan(budget, False, n_slots, pinned, slot, slot * n_slots * n_layers, share, min_budget, n_ubatch,
-                      miss_rate, read, bw, (bw / read) if read > 0 else None, notes)
+            return ExpertPlan(
+                budget,
+                True,
+                moe.n_expert,
+                {},
+                slot,
+                0,
+                need,
+                min_budget,
+                u_min,
+                0.0,
+                0.0,
+                0.0,
+                None,
+                [
+                    f"stock llama.cpp is {(sum(need.values()) - budget) / MiB:.0f} MiB short of the file "
+                    f"and its buffers here: it re-reads ~{reread / 1e6:.0f} MB per token, the expert cache "
+                    f"would read ~{read / 1e6:.0f} MB"
+                ],
+            )
+    return ExpertPlan(
+        budget,
+        False,
+        n_slots,
+        pinned,
+        slot,
+        slot * n_slots * n_layers,
+        share,
+        min_budget,
+        n_ubatch,
+        miss_rate,
+        read,
+        bw,
+        (bw / read) if read > 0 else None,
+        notes,
+    )

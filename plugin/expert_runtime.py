@@ -8,6 +8,7 @@ cache holds. Without a budget, when stock fits the budget (or so nearly that its
 less than the expert cache's: expert_plan), or for an architecture not served,
 the model runs as stock llama.cpp and `flash_stats()["decision"]` says why.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,9 +35,20 @@ class ExpertSetup:
     moe: Optional[experts.MoeModelInfo] = None
 
 
-def prepare(model_path: str, base: BaseModelInfo, moe: experts.MoeModelInfo, *, sidecar_path: Optional[str],
-            ram_budget_mb: Optional[float], n_ctx: int, n_ubatch: Optional[int], io_engine: str,
-            disk_profile: Any, verify: bool, n_slots: Optional[int] = None) -> ExpertSetup:
+def prepare(
+    model_path: str,
+    base: BaseModelInfo,
+    moe: experts.MoeModelInfo,
+    *,
+    sidecar_path: Optional[str],
+    ram_budget_mb: Optional[float],
+    n_ctx: int,
+    n_ubatch: Optional[int],
+    io_engine: str,
+    disk_profile: Any,
+    verify: bool,
+    n_slots: Optional[int] = None,
+) -> ExpertSetup:
     """Checks the pair and plans; opens the engine when there is something to serve."""
     from . import _native, disk_probe
     from .sidecar import default_sidecar_path
@@ -45,26 +57,46 @@ def prepare(model_path: str, base: BaseModelInfo, moe: experts.MoeModelInfo, *, 
     if why is not None:
         return ExpertSetup(f"running as stock: {why}", moe=moe)
     if ram_budget_mb is None:
-        return ExpertSetup("running as stock: an MoE model in memory runs as stock llama.cpp (experts are served "
-                           "from flash only under ram_budget_mb)", moe=moe)
+        return ExpertSetup(
+            "running as stock: an MoE model in memory runs as stock llama.cpp (experts are served "
+            "from flash only under ram_budget_mb)",
+            moe=moe,
+        )
     sidecar = Path(sidecar_path) if sidecar_path is not None else default_sidecar_path(model_path)
     if not sidecar.exists():
         raise SidecarNotFoundError(
             f"ram_budget_mb needs the expert sidecar of '{model_path}' (none at '{sidecar}'); create it with "
-            f"`llamaflash convert {model_path}`")
+            f"`llamaflash convert {model_path}`"
+        )
     info = expert_sidecar.read_expert_sidecar(sidecar)
     expert_sidecar.validate_expert_pair(moe, base_identity(model_path, base), info)
     counts = {s.layer: s.counts for s in info.layers} if info.routing_tokens > 0 else None
-    plan = expert_plan.plan_experts(moe, base.header, ram_budget_mb, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                                    disk=disk_probe.resolve_profile(disk_profile, sidecar) or _default_disk(),
-                                    counts=counts, n_slots=n_slots)
+    plan = expert_plan.plan_experts(
+        moe,
+        base.header,
+        ram_budget_mb,
+        n_ctx=n_ctx,
+        n_ubatch=n_ubatch,
+        disk=disk_probe.resolve_profile(disk_profile, sidecar) or _default_disk(),
+        counts=counts,
+        n_slots=n_slots,
+    )
     if plan.fits:
-        return ExpertSetup(f"running as stock under ram_budget_mb={ram_budget_mb:g}: {plan.notes[0]}", plan=plan,
-                           sidecar=sidecar, moe=moe)
+        return ExpertSetup(
+            f"running as stock under ram_budget_mb={ram_budget_mb:g}: {plan.notes[0]}",
+            plan=plan,
+            sidecar=sidecar,
+            moe=moe,
+        )
     config = engine_config(model_path, moe, info, plan, io_engine=io_engine, verify=verify)
     model = _native.ExpertModel.open(config)
-    return ExpertSetup(f"experts served from flash: {plan.n_slots} of {moe.n_expert} experts per layer cached",
-                       model, plan, sidecar, moe)
+    return ExpertSetup(
+        f"experts served from flash: {plan.n_slots} of {moe.n_expert} experts per layer cached",
+        model,
+        plan,
+        sidecar,
+        moe,
+    )
 
 
 def _default_disk() -> Dict[str, Any]:
@@ -73,9 +105,16 @@ def _default_disk() -> Dict[str, Any]:
     return default_disk()
 
 
-def engine_config(model_path: str, moe: experts.MoeModelInfo, info: expert_sidecar.ExpertSidecarInfo,
-                  plan: expert_plan.ExpertPlan, *, io_engine: str = "auto", verify: bool = True,
-                  prefetch: bool = True):
+def engine_config(
+    model_path: str,
+    moe: experts.MoeModelInfo,
+    info: expert_sidecar.ExpertSidecarInfo,
+    plan: expert_plan.ExpertPlan,
+    *,
+    io_engine: str = "auto",
+    verify: bool = True,
+    prefetch: bool = True,
+):
     """The native ExpertConfig of a plan."""
     from . import _native
 
@@ -117,8 +156,9 @@ def stats(model, plan: Optional[expert_plan.ExpertPlan], moe: Optional[experts.M
     s = dict(model.stats())
     needed = max(1, s["experts_needed"])
     s["hit_rate"] = s["hits"] / needed
-    s["prefetch_recall"] = (s["prefetch_used"] / (s["prefetch_used"] + s["misses"])
-                            if s["prefetch_used"] + s["misses"] else None)
+    s["prefetch_recall"] = (
+        s["prefetch_used"] / (s["prefetch_used"] + s["misses"]) if s["prefetch_used"] + s["misses"] else None
+    )
     s["prefetch_waste"] = s["prefetch_wasted"] / s["prefetched"] if s["prefetched"] else None
     tokens = s["tokens"]
     s["bytes_read_per_token"] = s["bytes_read"] / tokens if tokens else None
@@ -160,8 +200,11 @@ def lock_dense_part(model_path: str, moe: experts.MoeModelInfo, header) -> Dict[
     page = _mmap.PAGESIZE
     locked, failed, errno = 0, 0, 0
     for t in header.tensors:
-        if t.name in expert_names or t.name == "token_embd.weight" and any(
-                x.name == "output.weight" for x in header.tensors):
+        if (
+            t.name in expert_names
+            or t.name == "token_embd.weight"
+            and any(x.name == "output.weight" for x in header.tensors)
+        ):
             continue
         for start, end, off in maps:
             lo, hi = max(t.offset, off), min(t.offset + t.nbytes, off + (end - start))

@@ -25,6 +25,7 @@ Tensors, per served layer L (n_expert = E):
 The base model's expert bytes are not copied: the engine reads each expert's slice straight from the
 base file (one contiguous range per expert tensor).
 """
+
 from __future__ import annotations
 
 import os
@@ -68,8 +69,8 @@ def reuse_tensor_name(layer: int) -> str:
 class ExpertLayerStats:
     layer: int
     checksums: dict[str, np.ndarray]  # kind -> uint32 [n_expert]
-    counts: np.ndarray                # float32 [n_expert]: selections on calibration text (zeros: none)
-    reuse: float                      # previous-token reuse on calibration text (nan: unknown)
+    counts: np.ndarray  # float32 [n_expert]: selections on calibration text (zeros: none)
+    reuse: float  # previous-token reuse on calibration text (nan: unknown)
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,16 @@ def is_expert_sidecar(path: str | os.PathLike) -> bool:
     return v is not None and v.value == ARCHITECTURE
 
 
-def write_expert_sidecar(out: str | os.PathLike, moe: MoeModelInfo, identity: str,
-                         checksums: dict[int, dict[str, np.ndarray]], counts: dict[int, np.ndarray] | None,
-                         reuse: dict[int, float] | None, routing_tokens: int, routing_source: str) -> Path:
+def write_expert_sidecar(
+    out: str | os.PathLike,
+    moe: MoeModelInfo,
+    identity: str,
+    checksums: dict[int, dict[str, np.ndarray]],
+    counts: dict[int, np.ndarray] | None,
+    reuse: dict[int, float] | None,
+    routing_tokens: int,
+    routing_source: str,
+) -> Path:
     """Writes the sidecar to a temporary name beside ``out`` and renames it into place (an interrupted
     write leaves no file under ``out``, and never a partial one)."""
     import gguf
@@ -124,8 +132,10 @@ def write_expert_sidecar(out: str | os.PathLike, moe: MoeModelInfo, identity: st
                 crc = np.asarray(checksums[layer.layer][t.kind], dtype=np.uint32)
                 writer.add_tensor(crc_tensor_name(layer.layer, t.kind), crc.view(np.int32))
             c = counts.get(layer.layer) if counts else None
-            writer.add_tensor(count_tensor_name(layer.layer),
-                              np.asarray(c if c is not None else np.zeros(layer.n_expert), dtype=np.float32))
+            writer.add_tensor(
+                count_tensor_name(layer.layer),
+                np.asarray(c if c is not None else np.zeros(layer.n_expert), dtype=np.float32),
+            )
             r = reuse.get(layer.layer, float("nan")) if reuse else float("nan")
             writer.add_tensor(reuse_tensor_name(layer.layer), np.array([r], dtype=np.float32))
         writer.write_header_to_file()
@@ -150,15 +160,17 @@ def read_expert_sidecar(path: str | os.PathLike) -> ExpertSidecarInfo:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:
-        raise SidecarFormatError(f"'{path}' is not a readable GGUF file ({e}); re-create it with "
-                                 f"`llamaflash convert MODEL --force`") from None
+        raise SidecarFormatError(
+            f"'{path}' is not a readable GGUF file ({e}); re-create it with `llamaflash convert MODEL --force`"
+        ) from None
 
     def field(key: str, required: bool = True):
         f = reader.fields.get(key)
         if f is None:
             if required:
-                raise SidecarFormatError(f"expert sidecar '{path}' lacks '{key}'; re-create it with "
-                                         f"`llamaflash convert MODEL --force`")
+                raise SidecarFormatError(
+                    f"expert sidecar '{path}' lacks '{key}'; re-create it with `llamaflash convert MODEL --force`"
+                )
             return None
         if f.types and f.types[0] == gguf.GGUFValueType.STRING:
             return bytes(f.parts[-1]).decode("utf-8")
@@ -171,22 +183,39 @@ def read_expert_sidecar(path: str | os.PathLike) -> ExpertSidecarInfo:
         raise SidecarFormatError(f"'{path}' is not an expert sidecar (architecture '{arch}')")
     version = int(field(KEY_VERSION))
     if version != EXPERT_FORMAT_VERSION:
-        raise SidecarVersionError(f"expert sidecar '{path}' is format {version}; this llamaflash reads format "
-                                  f"{EXPERT_FORMAT_VERSION}: re-create it with `llamaflash convert MODEL --force`")
+        raise SidecarVersionError(
+            f"expert sidecar '{path}' is format {version}; this llamaflash reads format "
+            f"{EXPERT_FORMAT_VERSION}: re-create it with `llamaflash convert MODEL --force`"
+        )
     tensors = {t.name: np.array(t.data) for t in reader.tensors}
     layers = []
     for il in field(KEY_LAYERS):
-        crc = {kind: tensors[crc_tensor_name(il, kind)].view(np.uint32).copy()
-               for kind in EXPERT_KINDS if crc_tensor_name(il, kind) in tensors}
+        crc = {
+            kind: tensors[crc_tensor_name(il, kind)].view(np.uint32).copy()
+            for kind in EXPERT_KINDS
+            if crc_tensor_name(il, kind) in tensors
+        }
         counts = tensors.get(count_tensor_name(il))
         reuse = tensors.get(reuse_tensor_name(il))
         if not crc or counts is None:
             raise SidecarFormatError(f"expert sidecar '{path}' lacks the tensors of layer {il}; re-create it")
-        layers.append(ExpertLayerStats(int(il), crc, counts.astype(np.float32),
-                                       float(reuse[0]) if reuse is not None else float("nan")))
-    return ExpertSidecarInfo(path, version, str(field(KEY_IDENTITY)), str(field(KEY_BASE_ARCH)),
-                             int(field(KEY_BASE_SIZE)), int(field(KEY_N_EXPERT)), int(field(KEY_N_USED)),
-                             int(field(KEY_ROUTING_TOKENS)), str(field(KEY_ROUTING_SOURCE, required=False) or ""), tuple(layers))
+        layers.append(
+            ExpertLayerStats(
+                int(il), crc, counts.astype(np.float32), float(reuse[0]) if reuse is not None else float("nan")
+            )
+        )
+    return ExpertSidecarInfo(
+        path,
+        version,
+        str(field(KEY_IDENTITY)),
+        str(field(KEY_BASE_ARCH)),
+        int(field(KEY_BASE_SIZE)),
+        int(field(KEY_N_EXPERT)),
+        int(field(KEY_N_USED)),
+        int(field(KEY_ROUTING_TOKENS)),
+        str(field(KEY_ROUTING_SOURCE, required=False) or ""),
+        tuple(layers),
+    )
 
 
 def validate_expert_pair(moe: MoeModelInfo, identity: str, info: ExpertSidecarInfo) -> None:
@@ -195,8 +224,7 @@ def validate_expert_pair(moe: MoeModelInfo, identity: str, info: ExpertSidecarIn
     if info.base_file_size != moe.file_size:
         what.append(f"file size {info.base_file_size} vs the model's {moe.file_size}")
     if info.n_expert != moe.n_expert or info.n_used != moe.n_used:
-        what.append(f"experts {info.n_expert} (using {info.n_used}) vs the model's {moe.n_expert} "
-                    f"(using {moe.n_used})")
+        what.append(f"experts {info.n_expert} (using {info.n_used}) vs the model's {moe.n_expert} (using {moe.n_used})")
     layers = [layer.layer for layer in moe.layers]
     if [s.layer for s in info.layers] != layers:
         what.append("the MoE layers differ")
@@ -211,4 +239,5 @@ def validate_expert_pair(moe: MoeModelInfo, identity: str, info: ExpertSidecarIn
     if what:
         raise SidecarMismatchError(
             f"expert sidecar '{info.path}' was made for another model than '{moe.path}': "
-            f"{'; '.join(what)}. Re-create it with `llamaflash convert {moe.path} --force`.")
+            f"{'; '.join(what)}. Re-create it with `llamaflash convert {moe.path} --force`."
+        )

@@ -9,6 +9,7 @@ router, shared experts ``*_shexp``, embeddings, output) is the model's dense par
 :func:`read_moe_model` describes that layout from the parsed header (no tensor data is read);
 :func:`router_matrix` reads one router as float32 for the next-layer expert predictor.
 """
+
 from __future__ import annotations
 
 import re
@@ -121,7 +122,8 @@ def read_moe_model(header: GGUFHeader) -> MoeModelInfo | None:
         ne0, ne1, n_expert = (int(x) for x in t.shape)
         eb = row_bytes(t.ggml_type, ne0) * ne1
         by_layer.setdefault(int(m.group(1)), []).append(
-            ExpertTensor(t.name, m.group(2), t.ggml_type, ne0, ne1, n_expert, t.offset, eb))
+            ExpertTensor(t.name, m.group(2), t.ggml_type, ne0, ne1, n_expert, t.offset, eb)
+        )
     if not by_layer:
         return None
     n_expert = int(_meta(header, f"{arch}.expert_count") or 0)
@@ -135,15 +137,26 @@ def read_moe_model(header: GGUFHeader) -> MoeModelInfo | None:
         n_exp = tensors[0].n_expert
         layers.append(MoeLayer(il, n_exp, n_used, tensors, routers.get(f"blk.{il}.ffn_gate_inp.weight")))
     total = sum(layer.expert_bytes * layer.n_expert for layer in layers)
-    return MoeModelInfo(Path(header.path), arch, n_layer, n_embd, n_expert or layers[0].n_expert, n_used,
-                        tuple(layers), header.file_size, total)
+    return MoeModelInfo(
+        Path(header.path),
+        arch,
+        n_layer,
+        n_embd,
+        n_expert or layers[0].n_expert,
+        n_used,
+        tuple(layers),
+        header.file_size,
+        total,
+    )
 
 
 def check_layout(moe: MoeModelInfo) -> str | None:
     """Why this MoE model cannot be served exactly (None: it can)."""
     if not moe.supported:
-        return (f"architecture '{moe.architecture}' has routed experts, but llamaflash serves only "
-                f"{', '.join(SERVED_MOE_ARCHITECTURES)} exactly")
+        return (
+            f"architecture '{moe.architecture}' has routed experts, but llamaflash serves only "
+            f"{', '.join(SERVED_MOE_ARCHITECTURES)} exactly"
+        )
     if moe.n_used <= 0 or moe.n_used > moe.n_expert:
         return f"expert_used_count {moe.n_used} is not in [1, expert_count {moe.n_expert}]"
     for layer in moe.layers:

@@ -66,8 +66,13 @@ def open_reader(
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    reader = FlashReader(os.fspath(path), engine=engine, queue_depth=int(queue_depth), direct=bool(direct),
-                         max_op_bytes=int(max_op_bytes))
+    reader = FlashReader(
+        os.fspath(path),
+        engine=engine,
+        queue_depth=int(queue_depth),
+        direct=bool(direct),
+        max_op_bytes=int(max_op_bytes),
+    )
     if direct and not reader.direct and warn:
         warnings.warn(
             f"{os.fspath(path)}: no direct I/O ({reader.fallback_reason}); reading through the page cache, "

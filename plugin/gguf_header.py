@@ -73,14 +73,30 @@ class ValueType(IntEnum):
 
 
 _SCALAR_FORMATS = {
-    ValueType.UINT8: "<B", ValueType.INT8: "<b", ValueType.UINT16: "<H", ValueType.INT16: "<h",
-    ValueType.UINT32: "<I", ValueType.INT32: "<i", ValueType.FLOAT32: "<f", ValueType.BOOL: "<?",
-    ValueType.UINT64: "<Q", ValueType.INT64: "<q", ValueType.FLOAT64: "<d",
+    ValueType.UINT8: "<B",
+    ValueType.INT8: "<b",
+    ValueType.UINT16: "<H",
+    ValueType.INT16: "<h",
+    ValueType.UINT32: "<I",
+    ValueType.INT32: "<i",
+    ValueType.FLOAT32: "<f",
+    ValueType.BOOL: "<?",
+    ValueType.UINT64: "<Q",
+    ValueType.INT64: "<q",
+    ValueType.FLOAT64: "<d",
 }
 _NUMPY_TYPES = {
-    ValueType.UINT8: "<u1", ValueType.INT8: "<i1", ValueType.UINT16: "<u2", ValueType.INT16: "<i2",
-    ValueType.UINT32: "<u4", ValueType.INT32: "<i4", ValueType.FLOAT32: "<f4", ValueType.BOOL: "?",
-    ValueType.UINT64: "<u8", ValueType.INT64: "<i8", ValueType.FLOAT64: "<f8",
+    ValueType.UINT8: "<u1",
+    ValueType.INT8: "<i1",
+    ValueType.UINT16: "<u2",
+    ValueType.INT16: "<i2",
+    ValueType.UINT32: "<u4",
+    ValueType.INT32: "<i4",
+    ValueType.FLOAT32: "<f4",
+    ValueType.BOOL: "?",
+    ValueType.UINT64: "<u8",
+    ValueType.INT64: "<i8",
+    ValueType.FLOAT64: "<f8",
 }
 UNSIGNED_TYPES = frozenset({ValueType.UINT8, ValueType.UINT16, ValueType.UINT32, ValueType.UINT64})
 
@@ -164,21 +180,25 @@ class _Parser:
     def parse(self) -> GGUFHeader:
         magic = bytes(self.buf[:4])
         if magic != GGUF_MAGIC:
-            raise GGUFHeaderError(f"not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})",
-                                  GGUFHeaderError.NOT_GGUF)
+            raise GGUFHeaderError(
+                f"not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})", GGUFHeaderError.NOT_GGUF
+            )
         self.pos = 4
         version = self.scalar("<I")
         if version not in SUPPORTED_GGUF_VERSIONS:
             if version & 0xFFFF == 0:
                 raise GGUFHeaderError("big-endian GGUF files are not supported", GGUFHeaderError.UNSUPPORTED)
-            raise GGUFHeaderError(f"GGUF version {version} is not supported (supported: 2, 3)",
-                                  GGUFHeaderError.UNSUPPORTED)
+            raise GGUFHeaderError(
+                f"GGUF version {version} is not supported (supported: 2, 3)", GGUFHeaderError.UNSUPPORTED
+            )
         n_tensors = self.scalar("<Q")
         n_kv = self.scalar("<Q")
         if n_tensors * _MIN_TENSOR_INFO_BYTES + n_kv * _MIN_KV_BYTES > self.size - self.pos:
             raise GGUFHeaderError(
                 f"the file is truncated or its header corrupt: it declares {n_tensors} tensors and "
-                f"{n_kv} metadata keys, more than its {self.size} bytes can hold", GGUFHeaderError.TRUNCATED)
+                f"{n_kv} metadata keys, more than its {self.size} bytes can hold",
+                GGUFHeaderError.TRUNCATED,
+            )
 
         metadata: dict[str, MetadataValue] = {}
         for _ in range(n_kv):
@@ -199,8 +219,11 @@ class _Parser:
         alignment = DEFAULT_ALIGNMENT
         align_field = metadata.get(fmt.GENERAL_ALIGNMENT)
         if align_field is not None:
-            if align_field.type != ValueType.UINT32 or align_field.value <= 0 or (
-                    align_field.value & (align_field.value - 1)):
+            if (
+                align_field.type != ValueType.UINT32
+                or align_field.value <= 0
+                or (align_field.value & (align_field.value - 1))
+            ):
                 raise GGUFHeaderError("general.alignment is not a power of two uint32")
             alignment = int(align_field.value)
         data_offset = -(-self.pos // alignment) * alignment
@@ -213,13 +236,16 @@ class _Parser:
                 raise GGUFHeaderError(
                     f"tensor '{name}' has data offset {rel_offset}, expected {running} (the end of "
                     f"the previous tensor's data padded to {alignment} bytes); its data would overlap "
-                    "or alias another tensor's, or leave a gap")
+                    "or alias another tensor's, or leave a gap"
+                )
             running += -(-nbytes // alignment) * alignment
             offset = data_offset + rel_offset
             if offset + nbytes > self.size:
                 raise GGUFHeaderError(
                     f"the file is truncated: tensor '{name}' ends at byte {offset + nbytes} "
-                    f"but the file has {self.size} bytes", GGUFHeaderError.TRUNCATED)
+                    f"but the file has {self.size} bytes",
+                    GGUFHeaderError.TRUNCATED,
+                )
             tensors.append(TensorInfo(name, ggml_type, shape, offset, nbytes))
         return GGUFHeader(self.path, version, metadata, tensors, alignment, data_offset, self.size)
 
@@ -229,7 +255,9 @@ class _Parser:
         if self.pos + n > self.size:
             raise GGUFHeaderError(
                 f"the file is truncated: its header needs {n} bytes at offset {self.pos} "
-                f"but the file has {self.size} bytes", GGUFHeaderError.TRUNCATED)
+                f"but the file has {self.size} bytes",
+                GGUFHeaderError.TRUNCATED,
+            )
 
     def scalar(self, fmt: str) -> Any:
         n = struct.calcsize(fmt)
@@ -241,7 +269,7 @@ class _Parser:
     def string(self) -> str:
         n = self.scalar("<Q")
         self.need(n)
-        raw = self.buf[self.pos:self.pos + n]
+        raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
@@ -269,7 +297,8 @@ class _Parser:
                 raise GGUFHeaderError(
                     f"the file is truncated or its header corrupt: a string array at offset {self.pos} "
                     f"declares {count} entries, more than the rest of the file can hold",
-                    GGUFHeaderError.TRUNCATED)
+                    GGUFHeaderError.TRUNCATED,
+                )
             for _ in range(count):
                 self.skip_string()
             return MetadataValue(vtype, None, etype, count)
@@ -285,8 +314,9 @@ class _Parser:
         start = self.pos
         name = self.string()
         if self.pos - start - 8 >= _MAX_NAME_BYTES:
-            raise GGUFHeaderError(f"tensor name '{name[:80]}' is {self.pos - start - 8} bytes long "
-                                  f"(at most {_MAX_NAME_BYTES - 1})")
+            raise GGUFHeaderError(
+                f"tensor name '{name[:80]}' is {self.pos - start - 8} bytes long (at most {_MAX_NAME_BYTES - 1})"
+            )
         n_dims = self.scalar("<I")
         if not 1 <= n_dims <= _MAX_DIMS:
             raise GGUFHeaderError(f"tensor '{name}' has {n_dims} dimensions (1 to {_MAX_DIMS})")
@@ -306,5 +336,6 @@ def _tensor_nbytes(name: str, ggml_type: int, shape: tuple[int, ...]) -> int:
     if shape[0] % block_size:
         raise GGUFHeaderError(
             f"tensor '{name}': row of {shape[0]} elements is not a whole number of "
-            f"{gguf.GGMLQuantizationType(ggml_type).name} blocks")
+            f"{gguf.GGMLQuantizationType(ggml_type).name} blocks"
+        )
     return math.prod(shape) // block_size * type_size  # Python ints: no wrap-around

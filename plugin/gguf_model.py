@@ -24,10 +24,18 @@ from llamaflash.errors import BaseModelError, BaseModelNotFoundError
 from llamaflash.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, ValueType, read_gguf_header
 
 _READ_CHUNK = 1 << 20
-_INTEGER_TYPES = frozenset({
-    ValueType.UINT8, ValueType.INT8, ValueType.UINT16, ValueType.INT16,
-    ValueType.UINT32, ValueType.INT32, ValueType.UINT64, ValueType.INT64,
-})
+_INTEGER_TYPES = frozenset(
+    {
+        ValueType.UINT8,
+        ValueType.INT8,
+        ValueType.UINT16,
+        ValueType.INT16,
+        ValueType.UINT32,
+        ValueType.INT32,
+        ValueType.UINT64,
+        ValueType.INT64,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -133,8 +141,9 @@ def read_base_model(path: str | os.PathLike[str]) -> BaseModelInfo:
         )
 
     if n_layer is not None:
-        _check_block_count(path, header, fmt.base_block_count_key(architecture), n_layer, locations,
-                           strict=activation is not None)
+        _check_block_count(
+            path, header, fmt.base_block_count_key(architecture), n_layer, locations, strict=activation is not None
+        )
 
     ffn_layers: list[FfnLayer] = []
     if activation is not None:
@@ -208,7 +217,10 @@ def read_tensor_rows(path: str | os.PathLike[str], tensor: TensorLocation) -> np
     bytes exactly as stored (any quantization type).
     """
     return np.memmap(
-        path, dtype=np.uint8, mode="r", offset=tensor.offset,
+        path,
+        dtype=np.uint8,
+        mode="r",
+        offset=tensor.offset,
         shape=(tensor.n_rows, tensor.row_bytes),
     )
 
@@ -235,9 +247,7 @@ def ggml_row_bytes(ggml_type: int, n_elements: int) -> int:
 def _read_header(path: Path) -> GGUFHeader:
     """Parse ``path``'s GGUF header, turning every failure into a user-facing error."""
     if not path.exists():
-        raise BaseModelNotFoundError(
-            f"{path}: no such file. Check the path of the base model (.gguf)."
-        )
+        raise BaseModelNotFoundError(f"{path}: no such file. Check the path of the base model (.gguf).")
     if not path.is_file():
         raise BaseModelError(f"{path}: not a regular file. Pass the path of a .gguf model file.")
     try:
@@ -290,8 +300,7 @@ def _gate_tensors_in_layer_order(locations: dict[str, TensorLocation]) -> list[T
 
 def _block_indices(locations: dict[str, TensorLocation]) -> set[int]:
     """The N of every ``blk.N.*`` tensor present."""
-    return {int(name.split(".")[1]) for name in locations
-            if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    return {int(name.split(".")[1]) for name in locations if name.startswith("blk.") and name.split(".")[1].isdigit()}
 
 
 def _count_blocks(locations: dict[str, TensorLocation]) -> int:
@@ -299,8 +308,9 @@ def _count_blocks(locations: dict[str, TensorLocation]) -> int:
     return max(indices) + 1 if indices else 0
 
 
-def _check_block_count(path: Path, header: GGUFHeader, key: str, n_layer: int,
-                       locations: dict[str, TensorLocation], strict: bool) -> None:
+def _check_block_count(
+    path: Path, header: GGUFHeader, key: str, n_layer: int, locations: dict[str, TensorLocation], strict: bool
+) -> None:
     """Refuse a block count the tensors present cannot back.
 
     Every block has at least one tensor, so no file has more blocks than tensors. With ``strict``
@@ -320,12 +330,11 @@ def _check_block_count(path: Path, header: GGUFHeader, key: str, n_layer: int,
         raise BaseModelError(
             f"{path}: metadata '{key}' = {n_layer}, but the file has {have}; the metadata is "
             "corrupt (a flipped byte?). Download or copy the model again, or re-create the GGUF "
-            "with llama.cpp's tools.")
+            "with llama.cpp's tools."
+        )
 
 
-def _servable_ffn_layers(
-    path: Path, locations: dict[str, TensorLocation], n_layer: int, n_embd: int
-) -> list[FfnLayer]:
+def _servable_ffn_layers(path: Path, locations: dict[str, TensorLocation], n_layer: int, n_embd: int) -> list[FfnLayer]:
     """Layers with plain gate/up/down weights of consistent shapes and no bias/scale, among the
     blocks below ``n_layer`` that have a gate tensor (the loop follows the tensors present, never
     the declared count)."""

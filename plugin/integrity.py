@@ -72,33 +72,90 @@ def _crc_rows(path: Path, offset: int, n_rows: int, row_bytes: int) -> np.ndarra
 def _row_sets(info: SidecarInfo, layout: LayerLayout, model: Optional[Path]):
     """(file, tensor name, kind, offset, n_rows, row_bytes, expected) of every checked row set."""
     n_ff = layout.n_ff
-    table = np.fromfile(info.path, dtype="<u4", count=n_ff * len(fmt.CHECKSUM_COLUMNS),
-                        offset=layout.checksum_offset).reshape(n_ff, len(fmt.CHECKSUM_COLUMNS))
+    table = np.fromfile(
+        info.path, dtype="<u4", count=n_ff * len(fmt.CHECKSUM_COLUMNS), offset=layout.checksum_offset
+    ).reshape(n_ff, len(fmt.CHECKSUM_COLUMNS))
     col = {name: table[:, i] for i, name in enumerate(fmt.CHECKSUM_COLUMNS)}
     L = layout.layer
-    yield (info.path, fmt.bundle_tensor_name(L), "ffn_bundle", layout.bundle_offset, n_ff, layout.bundle_stride,
-           col["bundle"])
-    yield (info.path, fmt.down_t_tensor_name(L), "ffn_down_t", layout.down_t_offset, n_ff, layout.down_t_row_bytes,
-           col["down_t"])
+    yield (
+        info.path,
+        fmt.bundle_tensor_name(L),
+        "ffn_bundle",
+        layout.bundle_offset,
+        n_ff,
+        layout.bundle_stride,
+        col["bundle"],
+    )
+    yield (
+        info.path,
+        fmt.down_t_tensor_name(L),
+        "ffn_down_t",
+        layout.down_t_offset,
+        n_ff,
+        layout.down_t_row_bytes,
+        col["down_t"],
+    )
     if layout.draft_checksum_offset is not None:  # the draft copy: (n_ff, 2) table, up then down_t
-        draft = np.fromfile(info.path, dtype="<u4", count=2 * n_ff, offset=layout.draft_checksum_offset).reshape(n_ff, 2)
-        yield (info.path, fmt.draft_up_tensor_name(L), "ffn_draft_up", layout.draft_up_offset, n_ff,
-               layout.draft_row_bytes, draft[:, 0])
-        yield (info.path, fmt.draft_down_t_tensor_name(L), "ffn_draft_down_t", layout.draft_down_t_offset, n_ff,
-               layout.draft_row_bytes, draft[:, 1])
+        draft = np.fromfile(info.path, dtype="<u4", count=2 * n_ff, offset=layout.draft_checksum_offset).reshape(
+            n_ff, 2
+        )
+        yield (
+            info.path,
+            fmt.draft_up_tensor_name(L),
+            "ffn_draft_up",
+            layout.draft_up_offset,
+            n_ff,
+            layout.draft_row_bytes,
+            draft[:, 0],
+        )
+        yield (
+            info.path,
+            fmt.draft_down_t_tensor_name(L),
+            "ffn_draft_down_t",
+            layout.draft_down_t_offset,
+            n_ff,
+            layout.draft_row_bytes,
+            draft[:, 1],
+        )
     if model is None:
         return
-    yield (model, fmt.base_ffn_gate_name(L), "ffn_gate.weight", layout.base_gate_offset, n_ff,
-           layout.gate_row_bytes, col["base_gate"])
-    yield (model, fmt.base_ffn_up_name(L), "ffn_up.weight", layout.base_up_offset, n_ff, layout.up_row_bytes,
-           col["base_up"])
+    yield (
+        model,
+        fmt.base_ffn_gate_name(L),
+        "ffn_gate.weight",
+        layout.base_gate_offset,
+        n_ff,
+        layout.gate_row_bytes,
+        col["base_gate"],
+    )
+    yield (
+        model,
+        fmt.base_ffn_up_name(L),
+        "ffn_up.weight",
+        layout.base_up_offset,
+        n_ff,
+        layout.up_row_bytes,
+        col["base_up"],
+    )
     down = np.fromfile(info.path, dtype="<u4", count=layout.n_embd, offset=layout.down_checksum_offset)
-    yield (model, fmt.base_ffn_down_name(L), "ffn_down.weight", layout.base_down_offset, layout.n_embd,
-           layout.base_down_row_bytes, down)
+    yield (
+        model,
+        fmt.base_ffn_down_name(L),
+        "ffn_down.weight",
+        layout.base_down_offset,
+        layout.n_embd,
+        layout.base_down_row_bytes,
+        down,
+    )
 
 
-def verify_files(sidecar: str | os.PathLike, model: str | os.PathLike | None = None, *,
-                 max_mismatches: int = 20, progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
+def verify_files(
+    sidecar: str | os.PathLike,
+    model: str | os.PathLike | None = None,
+    *,
+    max_mismatches: int = 20,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> VerifyReport:
     """Check every row the sidecar has checksums for: the sidecar's bundle and down_t rows, and with
     ``model`` its FFN gate, up and down rows. Raises what :func:`~llamaflash.sidecar.read_sidecar` /
     :func:`~llamaflash.sidecar.validate_pair` raise for a file that is malformed or does not belong;
@@ -107,8 +164,9 @@ def verify_files(sidecar: str | os.PathLike, model: str | os.PathLike | None = N
         raise ValueError(f"max_mismatches={max_mismatches} must be >= 0")
     model_path = Path(model) if model is not None else None
     info = validate_pair(model_path, sidecar) if model_path is not None else read_sidecar(sidecar)
-    report = VerifyReport(sidecar=Path(sidecar), model=model_path, algorithm=info.integrity,
-                          format_version=info.format_version)
+    report = VerifyReport(
+        sidecar=Path(sidecar), model=model_path, algorithm=info.integrity, format_version=info.format_version
+    )
     if info.integrity is None:
         return report
     for i, layout in enumerate(info.layers):
@@ -121,8 +179,7 @@ def verify_files(sidecar: str | os.PathLike, model: str | os.PathLike | None = N
             for row in np.flatnonzero(got != expected):
                 report.n_mismatches += 1
                 if len(report.mismatches) < max_mismatches:
-                    report.mismatches.append(Mismatch(path, tensor, int(row), offset + int(row) * row_bytes,
-                                                      row_bytes))
+                    report.mismatches.append(Mismatch(path, tensor, int(row), offset + int(row) * row_bytes, row_bytes))
         if progress is not None:
             progress(i + 1, len(info.layers))
     return report
@@ -172,7 +229,7 @@ class BaseRowCheck:
             n = min(per_chunk, n_rows - first)
             got = _crc_rows(self._model, offset + first * row_bytes, n, row_bytes)
             self.checked_bytes += n * row_bytes
-            bad = np.flatnonzero(got != expected[first:first + n])
+            bad = np.flatnonzero(got != expected[first : first + n])
             if len(bad):
                 row = first + int(bad[0])
                 at = offset + row * row_bytes
@@ -182,7 +239,8 @@ class BaseRowCheck:
                     f"{_native.INTEGRITY_ERROR_PREFIX} in '{self._model}': tensor {tensor} row {row} (bytes {at}.."
                     f"{at + row_bytes}) does not hold what was written (CRC-32C {int(got[bad[0]]):08x}, expected "
                     f"{int(expected[row]):08x}); the base model file is damaged: copy or download it again (a "
-                    f"sidecar converted from a damaged model would carry the damage)")
+                    f"sidecar converted from a damaged model would carry the damage)"
+                )
                 return True
         return False
 

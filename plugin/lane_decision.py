@@ -17,6 +17,7 @@ and compares medians. It is stored in
 machines keeps one decision per machine. An entry is valid only for the sidecar it measured (size
 and mtime recorded): re-converting invalidates it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,21 @@ DECODE_MARGIN = 1.03
 #: ... and its median prefill speed (prompt batches run on llamaflash's dense lane) at least this.
 PREFILL_MARGIN = 0.99
 #: CPU features that change which kernels ggml and llamaflash run.
-_ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-              "avxvnni", "amx_tile", "asimd", "sve")
+_ISA_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avxvnni",
+    "amx_tile",
+    "asimd",
+    "sve",
+)
 
 STOCK = "stock"
 SPARSE = "sparse"
@@ -79,6 +93,7 @@ def tuning_path(sidecar: str | os.PathLike) -> Path:
 class Decision:
     """The default lane for one sidecar on one machine. `lane`: "stock" or "sparse". `measured`:
     False when no measurement exists (then `lane` is "stock"). `reason`: one sentence for users."""
+
     lane: str
     measured: bool
     reason: str
@@ -112,17 +127,35 @@ def stored_decision(sidecar: str | os.PathLike, machine: Optional[str] = None) -
     machine = machine or machine_key()
     entry = _read_entries(sidecar).get(machine)
     if not isinstance(entry, dict):
-        return Decision(STOCK, False, "running as stock: the sparse lane has not been measured on this machine "
-                        f"(`llamaflash tune` measures it and stores the result beside the sidecar)", machine)
+        return Decision(
+            STOCK,
+            False,
+            "running as stock: the sparse lane has not been measured on this machine "
+            "(`llamaflash tune` measures it and stores the result beside the sidecar)",
+            machine,
+        )
     if entry.get("sidecar") != _sidecar_stamp(sidecar):
-        return Decision(STOCK, False, "running as stock: the stored measurement is of an earlier version of the "
-                        "sidecar (`llamaflash tune` measures it again)", machine)
+        return Decision(
+            STOCK,
+            False,
+            "running as stock: the stored measurement is of an earlier version of the "
+            "sidecar (`llamaflash tune` measures it again)",
+            machine,
+        )
     try:
-        return Decision(**{k: entry[k] for k in ("lane", "measured", "reason", "machine", "decode_ratio",
-                                                  "prefill_ratio", "detail")})
+        return Decision(
+            **{
+                k: entry[k]
+                for k in ("lane", "measured", "reason", "machine", "decode_ratio", "prefill_ratio", "detail")
+            }
+        )
     except (KeyError, TypeError):
-        return Decision(STOCK, False, "running as stock: the stored measurement is unreadable "
-                        "(`llamaflash tune` measures it again)", machine)
+        return Decision(
+            STOCK,
+            False,
+            "running as stock: the stored measurement is unreadable (`llamaflash tune` measures it again)",
+            machine,
+        )
 
 
 def store_decision(sidecar: str | os.PathLike, decision: Decision) -> Path:
@@ -130,8 +163,11 @@ def store_decision(sidecar: str | os.PathLike, decision: Decision) -> Path:
     machines' entries are kept)."""
     sidecar = Path(sidecar)
     entries = _read_entries(sidecar)
-    entries[decision.machine] = {**decision.as_dict(), "sidecar": _sidecar_stamp(sidecar),
-                                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    entries[decision.machine] = {
+        **decision.as_dict(),
+        "sidecar": _sidecar_stamp(sidecar),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     path = tuning_path(sidecar)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
@@ -152,11 +188,26 @@ def decide(stock: Dict[str, List[float]], sparse: Dict[str, List[float]], machin
     p = statistics.median(sparse["prefill"]) / statistics.median(stock["prefill"])
     detail = {"stock": stock, "sparse": sparse, "decode_margin": DECODE_MARGIN, "prefill_margin": PREFILL_MARGIN}
     if d >= DECODE_MARGIN and p >= PREFILL_MARGIN:
-        return Decision(SPARSE, True, f"sparse lane: measured {d:.2f}x stock decode and {p:.2f}x prefill on this "
-                        f"machine (lossy: the sidecar's operating point)", machine, d, p, detail)
-    return Decision(STOCK, True, f"running as stock: the sparse lane measured {d:.2f}x stock decode and {p:.2f}x "
-                    f"prefill on this machine (needs >= {DECODE_MARGIN:.2f}x and >= {PREFILL_MARGIN:.2f}x)",
-                    machine, d, p, detail)
+        return Decision(
+            SPARSE,
+            True,
+            f"sparse lane: measured {d:.2f}x stock decode and {p:.2f}x prefill on this "
+            f"machine (lossy: the sidecar's operating point)",
+            machine,
+            d,
+            p,
+            detail,
+        )
+    return Decision(
+        STOCK,
+        True,
+        f"running as stock: the sparse lane measured {d:.2f}x stock decode and {p:.2f}x "
+        f"prefill on this machine (needs >= {DECODE_MARGIN:.2f}x and >= {PREFILL_MARGIN:.2f}x)",
+        machine,
+        d,
+        p,
+        detail,
+    )
 
 
 #: Prompt tokens of a speed measurement: a realistic prompt length (prefill runs as one batch);
@@ -164,8 +215,15 @@ def decide(stock: Dict[str, List[float]], sparse: Dict[str, List[float]], machin
 SPEED_PROMPT_TOKENS = 200
 
 
-def measure(model: str | os.PathLike, sidecar: str | os.PathLike, reps: int = 5, n_threads: int = 2,
-            max_tokens: int = 48, echo: Callable[[str], None] = lambda s: None, store: bool = True) -> Decision:
+def measure(
+    model: str | os.PathLike,
+    sidecar: str | os.PathLike,
+    reps: int = 5,
+    n_threads: int = 2,
+    max_tokens: int = 48,
+    echo: Callable[[str], None] = lambda s: None,
+    store: bool = True,
+) -> Decision:
     """Measures stock against the sparse lane (the sidecar's operating point) on this machine,
     alternating the two, `reps` runs each in fresh processes; decides by `decide` and stores it."""
     from .bench import benchkit
@@ -175,12 +233,14 @@ def measure(model: str | os.PathLike, sidecar: str | os.PathLike, reps: int = 5,
     prompt = benchkit.prompt_tokens(model, SPEED_PROMPT_TOKENS)
     engines = {STOCK: {"config": "stock"}, SPARSE: {"config": "sparse", "sidecar_path": str(sidecar)}}
     for rep in range(reps):
-        for engine in ((STOCK, SPARSE) if rep % 2 == 0 else (SPARSE, STOCK)):
+        for engine in (STOCK, SPARSE) if rep % 2 == 0 else (SPARSE, STOCK):
             r = benchkit.timed_run(model, prompt=prompt, n_gen=max_tokens, threads=n_threads, **engines[engine])
             speeds[engine]["decode"].append(r["decode_tps"])
             speeds[engine]["prefill"].append(r["prefill_tps"])
-            echo(f"  rep {rep + 1}/{reps} {engine:6}  prefill {r['prefill_tps']:7.1f} tok/s  "
-                 f"decode {r['decode_tps']:6.1f} tok/s")
+            echo(
+                f"  rep {rep + 1}/{reps} {engine:6}  prefill {r['prefill_tps']:7.1f} tok/s  "
+                f"decode {r['decode_tps']:6.1f} tok/s"
+            )
     decision = decide(speeds[STOCK], speeds[SPARSE], machine_key())
     if store:
         store_decision(sidecar, decision)

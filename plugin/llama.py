@@ -74,6 +74,7 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  that shrank or grew since load is a FlashIoError; one rewritten in place is checked
                  against the checksums again (docs/SIDECAR.md, "Files that change while in use").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,20 +88,18 @@ from typing import Any, Dict, Optional
 import llama_cpp
 from llama_cpp._logger import set_verbose
 
-from . import _native
-from . import budget_decision
-from . import engine
-from . import expert_runtime
-from . import experts
-from . import gguf_model
-from . import lane_decision
-from . import offload
-from . import speculative
-from .errors import (FlashIoError, LlamaflashError, NonFiniteOutputError, SidecarIntegrityError,
-                     SidecarNotFoundError)
+from . import _native, budget_decision, engine, expert_runtime, experts, gguf_model, lane_decision, offload, speculative
+from .errors import FlashIoError, LlamaflashError, NonFiniteOutputError, SidecarIntegrityError, SidecarNotFoundError
 from .gguf_model import BaseModelInfo
-from .llama_settings import (DENSE_UP_MAX_SPARSITY, FLASH_MODES, _check_argument_types, _has_sparsity,  # noqa: F401
-                             _level_sparsity, _resolve_mode, sparsity_thresholds)
+from .llama_settings import (  # noqa: F401
+    DENSE_UP_MAX_SPARSITY,
+    FLASH_MODES,
+    _check_argument_types,
+    _has_sparsity,
+    _level_sparsity,
+    _resolve_mode,
+    sparsity_thresholds,
+)
 from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
 
 OFFLOAD_MODE = "offload"  # flash_mode reported when ram_budget_mb is set
@@ -139,7 +138,10 @@ def _warn_unchecked(info: SidecarInfo, model_path: str) -> None:
     warnings.warn(
         f"llamaflash: sidecar '{info.path}' (format {info.format_version}) has no checksums, so the weights read "
         f"from it and from the model are not verified; `llamaflash convert {model_path} --force` re-creates it "
-        f"with them", LlamaflashWarning, stacklevel=4)
+        f"with them",
+        LlamaflashWarning,
+        stacklevel=4,
+    )
 
 
 def _say_once(message: str) -> None:
@@ -155,8 +157,11 @@ def _default_decision(info: SidecarInfo, sidecar: Path, kwargs: Dict[str, Any]) 
         return lane_decision.Decision(lane_decision.STOCK, False, "running as stock: embeddings are always exact")
     if not _has_sparsity(info):
         return lane_decision.Decision(
-            lane_decision.STOCK, False, "running as stock: the sidecar has no sparsity thresholds, so nothing "
-            "can be skipped (flash_mode='dense' is exact but not faster; re-convert for the sparse lane)")
+            lane_decision.STOCK,
+            False,
+            "running as stock: the sidecar has no sparsity thresholds, so nothing "
+            "can be skipped (flash_mode='dense' is exact but not faster; re-convert for the sparse lane)",
+        )
     return lane_decision.stored_decision(sidecar)
 
 
@@ -196,28 +201,51 @@ class Llama(llama_cpp.Llama):
         self._flash_mode = _resolve_mode(flash_mode)
         if flash_max_sparse_tokens is None:
             flash_max_sparse_tokens = 1
-        self._flash_args = {"sidecar_path": sidecar_path, "flash_mode": flash_mode, "flash_sparsity": flash_sparsity,
-                            "flash_max_sparse_tokens": flash_max_sparse_tokens, "flash_dense_up": flash_dense_up,
-                            "ram_budget_mb": ram_budget_mb, "flash_io_engine": flash_io_engine,
-                            "flash_stream_gate": flash_stream_gate, "flash_disk_profile": flash_disk_profile,
-                            "flash_speculative": flash_speculative, "flash_batch_invariant": flash_batch_invariant,
-                            "flash_draft_copy": flash_draft_copy, "flash_verify": flash_verify,
-                            "flash_expert_slots": flash_expert_slots}
-        _check_argument_types(sidecar_path, flash_sparsity, flash_max_sparse_tokens, flash_dense_up, ram_budget_mb,
-                              flash_io_engine, flash_stream_gate, flash_draft_copy, flash_verify)
-        if ram_budget_mb is None and (flash_stream_gate is not None or flash_disk_profile is not None or
-                                      flash_draft_copy is not None):
-            raise ValueError("flash_stream_gate, flash_disk_profile and flash_draft_copy are flash-offload settings: "
-                             "pass ram_budget_mb too, or leave them unset")
+        self._flash_args = {
+            "sidecar_path": sidecar_path,
+            "flash_mode": flash_mode,
+            "flash_sparsity": flash_sparsity,
+            "flash_max_sparse_tokens": flash_max_sparse_tokens,
+            "flash_dense_up": flash_dense_up,
+            "ram_budget_mb": ram_budget_mb,
+            "flash_io_engine": flash_io_engine,
+            "flash_stream_gate": flash_stream_gate,
+            "flash_disk_profile": flash_disk_profile,
+            "flash_speculative": flash_speculative,
+            "flash_batch_invariant": flash_batch_invariant,
+            "flash_draft_copy": flash_draft_copy,
+            "flash_verify": flash_verify,
+            "flash_expert_slots": flash_expert_slots,
+        }
+        _check_argument_types(
+            sidecar_path,
+            flash_sparsity,
+            flash_max_sparse_tokens,
+            flash_dense_up,
+            ram_budget_mb,
+            flash_io_engine,
+            flash_stream_gate,
+            flash_draft_copy,
+            flash_verify,
+        )
+        if ram_budget_mb is None and (
+            flash_stream_gate is not None or flash_disk_profile is not None or flash_draft_copy is not None
+        ):
+            raise ValueError(
+                "flash_stream_gate, flash_disk_profile and flash_draft_copy are flash-offload settings: "
+                "pass ram_budget_mb too, or leave them unset"
+            )
         requested_mode = self._flash_mode
         if ram_budget_mb is not None:
             if self._flash_mode == "dense":
                 raise ValueError(
                     "ram_budget_mb needs the sparse lane (flash offload reads only the active neurons' rows); "
-                    "use flash_mode='sparse' or leave flash_mode unset, or drop ram_budget_mb for the dense lane")
+                    "use flash_mode='sparse' or leave flash_mode unset, or drop ram_budget_mb for the dense lane"
+                )
             self._flash_mode = OFFLOAD_MODE
         spec_settings = speculative.SpeculativeSettings.from_argument(
-            True if flash_speculative is None and ram_budget_mb is not None else flash_speculative)
+            True if flash_speculative is None and ram_budget_mb is not None else flash_speculative
+        )
         user_draft = kwargs.get("draft_model")
         if flash_batch_invariant is not None and not isinstance(flash_batch_invariant, bool):
             raise ValueError(f"flash_batch_invariant={flash_batch_invariant!r} must be True, False or None")
@@ -238,7 +266,8 @@ class Llama(llama_cpp.Llama):
         if sidecar is None and ram_budget_mb is not None:
             raise SidecarNotFoundError(
                 f"ram_budget_mb needs a sidecar for '{model_path}' (none at "
-                f"'{default_sidecar_path(model_path)}'); create it with `llamaflash convert {model_path}`")
+                f"'{default_sidecar_path(model_path)}'); create it with `llamaflash convert {model_path}`"
+            )
         if sidecar is None:
             self._flash_mode = "stock"
             self._init_llama(model_path, args, kwargs, spec_settings)
@@ -248,8 +277,9 @@ class Llama(llama_cpp.Llama):
         info = validate_pair(model_path, sidecar, model=base)  # the one identity check
         if self._flash_mode == OFFLOAD_MODE and requested_mode == "auto":
             # stock-equivalent where the budget holds what stock keeps resident
-            choice = budget_decision.decide(base.header, info, ram_budget_mb, int(kwargs.get("n_ctx", 512)),
-                                            kwargs.get("n_ubatch"))
+            choice = budget_decision.decide(
+                base.header, info, ram_budget_mb, int(kwargs.get("n_ctx", 512)), kwargs.get("n_ubatch")
+            )
             self._flash_decision = lane_decision.Decision(choice.lane, False, choice.reason, detail=choice.as_dict())
             if choice.stock:
                 if flash_disk_profile is not None and str(flash_disk_profile) != "probe":
@@ -261,8 +291,9 @@ class Llama(llama_cpp.Llama):
                 # speculation as in memory: off unless asked for; asked for, it keeps the batch-invariant
                 # numerics that make it exact; otherwise stock's numerics
                 stock_spec = speculative.SpeculativeSettings.from_argument(flash_speculative)
-                self._batch_invariant = (stock_spec is not None if flash_batch_invariant is None
-                                         else flash_batch_invariant)
+                self._batch_invariant = (
+                    stock_spec is not None if flash_batch_invariant is None else flash_batch_invariant
+                )
                 if not self._batch_invariant and not flash_attn_given:
                     kwargs.pop("flash_attn", None)
                 kwargs.setdefault("n_ubatch", choice.n_ubatch)
@@ -299,11 +330,18 @@ class Llama(llama_cpp.Llama):
         if self._flash_mode == OFFLOAD_MODE:
             from . import disk_probe, planner  # numpy-heavy; only offload needs them
 
-            plan = planner.plan_offload(os.fspath(model_path), str(sidecar), ram_budget_mb,
-                                        n_ctx=int(kwargs.get("n_ctx", 512)),
-                                        n_ubatch=kwargs.get("n_ubatch"), stream_gate=flash_stream_gate,
-                                        disk=disk_probe.resolve_profile(flash_disk_profile, sidecar),
-                                        info=info, header=base.header, draft_copy=flash_draft_copy)
+            plan = planner.plan_offload(
+                os.fspath(model_path),
+                str(sidecar),
+                ram_budget_mb,
+                n_ctx=int(kwargs.get("n_ctx", 512)),
+                n_ubatch=kwargs.get("n_ubatch"),
+                stream_gate=flash_stream_gate,
+                disk=disk_probe.resolve_profile(flash_disk_profile, sidecar),
+                info=info,
+                header=base.header,
+                draft_copy=flash_draft_copy,
+            )
             kwargs.setdefault("n_batch", plan.n_batch)
             kwargs.setdefault("n_ubatch", plan.n_ubatch)
             # every decode split of a layer with a threshold runs on the sparse lane (the dense lane
@@ -311,15 +349,20 @@ class Llama(llama_cpp.Llama):
             # tokens, reading the union of their clusters once); prefill streams on the dense lane
             max_tokens = max(flash_max_sparse_tokens, speculative.verify_batch_max(spec_settings))
             config = engine.engine_config(
-                info, model_path, thresholds,
+                info,
+                model_path,
+                thresholds,
                 engine.sparse_config(True, max_tokens, int(plan.cluster_size), up_by_ggml=False),
-                engine.offload_config(plan, engine=flash_io_engine), verify=flash_verify)
+                engine.offload_config(plan, engine=flash_io_engine),
+                verify=flash_verify,
+            )
             self._flash_plan = plan
         else:
             sparse = engine.sparse_config(False)
             if thresholds is not None:
-                sparse = engine.sparse_config(True, flash_max_sparse_tokens,
-                                              up_by_ggml=self._dense_up(info, flash_sparsity))
+                sparse = engine.sparse_config(
+                    True, flash_max_sparse_tokens, up_by_ggml=self._dense_up(info, flash_sparsity)
+                )
             config = engine.engine_config(info, model_path, thresholds, sparse, verify=flash_verify)
         config.repack = not self._batch_invariant
         if info.integrity is None:
@@ -352,29 +395,48 @@ class Llama(llama_cpp.Llama):
                 from . import draft_plan
 
                 # the plan's predicted acceptance for its resident share (none without an I/O bound)
-                predicted = (draft_plan.predict_plan(self._flash_plan, info)
-                             if getattr(self._flash_plan, "io_bound_tok_s", None) is not None else None)
+                predicted = (
+                    draft_plan.predict_plan(self._flash_plan, info)
+                    if getattr(self._flash_plan, "io_bound_tok_s", None) is not None
+                    else None
+                )
                 self._speculator.attach_self_draft(
                     speculative.make_self_draft(weakref.ref(self), self.n_vocab()),
                     prior_acceptance=predicted.acceptance if predicted else None,
                     prior_step_seconds=predicted.step_seconds if predicted else 0.0,
-                    note=(f"prior: the plan's resident share of the active neurons is "
-                          f"{self._flash_plan.neuron_hit_rate:.0%}, predicted acceptance {predicted.acceptance:.2f}"
-                          if predicted and not self._flash_plan.draft_copy else ""))
+                    note=(
+                        f"prior: the plan's resident share of the active neurons is "
+                        f"{self._flash_plan.neuron_hit_rate:.0%}, predicted acceptance {predicted.acceptance:.2f}"
+                        if predicted and not self._flash_plan.draft_copy
+                        else ""
+                    ),
+                )
 
     def _init_moe(self, model_path: str, base, moe, args, kwargs, flash_speculative) -> None:
         """An MoE model: its routed experts from flash under ram_budget_mb (expert_runtime), else stock."""
         a = self._flash_args
         if self._flash_args["flash_mode"] not in (None, "auto"):
-            raise ValueError(f"flash_mode={a['flash_mode']!r} is for dense FFN models; '{model_path}' is a "
-                             f"mixture-of-experts model: leave flash_mode unset")
+            raise ValueError(
+                f"flash_mode={a['flash_mode']!r} is for dense FFN models; '{model_path}' is a "
+                f"mixture-of-experts model: leave flash_mode unset"
+            )
         setup = expert_runtime.prepare(
-            model_path, base, moe, sidecar_path=a["sidecar_path"], ram_budget_mb=a["ram_budget_mb"],
-            n_ctx=int(kwargs.get("n_ctx", 512)), n_ubatch=kwargs.get("n_ubatch"), io_engine=a["flash_io_engine"],
-            disk_profile=a["flash_disk_profile"], verify=a["flash_verify"], n_slots=a["flash_expert_slots"])
+            model_path,
+            base,
+            moe,
+            sidecar_path=a["sidecar_path"],
+            ram_budget_mb=a["ram_budget_mb"],
+            n_ctx=int(kwargs.get("n_ctx", 512)),
+            n_ubatch=kwargs.get("n_ubatch"),
+            io_engine=a["flash_io_engine"],
+            disk_profile=a["flash_disk_profile"],
+            verify=a["flash_verify"],
+            n_slots=a["flash_expert_slots"],
+        )
         self._expert_setup = setup
-        self._flash_decision = lane_decision.Decision(lane_decision.STOCK if setup.model is None else
-                                                      expert_runtime.EXPERTS_MODE, False, setup.reason)
+        self._flash_decision = lane_decision.Decision(
+            lane_decision.STOCK if setup.model is None else expert_runtime.EXPERTS_MODE, False, setup.reason
+        )
         spec_settings = speculative.SpeculativeSettings.from_argument(flash_speculative)
         if spec_settings is not None and setup.model is None:
             spec_settings = dataclasses.replace(spec_settings, self_draft=False)  # stock: nothing to draft with
@@ -400,7 +462,8 @@ class Llama(llama_cpp.Llama):
             raise LlamaflashError(
                 f"llama.cpp placed {setup.model.bound_count} of the {moe.n_expert_tensors} expert tensors of "
                 f"'{model_path}' on the llamaflash device; the model cannot be served. Check that llama_cpp was "
-                f"not given tensor overrides for expert weights, or run without ram_budget_mb.")
+                f"not given tensor overrides for expert weights, or run without ram_budget_mb."
+            )
         self._experts = setup.model
         self._expert_lock = expert_runtime.lock_dense_part(model_path, moe, base.header)
         self._flash_mode = expert_runtime.EXPERTS_MODE
@@ -409,7 +472,8 @@ class Llama(llama_cpp.Llama):
             # cache-conditional routing: each draft token among the resident experts, nothing read
             self._speculator.attach_self_draft(
                 speculative.make_self_draft(weakref.ref(self), self.n_vocab()),
-                note="draft tokens route among the resident experts only (no flash reads)")
+                note="draft tokens route among the resident experts only (no flash reads)",
+            )
 
     def _init_llama(self, model_path, args, kwargs, spec_settings) -> None:
         """llama_cpp.Llama.__init__, then the speculator as its draft_model. llama-cpp-python's own
@@ -466,7 +530,8 @@ class Llama(llama_cpp.Llama):
         if bad:
             return NonFiniteOutputError(
                 f"llamaflash: {bad}. The served weights are not what the sidecar describes (re-copy it, or "
-                f"re-create it with `llamaflash convert --force`), or the model overflows at this input")
+                f"re-create it with `llamaflash convert --force`), or the model overflows at this input"
+            )
         message = self._flash.take_error() if self._flash is not None else ""
         if message.startswith(_native.INTEGRITY_ERROR_PREFIX):
             return SidecarIntegrityError(f"llamaflash: a flash read failed its check: {message}")
@@ -482,12 +547,16 @@ class Llama(llama_cpp.Llama):
         return bool(dense_up)
 
     def _configure_sparse(self, level: Optional[float]) -> None:
-        self._flash.set_sparse_config(True, max_tokens=self._flash_args["flash_max_sparse_tokens"],
-                                      up_by_ggml=self._dense_up(self._flash_info, level))
+        self._flash.set_sparse_config(
+            True,
+            max_tokens=self._flash_args["flash_max_sparse_tokens"],
+            up_by_ggml=self._dense_up(self._flash_info, level),
+        )
 
     @staticmethod
-    def _find_sidecar(model_path: str, sidecar_path: Optional[str],
-                      base: Optional[BaseModelInfo] = None) -> Optional[Path]:
+    def _find_sidecar(
+        model_path: str, sidecar_path: Optional[str], base: Optional[BaseModelInfo] = None
+    ) -> Optional[Path]:
         """The sidecar to use (None: run as stock); ``base``: the model's parsed header, if read already."""
         if base is None:
             base = gguf_model.read_base_model(model_path)
@@ -525,8 +594,10 @@ class Llama(llama_cpp.Llama):
         """Switches the sparse lane to another calibrated level (see `flash_sparsity`) without
         reloading; only in "sparse" mode."""
         if self._flash is None or self._flash_mode not in ("sparse", OFFLOAD_MODE):
-            raise ValueError(f"set_flash_sparsity needs flash_mode='sparse' (or ram_budget_mb) with a format-2 sidecar "
-                             f"(this model runs {self._flash_mode!r})")
+            raise ValueError(
+                f"set_flash_sparsity needs flash_mode='sparse' (or ram_budget_mb) with a format-2 sidecar "
+                f"(this model runs {self._flash_mode!r})"
+            )
         self._flash.thresholds = sparsity_thresholds(self._flash_info, level)
         if self._flash_mode != OFFLOAD_MODE:
             self._configure_sparse(level)
@@ -562,7 +633,8 @@ class Llama(llama_cpp.Llama):
             n_ff = {layer.layer: layer.n_ff for layer in self._flash_info.layers}
             # per layer: fraction of neurons the sparse lane computed, over the tokens it ran
             stats["active_fraction"] = {
-                layer: (a / (t * n_ff[layer]) if t else None) for layer, t, a in zip(layer_ids, tokens, active)}
+                layer: (a / (t * n_ff[layer]) if t else None) for layer, t, a in zip(layer_ids, tokens, active)
+            }
             fractions = [f for f in stats["active_fraction"].values() if f is not None]
             stats["mean_active_fraction"] = sum(fractions) / len(fractions) if fractions else None
             stats["offload"] = offload.stats(self._flash, self._flash_plan)
@@ -584,17 +656,27 @@ class Llama(llama_cpp.Llama):
         out = {"algorithm": self._flash_info.integrity, "checked": False}
         if self._flash is not None:
             native = self._flash.integrity
-            out.update(checked=native["verifying"], load_verified_bytes=native["load_verified_bytes"],
-                       load_verify_seconds=native["load_verify_seconds"], crc32c=native["crc32c"])
+            out.update(
+                checked=native["verifying"],
+                load_verified_bytes=native["load_verified_bytes"],
+                load_verify_seconds=native["load_verify_seconds"],
+                crc32c=native["crc32c"],
+            )
             if off is not None:
-                out.update(read_verified_bytes=off["verified_bytes"], read_verify_seconds=off["verify_seconds"],
-                           read_clusters_checked_by_compute=off["clusters_checked_by_compute"],
-                           read_compute_verify_seconds=off["compute_verify_seconds"])
+                out.update(
+                    read_verified_bytes=off["verified_bytes"],
+                    read_verify_seconds=off["verify_seconds"],
+                    read_clusters_checked_by_compute=off["clusters_checked_by_compute"],
+                    read_compute_verify_seconds=off["compute_verify_seconds"],
+                )
         elif self._base_check is not None:  # stock: the base model's FFN rows, checked while llama.cpp loaded
-            out.update(checked=True, load_verified_bytes=self._base_check.checked_bytes,
-                       load_verify_seconds=self._base_check.seconds)
+            out.update(
+                checked=True,
+                load_verified_bytes=self._base_check.checked_bytes,
+                load_verify_seconds=self._base_check.seconds,
+            )
         if self._flash_info.integrity is None:
-            out["note"] = ("the sidecar has no checksums (re-create it with `llamaflash convert MODEL --force`)")
+            out["note"] = "the sidecar has no checksums (re-create it with `llamaflash convert MODEL --force`)"
         return out
 
     def _speculation_stats(self, stats: Dict[str, Any]) -> Dict[str, Any]:

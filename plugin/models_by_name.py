@@ -36,7 +36,8 @@ def check_model(model: str) -> None:
         return
     raise UnknownModelError(
         f"'{model}' is neither a model file nor a known model name; known names: {known_names_line()} "
-        f"(`llamaflash models` lists them)")
+        f"(`llamaflash models` lists them)"
+    )
 
 
 def resolve_model(model: str | os.PathLike[str], progress: bool = True) -> Path:
@@ -64,8 +65,8 @@ class ModelRow:
 
     name: str
     size_bytes: int | None
-    cached: bool        # the file is in the cache at its published size (fetch_model verifies the hash)
-    path: Path          # where the cache keeps it (whether or not it is there yet)
+    cached: bool  # the file is in the cache at its published size (fetch_model verifies the hash)
+    path: Path  # where the cache keeps it (whether or not it is there yet)
     sidecar: Path | None  # the default sidecar beside the cached model, when it exists
     description: str
 
@@ -80,8 +81,7 @@ def model_rows(cache_dir: Path | None = None) -> list[ModelRow]:
         except FileNotFoundError:
             cached = False
         sidecar = default_sidecar_path(path)
-        rows.append(ModelRow(name, spec.size, cached, path, sidecar if sidecar.exists() else None,
-                             spec.description))
+        rows.append(ModelRow(name, spec.size, cached, path, sidecar if sidecar.exists() else None, spec.description))
     return rows
 
 

@@ -118,8 +118,14 @@ def verify_bytes(req: PlanRequest, table: ClusterTable) -> int:
     output buffer), and the sparse lane's scratch for it (its per-(cluster, token) partial sums and
     quantized activations, one thread's partials: the engine's own formula,
     ``_native.sparse_scratch_bytes``)."""
-    scratch = max(int(_native.sparse_scratch_bytes(lay.gate_type, lay.up_type, lay.n_embd, VERIFY_ROWS, 1,
-                                                   table.max_clusters_per_layer)) for lay in req.info.layers)
+    scratch = max(
+        int(
+            _native.sparse_scratch_bytes(
+                lay.gate_type, lay.up_type, lay.n_embd, VERIFY_ROWS, 1, table.max_clusters_per_layer
+            )
+        )
+        for lay in req.info.layers
+    )
     return (VERIFY_ROWS - 1) * vocabulary_size(req.header) * 4 + scratch
 
 

@@ -85,7 +85,7 @@ def cluster_table(info: SidecarInfo, freqs: list[np.ndarray], size: int) -> Clus
     for lay, f in zip(info.layers, freqs):
         k = -(-lay.n_ff // size)
         m = np.zeros(k * size)
-        m[:lay.n_ff] = np.clip(f, 0.0, 1.0)
+        m[: lay.n_ff] = np.clip(f, 0.0, 1.0)
         m = m.reshape(k, size)
         with np.errstate(divide="ignore"):
             prob.append((-np.expm1(np.log1p(-m).sum(axis=1))).astype(np.float32))
@@ -94,8 +94,11 @@ def cluster_table(info: SidecarInfo, freqs: list[np.ndarray], size: int) -> Clus
         count = np.minimum(size, lay.n_ff - first)
         up.append(_span(lay.base_up_offset + first * lay.up_row_bytes, count * lay.up_row_bytes))
         down_t.append(_span(lay.down_t_offset + first * lay.down_t_row_bytes, count * lay.down_t_row_bytes))
-    slot = int(_native.cache_slot_bytes(size, max(lay.up_row_bytes for lay in info.layers),
-                                        max(lay.down_t_row_bytes for lay in info.layers)))
+    slot = int(
+        _native.cache_slot_bytes(
+            size, max(lay.up_row_bytes for lay in info.layers), max(lay.down_t_row_bytes for lay in info.layers)
+        )
+    )
     return ClusterTable(size, prob, sumf, up, down_t, slot)
 
 
@@ -115,8 +118,9 @@ def pin_hottest(table: ClusterTable, n_slots: int) -> list[np.ndarray]:
     return np.split(chosen, np.cumsum([len(p) for p in table.prob])[:-1])
 
 
-def flash_reads_per_token(table: ClusterTable, pinned: list[np.ndarray], disk: DiskModel, pmin: float, depth: int,
-                          prefetch_layers: int) -> tuple[float, float, float]:
+def flash_reads_per_token(
+    table: ClusterTable, pinned: list[np.ndarray], disk: DiskModel, pmin: float, depth: int, prefetch_layers: int
+) -> tuple[float, float, float]:
     """(flash bytes per token, device seconds per token, demand-stall seconds per token). Unpinned
     clusters with P >= pmin are read ahead (always read); the others on demand (read with probability
     P) after the layer's gate. Time = max(device busy time at the queue depth the reads can fill, sum
@@ -134,8 +138,9 @@ def flash_reads_per_token(table: ClusterTable, pinned: list[np.ndarray], disk: D
         stall += float((p[~spec] * (disk.seconds(up[~spec], d) + disk.seconds(dt[~spec], d))).sum())
         weights.append(np.concatenate([w, w]))
         sizes.append(np.concatenate([up, dt]))
-    window = np.mean([demand_req[i] + sum(spec_req[(i + j) % n] for j in range(1, prefetch_layers + 1))
-                      for i in range(n)])
+    window = np.mean(
+        [demand_req[i] + sum(spec_req[(i + j) % n] for j in range(1, prefetch_layers + 1)) for i in range(n)]
+    )
     w, s = np.concatenate(weights), np.concatenate(sizes)
     busy = float((w * disk.seconds(s, min(max(window, 1.0), depth))).sum()) if len(s) else 0.0
     return total_bytes, max(busy, stall), stall
@@ -174,14 +179,15 @@ class CacheChoice:
         return None if math.isinf(self.tok_s) else self.tok_s
 
 
-def choose_cache(table: ClusterTable, n_hot: int, disk: DiskModel, prefetch_layers: int,
-                 gate: StreamedGate | None) -> CacheChoice:
+def choose_cache(
+    table: ClusterTable, n_hot: int, disk: DiskModel, prefetch_layers: int, gate: StreamedGate | None
+) -> CacheChoice:
     """Pin the ``n_hot`` hottest clusters; of every read-ahead threshold and queue depth, the deepest
     queue whose predicted tok/s is within DEPTH_NEAR_BEST of the best (then the best). ``gate``: the
     gate streamed on the same disk every token (None: resident)."""
     pinned = pin_hottest(table, n_hot)
     options = []
-    for pmin in (PREFETCH_MIN_PROBS if prefetch_layers else (1.01,)):
+    for pmin in PREFETCH_MIN_PROBS if prefetch_layers else (1.01,):
         for depth in disk.depths.astype(int):
             nbytes, secs, stall = flash_reads_per_token(table, pinned, disk, pmin, int(depth), prefetch_layers)
             if gate is not None:  # every gate row, one large sequential read per layer on the same disk
@@ -201,6 +207,14 @@ def choose_cache(table: ClusterTable, n_hot: int, disk: DiskModel, prefetch_laye
     mass = sum(float(s.sum()) for s in table.sumf)
     hit = sum(float(p[h].sum()) for p, h in zip(table.prob, pinned))
     hit_mass = sum(float(s[h].sum()) for s, h in zip(table.sumf, pinned))
-    return CacheChoice(table=table, pinned=pinned, prefetch_min_prob=pmin, queue_depth=depth,
-                       flash_bytes_per_token=nbytes, tok_s=tok_s, hit_rate=hit / needed if needed else 1.0,
-                       neuron_hit_rate=hit_mass / mass if mass else 1.0, rank=key)
+    return CacheChoice(
+        table=table,
+        pinned=pinned,
+        prefetch_min_prob=pmin,
+        queue_depth=depth,
+        flash_bytes_per_token=nbytes,
+        tok_s=tok_s,
+        hit_rate=hit / needed if needed else 1.0,
+        neuron_hit_rate=hit_mass / mass if mass else 1.0,
+        rank=key,
+    )

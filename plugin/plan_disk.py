@@ -18,8 +18,9 @@ def default_disk() -> dict[str, Any]:
         for depth in (1, 4, 16, 32):
             size = kib * 1024
             iops = min(depth / (150e-6 + size / 400e6), 25_000.0, 400e6 / size)
-            points.append({"request_kib": kib, "depth": depth, "iops": round(iops, 1),
-                           "mb_s": round(iops * size / 1e6, 1)})
+            points.append(
+                {"request_kib": kib, "depth": depth, "iops": round(iops, 1), "mb_s": round(iops * size / 1e6, 1)}
+            )
     return {"source": "built-in default (not measured)", "direct": True, "points": points}
 
 
@@ -61,5 +62,7 @@ def disk_source(disk: dict[str, Any] | None) -> str:
     if disk.get("source"):
         return str(disk["source"])
     saved = f", saved {disk['saved_at']}" if disk.get("saved_at") else ""
-    return (f"probed {disk.get('directory')} ({disk.get('filesystem')}, {disk.get('engine')}, "
-            f"{'direct I/O' if disk.get('direct') else 'page cache: not direct I/O'}{saved})")
+    return (
+        f"probed {disk.get('directory')} ({disk.get('filesystem')}, {disk.get('engine')}, "
+        f"{'direct I/O' if disk.get('direct') else 'page cache: not direct I/O'}{saved})"
+    )

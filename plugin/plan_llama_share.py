@@ -37,8 +37,14 @@ def vocabulary_size(header: GGUFHeader) -> int:
     return int(header_value(header, "tokenizer.ggml.tokens", 0) or 0)
 
 
-def llama_memory(header: GGUFHeader, n_ctx: int, n_ubatch: int, served: Collection[str], device_compute_bytes: int,
-                 embeddings_by_rows: bool) -> dict[str, int]:
+def llama_memory(
+    header: GGUFHeader,
+    n_ctx: int,
+    n_ubatch: int,
+    served: Collection[str],
+    device_compute_bytes: int,
+    embeddings_by_rows: bool,
+) -> dict[str, int]:
     """llama.cpp's memory when llamaflash serves the tensors named in ``served`` (bytes):
     ``llama_vocab``, ``llama_weights`` (every other tensor: resident), ``kv_cache`` (f16 K and V for
     every layer and cell; n_ctx rounded up to 256), ``compute_buffers`` (CPU: n_ubatch x 4 x
@@ -83,6 +89,7 @@ def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int
     size = {t.name: t.nbytes for t in header.tensors}
     return {
         **llama_memory(header, n_ctx, n_ubatch, served, n_ubatch * 3 * n_ff * 4, embeddings_by_rows=True),
-        "prefill_window": max(size[fmt.base_ffn_up_name(lay.layer)] + size[fmt.base_ffn_down_name(lay.layer)]
-                              for lay in info.layers),
+        "prefill_window": max(
+            size[fmt.base_ffn_up_name(lay.layer)] + size[fmt.base_ffn_down_name(lay.layer)] for lay in info.layers
+        ),
     }

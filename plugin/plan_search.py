@@ -37,8 +37,19 @@ from typing import Any
 import numpy as np
 
 from .errors import RamBudgetError
-from .plan_budget import (UBATCH_BUDGET_SHARE, UBATCH_CHOICES, Layout, PlanRequest, cache_floor_bytes, cold_bytes,
-                          least_minimum, make_layout, margin_bytes, minimum_bytes, verify_bytes)
+from .plan_budget import (
+    UBATCH_BUDGET_SHARE,
+    UBATCH_CHOICES,
+    Layout,
+    PlanRequest,
+    cache_floor_bytes,
+    cold_bytes,
+    least_minimum,
+    make_layout,
+    margin_bytes,
+    minimum_bytes,
+    verify_bytes,
+)
 from .plan_clusters import GATE_READ_DEPTH, StreamedGate, choose_cache
 from .plan_disk import DiskModel, default_disk, disk_source
 from .plan_explain import gate_note, part_reasons, plan_notes, ubatch_note
@@ -46,8 +57,9 @@ from .plan_llama_share import MiB
 from .plan_result import OffloadPlan
 
 
-def layout_options(req: PlanRequest, stream_options: tuple[bool, ...], ubatches: tuple[int, ...],
-                   copy_bytes: int) -> list[Layout]:
+def layout_options(
+    req: PlanRequest, stream_options: tuple[bool, ...], ubatches: tuple[int, ...], copy_bytes: int
+) -> list[Layout]:
     """Every layout of these gate placements and n_ubatch values (gate placement first, n_ubatch
     largest first)."""
     return [make_layout(req, u, s, copy_bytes) for s in stream_options for u in ubatches]
@@ -77,7 +89,8 @@ def fitting_layouts(req: PlanRequest, layouts: list[Layout]) -> list[Layout]:
         f"RAM budget {req.budget_mb:g} MiB is below the minimum of {need} MiB that the flash-offload engine "
         f"needs for {Path(req.model_path).name} at n_ctx {req.n_ctx} (n_ubatch {last.n_ubatch}; largest parts "
         f"in MiB: {big}). Raise the budget to at least {need} MiB (--ram-budget-mb {need}), or use a smaller "
-        f"n_ctx (the KV cache takes {last.fixed['kv_cache'] / MiB:.1f} MiB at n_ctx {req.n_ctx}).")
+        f"n_ctx (the KV cache takes {last.fixed['kv_cache'] / MiB:.1f} MiB at n_ctx {req.n_ctx})."
+    )
 
 
 def prefill_ubatch(req: PlanRequest, ubatches: tuple[int, ...]) -> int:
@@ -101,8 +114,7 @@ def gate_read_seconds(req: PlanRequest, disk: DiskModel) -> float:
 
 def all_pinned_fits(req: PlanRequest, layout: Layout) -> bool:
     """Whether every cluster of some cluster size fits beside ``layout``'s minimum."""
-    return any(minimum_bytes(req, layout, t) + t.total_clusters * t.slot_bytes <= req.budget_bytes
-               for t in req.tables)
+    return any(minimum_bytes(req, layout, t) + t.total_clusters * t.slot_bytes <= req.budget_bytes for t in req.tables)
 
 
 def plan_layout(req: PlanRequest, layout: Layout, least_budget: int) -> OffloadPlan:
@@ -121,30 +133,59 @@ def plan_layout(req: PlanRequest, layout: Layout, least_budget: int) -> OffloadP
             continue
         n_hot = min(table.total_clusters, (req.budget_bytes - low) // table.slot_bytes)
         choice = choose_cache(table, n_hot, disk, req.prefetch_layers, gate)
-        row.update(hot_slots=int(n_hot), hit_rate=choice.hit_rate, neuron_hit_rate=choice.neuron_hit_rate,
-                   flash_bytes_per_token=choice.flash_bytes_per_token, io_bound_tok_s=choice.io_bound_tok_s,
-                   prefetch_min_prob=choice.prefetch_min_prob, queue_depth=choice.queue_depth)
+        row.update(
+            hot_slots=int(n_hot),
+            hit_rate=choice.hit_rate,
+            neuron_hit_rate=choice.neuron_hit_rate,
+            flash_bytes_per_token=choice.flash_bytes_per_token,
+            io_bound_tok_s=choice.io_bound_tok_s,
+            prefetch_min_prob=choice.prefetch_min_prob,
+            queue_depth=choice.queue_depth,
+        )
         choices.append((choice, low))
     best, low = max(choices, key=lambda c: (c[0].rank, -c[1]))
     table = best.table
-    parts = {**layout.fixed, "cold_slots": cold_bytes(req, table), "verify_buffers": verify_bytes(req, table),
-             "hot_slots": best.hot_slots * table.slot_bytes}
+    parts = {
+        **layout.fixed,
+        "cold_slots": cold_bytes(req, table),
+        "verify_buffers": verify_bytes(req, table),
+        "hot_slots": best.hot_slots * table.slot_bytes,
+    }
     parts["margin"] = req.budget_bytes - sum(parts.values())
     spare = parts["margin"] - margin_bytes(sum(layout.fixed.values()) + cache_floor_bytes(req, table))
     reasons = part_reasons(req, layout, best, spare)
     return OffloadPlan(
-        model_path=str(req.model_path), sidecar_path=str(req.sidecar_path), budget_bytes=req.budget_bytes,
-        minimum_bytes=low, least_budget_bytes=least_budget, parts=parts,
-        reasons={k: reasons[k] for k in parts}, cluster_size=table.size, slot_bytes=table.slot_bytes,
-        hot_slots=best.hot_slots, cold_slots=table.cold_slots(req.prefetch_layers),
-        total_clusters=table.total_clusters, queue_depth=best.queue_depth, prefetch_layers=req.prefetch_layers,
-        prefetch_min_prob=best.prefetch_min_prob, n_ctx=req.n_ctx, n_batch=layout.n_ubatch,
-        n_ubatch=layout.n_ubatch, layers=[lay.layer for lay in req.info.layers],
-        hot_clusters=[np.flatnonzero(h).astype(np.int32) for h in best.pinned], cluster_prob=table.prob,
-        hit_rate=best.hit_rate, neuron_hit_rate=best.neuron_hit_rate,
-        flash_bytes_per_token=best.flash_bytes_per_token, io_bound_tok_s=best.io_bound_tok_s,
-        disk_source=disk_source(req.disk), candidates=rows, notes=plan_notes(req),
-        stream_gate=layout.stream_gate, draft_copy=layout.draft_copy)
+        model_path=str(req.model_path),
+        sidecar_path=str(req.sidecar_path),
+        budget_bytes=req.budget_bytes,
+        minimum_bytes=low,
+        least_budget_bytes=least_budget,
+        parts=parts,
+        reasons={k: reasons[k] for k in parts},
+        cluster_size=table.size,
+        slot_bytes=table.slot_bytes,
+        hot_slots=best.hot_slots,
+        cold_slots=table.cold_slots(req.prefetch_layers),
+        total_clusters=table.total_clusters,
+        queue_depth=best.queue_depth,
+        prefetch_layers=req.prefetch_layers,
+        prefetch_min_prob=best.prefetch_min_prob,
+        n_ctx=req.n_ctx,
+        n_batch=layout.n_ubatch,
+        n_ubatch=layout.n_ubatch,
+        layers=[lay.layer for lay in req.info.layers],
+        hot_clusters=[np.flatnonzero(h).astype(np.int32) for h in best.pinned],
+        cluster_prob=table.prob,
+        hit_rate=best.hit_rate,
+        neuron_hit_rate=best.neuron_hit_rate,
+        flash_bytes_per_token=best.flash_bytes_per_token,
+        io_bound_tok_s=best.io_bound_tok_s,
+        disk_source=disk_source(req.disk),
+        candidates=rows,
+        notes=plan_notes(req),
+        stream_gate=layout.stream_gate,
+        draft_copy=layout.draft_copy,
+    )
 
 
 def best_plan(req: PlanRequest, fitting: list[Layout], least_budget: int) -> OffloadPlan:
@@ -177,8 +218,11 @@ def with_ubatch_trade(req: PlanRequest, plan: OffloadPlan) -> OffloadPlan:
     """``plan`` with ``ubatch_choice`` and, where prefill would take a larger n_ubatch
     (:func:`prefill_ubatch`), a note on what that n_ubatch would pin and predict instead (the plan's
     cluster size, gate placement and draft copy)."""
-    choice: dict[str, Any] = {"n_ubatch": plan.n_ubatch, "hot_slots": plan.hot_slots,
-                              "io_bound_tok_s": plan.io_bound_tok_s}
+    choice: dict[str, Any] = {
+        "n_ubatch": plan.n_ubatch,
+        "hot_slots": plan.hot_slots,
+        "io_bound_tok_s": plan.io_bound_tok_s,
+    }
     if req.n_ubatch is not None:
         return dataclasses.replace(plan, ubatch_choice={**choice, "given": True})
     wanted = prefill_ubatch(req, ubatch_options(req, None))
@@ -192,11 +236,19 @@ def with_ubatch_trade(req: PlanRequest, plan: OffloadPlan) -> OffloadPlan:
     if low <= req.budget_bytes:
         disk = DiskModel(req.disk if req.disk is not None else default_disk())
         gate = StreamedGate(sum(req.gate_layer_bytes), req.gate_layer_bytes) if plan.stream_gate else None
-        alt = choose_cache(table, min(table.total_clusters, (req.budget_bytes - low) // table.slot_bytes), disk,
-                           req.prefetch_layers, gate)
+        alt = choose_cache(
+            table,
+            min(table.total_clusters, (req.budget_bytes - low) // table.slot_bytes),
+            disk,
+            req.prefetch_layers,
+            gate,
+        )
         hot, tok_s = alt.hot_slots, alt.io_bound_tok_s
-    choice.update(prefill_hot_slots=hot, prefill_io_bound_tok_s=tok_s,
-                  prefill_extra_bytes=layout.fixed["compute_buffers"] - plan.parts["compute_buffers"])
+    choice.update(
+        prefill_hot_slots=hot,
+        prefill_io_bound_tok_s=tok_s,
+        prefill_extra_bytes=layout.fixed["compute_buffers"] - plan.parts["compute_buffers"],
+    )
     return dataclasses.replace(plan, ubatch_choice=choice, notes=plan.notes + [ubatch_note(choice)])
 
 

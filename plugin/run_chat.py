@@ -42,8 +42,11 @@ class LoadOptions:
         kwargs: Dict[str, Any] = {"n_ctx": n_ctx, "verbose": False, **self.extra}
         if self.threads is not None:
             kwargs["n_threads"] = self.threads
-        for key, value in (("sidecar_path", self.sidecar), ("flash_mode", self.flash_mode),
-                           ("ram_budget_mb", self.ram_budget_mb)):
+        for key, value in (
+            ("sidecar_path", self.sidecar),
+            ("flash_mode", self.flash_mode),
+            ("ram_budget_mb", self.ram_budget_mb),
+        ):
             if value is not None:
                 kwargs[key] = value
         return kwargs
@@ -147,16 +150,18 @@ def run_prompt(llm, prompt: str, *, raw: bool, sampling: Dict[str, Any], out: Te
     if raw:
         pieces = _completion_pieces(llm.create_completion(prompt, stream=True, **sampling))
     else:
-        pieces = _chat_pieces(llm.create_chat_completion(
-            messages=[{"role": "user", "content": prompt}], stream=True, **sampling))
+        pieces = _chat_pieces(
+            llm.create_chat_completion(messages=[{"role": "user", "content": prompt}], stream=True, **sampling)
+        )
     _, interrupted = stream_out(pieces, out)
     out.write("\n")
     out.flush()
     return not interrupted
 
 
-CHAT_HELP = ("Ctrl-C stops a reply; Ctrl-D, or Ctrl-C at an empty prompt, quits. "
-             "/reset forgets the conversation, /exit quits.")
+CHAT_HELP = (
+    "Ctrl-C stops a reply; Ctrl-D, or Ctrl-C at an empty prompt, quits. /reset forgets the conversation, /exit quits."
+)
 
 
 def _is_context_overflow(error: ValueError) -> bool:
@@ -191,8 +196,10 @@ class ChatSession:
                     raise
                 if len(self.turns) <= 1:
                     self.turns.pop()
-                    say(f"llamaflash: this message alone does not fit the context ({e}); "
-                        "use a larger --n-ctx or a shorter message")
+                    say(
+                        f"llamaflash: this message alone does not fit the context ({e}); "
+                        "use a larger --n-ctx or a shorter message"
+                    )
                     return True
                 del self.turns[:2]  # the oldest exchange
                 say("llamaflash: the conversation no longer fits the context; dropped the oldest exchange")
@@ -224,8 +231,9 @@ def _typed_text() -> str:
     return readline.get_line_buffer()
 
 
-def chat_loop(session: ChatSession, read: Callable[[str], str] = input, out: TextIO = sys.stdout,
-              prompt: str = ">>> ") -> None:
+def chat_loop(
+    session: ChatSession, read: Callable[[str], str] = input, out: TextIO = sys.stdout, prompt: str = ">>> "
+) -> None:
     """Read messages until end of input (or Ctrl-C at an empty prompt) and answer each."""
     while True:
         try:

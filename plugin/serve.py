@@ -34,14 +34,13 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware import Middleware
 from fastapi.middleware.cors import CORSMiddleware
-from pydantic import Field, ValidationError
-from starlette_context.middleware import RawContextMiddleware
-from starlette_context.plugins import RequestIdPlugin
-
 from llama_cpp.server import app as server_app
 from llama_cpp.server import cli as server_cli
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
+from pydantic import Field, ValidationError
+from starlette_context.middleware import RawContextMiddleware
+from starlette_context.plugins import RequestIdPlugin
 
 from .errors import LlamaflashError
 from .llama import Llama
@@ -54,30 +53,46 @@ class FlashModelSettings(ModelSettings):
     meanings; ``None`` leaves llamaflash's default)."""
 
     sidecar_path: Optional[str] = Field(
-        default=None, description="llamaflash sidecar GGUF (default: <model stem>.flash.gguf beside the model; "
-                                  "without one the model runs as stock).")
+        default=None,
+        description="llamaflash sidecar GGUF (default: <model stem>.flash.gguf beside the model; "
+        "without one the model runs as stock).",
+    )
     flash_mode: Optional[Literal["auto", "dense", "sparse"]] = Field(
-        default=None, description="llamaflash lane: auto (the default), dense (exact), sparse.")
+        default=None, description="llamaflash lane: auto (the default), dense (exact), sparse."
+    )
     flash_sparsity: Optional[float] = Field(
-        default=None, ge=0.0, lt=1.0, description="A sparsity level the converter calibrated (default: its "
-                                                   "operating point).")
+        default=None,
+        ge=0.0,
+        lt=1.0,
+        description="A sparsity level the converter calibrated (default: its operating point).",
+    )
     flash_max_sparse_tokens: Optional[int] = Field(
-        default=None, ge=1, description="Batches of up to this many tokens may run on the sparse lane.")
+        default=None, ge=1, description="Batches of up to this many tokens may run on the sparse lane."
+    )
     flash_dense_up: Optional[bool] = Field(
-        default=None, description="Sparse lane: compute up for all neurons with ggml (default: by the level).")
+        default=None, description="Sparse lane: compute up for all neurons with ggml (default: by the level)."
+    )
     ram_budget_mb: Optional[float] = Field(
-        default=None, gt=0, description="Flash offload: plan the whole process to fit in this many MiB.")
+        default=None, gt=0, description="Flash offload: plan the whole process to fit in this many MiB."
+    )
     flash_io_engine: Literal["auto", "io_uring", "pool"] = Field(
-        default="auto", description="Flash offload I/O: auto, io_uring, pool.")
+        default="auto", description="Flash offload I/O: auto, io_uring, pool."
+    )
     flash_stream_gate: Optional[bool] = Field(
-        default=None, description="Flash offload: read the gate matrices from flash every token (true) or keep "
-                                  "them resident (false); default: the planner's choice.")
+        default=None,
+        description="Flash offload: read the gate matrices from flash every token (true) or keep "
+        "them resident (false); default: the planner's choice.",
+    )
     flash_disk_profile: Optional[Union[str, Dict[str, Any]]] = Field(
-        default=None, description="Flash offload: disk profile: 'probe', 'default', a JSON file, or (config "
-                                  "file) an object; default: the saved profile of the sidecar's disk.")
+        default=None,
+        description="Flash offload: disk profile: 'probe', 'default', a JSON file, or (config "
+        "file) an object; default: the saved profile of the sidecar's disk.",
+    )
     flash_draft_copy: Optional[bool] = Field(
-        default=None, description="Flash offload: keep the sidecar's draft copy resident for speculative "
-                                  "self-drafts (true/false); default: the planner's choice.")
+        default=None,
+        description="Flash offload: keep the sidecar's draft copy resident for speculative "
+        "self-drafts (true/false); default: the planner's choice.",
+    )
 
 
 #: The settings llamaflash adds to llama-cpp-python's ModelSettings (passed to llamaflash.Llama).
@@ -97,8 +112,11 @@ class FlashConfigFileSettings(ServerSettings):
 def flash_kwargs(settings: ModelSettings) -> Dict[str, Any]:
     """llamaflash.Llama keyword arguments set in ``settings`` (none for plain ModelSettings)."""
     defaults = FlashModelSettings.model_fields
-    return {name: getattr(settings, name) for name in FLASH_FIELDS
-            if getattr(settings, name, defaults[name].default) != defaults[name].default}
+    return {
+        name: getattr(settings, name)
+        for name in FLASH_FIELDS
+        if getattr(settings, name, defaults[name].default) != defaults[name].default
+    }
 
 
 class _FlashLlamaClass:
@@ -128,8 +146,10 @@ class _LlamaCppWithFlashLlama:
 
 _UPSTREAM_LOADER = LlamaProxy.load_llama_from_model_settings
 if "llama_cpp" not in _UPSTREAM_LOADER.__code__.co_names:  # the loader reaches Llama as llama_cpp.Llama
-    raise ImportError(f"llama_cpp {llama_cpp.__version__}: LlamaProxy.load_llama_from_model_settings no longer "
-                      "constructs llama_cpp.Llama by that name; llamaflash.serve must be updated for it")
+    raise ImportError(
+        f"llama_cpp {llama_cpp.__version__}: LlamaProxy.load_llama_from_model_settings no longer "
+        "constructs llama_cpp.Llama by that name; llamaflash.serve must be updated for it"
+    )
 
 
 def _loader_constructing(llama_class: _FlashLlamaClass):
@@ -137,8 +157,13 @@ def _loader_constructing(llama_class: _FlashLlamaClass):
     draft model, tokenizer, cache, chat template kwargs, all as upstream does them) with its ``llama_cpp``
     name bound to :class:`_LlamaCppWithFlashLlama`: the same code, its own namespace; nothing global changes."""
     namespace = dict(_UPSTREAM_LOADER.__globals__, llama_cpp=_LlamaCppWithFlashLlama(llama_class))
-    return types.FunctionType(_UPSTREAM_LOADER.__code__, namespace, _UPSTREAM_LOADER.__name__,
-                              _UPSTREAM_LOADER.__defaults__, _UPSTREAM_LOADER.__closure__)
+    return types.FunctionType(
+        _UPSTREAM_LOADER.__code__,
+        namespace,
+        _UPSTREAM_LOADER.__name__,
+        _UPSTREAM_LOADER.__defaults__,
+        _UPSTREAM_LOADER.__closure__,
+    )
 
 
 def load_flash_llama(settings: ModelSettings) -> Llama:
@@ -172,11 +197,15 @@ def create_app(server_settings: ServerSettings, model_settings: Sequence[ModelSe
     here. The routes reach the proxy through ``llama_cpp.server.app``'s module state, so one app per
     process, as upstream."""
     server_app.set_server_settings(server_settings)
-    app = FastAPI(middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))],
-                  title="llama.cpp Python API (llamaflash)", version=llama_cpp.__version__,
-                  root_path=server_settings.root_path)
-    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"],
-                       allow_headers=["*"])
+    app = FastAPI(
+        middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))],
+        title="llama.cpp Python API (llamaflash)",
+        version=llama_cpp.__version__,
+        root_path=server_settings.root_path,
+    )
+    app.add_middleware(
+        CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"], allow_headers=["*"]
+    )
     app.include_router(server_app.router)
     # what upstream's set_llama_proxy does, with the llamaflash proxy
     server_app._llama_proxy = FlashLlamaProxy(models=list(model_settings))
@@ -203,25 +232,36 @@ def _add_setting_option(parser: argparse.ArgumentParser, name: str, field) -> No
     if server_cli._contains_dict_type(annotation):
         parser.add_argument(*flags, dest=name, type=server_cli._parse_json_object_arg, help=description)
     elif base is bool:
-        parser.add_argument(*flags, dest=name, type=server_cli._parse_bool_arg, nargs="?", const=True,
-                            help=description)
+        parser.add_argument(*flags, dest=name, type=server_cli._parse_bool_arg, nargs="?", const=True, help=description)
     else:
-        parser.add_argument(*flags, dest=name, type=base, help=description,
-                            nargs="*" if server_cli._contains_list_type(annotation) else None)
+        parser.add_argument(
+            *flags,
+            dest=name,
+            type=base,
+            help=description,
+            nargs="*" if server_cli._contains_list_type(annotation) else None,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="llamaflash serve", allow_abbrev=False,
+        prog="llamaflash serve",
+        allow_abbrev=False,
         description="llama-cpp-python's OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
-                    "/v1/embeddings, /v1/models, ...) with the models served by llamaflash. Every "
-                    "llama_cpp.server option works, with underscores or dashes, as do llamaflash's.",
+        "/v1/embeddings, /v1/models, ...) with the models served by llamaflash. Every "
+        "llama_cpp.server option works, with underscores or dashes, as do llamaflash's.",
         epilog="Several models: --config_file FILE (JSON, or YAML by extension): the server settings plus "
-               "\"models\": [{\"model\": ..., \"model_alias\": ..., \"ram_budget_mb\": ..., ...}, ...].")
-    parser.add_argument("model_arg", nargs="?", metavar="MODEL",
-                        help="Model: a .gguf file or a registry name (`llamaflash models`).")
-    parser.add_argument("--config_file", "--config-file", dest="config_file",
-                        help="Server config file (JSON or YAML) with several models; also $CONFIG_FILE.")
+        '"models": [{"model": ..., "model_alias": ..., "ram_budget_mb": ..., ...}, ...].',
+    )
+    parser.add_argument(
+        "model_arg", nargs="?", metavar="MODEL", help="Model: a .gguf file or a registry name (`llamaflash models`)."
+    )
+    parser.add_argument(
+        "--config_file",
+        "--config-file",
+        dest="config_file",
+        help="Server config file (JSON or YAML) with several models; also $CONFIG_FILE.",
+    )
     for name, field in FlashSettings.model_fields.items():
         _add_setting_option(parser, name, field)
     return parser
@@ -265,8 +305,10 @@ def parse_settings(argv: Sequence[str]) -> Tuple[ServerSettings, List[FlashModel
     try:
         if config_file:
             if model_given:
-                raise LlamaflashError(f"with a config file the models and their options come from the file "
-                                      f"(given here: {', '.join(sorted(model_given))})")
+                raise LlamaflashError(
+                    f"with a config file the models and their options come from the file "
+                    f"(given here: {', '.join(sorted(model_given))})"
+                )
             config = read_config_file(config_file)
             if not config.models:
                 raise LlamaflashError(f"config file '{config_file}' lists no models")
@@ -301,8 +343,9 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise PortInUseError(f"port {port} on {host} is already in use (another server?); "
-                                 f"choose another with --port") from e
+            raise PortInUseError(
+                f"port {port} on {host} is already in use (another server?); choose another with --port"
+            ) from e
         raise LlamaflashError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
     return sock
 
@@ -316,8 +359,10 @@ def serve(argv: Sequence[str]) -> None:
         scheme = "https" if server_settings.ssl_certfile else "http"
         host = f"[{server_settings.host}]" if ":" in server_settings.host else server_settings.host
         url = f"{scheme}://{host}:{port}{server_settings.root_path}/v1"
-        say(f"llamaflash: listening on {url} ({len(models)} model{'s' if len(models) != 1 else ''}: "
-            f"{', '.join(m.model_alias or m.model for m in models)}); loading the first")
+        say(
+            f"llamaflash: listening on {url} ({len(models)} model{'s' if len(models) != 1 else ''}: "
+            f"{', '.join(m.model_alias or m.model for m in models)}); loading the first"
+        )
         try:
             app = create_app(server_settings, models)
         except ValueError as e:  # llama.cpp cannot load the file, or llamaflash.Llama refused a setting
@@ -325,8 +370,13 @@ def serve(argv: Sequence[str]) -> None:
                 raise
             raise LlamaflashError(f"loading {models[0].model_alias or models[0].model}: {e}") from e
         say(f"llamaflash: serving the OpenAI-compatible API at {url} (Ctrl-C stops the server)")
-        config = uvicorn.Config(app, host=server_settings.host, port=port, ssl_keyfile=server_settings.ssl_keyfile,
-                                ssl_certfile=server_settings.ssl_certfile)
+        config = uvicorn.Config(
+            app,
+            host=server_settings.host,
+            port=port,
+            ssl_keyfile=server_settings.ssl_keyfile,
+            ssl_certfile=server_settings.ssl_certfile,
+        )
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()

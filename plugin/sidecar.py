@@ -113,7 +113,7 @@ class LayerLayout:
     draft_up_offset: int | None = None
     draft_down_t_offset: int | None = None
     draft_checksum_offset: int | None = None  # with the integrity section: uint32 (n_ff, 2) draft row checksums
-    checksum_offset: int | None = None       # integrity section: uint32 (n_ff, 4) row checksums
+    checksum_offset: int | None = None  # integrity section: uint32 (n_ff, 4) row checksums
     down_checksum_offset: int | None = None  # uint32 (n_embd,) checksums of the base down rows
 
     @property
@@ -192,9 +192,7 @@ def default_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
     return model_path.with_name(name + fmt.SIDECAR_SUFFIX)
 
 
-def read_sidecar(
-    path: str | os.PathLike[str], *, model_path: str | os.PathLike[str] | None = None
-) -> SidecarInfo:
+def read_sidecar(path: str | os.PathLike[str], *, model_path: str | os.PathLike[str] | None = None) -> SidecarInfo:
     """Parse and check the sidecar at ``path``.
 
     ``model_path``, the base model if known, is only used in the command that error
@@ -209,8 +207,10 @@ def read_sidecar(
     path = Path(path)
     model = Path(model_path) if model_path is not None else None
     hint = f"Re-run {_convert_command(path, model, force=True)} to re-create it."
-    damaged = (f"Re-create it with {_convert_command(path, model, force=True)}, or, if it is a copy, "
-               "copy it again from the original.")
+    damaged = (
+        f"Re-create it with {_convert_command(path, model, force=True)}, or, if it is a copy, "
+        "copy it again from the original."
+    )
     header = _read_header(path, model, damaged)
     fields = Fields(header.metadata, path, damaged)
 
@@ -224,8 +224,11 @@ def read_sidecar(
     version = fields.uint(fmt.KEY_FORMAT_VERSION)
     if version not in fmt.SUPPORTED_FORMAT_VERSIONS:
         supported = ", ".join(str(v) for v in fmt.SUPPORTED_FORMAT_VERSIONS)
-        newer = (" It was written by a newer llamaflash: upgrade llamaflash, or"
-                 if version > max(fmt.SUPPORTED_FORMAT_VERSIONS) else "")
+        newer = (
+            " It was written by a newer llamaflash: upgrade llamaflash, or"
+            if version > max(fmt.SUPPORTED_FORMAT_VERSIONS)
+            else ""
+        )
         raise SidecarVersionError(
             f"{path}: sidecar format version {version} is not supported (this llamaflash "
             f"reads version {supported}).{newer} {hint}"
@@ -242,24 +245,27 @@ def read_sidecar(
     if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
         fields.fail(f"'{fmt.KEY_LAYERS}' is not strictly increasing: {layer_ids}")
     per_layer: dict[str, list] = {
-        key: fields.uint_array(key, length=len(layer_ids)) for key in fmt.PER_LAYER_ARRAY_KEYS}
+        key: fields.uint_array(key, length=len(layer_ids)) for key in fmt.PER_LAYER_ARRAY_KEYS
+    }
     sparsity = None
     if version >= fmt.SPARSITY_FORMAT_VERSION:
         sparsity = _sparsity_info(fields)
-        per_layer.update({key: fields.float_array(key, length=len(layer_ids))
-                          for key in fmt.V2_PER_LAYER_FLOAT_KEYS})
+        per_layer.update({key: fields.float_array(key, length=len(layer_ids)) for key in fmt.V2_PER_LAYER_FLOAT_KEYS})
         if fields.has(fmt.KEY_THRESHOLD_LEVELS):
             levels = fields.float_array(fmt.KEY_THRESHOLD_LEVELS)
             check_threshold_levels(fields, levels)
             table = fields.float_array(fmt.KEY_THRESHOLD_TABLE, length=len(layer_ids) * len(levels))
-            check_threshold_table(fields, layer_ids, levels, table, per_layer[fmt.KEY_THRESHOLDS],
-                                  sparsity.target)
+            check_threshold_table(fields, layer_ids, levels, table, per_layer[fmt.KEY_THRESHOLDS], sparsity.target)
             sparsity = dataclasses.replace(sparsity, threshold_levels=tuple(levels))
-            per_layer["threshold_table"] = [tuple(table[i * len(levels):(i + 1) * len(levels)])
-                                            for i in range(len(layer_ids))]
+            per_layer["threshold_table"] = [
+                tuple(table[i * len(levels) : (i + 1) * len(levels)]) for i in range(len(layer_ids))
+            ]
 
-    draft_types = (fields.uint_array(fmt.KEY_DRAFT_TYPES, length=len(layer_ids))
-                   if sparsity is not None and fields.has(fmt.KEY_DRAFT_TYPES) else None)
+    draft_types = (
+        fields.uint_array(fmt.KEY_DRAFT_TYPES, length=len(layer_ids))
+        if sparsity is not None and fields.has(fmt.KEY_DRAFT_TYPES)
+        else None
+    )
     tensors = {t.name: t for t in header.tensors}
     identity_order = sparsity is not None and sparsity.bundle_order == fmt.BUNDLE_ORDER_BASE
     layers = []
@@ -275,8 +281,10 @@ def read_sidecar(
     if version >= fmt.INTEGRITY_FORMAT_VERSION or fields.has(fmt.KEY_INTEGRITY_ALGORITHM):
         integrity = fields.string(fmt.KEY_INTEGRITY_ALGORITHM)
         if integrity != fmt.INTEGRITY_ALGORITHM:
-            fields.fail(f"unknown checksum algorithm {integrity!r} in '{fmt.KEY_INTEGRITY_ALGORITHM}' "
-                        f"(this llamaflash knows {fmt.INTEGRITY_ALGORITHM!r})")
+            fields.fail(
+                f"unknown checksum algorithm {integrity!r} in '{fmt.KEY_INTEGRITY_ALGORITHM}' "
+                f"(this llamaflash knows {fmt.INTEGRITY_ALGORITHM!r})"
+            )
         layers = [_integrity_layout(fields, tensors, layout) for layout in layers]
 
     return SidecarInfo(
@@ -296,7 +304,9 @@ def read_sidecar(
 
 
 def validate_pair(
-    model_path: str | os.PathLike[str], sidecar_path: str | os.PathLike[str], *,
+    model_path: str | os.PathLike[str],
+    sidecar_path: str | os.PathLike[str],
+    *,
     model: BaseModelInfo | None = None,
 ) -> SidecarInfo:
     """Check that ``sidecar_path`` belongs to ``model_path``; return its info with every
@@ -368,7 +378,11 @@ def _read_header(path: Path, model_path: Path | None, hint: str) -> GGUFHeader:
 
 
 def _layer_layout(
-    fields: Fields, tensors: dict[str, TensorInfo], layer: int, n_embd: int, meta: dict[str, int],
+    fields: Fields,
+    tensors: dict[str, TensorInfo],
+    layer: int,
+    n_embd: int,
+    meta: dict[str, int],
     identity_order: bool,
 ) -> LayerLayout:
     n_ff = meta[fmt.KEY_N_FF]
@@ -384,8 +398,7 @@ def _layer_layout(
         down_t_row = ggml_row_bytes(down_t_type, n_embd)
     except (ValueError, KeyError) as exc:
         fields.fail(f"layer {layer}: bad ggml type or size ({exc})")
-    expected_stride = fmt.bundle_stride(gate_row, up_row, block_bytes(gate_type),
-                                        block_bytes(up_type))
+    expected_stride = fmt.bundle_stride(gate_row, up_row, block_bytes(gate_type), block_bytes(up_type))
     if stride != expected_stride:
         fields.fail(
             f"layer {layer}: bundle stride {stride} does not match the v1 rule for {gate_row}+{up_row} "
@@ -398,13 +411,21 @@ def _layer_layout(
     check_order(fields, order, layer, n_ff, identity_order)
 
     return LayerLayout(
-        layer=layer, n_embd=n_embd, n_ff=n_ff,
-        gate_type=gate_type, up_type=up_type,
-        gate_row_bytes=gate_row, up_row_bytes=up_row,
-        bundle_offset=bundle.offset, bundle_stride=stride,
-        down_t_type=down_t_type, down_t_offset=down_t.offset, down_t_row_bytes=down_t_row,
+        layer=layer,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        gate_type=gate_type,
+        up_type=up_type,
+        gate_row_bytes=gate_row,
+        up_row_bytes=up_row,
+        bundle_offset=bundle.offset,
+        bundle_stride=stride,
+        down_t_type=down_t_type,
+        down_t_offset=down_t.offset,
+        down_t_row_bytes=down_t_row,
         order_offset=order.offset,
-        base_down_type=down_type, base_down_row_bytes=down_row,
+        base_down_type=down_type,
+        base_down_row_bytes=down_row,
     )
 
 
@@ -414,11 +435,19 @@ _F32 = int(gguf.GGMLQuantizationType.F32)
 def _quality_record(fields: Fields) -> dict:
     """The quality record of the first method (``fmt.QUALITY_METHODS`` order) with any key in the
     file: its fields by name, plus ``"method"``; {} when the file has none."""
-    readers = ((fmt.QUALITY_FLOAT_FIELDS, fields.real), (fmt.QUALITY_ARRAY_FIELDS, fields.float_array),
-               (fmt.QUALITY_STRING_FIELDS, fields.string), (fmt.QUALITY_UINT_FIELDS, fields.uint))
+    readers = (
+        (fmt.QUALITY_FLOAT_FIELDS, fields.real),
+        (fmt.QUALITY_ARRAY_FIELDS, fields.float_array),
+        (fmt.QUALITY_STRING_FIELDS, fields.string),
+        (fmt.QUALITY_UINT_FIELDS, fields.uint),
+    )
     for method in fmt.QUALITY_METHODS:
-        quality = {name: read(fmt.quality_key(method, name))
-                   for names, read in readers for name in names if fields.has(fmt.quality_key(method, name))}
+        quality = {
+            name: read(fmt.quality_key(method, name))
+            for names, read in readers
+            for name in names
+            if fields.has(fmt.quality_key(method, name))
+        }
         if quality:
             return {**quality, "method": method}
     return {}
@@ -451,9 +480,7 @@ def _sparsity_info(fields: Fields) -> SparsityInfo:
     )
 
 
-def _sparsity_layout(
-    fields: Fields, tensors: dict[str, TensorInfo], layout: LayerLayout, meta: dict
-) -> LayerLayout:
+def _sparsity_layout(fields: Fields, tensors: dict[str, TensorInfo], layout: LayerLayout, meta: dict) -> LayerLayout:
     """``layout`` with its v2 fields read and checked (the retired selection and predictor content
     of older files is not read)."""
     layer, n_ff = layout.layer, layout.n_ff
@@ -482,18 +509,23 @@ def _draft_layout(fields: Fields, tensors: dict[str, TensorInfo], layout: LayerL
     shape = (layout.n_embd, layout.n_ff)
     up = tensor(fields, tensors, fmt.draft_up_tensor_name(layout.layer), dtype, shape)
     down_t = tensor(fields, tensors, fmt.draft_down_t_tensor_name(layout.layer), dtype, shape)
-    return dataclasses.replace(layout, draft_type=dtype, draft_row_bytes=row, draft_up_offset=up.offset,
-                               draft_down_t_offset=down_t.offset)
+    return dataclasses.replace(
+        layout, draft_type=dtype, draft_row_bytes=row, draft_up_offset=up.offset, draft_down_t_offset=down_t.offset
+    )
+
+
 def _integrity_layout(fields: Fields, tensors: dict[str, TensorInfo], layout: LayerLayout) -> LayerLayout:
     """``layout`` with its checksum tables located (both required once the file has the section)."""
-    rows = tensor(fields, tensors, fmt.checksum_tensor_name(layout.layer), _I32,
-                  (len(fmt.CHECKSUM_COLUMNS), layout.n_ff))
+    rows = tensor(
+        fields, tensors, fmt.checksum_tensor_name(layout.layer), _I32, (len(fmt.CHECKSUM_COLUMNS), layout.n_ff)
+    )
     down = tensor(fields, tensors, fmt.base_down_checksum_tensor_name(layout.layer), _I32, (layout.n_embd,))
     draft = None
     if layout.draft_type is not None:
         draft = tensor(fields, tensors, fmt.draft_checksum_tensor_name(layout.layer), _I32, (2, layout.n_ff)).offset
-    return dataclasses.replace(layout, checksum_offset=rows.offset, down_checksum_offset=down.offset,
-                               draft_checksum_offset=draft)
+    return dataclasses.replace(
+        layout, checksum_offset=rows.offset, down_checksum_offset=down.offset, draft_checksum_offset=draft
+    )
 
 
 def read_layer_vectors(info: SidecarInfo, layout: LayerLayout) -> dict[str, np.ndarray]:
@@ -520,8 +552,7 @@ def _describe_model(model: BaseModelInfo) -> str:
 def _resolve(info: SidecarInfo, model: BaseModelInfo, layout: LayerLayout) -> LayerLayout:
     """``layout`` with the base-model offsets filled in, after checking the model agrees."""
     ffn = {f.layer: f for f in model.ffn_layers}.get(layout.layer)
-    expected = None if ffn is None else (
-        ffn.n_embd, ffn.n_ff, ffn.gate.ggml_type, ffn.up.ggml_type, ffn.down.ggml_type)
+    expected = None if ffn is None else (ffn.n_embd, ffn.n_ff, ffn.gate.ggml_type, ffn.up.ggml_type, ffn.down.ggml_type)
     actual = (layout.n_embd, layout.n_ff, layout.gate_type, layout.up_type, layout.base_down_type)
     if expected != actual:
         raise SidecarMismatchError(

@@ -110,8 +110,9 @@ def block_bytes(ggml_type: int) -> int:
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)][1]
 
 
-def tensor(fields: Fields, tensors: dict[str, TensorInfo], name: str, ggml_type: int,
-           shape: tuple[int, ...]) -> TensorInfo:
+def tensor(
+    fields: Fields, tensors: dict[str, TensorInfo], name: str, ggml_type: int, shape: tuple[int, ...]
+) -> TensorInfo:
     """The tensor ``name``, checked for type, ggml shape and alignment (the header reader has
     checked its offset, size and that its data lies inside the file)."""
     t = tensors.get(name)
@@ -136,8 +137,10 @@ def check_order(fields: Fields, t: TensorInfo, layer: int, n_ff: int, identity: 
         fields.fail(f"layer {layer}: '{t.name}' is not a permutation of 0..{n_ff - 1}")
     if identity and not np.array_equal(values, np.arange(n_ff)):
         k = int(np.flatnonzero(values != np.arange(n_ff))[0])
-        fields.fail(f"layer {layer}: '{t.name}' must be the identity in a file whose "
-                    f"'{fmt.KEY_BUNDLE_ORDER}' is '{fmt.BUNDLE_ORDER_BASE}', but entry {k} is {values[k]}")
+        fields.fail(
+            f"layer {layer}: '{t.name}' must be the identity in a file whose "
+            f"'{fmt.KEY_BUNDLE_ORDER}' is '{fmt.BUNDLE_ORDER_BASE}', but entry {k} is {values[k]}"
+        )
 
 
 def _nonnegative(v: float) -> bool:
@@ -169,8 +172,14 @@ def check_threshold_levels(fields: Fields, levels: list[float]) -> None:
         fields.fail(f"'{fmt.KEY_THRESHOLD_LEVELS}' must be increasing levels in (0, 1): {levels}")
 
 
-def check_threshold_table(fields: Fields, layer_ids: list[int], levels: list[float], table: list[float],
-                          thresholds: list[float], target: float) -> None:
+def check_threshold_table(
+    fields: Fields,
+    layer_ids: list[int],
+    levels: list[float],
+    table: list[float],
+    thresholds: list[float],
+    target: float,
+) -> None:
     """The threshold table against itself and the layers' thresholds.
 
     Entries are finite and >= 0. Each layer's row is non-decreasing: the threshold at level s is
@@ -181,22 +190,25 @@ def check_threshold_table(fields: Fields, layer_ids: list[int], levels: list[flo
     """
     bad = [i for i, v in enumerate(table) if not _nonnegative(v)]
     if bad:
-        fields.fail(f"'{fmt.KEY_THRESHOLD_TABLE}' entry {bad[0]} is {table[bad[0]]}, expected a finite "
-                    "threshold >= 0")
+        fields.fail(f"'{fmt.KEY_THRESHOLD_TABLE}' entry {bad[0]} is {table[bad[0]]}, expected a finite threshold >= 0")
     n = len(levels)
     below = [i for i, v in enumerate(levels) if v <= target]
     above = [i for i, v in enumerate(levels) if v >= target]
     for row, layer in enumerate(layer_ids):
-        entries = table[row * n:(row + 1) * n]
+        entries = table[row * n : (row + 1) * n]
         if any(b < a for a, b in zip(entries, entries[1:])):
-            fields.fail(f"layer {layer}: its '{fmt.KEY_THRESHOLD_TABLE}' row {entries} decreases; the "
-                        "threshold of a higher sparsity level cannot be lower")
+            fields.fail(
+                f"layer {layer}: its '{fmt.KEY_THRESHOLD_TABLE}' row {entries} decreases; the "
+                "threshold of a higher sparsity level cannot be lower"
+            )
         low = entries[below[-1]] if below else 0.0
         high = entries[above[0]] if above else math.inf
         if not low <= thresholds[row] <= high:
-            fields.fail(f"layer {layer}: threshold {thresholds[row]} is outside [{low}, {high}], the "
-                        f"thresholds its '{fmt.KEY_THRESHOLD_TABLE}' row holds around the sparsity target "
-                        f"{target}")
+            fields.fail(
+                f"layer {layer}: threshold {thresholds[row]} is outside [{low}, {high}], the "
+                f"thresholds its '{fmt.KEY_THRESHOLD_TABLE}' row holds around the sparsity target "
+                f"{target}"
+            )
 
 
 def check_statistics(fields: Fields, layer: int, freq: TensorInfo, mag: TensorInfo, n_ff: int) -> None:

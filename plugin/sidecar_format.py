@@ -14,7 +14,6 @@ re-laid out neuron-major (see :func:`bundle_tensor_name`, :func:`down_t_tensor_n
 from __future__ import annotations
 
 import math
-
 import re
 
 # --------------------------------------------------------------------------------------
@@ -48,6 +47,7 @@ SIDECAR_ARCHITECTURE = "llamaflash"
 #: (absolute file offset), so it can be read with O_DIRECT.
 SIDECAR_ALIGNMENT = 4096
 
+
 def bundle_stride(gate_row_bytes: int, up_row_bytes: int, gate_block_bytes: int, up_block_bytes: int) -> int:
     """Bytes per bundle row: gate row + up row, zero padded to a multiple of both types' block sizes.
 
@@ -58,6 +58,7 @@ def bundle_stride(gate_row_bytes: int, up_row_bytes: int, gate_block_bytes: int,
     unit = math.lcm(gate_block_bytes, up_block_bytes)
     raw = gate_row_bytes + up_row_bytes
     return (raw + unit - 1) // unit * unit
+
 
 #: File name suffix of a sidecar; ``model.gguf`` → ``model.flash.gguf``.
 SIDECAR_SUFFIX = ".flash.gguf"
@@ -199,11 +200,7 @@ def base_ffn_extra_names(layer: int) -> tuple[str, ...]:
     A layer carrying any of these is not served by format v1 (the sidecar has no place
     for them); it stays with llama.cpp.
     """
-    return tuple(
-        f"blk.{layer}.ffn_{proj}.{suffix}"
-        for proj in ("gate", "up", "down")
-        for suffix in ("bias", "scale")
-    )
+    return tuple(f"blk.{layer}.ffn_{proj}.{suffix}" for proj in ("gate", "up", "down") for suffix in ("bias", "scale"))
 
 
 #: Matches a base ``ffn_gate`` weight name; group 1 is the layer index.
@@ -329,7 +326,10 @@ QUALITY_STRING_FIELDS: tuple[str, ...] = (QUALITY_VALIDATION,)
 QUALITY_UINT_FIELDS: tuple[str, ...] = (QUALITY_VALIDATION_TOKENS,)
 QUALITY_FLOAT_FIELDS: tuple[str, ...] = (QUALITY_PPL_DENSE, QUALITY_PPL, QUALITY_GREEDY, QUALITY_ACTIVE_FRACTION)
 QUALITY_ARRAY_FIELDS: tuple[str, ...] = (
-    QUALITY_CURVE_SPARSITY, QUALITY_CURVE_PPL, QUALITY_CURVE_GREEDY, QUALITY_CURVE_ACTIVE_FRACTION,
+    QUALITY_CURVE_SPARSITY,
+    QUALITY_CURVE_PPL,
+    QUALITY_CURVE_GREEDY,
+    QUALITY_CURVE_ACTIVE_FRACTION,
 )
 
 
@@ -365,7 +365,11 @@ KEY_PRED_PRECISION = KEY_PREFIX + "pred_precision"
 LEGACY_PER_LAYER_UINT_KEYS: tuple[str, ...] = (KEY_SELECTION, KEY_PRED_RANKS)
 #: What this converter writes into each served layer's entry of the retired arrays.
 LEGACY_SELECTION_VALUES: dict[str, int | float] = {
-    KEY_SELECTION: 0, KEY_PRED_RANKS: 0, KEY_PRED_THRESHOLDS: 0.0, KEY_PRED_RECALL: 0.0, KEY_PRED_PRECISION: 0.0,
+    KEY_SELECTION: 0,
+    KEY_PRED_RANKS: 0,
+    KEY_PRED_THRESHOLDS: 0.0,
+    KEY_PRED_RECALL: 0.0,
+    KEY_PRED_PRECISION: 0.0,
 }
 
 #: The criterion: neuron k inactive when |act(gate_k·x)| <= threshold (CATS, arXiv 2404.08763).
@@ -443,6 +447,8 @@ def draft_down_t_tensor_name(layer: int) -> str:
     """Name of layer ``layer``'s draft down_t rows: type ``draft_types[L]``, logical numpy shape
     (n_ff, n_embd); row k = base down column order[k], dequantized and requantized."""
     return f"blk.{layer}.ffn_draft_down_t"
+
+
 # Integrity section: row checksums (required in format 3, optional in formats 1 and 2)
 # --------------------------------------------------------------------------------------
 #

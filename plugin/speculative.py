@@ -51,13 +51,13 @@ SOURCES = ("prompt_lookup", "self_draft")
 class SpeculativeSettings:
     """`Llama(flash_speculative=...)`: True (these defaults), False (off), or a dict of these fields."""
 
-    max_draft: int = 6             # k_max: drafted tokens per verify pass at most (see BATCH_INVARIANT_MAX)
-    prompt_lookup: bool = True     # n-gram drafts from the context
-    max_ngram: int = 3             # longest n-gram matched (down to 1)
-    self_draft: bool = True        # draft-mode evaluation of the same model (offload only)
-    min_confidence: float = 0.4    # self-draft stops when its top token's probability is lower
-    adaptive: bool = True          # choose k per pass from measured acceptance and costs (draft_control.py)
-    explore_share: float = 0.01    # adaptive: the share of decode time drafting may lose, probes included
+    max_draft: int = 6  # k_max: drafted tokens per verify pass at most (see BATCH_INVARIANT_MAX)
+    prompt_lookup: bool = True  # n-gram drafts from the context
+    max_ngram: int = 3  # longest n-gram matched (down to 1)
+    self_draft: bool = True  # draft-mode evaluation of the same model (offload only)
+    min_confidence: float = 0.4  # self-draft stops when its top token's probability is lower
+    adaptive: bool = True  # choose k per pass from measured acceptance and costs (draft_control.py)
+    explore_share: float = 0.01  # adaptive: the share of decode time drafting may lose, probes included
 
     @classmethod
     def from_argument(cls, value: Any) -> Optional["SpeculativeSettings"]:
@@ -79,16 +79,23 @@ class SpeculativeSettings:
     def check(self) -> None:
         limit = BATCH_INVARIANT_MAX - 1
         if not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool) or not 1 <= self.max_draft <= limit:
-            raise ValueError(f"flash_speculative max_draft must be an int in 1..{limit} (a verify batch of 1 + "
-                             f"max_draft tokens computes each row as one-token decoding), got {self.max_draft!r}")
+            raise ValueError(
+                f"flash_speculative max_draft must be an int in 1..{limit} (a verify batch of 1 + "
+                f"max_draft tokens computes each row as one-token decoding), got {self.max_draft!r}"
+            )
         if not isinstance(self.max_ngram, int) or isinstance(self.max_ngram, bool) or not 1 <= self.max_ngram <= 8:
             raise ValueError(f"flash_speculative max_ngram must be an int in 1..8, got {self.max_ngram!r}")
         if not (isinstance(self.min_confidence, (int, float)) and 0.0 <= self.min_confidence < 1.0):
             raise ValueError(f"flash_speculative min_confidence must be in [0, 1), got {self.min_confidence!r}")
-        if not (isinstance(self.explore_share, (int, float)) and not isinstance(self.explore_share, bool)
-                and 0.0 <= self.explore_share <= 0.5):
-            raise ValueError(f"flash_speculative explore_share must be a number in [0, 0.5] (the share of decode "
-                             f"time drafting may lose), got {self.explore_share!r}")
+        if not (
+            isinstance(self.explore_share, (int, float))
+            and not isinstance(self.explore_share, bool)
+            and 0.0 <= self.explore_share <= 0.5
+        ):
+            raise ValueError(
+                f"flash_speculative explore_share must be a number in [0, 0.5] (the share of decode "
+                f"time drafting may lose), got {self.explore_share!r}"
+            )
 
 
 def lookup_ngram(tokens: np.ndarray, size: int, k: int) -> np.ndarray:
@@ -97,13 +104,13 @@ def lookup_ngram(tokens: np.ndarray, size: int, k: int) -> np.ndarray:
     n = int(tokens.shape[0])
     if not 1 <= size < n:
         return np.empty(0, dtype=np.intc)
-    tail = tokens[n - size:]
-    windows = np.lib.stride_tricks.sliding_window_view(tokens[:n - 1], size)
+    tail = tokens[n - size :]
+    windows = np.lib.stride_tricks.sliding_window_view(tokens[: n - 1], size)
     hits = np.nonzero(np.all(windows == tail, axis=1))[0]
     for start in hits[::-1]:  # most recent first
         begin = int(start) + size
         if begin < n:
-            return tokens[begin:min(begin + k, n)].copy()
+            return tokens[begin : min(begin + k, n)].copy()
     return np.empty(0, dtype=np.intc)
 
 
@@ -125,8 +132,13 @@ def lookup_source(size: int) -> str:
 
 #: Prior acceptance of each draft source before anything is measured (weight: draft_control.PRIOR_TOKENS);
 #: the self-draft's comes from the plan when there is one (Speculator.attach_self_draft).
-PRIOR_ACCEPTANCE = {"user": 0.5, "prompt_lookup:3": 0.4, "prompt_lookup:2": 0.25, "prompt_lookup:1": 0.1,
-                    "self_draft": 0.3}
+PRIOR_ACCEPTANCE = {
+    "user": 0.5,
+    "prompt_lookup:3": 0.4,
+    "prompt_lookup:2": 0.25,
+    "prompt_lookup:1": 0.1,
+    "self_draft": 0.3,
+}
 
 
 class Speculator:
@@ -136,8 +148,13 @@ class Speculator:
     many tokens each source drafts is the `draft_control.DraftController`'s decision, from the
     verify passes and drafts timed on `clock`."""
 
-    def __init__(self, settings: SpeculativeSettings, self_draft: Optional[Callable] = None,
-                 user_draft: Optional[Callable] = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        settings: SpeculativeSettings,
+        self_draft: Optional[Callable] = None,
+        user_draft: Optional[Callable] = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.settings = settings
         self._self_draft = None
         self._user_draft = user_draft
@@ -155,8 +172,12 @@ class Speculator:
             user = self.control.sources["user"]
             user.state, user.last_k = "on", settings.max_draft
             user.reason = f"on: the caller's draft_model, used as given (up to {settings.max_draft} tokens a pass)"
-        self.control.disable("self_draft", "off: flash_speculative self_draft=False" if not settings.self_draft else
-                             "off: no self-draft for this model (it needs flash offload with the gate resident)")
+        self.control.disable(
+            "self_draft",
+            "off: flash_speculative self_draft=False"
+            if not settings.self_draft
+            else "off: no self-draft for this model (it needs flash offload with the gate resident)",
+        )
         if self_draft is not None:
             self.attach_self_draft(self_draft)
         self._pending: Optional[tuple] = None  # (control name, stats source, n_past, drafted, seconds, probe, pass)
@@ -168,8 +189,13 @@ class Speculator:
     def max_batch(self) -> int:
         return verify_batch_max(self.settings)
 
-    def attach_self_draft(self, self_draft: Callable, prior_acceptance: Optional[float] = None,
-                          prior_step_seconds: float = 0.0, note: str = "") -> None:
+    def attach_self_draft(
+        self,
+        self_draft: Callable,
+        prior_acceptance: Optional[float] = None,
+        prior_step_seconds: float = 0.0,
+        note: str = "",
+    ) -> None:
         """Drafts from `self_draft` from now on (when settings.self_draft); the priors (e.g. the plan's
         predicted acceptance for its resident share, said in `note`) stand until drafts are measured."""
         self._self_draft = self_draft
@@ -191,7 +217,7 @@ class Speculator:
         llama._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
         llama._ctx.decode(llama._batch)
         self.record_verify(len(tokens), self._clock() - t0)
-        llama.input_ids[n_past:n_past + len(tokens)] = tokens
+        llama.input_ids[n_past : n_past + len(tokens)] = tokens
         llama.n_tokens += len(tokens)
         llama._requires_eval = False
 
@@ -208,8 +234,10 @@ class Speculator:
 
     def reset_stats(self) -> None:
         """Zeroes the counters of summary() (the controller keeps what it has learned)."""
-        self.stats = {name: {"passes": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0}
-                      for name in ("prompt_lookup", "self_draft", "user", "none")}
+        self.stats = {
+            name: {"passes": 0, "drafted": 0, "accepted": 0, "draft_seconds": 0.0}
+            for name in ("prompt_lookup", "self_draft", "user", "none")
+        }
         self.verify_passes = 0
         self.verify_tokens = 0
         self.verify_seconds = 0.0
@@ -314,13 +342,20 @@ class Speculator:
             "verify_passes": self.verify_passes,
             "verify_seconds": self.verify_seconds,
             "verify_tokens_mean": self.verify_tokens / self.verify_passes if self.verify_passes else None,
-            "flash_bytes_per_delivered_token": (flash_bytes / delivered if flash_bytes is not None and delivered
-                                                else None),
-            "by_source": {name: dict(e, acceptance=(e["accepted"] / e["drafted"] if e["drafted"] else None))
-                          for name, e in self.stats.items() if e["passes"]},
+            "flash_bytes_per_delivered_token": (
+                flash_bytes / delivered if flash_bytes is not None and delivered else None
+            ),
+            "by_source": {
+                name: dict(e, acceptance=(e["accepted"] / e["drafted"] if e["drafted"] else None))
+                for name, e in self.stats.items()
+                if e["passes"]
+            },
             "next_k": {name: src["next_k"] for name, src in control["sources"].items()},
-            "why": ({name: src["reason"] for name, src in control["sources"].items()} if self.settings.adaptive
-                    else {"all": f"adaptive=False: every pass drafts up to max_draft={self.settings.max_draft}"}),
+            "why": (
+                {name: src["reason"] for name, src in control["sources"].items()}
+                if self.settings.adaptive
+                else {"all": f"adaptive=False: every pass drafts up to max_draft={self.settings.max_draft}"}
+            ),
             "control": control,
         }
         return out
@@ -406,5 +441,13 @@ def verify_batch_max(settings: Optional[SpeculativeSettings]) -> int:
     return 1 + settings.max_draft if settings is not None else 1
 
 
-__all__: Sequence[str] = ("SpeculativeSettings", "Speculator", "prompt_lookup", "lookup_ngram", "lookup_source",
-                          "make_self_draft", "verify_batch_max", "SOURCES")
+__all__: Sequence[str] = (
+    "SpeculativeSettings",
+    "Speculator",
+    "prompt_lookup",
+    "lookup_ngram",
+    "lookup_source",
+    "make_self_draft",
+    "verify_batch_max",
+    "SOURCES",
+)

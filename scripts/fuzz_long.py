@@ -22,6 +22,7 @@ cover ("data flip, checked rows": their reader is ``fuzz_cases.integrity_summary
 plus every row checksum, and each is expected to be a clean error) or elsewhere ("data flip, other":
 statistics and other tensors the engine does not compute with, read structurally).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # children are forked: no BL
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+import fuzz_cases as cases  # noqa: E402
 import numpy as np  # noqa: E402
 
-import fuzz_cases as cases  # noqa: E402
 from llamaflash import assets  # noqa: E402
 from llamaflash.errors import LlamaflashError  # noqa: E402
 from llamaflash.gguf_header import read_gguf_header  # noqa: E402
@@ -51,8 +52,13 @@ SIDECAR_NAME = "SmolLM2-135M-Instruct.Q4_1.v3.flash.gguf"  # where the test fixt
 PROMPT = "The capital of France is"
 LLAMA_CONFIGS = ({"flash_mode": "sparse"}, {"ram_budget_mb": 400})
 #: Base tensors whose infos are edited (gguf's reader takes seconds per edit on the base's header).
-BASE_EDITED = ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "blk.29.attn_q.weight",
-               "token_embd.weight")
+BASE_EDITED = (
+    "blk.0.ffn_gate.weight",
+    "blk.0.ffn_up.weight",
+    "blk.0.ffn_down.weight",
+    "blk.29.attn_q.weight",
+    "token_embd.weight",
+)
 
 
 class WorkingCopy:
@@ -79,13 +85,13 @@ class WorkingCopy:
         with open(self.path, "r+b") as f:
             if case.size is not None:
                 f.seek(case.size)
-                f.write(self.data[case.size:])
+                f.write(self.data[case.size :])
             for offset, new in case.patches:
                 f.seek(offset)
-                f.write(self.data[offset:offset + len(new)])
+                f.write(self.data[offset : offset + len(new)])
             if case.edit is not None:  # tensor-info edits change the header only
                 f.seek(0)
-                f.write(self.data[:self.data_offset])
+                f.write(self.data[: self.data_offset])
 
 
 def child_result(read: Callable[[], Any], expected: Any) -> dict[str, Any]:
@@ -117,9 +123,14 @@ class Runner:
     """Runs cases in forked children, ``slots`` at a time, each slot with its own working copies."""
 
     def __init__(self, model: Path, sidecar: Path, scratch: Path, slots: int) -> None:
-        self.slots = [{"base": WorkingCopy(model, scratch / f"slot{i}"),
-                       "sidecar": WorkingCopy(sidecar, scratch / f"slot{i}"), "busy": None}
-                      for i in range(slots)]
+        self.slots = [
+            {
+                "base": WorkingCopy(model, scratch / f"slot{i}"),
+                "sidecar": WorkingCopy(sidecar, scratch / f"slot{i}"),
+                "busy": None,
+            }
+            for i in range(slots)
+        ]
 
     def read_fn(self, slot: dict, target: str, llama_config: dict | None, kind: str = "") -> Callable[[], Any]:
         base, side = slot["base"].path, slot["sidecar"].path
@@ -148,8 +159,9 @@ class Runner:
                         job.update(outcome="skipped", detail=f"{type(exc).__name__}: {exc}")
                         on_done(job)
                         continue
-                    fd, pid = self._fork(self.read_fn(slot, job["target"], job["llama_config"], job["case"].kind),
-                                         expected(job))
+                    fd, pid = self._fork(
+                        self.read_fn(slot, job["target"], job["llama_config"], job["case"].kind), expected(job)
+                    )
                     slot["busy"] = job
                     running[fd] = (slot, job, pid, time.monotonic() + job["timeout"], bytearray())
             if not running:
@@ -159,8 +171,9 @@ class Runner:
             ready, _, _ = select.select(list(running), [], [], wait)
             stopped = time.monotonic() - before - wait
             if stopped > 1.0:  # this process was stopped (SIGSTOP): the children's time was not theirs
-                running = {fd: (s, j, pid, deadline + stopped, out)
-                           for fd, (s, j, pid, deadline, out) in running.items()}
+                running = {
+                    fd: (s, j, pid, deadline + stopped, out) for fd, (s, j, pid, deadline, out) in running.items()
+                }
             for fd in list(running):
                 slot, job, pid, deadline, out = running[fd]
                 if fd in ready:
@@ -222,11 +235,15 @@ def build_cases(runner: Runner, n: int, seed: int) -> list[tuple[str, cases.Case
     side, base = slot["sidecar"], slot["base"]
     checked = cases.checked_ranges(base.path, side.path)
     out: list[tuple[str, cases.Case]] = []
-    for target, copy, header_share, data_share, trunc_share in (("sidecar", side, 0.35, 0.15, 0.02),
-                                                                 ("base", base, 0.20, 0.05, 0.015)):
+    for target, copy, header_share, data_share, trunc_share in (
+        ("sidecar", side, 0.35, 0.15, 0.02),
+        ("base", base, 0.20, 0.05, 0.015),
+    ):
         out += [(target, c) for c in cases.header_flips(copy.data, copy.data_offset, int(n * header_share), rng)]
-        out += [(target, c) for c in cases.data_flips(copy.data, copy.data_offset, int(n * data_share), rng,
-                                                       checked[target])]
+        out += [
+            (target, c)
+            for c in cases.data_flips(copy.data, copy.data_offset, int(n * data_share), rng, checked[target])
+        ]
         out += [(target, c) for c in cases.truncations(copy.data, copy.data_offset, int(n * trunc_share), rng)]
         out += [(target, c) for c in cases.tensor_info_edits(copy.path, None if target == "sidecar" else BASE_EDITED)]
         out += [(target, c) for c in cases.count_edits()]
@@ -273,8 +290,12 @@ def tally(jobs: list[dict]) -> dict[str, Any]:
         if job["outcome"] in ("crash", "hang", "different output") and len(examples[job["outcome"]]) < 25:
             examples[job["outcome"]].append(f"{key}: {job['case'].label}: {job['detail']}")
     totals = Counter(job["outcome"] for job in jobs)
-    return {"cases": len(jobs), "totals": {o: totals.get(o, 0) for o in (*OUTCOMES, "skipped")},
-            "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())}, "examples": dict(examples)}
+    return {
+        "cases": len(jobs),
+        "totals": {o: totals.get(o, 0) for o in (*OUTCOMES, "skipped")},
+        "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
+        "examples": dict(examples),
+    }
 
 
 def main() -> int:
@@ -297,19 +318,34 @@ def main() -> int:
     try:
         all_cases = build_cases(runner, args.cases, args.seed)
         slot = runner.slots[0]
-        clean = {"sidecar": cases.sidecar_summary(slot["base"].path, slot["sidecar"].path),
-                 "base": cases.base_summary(slot["base"].path)}
+        clean = {
+            "sidecar": cases.sidecar_summary(slot["base"].path, slot["sidecar"].path),
+            "base": cases.base_summary(slot["base"].path),
+        }
         reader_jobs = [{"target": t, "case": c, "llama_config": None, "timeout": args.timeout} for t, c in all_cases]
         llama_jobs = []
         if args.llama_cases:
             import llamaflash.llama  # noqa: F401  (loaded once, before the children fork)
 
             for i, (t, c) in enumerate(llama_subset(all_cases, args.llama_cases, args.seed)):
-                llama_jobs.append({"target": t, "case": c, "llama_config": LLAMA_CONFIGS[i % len(LLAMA_CONFIGS)],
-                                   "timeout": args.llama_timeout})
+                llama_jobs.append(
+                    {
+                        "target": t,
+                        "case": c,
+                        "llama_config": LLAMA_CONFIGS[i % len(LLAMA_CONFIGS)],
+                        "timeout": args.llama_timeout,
+                    }
+                )
             # the clean pair's outputs, in children like every case (the parent never starts llama.cpp)
-            references = [{"target": "sidecar", "case": cases.Case("clean", "clean"), "llama_config": config,
-                           "timeout": args.llama_timeout} for config in LLAMA_CONFIGS]
+            references = [
+                {
+                    "target": "sidecar",
+                    "case": cases.Case("clean", "clean"),
+                    "llama_config": config,
+                    "timeout": args.llama_timeout,
+                }
+                for config in LLAMA_CONFIGS
+            ]
             runner.run(references, lambda job: None, lambda job: None)
             for job in references:
                 if job.get("text") is None:
@@ -340,10 +376,15 @@ def main() -> int:
         scratch.rmdir()
     payload = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "model": str(model), "sidecar": str(sidecar), "seed": args.seed, "slots": args.slots,
-        "elapsed_s": round(time.perf_counter() - t0, 1), "reader_elapsed_s": round(reader_s, 1),
+        "model": str(model),
+        "sidecar": str(sidecar),
+        "seed": args.seed,
+        "slots": args.slots,
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+        "reader_elapsed_s": round(reader_s, 1),
         "clean_llama_outputs": {k: v for k, v in clean.items() if k.startswith("{")},
-        "readers": tally(reader_jobs), "llama": tally(llama_jobs),
+        "readers": tally(reader_jobs),
+        "llama": tally(llama_jobs),
     }
     out = args.json or REPO / "bench" / "results" / f"fuzz-long-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(payload, indent=1) + "\n")

@@ -26,14 +26,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from synth import FAST_CONVERT, TinyModelSpec, write_tiny_llama
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--generated-dir", default=None, type=Path,
-                     help="directory for files the tests generate and may reuse between runs (converted "
-                          "real-model sidecars, saved disk profiles); default: a fresh temporary directory")
+    parser.addoption(
+        "--generated-dir",
+        default=None,
+        type=Path,
+        help="directory for files the tests generate and may reuse between runs (converted "
+        "real-model sidecars, saved disk profiles); default: a fresh temporary directory",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -144,15 +147,19 @@ def forced_plan(monkeypatch):
         from llamaflash import planner as real
 
         fake = types.ModuleType("llamaflash.planner")
-        fake.__dict__.update({k: v for k, v in vars(real).items() if not k.startswith("__")})  # all but plan_offload real
+        fake.__dict__.update(
+            {k: v for k, v in vars(real).items() if not k.startswith("__")}
+        )  # all but plan_offload real
 
         def plan_offload(*a, **k):
             if calls is not None:
                 calls.append(k)
             return plan
+
         fake.plan_offload = plan_offload
         monkeypatch.setitem(sys.modules, "llamaflash.planner", fake)
         monkeypatch.setattr(llamaflash, "planner", fake, raising=False)
+
     return use
 
 

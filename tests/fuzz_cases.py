@@ -33,9 +33,9 @@ from typing import Callable, Collection, Iterator
 import gguf
 import numpy as np
 
-from llamaflash.gguf_header import read_gguf_header
 from llamaflash import sidecar_format as fmt
 from llamaflash.errors import SidecarIntegrityError
+from llamaflash.gguf_header import read_gguf_header
 from llamaflash.gguf_model import read_base_model
 from llamaflash.integrity import verify_files
 from llamaflash.sidecar import read_sidecar, validate_pair
@@ -49,16 +49,16 @@ VALUE_FIELDS = frozenset({"threshold", "sparsity", "ffn_rel_error", "threshold_t
 class Case:
     label: str
     kind: str
-    patches: tuple[tuple[int, bytes], ...] = ()   # (offset, new bytes) over the clean bytes
-    size: int | None = None                       # truncate to this many bytes
-    edit: Callable[[Path], None] | None = None    # in place, header only, after patches and size
+    patches: tuple[tuple[int, bytes], ...] = ()  # (offset, new bytes) over the clean bytes
+    size: int | None = None  # truncate to this many bytes
+    edit: Callable[[Path], None] | None = None  # in place, header only, after patches and size
 
     def apply(self, data: bytes) -> bytes:
         """The clean ``data`` with the patches and the truncation (not the edit)."""
         mutated = bytearray(data)
         for offset, new in self.patches:
-            mutated[offset:offset + len(new)] = new
-        return bytes(mutated if self.size is None else mutated[:self.size])
+            mutated[offset : offset + len(new)] = new
+        return bytes(mutated if self.size is None else mutated[: self.size])
 
 
 # --------------------------------------------------------------------------------------
@@ -68,8 +68,9 @@ class Case:
 
 def sidecar_summary(model: Path, sidecar: Path) -> tuple:
     info = validate_pair(model, sidecar)
-    layers = tuple(tuple(sorted((k, v) for k, v in lay.to_dict().items() if k not in VALUE_FIELDS))
-                   for lay in info.layers)
+    layers = tuple(
+        tuple(sorted((k, v) for k, v in lay.to_dict().items() if k not in VALUE_FIELDS)) for lay in info.layers
+    )
     order = info.sparsity.bundle_order if info.sparsity else None
     return info.format_version, info.activation, info.n_embd, info.base_identity, order, layers
 
@@ -81,8 +82,10 @@ def integrity_summary(model: Path, sidecar: Path) -> tuple:
     report = verify_files(sidecar, model, max_mismatches=1)
     if not report.ok:
         m = report.mismatches[0] if report.mismatches else None
-        raise SidecarIntegrityError(f"{report.n_mismatches} rows do not match their checksums"
-                                    + (f", first {m.tensor} row {m.row}" if m else ""))
+        raise SidecarIntegrityError(
+            f"{report.n_mismatches} rows do not match their checksums"
+            + (f", first {m.tensor} row {m.row}" if m else "")
+        )
     return summary
 
 
@@ -92,14 +95,20 @@ def checked_ranges(model: Path, sidecar: Path) -> dict[str, list[tuple[int, int]
     info = validate_pair(model, sidecar)
     side, base = [], []
     for lay in info.layers:
-        side += [(lay.bundle_offset, lay.bundle_offset + lay.n_ff * lay.bundle_stride),
-                 (lay.down_t_offset, lay.down_t_offset + lay.n_ff * lay.down_t_row_bytes)]
+        side += [
+            (lay.bundle_offset, lay.bundle_offset + lay.n_ff * lay.bundle_stride),
+            (lay.down_t_offset, lay.down_t_offset + lay.n_ff * lay.down_t_row_bytes),
+        ]
         if lay.checksum_offset is not None:
-            side += [(lay.checksum_offset, lay.checksum_offset + 4 * len(fmt.CHECKSUM_COLUMNS) * lay.n_ff),
-                     (lay.down_checksum_offset, lay.down_checksum_offset + 4 * lay.n_embd)]
-        base += [(lay.base_gate_offset, lay.base_gate_offset + lay.n_ff * lay.gate_row_bytes),
-                 (lay.base_up_offset, lay.base_up_offset + lay.n_ff * lay.up_row_bytes),
-                 (lay.base_down_offset, lay.base_down_offset + lay.n_embd * lay.base_down_row_bytes)]
+            side += [
+                (lay.checksum_offset, lay.checksum_offset + 4 * len(fmt.CHECKSUM_COLUMNS) * lay.n_ff),
+                (lay.down_checksum_offset, lay.down_checksum_offset + 4 * lay.n_embd),
+            ]
+        base += [
+            (lay.base_gate_offset, lay.base_gate_offset + lay.n_ff * lay.gate_row_bytes),
+            (lay.base_up_offset, lay.base_up_offset + lay.n_ff * lay.up_row_bytes),
+            (lay.base_down_offset, lay.base_down_offset + lay.n_embd * lay.base_down_row_bytes),
+        ]
     return {"sidecar": sorted(side), "base": sorted(base)}
 
 
@@ -114,8 +123,15 @@ def base_summary(model: Path) -> tuple:
 # --------------------------------------------------------------------------------------
 
 
-def edit_tensor_info(path: Path, name: str, *, offset: int | None = None, dims: list[int] | None = None,
-                     ggml_type: int | None = None, new_name: str | None = None) -> None:
+def edit_tensor_info(
+    path: Path,
+    name: str,
+    *,
+    offset: int | None = None,
+    dims: list[int] | None = None,
+    ggml_type: int | None = None,
+    new_name: str | None = None,
+) -> None:
     """Overwrite parts of tensor ``name``'s info in place: its data offset (relative to the data
     section), its ggml ne (same number of dimensions), its type, or its name (same length).
     Info parts: name length, name, n_dims, ne, type, offset."""
@@ -153,8 +169,9 @@ def header_flips(data: bytes, data_offset: int, n: int, rng: np.random.Generator
         yield Case(f"flip byte {pos} bit {bit}", "header flip", _flip(data, int(pos), int(bit)))
 
 
-def data_flips(data: bytes, data_offset: int, n: int, rng: np.random.Generator,
-               checked: list[tuple[int, int]] | None = None) -> Iterator[Case]:
+def data_flips(
+    data: bytes, data_offset: int, n: int, rng: np.random.Generator, checked: list[tuple[int, int]] | None = None
+) -> Iterator[Case]:
     """Bit flips anywhere in the data section; with ``checked`` (:func:`checked_ranges`) each is kind
     "data flip, checked rows" or "data flip, other" by where it lands."""
     for pos, bit in zip(rng.integers(data_offset, len(data), n), rng.integers(0, 8, n)):
@@ -194,26 +211,40 @@ def tensor_info_edits(clean: Path, only: Collection[str] | None = None) -> Itera
             continue
         t = next(t for t in header.tensors if t.name == name)
         other = names[(i + 1) % len(names)]
-        yield Case(f"{name} offset +4096", "tensor info",
-                   edit=lambda p, n=name: edit_tensor_info(p, n, offset=offsets[n] + 4096))
-        yield Case(f"{name} offset -4096", "tensor info",
-                   edit=lambda p, n=name: edit_tensor_info(p, n, offset=max(0, offsets[n] - 4096)))
-        yield Case(f"{name} aliases {other}", "tensor info",
-                   edit=lambda p, n=name, o=other: edit_tensor_info(p, n, offset=offsets[o]))
+        yield Case(
+            f"{name} offset +4096",
+            "tensor info",
+            edit=lambda p, n=name: edit_tensor_info(p, n, offset=offsets[n] + 4096),
+        )
+        yield Case(
+            f"{name} offset -4096",
+            "tensor info",
+            edit=lambda p, n=name: edit_tensor_info(p, n, offset=max(0, offsets[n] - 4096)),
+        )
+        yield Case(
+            f"{name} aliases {other}",
+            "tensor info",
+            edit=lambda p, n=name, o=other: edit_tensor_info(p, n, offset=offsets[o]),
+        )
         doubled = [t.shape[0]] + [2 * d for d in t.shape[1:]] if len(t.shape) > 1 else [2 * t.shape[0]]
-        yield Case(f"{name} doubled", "tensor info",
-                   edit=lambda p, n=name, d=doubled: edit_tensor_info(p, n, dims=d))
+        yield Case(f"{name} doubled", "tensor info", edit=lambda p, n=name, d=doubled: edit_tensor_info(p, n, dims=d))
         for new_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.I8, 255):
-            yield Case(f"{name} type {int(new_type)}", "tensor info",
-                       edit=lambda p, n=name, ty=int(new_type): edit_tensor_info(p, n, ggml_type=ty))
+            yield Case(
+                f"{name} type {int(new_type)}",
+                "tensor info",
+                edit=lambda p, n=name, ty=int(new_type): edit_tensor_info(p, n, ggml_type=ty),
+            )
 
 
 def order_edits(clean: Path) -> Iterator[Case]:
     """Each served layer's neuron order with two entries swapped, a duplicate entry, a shuffle."""
     for lay in read_sidecar(clean).layers:
         n = lay.n_ff
-        for label, order in (("swap", np.r_[1, 0, 2:n]), ("duplicate", np.r_[0, 0, 2:n]),
-                             ("shuffle", np.random.default_rng(lay.layer).permutation(n))):
+        for label, order in (
+            ("swap", np.r_[1, 0, 2:n]),
+            ("duplicate", np.r_[0, 0, 2:n]),
+            ("shuffle", np.random.default_rng(lay.layer).permutation(n)),
+        ):
             patch = (lay.order_offset, order.astype("<i4").tobytes())
             yield Case(f"layer {lay.layer} order {label}", "order", (patch,))
 
@@ -230,7 +261,7 @@ def block_count_edits(clean: Path, data: bytes) -> Iterator[Case]:
     reader = gguf.GGUFReader(clean)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     field = reader.fields[f"{arch}.block_count"]
-    pos = int(field.offset) + sum(int(p.nbytes) for p in field.parts[:field.data[0]])
+    pos = int(field.offset) + sum(int(p.nbytes) for p in field.parts[: field.data[0]])
     del reader, field
     value = struct.unpack_from("<I", data, pos)[0]
     for new in (0xFFFFFFFF, value ^ 0xFF000000, value + 1, 0, 1):
@@ -241,6 +272,7 @@ def block_count_edits(clean: Path, data: bytes) -> Iterator[Case]:
 def deadline(seconds: float):
     """Raise TimeoutError in the block if it runs longer than ``seconds`` (a Python loop over a
     corrupt count is interrupted by the alarm)."""
+
     def expire(signum, frame):
         raise TimeoutError(f"still running after {seconds} s")
 

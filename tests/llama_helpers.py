@@ -1,4 +1,5 @@
 """Helpers for tests that run models through stock llama-cpp-python and through llamaflash."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def rel_max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 def run_in_subprocess(code: str, timeout: float = 300) -> dict:
     """Runs `code` (which must print one JSON line last) in a fresh interpreter; returns that JSON."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -31,9 +31,18 @@ def make_plan(sidecar, hot_per_layer: int, prefetch_layers: int = 1, extra_cold:
         hot.append(np.argsort(-padded.reshape(nc, C).sum(1))[:hot_per_layer].astype(np.int32))
     n_clusters = max(len(p) for p in probs)
     plan = types.SimpleNamespace(
-        hot_clusters=hot, cluster_prob=probs, cluster_size=C,
-        cold_slots=(1 + prefetch_layers) * n_clusters + extra_cold, prefetch_layers=prefetch_layers,
-        prefetch_min_prob=0.5, queue_depth=8, n_batch=64, n_ubatch=64, budget_bytes=64 << 20, stream_gate=stream_gate)
+        hot_clusters=hot,
+        cluster_prob=probs,
+        cluster_size=C,
+        cold_slots=(1 + prefetch_layers) * n_clusters + extra_cold,
+        prefetch_layers=prefetch_layers,
+        prefetch_min_prob=0.5,
+        queue_depth=8,
+        n_batch=64,
+        n_ubatch=64,
+        budget_bytes=64 << 20,
+        stream_gate=stream_gate,
+    )
     plan.to_dict = lambda: {"cluster_size": C, "hot": [len(h) for h in hot]}
     return plan
 

@@ -30,8 +30,13 @@ MiB = 1 << 20
 RECORDED = Path(__file__).resolve().parent / "data" / "planner_plans.json"
 
 
-def write_v2_sidecar(model: Path, out: Path, freqs: dict[int, np.ndarray],
-                     orders: dict[int, np.ndarray] | None = None, draft_copy: bool = False) -> Path:
+def write_v2_sidecar(
+    model: Path,
+    out: Path,
+    freqs: dict[int, np.ndarray],
+    orders: dict[int, np.ndarray] | None = None,
+    draft_copy: bool = False,
+) -> Path:
     """A format-2 sidecar of ``model`` whose neuron frequencies are ``freqs[layer]`` (base neuron order),
     bundles in ``orders[layer]`` (default identity), with the converter's automatic draft copy when
     ``draft_copy``."""
@@ -41,8 +46,15 @@ def write_v2_sidecar(model: Path, out: Path, freqs: dict[int, np.ndarray],
         order = (orders or {}).get(ffn.layer, np.arange(ffn.n_ff)).astype(np.int32)
         f = np.asarray(freqs[ffn.layer], dtype=np.float32)
         decisions[ffn.layer] = LayerDecision(
-            layer=ffn.layer, level=0.5, threshold=0.1, sparsity=float(1 - f.mean()), ffn_rel_error=0.0,
-            order=order, freq=f[order], mag=np.ones(ffn.n_ff, dtype=np.float32))
+            layer=ffn.layer,
+            level=0.5,
+            threshold=0.1,
+            sparsity=float(1 - f.mean()),
+            ffn_rel_error=0.0,
+            order=order,
+            freq=f[order],
+            mag=np.ones(ffn.n_ff, dtype=np.float32),
+        )
     stage = SparsityStage(decisions)
     stages = [BundleStage(stage.orders), stage]
     if draft_copy:
@@ -68,14 +80,22 @@ def random_freqs(n_layer: int, n_ff: int, seed: int = 0) -> dict[int, np.ndarray
 #: budgets (MiB) their cases run at: from below the least budget (refused) through partly pinned
 #: caches, streamed and resident gates, to everything pinned.
 PAIRS: dict[str, dict[str, Any]] = {
-    "base-order": dict(model=dict(n_layer=4, n_embd=256, n_ff=2048, weight_type="Q8_0"), seed=0,
-                       hot_order=False, draft_copy=False,
-                       budgets=(150, 164.5, 165, 166, 167, 168, 170, 172, 176, 180, 10_000),
-                       runtime_budgets=(200, 215, 230)),
-    "hot-order-draft": dict(model=dict(n_layer=6, n_embd=512, n_ff=4096, weight_type="Q8_0"), seed=1,
-                            hot_order=True, draft_copy=True,
-                            budgets=(180, 187, 188, 190, 194, 198, 202, 205, 210, 212, 218, 224, 234, 10_000),
-                            runtime_budgets=(230, 240, 250, 270)),
+    "base-order": dict(
+        model=dict(n_layer=4, n_embd=256, n_ff=2048, weight_type="Q8_0"),
+        seed=0,
+        hot_order=False,
+        draft_copy=False,
+        budgets=(150, 164.5, 165, 166, 167, 168, 170, 172, 176, 180, 10_000),
+        runtime_budgets=(200, 215, 230),
+    ),
+    "hot-order-draft": dict(
+        model=dict(n_layer=6, n_embd=512, n_ff=4096, weight_type="Q8_0"),
+        seed=1,
+        hot_order=True,
+        draft_copy=True,
+        budgets=(180, 187, 188, 190, 194, 198, 202, 205, 210, 212, 218, 224, 234, 10_000),
+        runtime_budgets=(230, 240, 250, 270),
+    ),
 }
 
 
@@ -96,15 +116,17 @@ def cases(pair: str) -> list[dict[str, Any]]:
     spec = PAIRS[pair]
     rt = dict(runtime_rss_bytes=40 * MiB)
     some = spec["budgets"][2:-1:3]
-    return ([dict(ram_budget_mb=b, **rt) for b in spec["budgets"]]
-            + [dict(ram_budget_mb=b) for b in spec["runtime_budgets"]]
-            + [dict(ram_budget_mb=b, cluster_size=8, n_ubatch=32, **rt) for b in some]
-            + [dict(ram_budget_mb=b, stream_gate=s, n_ubatch=32, **rt) for b in some for s in (True, False)]
-            + [dict(ram_budget_mb=b, draft_copy=d, **rt) for b in some for d in (True, False)]
-            + [dict(ram_budget_mb=b, prefetch_layers=p, **rt) for b in some for p in (0, 1, 3)]
-            + [dict(ram_budget_mb=b, n_ctx=c, **rt) for b in some for c in (64, 256, 2048)]
-            + [dict(ram_budget_mb=b, disk="fast", **rt) for b in some]
-            + [dict(ram_budget_mb=b, disk="fast", cluster_size=4, prefetch_layers=1, **rt) for b in some])
+    return (
+        [dict(ram_budget_mb=b, **rt) for b in spec["budgets"]]
+        + [dict(ram_budget_mb=b) for b in spec["runtime_budgets"]]
+        + [dict(ram_budget_mb=b, cluster_size=8, n_ubatch=32, **rt) for b in some]
+        + [dict(ram_budget_mb=b, stream_gate=s, n_ubatch=32, **rt) for b in some for s in (True, False)]
+        + [dict(ram_budget_mb=b, draft_copy=d, **rt) for b in some for d in (True, False)]
+        + [dict(ram_budget_mb=b, prefetch_layers=p, **rt) for b in some for p in (0, 1, 3)]
+        + [dict(ram_budget_mb=b, n_ctx=c, **rt) for b in some for c in (64, 256, 2048)]
+        + [dict(ram_budget_mb=b, disk="fast", **rt) for b in some]
+        + [dict(ram_budget_mb=b, disk="fast", cluster_size=4, prefetch_layers=1, **rt) for b in some]
+    )
 
 
 def make_pair(name: str, tiny_model_factory, directory: Path) -> tuple[Path, Path]:
@@ -113,8 +135,9 @@ def make_pair(name: str, tiny_model_factory, directory: Path) -> tuple[Path, Pat
     model = tiny_model_factory(**spec["model"])
     m = spec["model"]
     freqs = random_freqs(m["n_layer"], m["n_ff"], spec["seed"])
-    orders = ({i: np.argsort(-f, kind="stable").astype(np.int32) for i, f in freqs.items()}
-              if spec["hot_order"] else None)
+    orders = (
+        {i: np.argsort(-f, kind="stable").astype(np.int32) for i, f in freqs.items()} if spec["hot_order"] else None
+    )
     return model, write_v2_sidecar(model, directory / f"{name}.flash.gguf", freqs, orders, spec["draft_copy"])
 
 
@@ -181,8 +204,10 @@ def _main() -> None:
 
         data = record(factory, root)
     RECORDED.parent.mkdir(exist_ok=True)
-    lines = ",\n".join(f"  {json.dumps(name)}: [\n" + ",\n".join(json.dumps(row, sort_keys=True) for row in rows) + "]"
-                       for name, rows in data.items())
+    lines = ",\n".join(
+        f"  {json.dumps(name)}: [\n" + ",\n".join(json.dumps(row, sort_keys=True) for row in rows) + "]"
+        for name, rows in data.items()
+    )
     RECORDED.write_text("{\n" + lines + "\n}\n")  # one line per case
     print(f"wrote {RECORDED}")
 

@@ -8,6 +8,7 @@ act(g)·(up·x) with the entries of neurons where |act(g_i)| <= the layer's thre
 computed with the base model's own down weights (not the sidecar's ``ffn_down_t``) and stock
 numerics. ``measured_sparsity`` counts the skipped (token, neuron) fraction.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from llamaflash.converters.llama_runner import ACTIVATION_TENSOR_KINDS, KIND_GAT
 @dataclass
 class SparseFfnEmulator(Hook):
     activation: str
-    thresholds: dict[int, float]     # served layer -> threshold on |act(gate·x)|
+    thresholds: dict[int, float]  # served layer -> threshold on |act(gate·x)|
     inactive: int = 0
     total: int = 0
     _gate: dict[int, np.ndarray] = field(default_factory=dict)

@@ -31,9 +31,9 @@ DIRECT_WEIGHT_TYPES: dict[str, gguf.GGMLQuantizationType] = {
 #: "Q4_K" is pure Q4_K (every matrix Q4_K); "Q4_K_M" is llama.cpp's usual mix (some
 #: ffn_down and attn_v in Q6_K).
 KQUANT_WEIGHT_TYPES: dict[str, tuple[int, bool]] = {
-    "Q4_K": (15, True),     # LLAMA_FTYPE_MOSTLY_Q4_K_M, pure
+    "Q4_K": (15, True),  # LLAMA_FTYPE_MOSTLY_Q4_K_M, pure
     "Q4_K_M": (15, False),  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    "Q6_K": (18, False),    # LLAMA_FTYPE_MOSTLY_Q6_K
+    "Q6_K": (18, False),  # LLAMA_FTYPE_MOSTLY_Q6_K
 }
 
 #: llama_ftype recorded in general.file_type for directly written models.
@@ -41,10 +41,49 @@ _DIRECT_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0
 
 #: Words the synthetic vocabulary knows whole (as "▁word" pieces).
 WORDS: tuple[str, ...] = (
-    "the", "a", "of", "and", "to", "in", "is", "it", "that", "was", "for", "on", "are",
-    "with", "as", "I", "be", "at", "one", "have", "this", "from", "or", "had", "by",
-    "hello", "world", "once", "upon", "time", "there", "cat", "dog", "sat", "mat",
-    "quick", "brown", "fox", "jumps", "over", "lazy", "Shakespeare", "Austen",
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "that",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "I",
+    "be",
+    "at",
+    "one",
+    "have",
+    "this",
+    "from",
+    "or",
+    "had",
+    "by",
+    "hello",
+    "world",
+    "once",
+    "upon",
+    "time",
+    "there",
+    "cat",
+    "dog",
+    "sat",
+    "mat",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "Shakespeare",
+    "Austen",
 )
 
 
@@ -92,8 +131,10 @@ class TinyModelSpec:
 
     @property
     def file_stem(self) -> str:
-        return (f"tiny-llama-L{self.n_layer}-E{self.n_embd}-F{self.n_ff}-H{self.n_head}"
-                f"-KV{self.n_head_kv}-{self.weight_type}-s{self.seed}")
+        return (
+            f"tiny-llama-L{self.n_layer}-E{self.n_embd}-F{self.n_ff}-H{self.n_head}"
+            f"-KV{self.n_head_kv}-{self.weight_type}-s{self.seed}"
+        )
 
 
 def vocabulary() -> tuple[list[str], list[float], list[int]]:
@@ -137,10 +178,10 @@ def synthetic_text(n_words: int, seed: int = 0) -> str:
     out, i = [], 0
     while i < n_words:
         k = int(rng.integers(4, 13))
-        sentence = " ".join(words[i:i + k])
+        sentence = " ".join(words[i : i + k])
         out.append(sentence[:1].upper() + sentence[1:] + ".")
         i += k
-    lines = [" ".join(out[j:j + 3]) for j in range(0, len(out), 3)]
+    lines = [" ".join(out[j : j + 3]) for j in range(0, len(out), 3)]
     return "\n".join(lines) + "\n"
 
 
@@ -262,8 +303,6 @@ def _quantize_with_llama_cpp(src: Path, dst: Path, ftype: int, pure: bool) -> No
     params.ftype = ftype
     params.pure = pure
     params.nthread = 1
-    rc = llama_cpp.llama_model_quantize(
-        os.fsencode(src), os.fsencode(dst), ctypes.byref(params)
-    )
+    rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({src} -> {dst}, ftype={ftype}) failed: {rc}")

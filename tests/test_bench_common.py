@@ -55,6 +55,7 @@ def test_decode_bytes_bound(tiny_model_factory, tmp_path):
     import shutil
 
     from bound import decode_bytes
+
     from llamaflash.converters import convert
     from llamaflash.gguf_header import read_gguf_header
     from llamaflash.sidecar import read_sidecar
@@ -68,10 +69,17 @@ def test_decode_bytes_bound(tiny_model_factory, tmp_path):
     emb = tensors["token_embd.weight"]
     expected = everything if "output.weight" not in tensors else everything - emb.nbytes + emb.nbytes // emb.shape[1]
     assert b.stock == expected
-    assert b.ffn == sum(t.nbytes for n, t in tensors.items() if ".ffn_" in n and n.endswith(".weight")
-                        and n.split(".")[2] in ("ffn_gate", "ffn_up", "ffn_down"))
+    assert b.ffn == sum(
+        t.nbytes
+        for n, t in tensors.items()
+        if ".ffn_" in n and n.endswith(".weight") and n.split(".")[2] in ("ffn_gate", "ffn_up", "ffn_down")
+    )
     half = decode_bytes(model, sidecar, {layer.layer: 0.5 for layer in sidecar.layers})
-    saved = sum(tensors[f"blk.{l.layer}.ffn_up.weight"].nbytes + tensors[f"blk.{l.layer}.ffn_down.weight"].nbytes
-                - int(0.5 * l.n_ff * (l.up_row_bytes + l.down_t_row_bytes)) for l in sidecar.layers)
+    saved = sum(
+        tensors[f"blk.{lay.layer}.ffn_up.weight"].nbytes
+        + tensors[f"blk.{lay.layer}.ffn_down.weight"].nbytes
+        - int(0.5 * lay.n_ff * (lay.up_row_bytes + lay.down_t_row_bytes))
+        for lay in sidecar.layers
+    )
     assert half.sparse == b.stock - saved
     assert half.bound_tps(1e9, sparse=True) > b.bound_tps(1e9)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import llama_cpp
 import pytest
 from click.testing import CliRunner
+from offload_helpers import make_plan  # converted and forced_plan are conftest fixtures
 
 import llamaflash
 from llamaflash import budget_decision, planner
 from llamaflash.cli import main
 from llamaflash.gguf_model import read_base_model
 from llamaflash.sidecar import validate_pair
-from offload_helpers import make_plan  # converted and forced_plan are conftest fixtures
 
 MiB = planner.MiB
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
@@ -35,8 +35,9 @@ def test_the_need_is_the_sum_of_its_parts(pair):
     assert parts["model_weights"] == sum(t.nbytes for t in header.tensors)
     assert parts["model_weights"] <= model.stat().st_size
     share = planner.llama_share(header, info, 256, 64)
-    assert {k: parts[k] for k in ("llama_vocab", "kv_cache", "compute_buffers")} == \
-        {k: share[k] for k in ("llama_vocab", "kv_cache", "compute_buffers")}
+    assert {k: parts[k] for k in ("llama_vocab", "kv_cache", "compute_buffers")} == {
+        k: share[k] for k in ("llama_vocab", "kv_cache", "compute_buffers")
+    }
     assert parts["runtime"] == planner.RUNTIME_RSS_BYTES
     rest = sum(v for k, v in parts.items() if k != "margin")
     assert parts["margin"] == planner.MARGIN_FIXED_BYTES + int(planner.MARGIN_FRACTION * rest)
@@ -89,8 +90,9 @@ def test_offload_below_the_need_and_when_forced(pair, forced_plan):  # noqa: F81
     assert small.flash_stats()["decision"]["lane"] == "offload"
     assert small.flash_stats()["decision"]["reason"].startswith("flash offload: the budget of 64 MiB is below")
     small.close()
-    forced = llamaflash.Llama(model_path=str(model), ram_budget_mb=4096, flash_mode="sparse",
-                              flash_speculative=False, **KW)
+    forced = llamaflash.Llama(
+        model_path=str(model), ram_budget_mb=4096, flash_mode="sparse", flash_speculative=False, **KW
+    )
     assert forced.flash_mode == "offload"
     forced.close()
 

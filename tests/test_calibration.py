@@ -10,14 +10,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from sparse_emulation import SparseFfnEmulator
+from synth import FAST_CONVERT, synthetic_text
 
-from synth import FAST_CONVERT
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert
 from llamaflash.converters.analysis import AnalysisSettings, analyse_layer, hot_first_order
-from llamaflash.converters.integrity import IntegrityStage
 from llamaflash.converters.bundle import BundleStage
 from llamaflash.converters.calibrate import dequantize
+from llamaflash.converters.integrity import IntegrityStage
 from llamaflash.converters.llama_runner import LlamaRunner, ProfileHook, activation_fn
 from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.sparsity import SparsityStage, decide_layer
@@ -26,8 +27,6 @@ from llamaflash.errors import SidecarFormatError
 from llamaflash.gguf_header import read_gguf_header
 from llamaflash.gguf_model import base_identity, read_base_model
 from llamaflash.sidecar import read_layer_vectors, read_sidecar, validate_pair
-from sparse_emulation import SparseFfnEmulator
-from synth import synthetic_text
 
 # --------------------------------------------------------------------------------------
 # profiling and the reference sparse FFN through llama.cpp
@@ -151,8 +150,8 @@ def test_relu_keeps_the_exact_zero_pattern():
     an = analyse_layer(0, x, heldout, gate, up, down, fmt.ACTIVATION_RELU, SETTINGS)
     assert 0.4 < an.natural_sparsity < 0.6  # random gates: about half negative
     below = an.levels < an.natural_sparsity - 0.05
-    assert np.all(an.thresholds[below] == 0.0)       # under the natural sparsity: the zero pattern itself
-    assert np.all(an.ffn_error[below] == 0.0)        # skipping exact zeros changes nothing
+    assert np.all(an.thresholds[below] == 0.0)  # under the natural sparsity: the zero pattern itself
+    assert np.all(an.ffn_error[below] == 0.0)  # skipping exact zeros changes nothing
     assert an.thresholds[-1] > 0.0 and an.ffn_error[-1] > 0.0  # 0.7 > natural: a real threshold
     g = x @ gate.T
     np.testing.assert_allclose(an.freq[0], np.mean(g > 0, axis=0), atol=1e-6)
@@ -183,9 +182,15 @@ def _analysis_for(model_path: Path, activation=fmt.ACTIVATION_SILU):
         x = rng.standard_normal((2000, ffn.n_embd)).astype(np.float32)
         heldout = np.arange(2000) % 4 == 3
         out[ffn.layer] = analyse_layer(
-            ffn.layer, x, heldout, dequantize(model_path, ffn.gate), dequantize(model_path, ffn.up),
-            dequantize(model_path, ffn.down), activation,
-            AnalysisSettings(levels=(0.0, 0.5, 0.8), n_error_tokens=100))
+            ffn.layer,
+            x,
+            heldout,
+            dequantize(model_path, ffn.gate),
+            dequantize(model_path, ffn.up),
+            dequantize(model_path, ffn.down),
+            activation,
+            AnalysisSettings(levels=(0.0, 0.5, 0.8), n_error_tokens=100),
+        )
     return model, out
 
 
@@ -211,9 +216,11 @@ def _fixed_sidecar(model_path: Path, out: Path, order: str) -> tuple:
     decisions = {f.layer: decide_layer(analyses[f.layer], f, 0.5, bundle_order=order) for f in model.ffn_layers}
     stage = SparsityStage(decisions)
     plan = plan_sidecar(model, base_identity(model_path, model), [BundleStage(stage.orders), stage, IntegrityStage()])
-    for key, value in ((fmt.KEY_SPARSITY_CRITERION, fmt.CRITERION_ACT_GATE),
-                       (fmt.KEY_SPARSITY_METHOD, fmt.SPARSITY_METHOD_FIXED),
-                       (fmt.KEY_BUNDLE_ORDER, order)):
+    for key, value in (
+        (fmt.KEY_SPARSITY_CRITERION, fmt.CRITERION_ACT_GATE),
+        (fmt.KEY_SPARSITY_METHOD, fmt.SPARSITY_METHOD_FIXED),
+        (fmt.KEY_BUNDLE_ORDER, order),
+    ):
         plan.set_string(key, value)
     plan.set_float32(fmt.KEY_SPARSITY_TARGET, 0.5)
     return decisions, write_sidecar_atomically(plan, out)
@@ -251,8 +258,13 @@ def _as_an_older_converter_wrote_it(src: Path, dst: Path, rank: int = 8) -> None
     layers = reader.fields[fmt.KEY_LAYERS].contents()
     n_embd = reader.fields[fmt.KEY_N_EMBD].contents()
     n_ffs = reader.fields[fmt.KEY_N_FF].contents()
-    old_values = {fmt.KEY_SELECTION: 1, fmt.KEY_PRED_RANKS: rank, fmt.KEY_PRED_THRESHOLDS: 0.25,
-                  fmt.KEY_PRED_RECALL: 0.95, fmt.KEY_PRED_PRECISION: 0.4}
+    old_values = {
+        fmt.KEY_SELECTION: 1,
+        fmt.KEY_PRED_RANKS: rank,
+        fmt.KEY_PRED_THRESHOLDS: 0.25,
+        fmt.KEY_PRED_RECALL: 0.95,
+        fmt.KEY_PRED_PRECISION: 0.4,
+    }
     writer = gguf.GGUFWriter(dst, fmt.SIDECAR_ARCHITECTURE)
     writer.add_custom_alignment(fmt.SIDECAR_ALIGNMENT)
     for name, f in reader.fields.items():
@@ -264,10 +276,20 @@ def _as_an_older_converter_wrote_it(src: Path, dst: Path, rank: int = 8) -> None
     rng = np.random.default_rng(3)
     tensors = [(t.name, np.ascontiguousarray(t.data), t.tensor_type) for t in reader.tensors]
     for layer, n_ff in zip(layers, n_ffs):
-        tensors.append((f"blk.{layer}.ffn_pred_in", rng.standard_normal((rank, n_embd)).astype(np.float16),
-                        gguf.GGMLQuantizationType.F16))
-        tensors.append((f"blk.{layer}.ffn_pred_out", rng.standard_normal((n_ff, rank)).astype(np.float16),
-                        gguf.GGMLQuantizationType.F16))
+        tensors.append(
+            (
+                f"blk.{layer}.ffn_pred_in",
+                rng.standard_normal((rank, n_embd)).astype(np.float16),
+                gguf.GGMLQuantizationType.F16,
+            )
+        )
+        tensors.append(
+            (
+                f"blk.{layer}.ffn_pred_out",
+                rng.standard_normal((n_ff, rank)).astype(np.float16),
+                gguf.GGMLQuantizationType.F16,
+            )
+        )
     for name, data, ggml_type in tensors:
         writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=ggml_type)
     writer.write_header_to_file(dst)
@@ -301,8 +323,16 @@ def test_a_sidecar_with_predictors_from_an_older_converter_still_loads(tiny_llam
             np.testing.assert_array_equal(v, read_layer_vectors(new_info, a)[k])
     logits = []
     for sidecar in (new, old):
-        llm = llamaflash.Llama(model_path=str(model_path), sidecar_path=str(sidecar), flash_mode="sparse",
-                               flash_max_sparse_tokens=64, n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+        llm = llamaflash.Llama(
+            model_path=str(model_path),
+            sidecar_path=str(sidecar),
+            flash_mode="sparse",
+            flash_max_sparse_tokens=64,
+            n_ctx=64,
+            n_threads=1,
+            logits_all=True,
+            verbose=False,
+        )
         tokens = llm.tokenize(b"the quick brown fox jumps over the lazy dog")
         llm.eval(tokens)
         logits.append(np.array(llm.scores[: len(tokens)], dtype=np.float32))
@@ -351,9 +381,19 @@ def test_convert_records_the_operating_point_and_quality(tiny_llama_q8_0, tmp_pa
     assert sp.method == "auto" and sp.criterion == "act_gate" and sp.quality_budget == pytest.approx(0.02)
     assert sp.bundle_order == "hot"
     q = sp.quality
-    assert set(q) >= {"ppl_dense", "ppl", "greedy_agreement", "curve_sparsity", "curve_ppl",
-                      "curve_greedy_agreement", "validation", "validation_tokens", "active_fraction",
-                      "curve_active_fraction", "method"}
+    assert set(q) >= {
+        "ppl_dense",
+        "ppl",
+        "greedy_agreement",
+        "curve_sparsity",
+        "curve_ppl",
+        "curve_greedy_agreement",
+        "validation",
+        "validation_tokens",
+        "active_fraction",
+        "curve_active_fraction",
+        "method",
+    }
     assert q["method"] == "engine"
     assert q["validation"] == "text given to convert()" and q["validation_tokens"] >= 500
     assert len(q["curve_sparsity"]) == len(q["curve_ppl"]) == len(q["curve_greedy_agreement"]) >= 1

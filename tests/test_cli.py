@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from synth import FAST_CONVERT, synthetic_text, write_not_gguf
 
-from synth import FAST_CONVERT
 from llamaflash.cli import EXIT_LLAMAFLASH_ERROR, main
 from llamaflash.sidecar import read_sidecar, validate_pair
-from synth import synthetic_text, write_not_gguf
 
 
 def run(*args: str):
@@ -71,8 +70,19 @@ def test_convert_writes_sidecar_and_prints_its_path(tiny_llama_q8_0, tmp_path, t
 
 def test_convert_auto_with_budget_and_gate_selection(tiny_llama_q8_0, tmp_path, texts):
     out = tmp_path / "side.flash.gguf"
-    result = run("convert", tiny_llama_q8_0, "-o", out, *fast(texts), "--quality-budget", "5",
-                 "--selection", "gate", "--quiet", "--no-report")
+    result = run(
+        "convert",
+        tiny_llama_q8_0,
+        "-o",
+        out,
+        *fast(texts),
+        "--quality-budget",
+        "5",
+        "--selection",
+        "gate",
+        "--quiet",
+        "--no-report",
+    )
     assert result.exit_code == 0, result.output
     assert result.stderr == ""
     info = read_sidecar(out)
@@ -81,11 +91,11 @@ def test_convert_auto_with_budget_and_gate_selection(tiny_llama_q8_0, tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["side.flash.gguf"]
 
 
-@pytest.mark.parametrize("option, removed, remaining", [("--selection", "predictor", "gate"),
-                                                        ("--selection", "auto", "gate"),
-                                                        ("--quality-method", "emulated", "engine")])
-def test_convert_refuses_removed_values_naming_the_remaining_one(tiny_llama_q8_0, tmp_path, option, removed,
-                                                                 remaining):
+@pytest.mark.parametrize(
+    "option, removed, remaining",
+    [("--selection", "predictor", "gate"), ("--selection", "auto", "gate"), ("--quality-method", "emulated", "engine")],
+)
+def test_convert_refuses_removed_values_naming_the_remaining_one(tiny_llama_q8_0, tmp_path, option, removed, remaining):
     result = run("convert", tiny_llama_q8_0, "-o", tmp_path / "side.flash.gguf", option, removed)
     assert result.exit_code == 2
     assert f"'{removed}' is not '{remaining}'" in result.stderr
@@ -135,8 +145,7 @@ def test_inspect_describes_a_format_1_sidecar(tiny_llama_q8_0, tmp_path):
     assert "ffn activation:   silu" in text
     layer_lines = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])]
     assert layer_lines == [
-        [str(i), "64", "128", "Q8_0", "Q8_0", "Q8_0", "Q8_0", "136", str(128 * 136), str(128 * 68)]
-        for i in (0, 1)
+        [str(i), "64", "128", "Q8_0", "Q8_0", "Q8_0", "Q8_0", "136", str(128 * 136), str(128 * 68)] for i in (0, 1)
     ]
 
 

@@ -1,12 +1,13 @@
 """``llamaflash run`` and ``chat`` (in subprocesses, chat driven through stdin and through a terminal for
 Ctrl-C), ``--version``, ``python -m llamaflash``, ``models``, unknown model names, a port in use.
 The real SmolLM2-135M and its calibrated sidecar (conftest.smollm2_sidecar)."""
+
 from __future__ import annotations
 
 import os
 import pty
-import signal
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -27,8 +28,14 @@ LLAMAFLASH = [sys.executable, "-m", "llamaflash"]
 
 
 def llamaflash_cli(*args: str, stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([*LLAMAFLASH, *map(str, args)], input=stdin, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    return subprocess.run(
+        [*LLAMAFLASH, *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OPENBLAS_NUM_THREADS="1"),
+    )
 
 
 def assert_no_traceback(result: subprocess.CompletedProcess) -> None:
@@ -76,8 +83,9 @@ def test_models_lists_registry_with_cache_and_sidecar_state(tmp_path):
     assert "cached" in result.stdout and "sidecar" in result.stdout
 
 
-@pytest.mark.parametrize("command", [["run", "no-such-model", "hello"], ["chat", "no-such-model"],
-                                     ["serve", "no-such-model"]])
+@pytest.mark.parametrize(
+    "command", [["run", "no-such-model", "hello"], ["chat", "no-such-model"], ["serve", "no-such-model"]]
+)
 def test_unknown_model_name_lists_known_names(command):
     result = llamaflash_cli(*command, timeout=60)
     assert result.returncode == 2
@@ -106,8 +114,21 @@ def test_serve_port_in_use_is_a_clear_error():
 
 def test_run_streams_reply_to_stdout(smollm2_sidecar):
     _, sidecar = smollm2_sidecar
-    result = llamaflash_cli("run", "smollm2-135m", "Name three colours.", "--sidecar", sidecar,
-                            "--flash-mode", "sparse", "--max-tokens", "16", "--temperature", "0", "--threads", "2")
+    result = llamaflash_cli(
+        "run",
+        "smollm2-135m",
+        "Name three colours.",
+        "--sidecar",
+        sidecar,
+        "--flash-mode",
+        "sparse",
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0",
+        "--threads",
+        "2",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "llamaflash:" not in result.stdout  # loading and notices go to stderr only
@@ -118,8 +139,22 @@ def test_run_streams_reply_to_stdout(smollm2_sidecar):
 def test_run_raw_prompt_from_stdin_with_budget(smollm2_sidecar):
     model, sidecar = smollm2_sidecar
     # 280 MiB: above the planner's least budget, below what stock keeps resident (about 300 MiB)
-    result = llamaflash_cli("run", model, "--raw", "--sidecar", sidecar, "--ram-budget-mb", "280",
-                            "--n-ctx", "512", "--max-tokens", "8", "--temperature", "0", stdin="The sky is")
+    result = llamaflash_cli(
+        "run",
+        model,
+        "--raw",
+        "--sidecar",
+        sidecar,
+        "--ram-budget-mb",
+        "280",
+        "--n-ctx",
+        "512",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        stdin="The sky is",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "flash offload within 280 MiB" in result.stderr
@@ -128,8 +163,22 @@ def test_run_raw_prompt_from_stdin_with_budget(smollm2_sidecar):
 
 def test_run_with_a_budget_that_holds_the_model_runs_stock(smollm2_sidecar):
     model, sidecar = smollm2_sidecar
-    result = llamaflash_cli("run", model, "--raw", "--sidecar", sidecar, "--ram-budget-mb", "400",
-                            "--n-ctx", "512", "--max-tokens", "8", "--temperature", "0", stdin="The sky is")
+    result = llamaflash_cli(
+        "run",
+        model,
+        "--raw",
+        "--sidecar",
+        sidecar,
+        "--ram-budget-mb",
+        "400",
+        "--n-ctx",
+        "512",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        stdin="The sky is",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "running as stock: the budget of 400 MiB holds" in result.stderr
@@ -151,8 +200,9 @@ def test_model_without_sidecar_runs_as_stock_and_says_so_once(lone_model):
 def test_chat_through_stdin(smollm2_sidecar):
     _, sidecar = smollm2_sidecar
     messages = "My name is Ada.\nWhat is my name?\n/reset\nHello\n"
-    result = llamaflash_cli("chat", "smollm2-135m", "--sidecar", sidecar, "--max-tokens", "12",
-                            "--temperature", "0", stdin=messages)
+    result = llamaflash_cli(
+        "chat", "smollm2-135m", "--sidecar", sidecar, "--max-tokens", "12", "--temperature", "0", stdin=messages
+    )
     assert result.returncode == 0, result.stderr
     # a prompt before each of the 4 lines and one more, answered by end of input
     before, *answers = result.stdout.split(">>> ")
@@ -234,8 +284,22 @@ def test_chat_ctrl_c_stops_the_reply_then_quits_at_an_empty_prompt(smollm2_sidec
         # signal stays ignored across exec: the terminal's Ctrl-C must reach the chat as a user's would
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
-        os.execv(sys.executable, [*LLAMAFLASH, "chat", "smollm2-135m", "--sidecar", str(sidecar),
-                                  "--max-tokens", "0", "--n-ctx", "2048", "--temperature", "0"])
+        os.execv(
+            sys.executable,
+            [
+                *LLAMAFLASH,
+                "chat",
+                "smollm2-135m",
+                "--sidecar",
+                str(sidecar),
+                "--max-tokens",
+                "0",
+                "--n-ctx",
+                "2048",
+                "--temperature",
+                "0",
+            ],
+        )
     try:
         transcript = _read_until(fd, b">>> ", 120)
         assert transcript.endswith(b">>> "), transcript

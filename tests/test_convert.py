@@ -9,18 +9,18 @@ from pathlib import Path
 
 import gguf
 import pytest
+from synth import synthetic_text, truncate, write_not_gguf, write_unsupported_architecture
 
 from llamaflash.converters import convert
+from llamaflash.converters.report import report_path
 from llamaflash.errors import (
     BaseModelError,
     BaseModelNotFoundError,
+    CalibrationError,
     ConversionError,
     OutputExistsError,
 )
-from llamaflash.converters.report import report_path
-from llamaflash.errors import CalibrationError
 from llamaflash.sidecar import default_sidecar_path, read_sidecar, validate_pair
-from synth import synthetic_text, truncate, write_not_gguf, write_unsupported_architecture
 
 
 def copy_model(model: Path, directory: Path) -> Path:
@@ -84,8 +84,9 @@ def test_conversion_is_deterministic_and_leaves_the_model_untouched(tiny_llama_q
     assert sha256(model) == before and model.stat().st_mtime_ns == mtime
 
 
-def test_existing_output_is_refused_without_force_and_replaced_with_it(tiny_model_factory, tmp_path,
-                                                                      fast_convert, monkeypatch):
+def test_existing_output_is_refused_without_force_and_replaced_with_it(
+    tiny_model_factory, tmp_path, fast_convert, monkeypatch
+):
     model = copy_model(tiny_model_factory(weight_type="Q8_0"), tmp_path)
     out = default_sidecar_path(model)
     out.write_bytes(b"precious")
@@ -121,12 +122,16 @@ def test_missing_output_directory_is_a_clear_error(tiny_llama_q8_0, tmp_path, fa
     assert str(out) in str(exc.value)
 
 
-@pytest.mark.parametrize("make_bad, error, phrase", [
-    (lambda d, good: d / "absent.gguf", BaseModelNotFoundError, "no such file"),
-    (lambda d, good: write_not_gguf(d / "text.gguf"), BaseModelError, "not a GGUF"),
-    (lambda d, good: truncate(copy_model(good, d), good.stat().st_size // 2), BaseModelError, "truncated"),
-    (lambda d, good: write_unsupported_architecture(d / "ssm.gguf"), BaseModelError, "not supported"),
-], ids=["missing", "not-gguf", "truncated", "unsupported-arch"])
+@pytest.mark.parametrize(
+    "make_bad, error, phrase",
+    [
+        (lambda d, good: d / "absent.gguf", BaseModelNotFoundError, "no such file"),
+        (lambda d, good: write_not_gguf(d / "text.gguf"), BaseModelError, "not a GGUF"),
+        (lambda d, good: truncate(copy_model(good, d), good.stat().st_size // 2), BaseModelError, "truncated"),
+        (lambda d, good: write_unsupported_architecture(d / "ssm.gguf"), BaseModelError, "not supported"),
+    ],
+    ids=["missing", "not-gguf", "truncated", "unsupported-arch"],
+)
 def test_bad_input_is_refused_before_anything_is_written(tiny_llama_q8_0, tmp_path, make_bad, error, phrase):
     bad = make_bad(tmp_path, tiny_llama_q8_0)
     before = listing(tmp_path)
@@ -146,8 +151,7 @@ def test_interrupted_conversion_leaves_no_file(tiny_llama_q8_0, tmp_path, monkey
     assert listing(tmp_path) == [model.name]
 
 
-def test_disk_full_keeps_the_previous_sidecar_and_reports_it(tiny_llama_q8_0, tmp_path, monkeypatch,
-                                                            fast_convert):
+def test_disk_full_keeps_the_previous_sidecar_and_reports_it(tiny_llama_q8_0, tmp_path, monkeypatch, fast_convert):
     model = copy_model(tiny_llama_q8_0, tmp_path)
     out = convert(model, progress=False, **fast_convert)
     previous, previous_report = sha256(out), sha256(report_path(out))
@@ -164,8 +168,13 @@ def test_progress_prints_one_line_per_layer_to_stderr(tiny_llama_q8_0, tmp_path,
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "layer   0 written (1/2)" in captured.err and "layer   1 written (2/2)" in captured.err
-    for phrase in ("profile", "analyse", "quality (engine)", "operating point: auto",
-                   "measured with the sparse engine"):
+    for phrase in (
+        "profile",
+        "analyse",
+        "quality (engine)",
+        "operating point: auto",
+        "measured with the sparse engine",
+    ):
         assert phrase in captured.err, phrase
     convert(tiny_llama_q8_0, tmp_path / "b.flash.gguf", progress=False, **fast_convert)
     assert capsys.readouterr().err == ""
@@ -197,8 +206,9 @@ def test_bundles_only_conversion_writes_format_1(tiny_llama_q8_0, tmp_path):
 
 
 def test_fixed_sparsity_without_quality_needs_no_validation_text(tiny_llama_q8_0, tmp_path, fast_convert):
-    settings = dict(fast_convert, valid_text=None, valid_path=tmp_path / "absent.txt",
-                    sparsity=0.5, measure_quality=False)
+    settings = dict(
+        fast_convert, valid_text=None, valid_path=tmp_path / "absent.txt", sparsity=0.5, measure_quality=False
+    )
     out = convert(tiny_llama_q8_0, tmp_path / "f.flash.gguf", progress=False, **settings)
     info = read_sidecar(out)
     assert (info.sparsity.method, info.sparsity.target) == ("fixed", 0.5)

@@ -79,9 +79,14 @@ def start_paused(model: Path, phase: str) -> tuple[subprocess.Popen, Path]:
     marker = model.parent.parent / f"marker-{phase}"
     marker.unlink(missing_ok=True)
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(model), phase, str(marker)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             preexec_fn=_default_signal_dispositions)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(model), phase, str(marker)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_default_signal_dispositions,
+    )
     t0 = time.monotonic()
     while not marker.exists():
         if child.poll() is not None:
@@ -106,13 +111,16 @@ def model(tiny_llama_q8_0, tmp_path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("phase, signum", [
-    ("write", signal.SIGTERM),          # .model.flash.gguf.tmp-PID being written
-    ("quality-write", signal.SIGTERM),  # ..model.flash.gguf.quality-PID.tmp-PID being written
-    ("quality", signal.SIGTERM),        # .model.flash.gguf.quality-PID in use by the measurement
-    ("quality", signal.SIGINT),
-    ("write", signal.SIGHUP),
-])
+@pytest.mark.parametrize(
+    "phase, signum",
+    [
+        ("write", signal.SIGTERM),  # .model.flash.gguf.tmp-PID being written
+        ("quality-write", signal.SIGTERM),  # ..model.flash.gguf.quality-PID.tmp-PID being written
+        ("quality", signal.SIGTERM),  # .model.flash.gguf.quality-PID in use by the measurement
+        ("quality", signal.SIGINT),
+        ("write", signal.SIGHUP),
+    ],
+)
 def test_a_signal_removes_every_temporary(model, phase, signum):
     child, temporary = start_paused(model, phase)
     child.send_signal(signum)

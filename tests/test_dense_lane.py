@@ -4,6 +4,7 @@ Reference: stock llama-cpp-python on the same GGUF in the same process. The dens
 own kernels on the same weight bytes in the same order, so the logits are bit-identical (asserted
 equal) and so is greedy generation.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -12,10 +13,10 @@ import warnings
 import llama_cpp
 import numpy as np
 import pytest
+from llama_helpers import run_model
 
 import llamaflash
 from llamaflash.converters import convert
-from llama_helpers import run_model
 
 # (weight_type, n_embd, n_ff): K-quants need multiples of 256; the others use dims where they don't fit
 VARIANTS = [
@@ -61,8 +62,9 @@ def test_dense_lane_matches_stock(tiny_model_factory, tmp_path, weight_type, n_e
 def test_dense_lane_thread_counts_and_batches(tiny_model_factory, tmp_path, n_threads):
     model, _ = _model_with_sidecar(tiny_model_factory, tmp_path, "Q8_0", 96, 160)
     # n_batch 8 splits the prompt into several ubatches: batched (prefill) and single-token paths
-    kwargs = dict(n_ctx=128, n_batch=8, n_ubatch=8, n_threads=n_threads, n_threads_batch=n_threads,
-                  logits_all=True, verbose=False)
+    kwargs = dict(
+        n_ctx=128, n_batch=8, n_ubatch=8, n_threads=n_threads, n_threads_batch=n_threads, logits_all=True, verbose=False
+    )
     stock = run_model(llama_cpp.Llama(model_path=str(model), **kwargs))
     flash = run_model(llamaflash.Llama(model_path=str(model), flash_mode="dense", **kwargs))
     assert np.array_equal(stock.prompt_logits, flash.prompt_logits)
@@ -119,8 +121,9 @@ def test_llama_api_keeps_working(tiny_model_factory, tmp_path):
     pieces = [c["choices"][0]["text"] for c in llm("the cat sat on", max_tokens=8, temperature=0.0, stream=True)]
     assert "".join(pieces) == ref["choices"][0]["text"]
 
-    chat = llm.create_chat_completion(messages=[{"role": "user", "content": "hello world"}], max_tokens=4,
-                                      temperature=0.0)
+    chat = llm.create_chat_completion(
+        messages=[{"role": "user", "content": "hello world"}], max_tokens=4, temperature=0.0
+    )
     assert chat["choices"][0]["message"]["role"] == "assistant"
 
     assert llm.tokenize(b"hello world") == stock.tokenize(b"hello world")

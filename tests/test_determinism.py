@@ -4,6 +4,7 @@ Reference: a second fresh process with the same settings (determinism), and stoc
 (embeddings, and the default that runs stock). Real SmolLM2-135M with its calibrated sidecar
 (conftest.smollm2_sidecar), 2 threads, 128 greedy tokens.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -12,9 +13,9 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
+from llama_helpers import run_in_subprocess
 
 import llamaflash
-from llama_helpers import run_in_subprocess
 
 pytestmark = pytest.mark.real_model
 
@@ -51,8 +52,12 @@ def test_embeddings_are_exact(smollm2_sidecar, tmp_path):
     model, cached = smollm2_sidecar
     sidecar = tmp_path / cached.name
     shutil.copy(cached, sidecar)
-    lane_decision.store_decision(sidecar, lane_decision.Decision(
-        lane_decision.SPARSE, True, "measured faster (test)", lane_decision.machine_key(), 1.2, 1.0))
+    lane_decision.store_decision(
+        sidecar,
+        lane_decision.Decision(
+            lane_decision.SPARSE, True, "measured faster (test)", lane_decision.machine_key(), 1.2, 1.0
+        ),
+    )
     kw = dict(embedding=True, n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False)
     texts = ["The lighthouse keeper climbed the stairs.", "def add(a, b): return a + b"]
     stock = llama_cpp.Llama(model_path=str(model), **kw)
@@ -70,6 +75,7 @@ def test_verbose_false_is_silent(tiny_model_factory, tmp_path, settings):
     """verbose=False means no line on stdout or stderr, as in stock, also while llamaflash repacks its
     weights through ggml (pure Q4_K: ggml-cpu repacks it and logs every tensor at info level)."""
     from synth import FAST_CONVERT
+
     from llamaflash.converters import convert
 
     model = tmp_path / "m.gguf"

@@ -51,11 +51,14 @@ def test_no_draft_before_a_pass_is_measured():
     assert "no pass measured" in ctl.sources["s"].reason
 
 
-@pytest.mark.parametrize("pass_s,per_token_s,step_s,acceptance", [
-    (0.270, 0.005, 0.040, 0.08),   # I/O-bound pass, a self-draft over few resident clusters
-    (0.090, 0.012, 0.045, 0.30),   # short pass (most of the model pinned): a step costs half a pass
-    (0.050, 0.020, 0.000, 0.02),   # compute-bound pass, prompt lookup that never predicts
-])
+@pytest.mark.parametrize(
+    "pass_s,per_token_s,step_s,acceptance",
+    [
+        (0.270, 0.005, 0.040, 0.08),  # I/O-bound pass, a self-draft over few resident clusters
+        (0.090, 0.012, 0.045, 0.30),  # short pass (most of the model pinned): a step costs half a pass
+        (0.050, 0.020, 0.000, 0.02),  # compute-bound pass, prompt lookup that never predicts
+    ],
+)
 def test_a_source_that_does_not_pay_costs_at_most_the_exploration_share(pass_s, per_token_s, step_s, acceptance):
     ctl = dc.DraftController(6, 0.01)
     ctl.add_source("s", 0.6, step_s)  # an optimistic prior: the controller must find out itself
@@ -125,8 +128,11 @@ def test_disabled_source_says_why():
     ctl.disable("s", "off: the gate is streamed")
     ctl.record_pass(1, 0.1)
     assert ctl.choose("s").k == 0
-    assert ctl.summary()["sources"]["s"] == {**ctl.sources["s"].status(), "state": "disabled",
-                                            "reason": "off: the gate is streamed"}
+    assert ctl.summary()["sources"]["s"] == {
+        **ctl.sources["s"].status(),
+        "state": "disabled",
+        "reason": "off: the gate is streamed",
+    }
 
 
 def test_pass_cost_line_and_single_size_prior():
@@ -160,7 +166,7 @@ def test_speculator_books_each_draft_with_its_verify_pass():
     for step in range(30):
         context = np.resize(text, n_past[0] + 1)
         draft = spec(context)
-        truth = np.resize(text, n_past[0] + 1 + len(draft) + 1)[n_past[0] + 1:]
+        truth = np.resize(text, n_past[0] + 1 + len(draft) + 1)[n_past[0] + 1 :]
         accepted = 0
         while accepted < len(draft) and draft[accepted] == truth[accepted]:
             accepted += 1

@@ -15,16 +15,16 @@ import shutil
 import gguf
 import numpy as np
 import pytest
+from offload_helpers import PROMPT, SELF_DRAFT, greedy, make_plan
+from synth import FAST_CONVERT
 
 import llamaflash
-from synth import FAST_CONVERT
 from llamaflash import _native, draft_plan, planner
 from llamaflash.converters import convert
 from llamaflash.converters.draft_copy import draft_type
 from llamaflash.errors import SidecarError
 from llamaflash.gguf_model import read_base_model, read_tensor_rows
 from llamaflash.sidecar import read_sidecar, validate_pair
-from offload_helpers import PROMPT, SELF_DRAFT, greedy, make_plan
 
 Q = gguf.GGMLQuantizationType
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
@@ -67,8 +67,15 @@ def test_the_copy_is_ggmls_requantization_of_the_base_rows(pair):
 
 def test_no_copy_when_asked_for_none(pair, tmp_path):
     model, _ = pair
-    out = convert(model, tmp_path / "none.flash.gguf", progress=False, sparsity=0.5, measure_quality=False,
-                  draft_type="none", **FAST_CONVERT)
+    out = convert(
+        model,
+        tmp_path / "none.flash.gguf",
+        progress=False,
+        sparsity=0.5,
+        measure_quality=False,
+        draft_type="none",
+        **FAST_CONVERT,
+    )
     info = read_sidecar(out)
     assert all(lay.draft_type is None for lay in info.layers)
     assert planner.draft_copy_bytes(info) is None
@@ -84,8 +91,7 @@ def test_a_draft_from_the_copy_is_exact_and_drafts_better(pair, forced_plan):  #
     Either way the verified tokens are the non-speculative ones."""
     model, sidecar = pair
     runs = {}
-    for name, copy, spec in (("reference", False, False), ("resident", False, SELF_DRAFT),
-                             ("copy", True, SELF_DRAFT)):
+    for name, copy, spec in (("reference", False, False), ("resident", False, SELF_DRAFT), ("copy", True, SELF_DRAFT)):
         plan = make_plan(sidecar, 0, prefetch_layers=1)
         plan.draft_copy = copy
         forced_plan(plan)
@@ -131,8 +137,10 @@ def test_a_draft_from_the_copy_is_close_to_the_model(pair, forced_plan):  # noqa
         return _last_logits(model, sidecar, forced_plan, copy, draft, hot)
 
     exact = last_logits(False, False)
-    off = {name: np.linalg.norm(last_logits(copy, True) - exact) / np.linalg.norm(exact)
-           for name, copy in (("copy", True), ("resident", False))}
+    off = {
+        name: np.linalg.norm(last_logits(copy, True) - exact) / np.linalg.norm(exact)
+        for name, copy in (("copy", True), ("resident", False))
+    }
     assert off["copy"] < 0.15 and off["resident"] > 3 * off["copy"], off
     # resident clusters are computed from their exact rows, only the others from the copy: with every
     # cluster pinned the draft is the model, bit for bit; with half pinned it lies between
@@ -174,6 +182,7 @@ def test_command_line_plan_and_inspect(pair):
     from click.testing import CliRunner
 
     from llamaflash.cli import main
+
     model, sidecar = pair
     run = lambda *a: CliRunner().invoke(main, [str(x) for x in a])  # noqa: E731
     on = run("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 4096, "--draft-copy", "on")
@@ -189,6 +198,7 @@ def test_a_damaged_draft_copy_is_refused_at_load(pair, forced_plan, tmp_path):  
     """The copy is checked row by row against the sidecar's draft checksums when it is read: a flipped
     byte in one draft row is a SidecarIntegrityError naming the tensor, before any token."""
     from llamaflash.errors import SidecarIntegrityError
+
     model, sidecar = pair
     damaged = tmp_path / "m.flash.gguf"
     shutil.copy(sidecar, damaged)
@@ -206,13 +216,13 @@ def test_a_damaged_draft_copy_is_refused_at_load(pair, forced_plan, tmp_path):  
         llamaflash.Llama(model_path=str(model), sidecar_path=str(damaged), ram_budget_mb=64, **KW)
     # `llamaflash verify` checks the copy's rows too, and names the damaged one
     from llamaflash.integrity import verify_files
+
     assert verify_files(sidecar).ok
     report = verify_files(damaged)
     assert [(m.tensor, m.row) for m in report.mismatches] == [(f"blk.{lay.layer}.ffn_draft_down_t", 5)]
 
 
-def test_a_draft_takes_every_cluster_from_the_copy_when_x_serves_one_type(tiny_model_factory, tmp_path,
-                                                                          forced_plan):  # noqa: F811
+def test_a_draft_takes_every_cluster_from_the_copy_when_x_serves_one_type(tiny_model_factory, tmp_path, forced_plan):  # noqa: F811
     """Q4_1 up rows dot against Q8_1 activations, the Q4_0 copy against Q8_0, and x is quantized once
     per split: a draft then computes every cluster from the copy, the resident ones too. With every
     cluster pinned the draft differs from the model (the Q8_0 fixture's draft equals it), and stays

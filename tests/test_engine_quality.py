@@ -13,15 +13,14 @@ import gguf
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from synth import FAST_CONVERT
+
 from llamaflash import sidecar_format as fmt
 from llamaflash.cli import main
-from llamaflash.converters import convert
-from llamaflash.converters import engine_quality
+from llamaflash.converters import convert, engine_quality
+from llamaflash.converters.analysis import AnalysisSettings, analyse_layer
 from llamaflash.converters.bundle import BundleStage
 from llamaflash.converters.calibrate import dequantize
-from llamaflash.converters.analysis import AnalysisSettings, analyse_layer
 from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.sparsity import SparsityStage, decide_layer
 from llamaflash.converters.writer import write_sidecar_atomically
@@ -48,8 +47,14 @@ def test_engine_quality_keys_curve_and_operating_point(engine_converted):
     keys = _keys(path)
     q_keys = {k for k in keys if k.startswith(fmt.KEY_PREFIX + "quality.")}
     assert q_keys and all(k.startswith("llamaflash.quality.engine.") for k in q_keys)
-    for name in (fmt.QUALITY_PPL_DENSE, fmt.QUALITY_PPL, fmt.QUALITY_GREEDY, fmt.QUALITY_ACTIVE_FRACTION,
-                 fmt.QUALITY_CURVE_SPARSITY, fmt.QUALITY_CURVE_ACTIVE_FRACTION):
+    for name in (
+        fmt.QUALITY_PPL_DENSE,
+        fmt.QUALITY_PPL,
+        fmt.QUALITY_GREEDY,
+        fmt.QUALITY_ACTIVE_FRACTION,
+        fmt.QUALITY_CURVE_SPARSITY,
+        fmt.QUALITY_CURVE_ACTIVE_FRACTION,
+    ):
         assert fmt.quality_key("engine", name) in keys, name
     sp = read_sidecar(path).sparsity
     q = sp.quality
@@ -84,8 +89,9 @@ def test_inspect_names_the_method(engine_converted):
 
 
 def test_the_removed_emulated_method_is_refused_naming_the_remaining_one(tiny_llama_q8_0, tmp_path):
-    result = CliRunner().invoke(main, ["convert", str(tiny_llama_q8_0), "-o", str(tmp_path / "x.flash.gguf"),
-                                       "--quality-method", "emulated"])
+    result = CliRunner().invoke(
+        main, ["convert", str(tiny_llama_q8_0), "-o", str(tmp_path / "x.flash.gguf"), "--quality-method", "emulated"]
+    )
     assert result.exit_code == 2 and "'emulated' is not 'engine'" in result.output
     assert list(tmp_path.iterdir()) == []
 
@@ -136,9 +142,16 @@ def test_sidecars_with_only_emulated_keys_still_read(tiny_llama_q8_0, tmp_path):
     decisions = {}
     for ffn in model.ffn_layers:
         x = rng.standard_normal((400, ffn.n_embd)).astype(np.float32)
-        an = analyse_layer(ffn.layer, x, np.arange(400) % 4 == 3, dequantize(model_path, ffn.gate),
-                           dequantize(model_path, ffn.up), dequantize(model_path, ffn.down), fmt.ACTIVATION_SILU,
-                           AnalysisSettings(levels=(0.0, 0.5), n_error_tokens=50))
+        an = analyse_layer(
+            ffn.layer,
+            x,
+            np.arange(400) % 4 == 3,
+            dequantize(model_path, ffn.gate),
+            dequantize(model_path, ffn.up),
+            dequantize(model_path, ffn.down),
+            fmt.ACTIVATION_SILU,
+            AnalysisSettings(levels=(0.0, 0.5), n_error_tokens=50),
+        )
         decisions[ffn.layer] = decide_layer(an, ffn, 0.5)
     stage = SparsityStage(decisions)
     plan = plan_sidecar(model, base_identity(model_path, model), [BundleStage(stage.orders), stage])
@@ -202,7 +215,7 @@ def test_engine_runner_decode_is_llama_eval_from_an_empty_context(engine_convert
     model, _, sidecar = engine_converted
     with engine_quality.EngineRunner(model, sidecar, 64, 0.5, n_threads=1) as engine:
         tokens = np.array(engine.llm.tokenize(b"The quick brown fox jumps over the lazy dog again and again"))
-        engine.decode(tokens[::-1].copy())                 # something else first: must not leak in
+        engine.decode(tokens[::-1].copy())  # something else first: must not leak in
         ours = engine.decode(tokens).copy()
         engine.llm.reset()
         engine.llm.eval(tokens.tolist())

@@ -6,21 +6,21 @@ whatever the cache holds (few slots force misses, prefill in several rounds, and
 Models: tiny synthetic MoE GGUFs of real llama.cpp architectures (llamaflash.bench.moe_synth),
 generated fresh per session; their expert sidecars are converted fresh per test directory.
 """
+
 from __future__ import annotations
 
 import shutil
 
+import llama_cpp
 import numpy as np
 import pytest
-
-import llama_cpp
 
 from llamaflash import Llama
 from llamaflash.converters.pipeline import convert
 from llamaflash.errors import RamBudgetError, SidecarIntegrityError, SidecarMismatchError, SidecarNotFoundError
-from llamaflash.experts import check_layout, read_moe_model
 from llamaflash.expert_plan import lru_miss_rate
 from llamaflash.expert_sidecar import read_expert_sidecar
+from llamaflash.experts import check_layout, read_moe_model
 from llamaflash.gguf_header import read_gguf_header
 from llamaflash.speculative import batch_invariant_weights
 
@@ -36,8 +36,16 @@ def stock(path):
 
 
 def served(path, slots, **kw):
-    return Llama(str(path), n_ctx=256, logits_all=True, verbose=False, ram_budget_mb=BUDGET_MB,
-                 flash_expert_slots=slots, flash_speculative=False, **kw)
+    return Llama(
+        str(path),
+        n_ctx=256,
+        logits_all=True,
+        verbose=False,
+        ram_budget_mb=BUDGET_MB,
+        flash_expert_slots=slots,
+        flash_speculative=False,
+        **kw,
+    )
 
 
 def prefill_logits(llm, tokens=TOKENS):
@@ -111,7 +119,7 @@ def test_damaged_expert_is_refused_and_llama_stays_usable(converted):
     down = next(t for t in moe.layers[1].tensors if t.kind == "down")
     data = bytearray(path.read_bytes())
     at = down.slice_offset(3) + 17
-    original = bytes(data[at: at + 8])
+    original = bytes(data[at : at + 8])
     llm = served(path, moe.n_expert)  # every expert read on first use
     with open(path, "r+b") as f:  # damaged after load, in place (same size)
         f.seek(at)
@@ -198,8 +206,9 @@ def test_speculative_verify_batches_give_the_same_tokens(converted):
 
     path = converted("qwen3moe")
     prompt = "The quick brown fox"
-    ref = Llama(str(path), n_ctx=256, verbose=False, ram_budget_mb=BUDGET_MB, flash_expert_slots=3,
-                flash_speculative=False)
+    ref = Llama(
+        str(path), n_ctx=256, verbose=False, ram_budget_mb=BUDGET_MB, flash_expert_slots=3, flash_speculative=False
+    )
     p_tokens = ref.tokenize(prompt.encode())
     greedy = []
     for t in ref.generate(p_tokens, temp=0.0):
@@ -212,7 +221,7 @@ def test_speculative_verify_batches_give_the_same_tokens(converted):
     class Draft(spec_mod.LlamaDraftModel):
         def __call__(self, input_ids, **kwargs):
             n = len(input_ids)
-            out = list(full[n:n + 4])
+            out = list(full[n : n + 4])
             if len(out) == 4:
                 out[2] = (out[2] + 1) % 1000  # a wrong third draft: rejected there
             return np.array(out, dtype=np.intc)
@@ -347,7 +356,8 @@ def test_just_below_stock_need_runs_stock_while_its_rereads_cost_less(tiny_moe_f
     per_token = moe.n_used * sum(layer.expert_bytes for layer in moe.layers)
     share = 0.02
     assert expert_plan.stock_reread_per_token(moe, int(share * routed)) == pytest.approx(
-        expert_plan.STOCK_REREAD_AMPLIFICATION * share * per_token, rel=1e-3)  # int() of the shortfall
+        expert_plan.STOCK_REREAD_AMPLIFICATION * share * per_token, rel=1e-3
+    )  # int() of the shortfall
     assert expert_plan.stock_reread_per_token(moe, int(0.2 * routed)) is None
     least = expert_plan.plan_experts(moe, header, 1000, n_ctx=256, disk=default_disk(), n_slots=moe.n_used)
     budget = least.min_budget_bytes  # n_used slots per layer: most of a token's experts are read

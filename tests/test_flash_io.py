@@ -146,7 +146,7 @@ def test_queue_depth_above_and_below_request_count(data_file, engine, queue_dept
         reader = open_reader(data_file, engine=engine, queue_depth=queue_depth)
         assert reader.queue_depth == queue_depth
         reader.read(offsets, lengths, out, dst_offsets=dst)
-        got = b"".join(out[d:d + n].tobytes() for d, n in zip(dst, lengths))
+        got = b"".join(out[d : d + n].tobytes() for d, n in zip(dst, lengths))
         assert got == _expected(data_file, offsets, lengths)
 
     guarded(body)
@@ -294,7 +294,7 @@ def test_each_request_of_a_batch_can_be_waited_for_before_the_batch(data_file, e
         assert states == [True, True, True, False]  # the range over the injected fault failed
         ends = np.cumsum([0] + lens)
         for i in (0, 2, 3):  # the finished ranges hold their bytes before the batch is waited for
-            assert out[ends[i]:ends[i + 1]].tobytes() == _expected(data_file, [offs[i]], [lens[i]])
+            assert out[ends[i] : ends[i + 1]].tobytes() == _expected(data_file, [offs[i]], [lens[i]])
         with pytest.raises(ValueError, match="no request 4"):
             reader.wait_request(t, 4)
         with pytest.raises(FlashIoError, match="Input/output error"):
@@ -323,7 +323,9 @@ def test_unusable_paths_are_clear_errors(tmp_path, bad):
     with pytest.raises(FlashIoError) as exc:
         guarded(open_reader, path)
     assert str(path) in str(exc.value)
-    assert {"directory": "is a directory", "missing": "No such file", "device": "not a regular file"}[bad] in str(exc.value)
+    assert {"directory": "is a directory", "missing": "No such file", "device": "not a regular file"}[bad] in str(
+        exc.value
+    )
 
 
 def test_requests_outside_the_file_are_refused(data_file):

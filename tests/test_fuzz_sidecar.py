@@ -38,14 +38,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import fuzz_cases as cases
 import numpy as np
 import pytest
+from fuzz_cases import Case, base_summary, deadline, sidecar_summary
 
-import fuzz_cases as cases
-from fuzz_cases import Case, base_summary, sidecar_summary
 from llamaflash.errors import LlamaflashError
 from llamaflash.gguf_header import read_gguf_header
-from fuzz_cases import deadline
 
 SEED = 0
 CASE_DEADLINE_S = 10
@@ -170,10 +169,16 @@ def test_checked_data_flips_through_llama_are_refused(clean_pair, tmp_path, targ
     m, s = tmp_path / model.name, tmp_path / sidecar.name
     info = cases.validate_pair(model, sidecar)
     lay = info.layers[-1]
-    rows = {"sidecar": [(lay.bundle_offset, lay.n_ff * lay.bundle_stride),
-                        (lay.down_t_offset, lay.n_ff * lay.down_t_row_bytes)],
-            "base": [(lay.base_up_offset, lay.n_ff * lay.up_row_bytes),
-                     (lay.base_down_offset, lay.n_embd * lay.base_down_row_bytes)]}[target]
+    rows = {
+        "sidecar": [
+            (lay.bundle_offset, lay.n_ff * lay.bundle_stride),
+            (lay.down_t_offset, lay.n_ff * lay.down_t_row_bytes),
+        ],
+        "base": [
+            (lay.base_up_offset, lay.n_ff * lay.up_row_bytes),
+            (lay.base_down_offset, lay.n_embd * lay.base_down_row_bytes),
+        ],
+    }[target]
     rng = np.random.default_rng(SEED + 4)
     for start, length in rows:
         for _ in range(3):
@@ -185,5 +190,4 @@ def test_checked_data_flips_through_llama_are_refused(clean_pair, tmp_path, targ
             data[pos] ^= 1 << bit
             path.write_bytes(bytes(data))
             with pytest.raises(SidecarIntegrityError, match="row"):
-                llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode="sparse", n_ctx=64,
-                                 verbose=False)
+                llamaflash.Llama(model_path=str(m), sidecar_path=str(s), flash_mode="sparse", n_ctx=64, verbose=False)

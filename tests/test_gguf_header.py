@@ -7,10 +7,10 @@ import struct
 
 import gguf
 import pytest
+from synth import truncate, vocabulary, write_not_gguf
 
 from llamaflash.converters import convert
 from llamaflash.gguf_header import GGUFHeaderError, ValueType, read_gguf_header
-from synth import truncate, vocabulary, write_not_gguf
 
 
 def assert_matches_gguf_py(path) -> None:
@@ -35,9 +35,15 @@ def assert_matches_gguf_py(path) -> None:
             assert value.value == field.contents(), key
 
 
-@pytest.mark.parametrize("params", [
-    dict(weight_type="F32"), dict(weight_type="Q8_0"), dict(weight_type="Q4_K_M", n_embd=256, n_ff=512),
-], ids=["F32", "Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(weight_type="F32"),
+        dict(weight_type="Q8_0"),
+        dict(weight_type="Q4_K_M", n_embd=256, n_ff=512),
+    ],
+    ids=["F32", "Q8_0", "Q4_K_M"],
+)
 def test_agrees_with_gguf_py_on_models(tiny_model_factory, params):
     assert_matches_gguf_py(tiny_model_factory(**params))
 

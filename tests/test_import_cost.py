@@ -18,16 +18,17 @@ HEAVY = ("llama_cpp", "llamaflash._native", "llamaflash._native_testing", "llama
 def _fresh(code: str) -> dict:
     """Runs ``code`` in a fresh interpreter, then reports which of HEAVY it imported (and in what
     order) as JSON on the last stdout line."""
-    report = ("import json as _j, sys as _s\n"
-              f"print(_j.dumps({{'loaded': [m for m in _s.modules if m in {HEAVY!r}]}}))\n")
+    report = f"import json as _j, sys as _s\nprint(_j.dumps({{'loaded': [m for m in _s.modules if m in {HEAVY!r}]}}))\n"
     proc = subprocess.run([sys.executable, "-c", code + "\n" + report], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return {"stdout": proc.stdout, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
 def test_import_llamaflash_loads_neither_llama_cpp_nor_the_extension():
-    out = _fresh("import llamaflash\n"
-                 "assert llamaflash.__version__ and issubclass(llamaflash.SidecarError, llamaflash.LlamaflashError)")
+    out = _fresh(
+        "import llamaflash\n"
+        "assert llamaflash.__version__ and issubclass(llamaflash.SidecarError, llamaflash.LlamaflashError)"
+    )
     assert out["loaded"] == []
 
 
@@ -36,10 +37,12 @@ def test_the_command_line_module_is_cheap_too():
 
 
 def test_llama_is_loaded_on_first_access_with_llama_cpp_before_the_extension():
-    out = _fresh("from llamaflash import Llama, FLASH_MODES, LlamaflashWarning\n"
-                 "import llama_cpp\n"
-                 "assert issubclass(Llama, llama_cpp.Llama) and 'auto' in FLASH_MODES\n"
-                 "assert issubclass(LlamaflashWarning, UserWarning)")
+    out = _fresh(
+        "from llamaflash import Llama, FLASH_MODES, LlamaflashWarning\n"
+        "import llama_cpp\n"
+        "assert issubclass(Llama, llama_cpp.Llama) and 'auto' in FLASH_MODES\n"
+        "assert issubclass(LlamaflashWarning, UserWarning)"
+    )
     assert out["loaded"].index("llama_cpp") < out["loaded"].index("llamaflash._native")
 
 
@@ -58,8 +61,10 @@ def test_unknown_attribute_is_an_attribute_error():
 
 def _cli(*args: str) -> str:
     """`llamaflash ARGS` run in this fresh interpreter's process (standalone: exits with its status)."""
-    return ("import sys\nfrom llamaflash.cli import main\n"
-            f"try:\n    main({list(args)!r})\nexcept SystemExit as e:\n    assert not e.code, e.code\n")
+    return (
+        "import sys\nfrom llamaflash.cli import main\n"
+        f"try:\n    main({list(args)!r})\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+    )
 
 
 @pytest.fixture(scope="module")

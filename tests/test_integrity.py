@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from offload_helpers import KW, C, make_plan
 
 import llamaflash
 from llamaflash import _native
@@ -26,7 +27,6 @@ from llamaflash.errors import FlashIoError, SidecarIntegrityError
 from llamaflash.gguf_model import base_identity, read_base_model
 from llamaflash.integrity import verify_files
 from llamaflash.sidecar import read_sidecar, validate_pair
-from offload_helpers import C, KW, make_plan
 
 
 def crc32c_reference(data: bytes) -> int:
@@ -65,15 +65,17 @@ def test_the_converter_checksums_every_row_the_engine_reads(converted):
     for lay in info.layers:
         table = np.fromfile(sidecar, "<u4", lay.n_ff * 4, offset=lay.checksum_offset).reshape(lay.n_ff, 4)
         down = np.fromfile(sidecar, "<u4", lay.n_embd, offset=lay.down_checksum_offset)
-        sets = [(sidecar, lay.bundle_offset, lay.bundle_stride, table[:, 0]),
-                (sidecar, lay.down_t_offset, lay.down_t_row_bytes, table[:, 1]),
-                (model, lay.base_gate_offset, lay.gate_row_bytes, table[:, 2]),
-                (model, lay.base_up_offset, lay.up_row_bytes, table[:, 3]),
-                (model, lay.base_down_offset, lay.base_down_row_bytes, down)]
+        sets = [
+            (sidecar, lay.bundle_offset, lay.bundle_stride, table[:, 0]),
+            (sidecar, lay.down_t_offset, lay.down_t_row_bytes, table[:, 1]),
+            (model, lay.base_gate_offset, lay.gate_row_bytes, table[:, 2]),
+            (model, lay.base_up_offset, lay.up_row_bytes, table[:, 3]),
+            (model, lay.base_down_offset, lay.base_down_row_bytes, down),
+        ]
         for path, offset, row_bytes, expected in sets:
             data = path.read_bytes()
             for r in (0, 1, len(expected) - 1):
-                row = data[offset + r * row_bytes: offset + (r + 1) * row_bytes]
+                row = data[offset + r * row_bytes : offset + (r + 1) * row_bytes]
                 assert crc32c_reference(row) == expected[r]
 
 
@@ -104,9 +106,17 @@ def _copies(converted, tmp_path):
 # (row set, the lane that reads it in memory, byte offset of the flip inside that row set)
 FLIPS = [
     ("bundle", "dense", lambda lay: (lay.bundle_offset + 7 * lay.bundle_stride + 3, fmt.bundle_tensor_name(1), 7)),
-    ("down_t", "sparse", lambda lay: (lay.down_t_offset + 40 * lay.down_t_row_bytes + 5, fmt.down_t_tensor_name(1), 40)),
+    (
+        "down_t",
+        "sparse",
+        lambda lay: (lay.down_t_offset + 40 * lay.down_t_row_bytes + 5, fmt.down_t_tensor_name(1), 40),
+    ),
     ("base_up", "sparse", lambda lay: (lay.base_up_offset + 100 * lay.up_row_bytes + 9, fmt.base_ffn_up_name(1), 100)),
-    ("base_down", "dense", lambda lay: (lay.base_down_offset + 2 * lay.base_down_row_bytes, fmt.base_ffn_down_name(1), 2)),
+    (
+        "base_down",
+        "dense",
+        lambda lay: (lay.base_down_offset + 2 * lay.base_down_row_bytes, fmt.base_ffn_down_name(1), 2),
+    ),
 ]
 
 
@@ -137,7 +147,8 @@ def test_the_default_running_stock_refuses_a_damaged_base_model(converted, tmp_p
     tensor, row_bytes, offset, row = {
         "base_down": (fmt.base_ffn_down_name(1), lay.base_down_row_bytes, lay.base_down_offset, 50),
         "base_up": (fmt.base_ffn_up_name(1), lay.up_row_bytes, lay.base_up_offset, 150),
-        "base_gate": (fmt.base_ffn_gate_name(1), lay.gate_row_bytes, lay.base_gate_offset, 150)}[what]
+        "base_gate": (fmt.base_ffn_gate_name(1), lay.gate_row_bytes, lay.base_gate_offset, 150),
+    }[what]
     for k in range(8):  # 8 bytes of one row of layer 1
         _flip(m, offset + row * row_bytes + 2 * k)
     with pytest.raises(SidecarIntegrityError) as e:
@@ -156,8 +167,9 @@ def test_the_default_running_stock_checks_every_base_ffn_row_at_load(converted):
     assert llm.flash_mode == "stock"
     checked = llm.flash_stats()["integrity"]
     info = read_sidecar(sidecar)
-    base_ffn = sum(lay.n_ff * (lay.gate_row_bytes + lay.up_row_bytes) + lay.n_embd * lay.base_down_row_bytes
-                   for lay in info.layers)
+    base_ffn = sum(
+        lay.n_ff * (lay.gate_row_bytes + lay.up_row_bytes) + lay.n_embd * lay.base_down_row_bytes for lay in info.layers
+    )
     assert checked["checked"] is True and checked["load_verified_bytes"] == base_ffn
     assert checked["load_verify_seconds"] > 0
     llm.close()
@@ -294,8 +306,11 @@ def test_offload_views_are_checked_at_every_split_that_reads_them(converted, tmp
     llm.eval(prompt)
     llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
     st = os.stat(m)
-    offset = lay.base_down_offset + 5 * lay.base_down_row_bytes if what == "base_down" else \
-        lay.base_gate_offset + 9 * lay.gate_row_bytes
+    offset = (
+        lay.base_down_offset + 5 * lay.base_down_row_bytes
+        if what == "base_down"
+        else lay.base_gate_offset + 9 * lay.gate_row_bytes
+    )
     _flip(m, offset)
     os.utime(m, ns=(st.st_atime_ns, st.st_mtime_ns))
     name = fmt.base_ffn_down_name(1) if what == "base_down" else fmt.base_ffn_gate_name(1)

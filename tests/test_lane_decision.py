@@ -4,6 +4,7 @@ for this sidecar on this machine showed the sparse lane faster; then the sparse 
 Reference: stock llama_cpp.Llama on the same synthetic model (logits bit-identical when the default
 runs stock, since then nothing of llamaflash is in the graph), and the explicit flash_mode="sparse"
 (bit-identical logits when the default decided sparse: the same lane, fixed for the whole run)."""
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,12 @@ import shutil
 import llama_cpp
 import numpy as np
 import pytest
+from llama_helpers import run_model
+from synth import FAST_CONVERT
 
 import llamaflash
-from synth import FAST_CONVERT
 from llamaflash import lane_decision
 from llamaflash.converters import convert
-from llama_helpers import run_model
 
 KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0)
 
@@ -35,8 +36,9 @@ def converted(tiny_model_factory, tmp_path):
 
 
 def _sparse_decision(machine=None):
-    return lane_decision.Decision(lane_decision.SPARSE, True, "measured faster (test)",
-                                  machine or lane_decision.machine_key(), 1.2, 1.0)
+    return lane_decision.Decision(
+        lane_decision.SPARSE, True, "measured faster (test)", machine or lane_decision.machine_key(), 1.2, 1.0
+    )
 
 
 def test_unmeasured_default_is_stock_and_untouched(converted):

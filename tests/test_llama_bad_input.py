@@ -1,5 +1,6 @@
 """`llamaflash.Llama` refuses bad files with a clear error raised before llama.cpp starts, and
 touches nothing the user has."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,12 +9,12 @@ import warnings
 
 import llama_cpp
 import pytest
+from fuzz_cases import set_uint_metadata
+from synth import truncate, write_not_gguf, write_unsupported_architecture
 
 import llamaflash
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert
-from synth import truncate, write_not_gguf, write_unsupported_architecture
-from fuzz_cases import set_uint_metadata
 
 
 @pytest.fixture
@@ -90,16 +91,18 @@ def test_bad_arguments(pair, llama_must_not_start):
     with pytest.raises(ValueError, match="ram_budget_mb"):
         llamaflash.Llama(model_path=str(model), ram_budget_mb=0)
     # wrong types and ranges: a ValueError naming the argument and what it accepts, never a TypeError
-    for bad, match in [(dict(ram_budget_mb="abc"), r"ram_budget_mb='abc' must be a positive, finite number"),
-                       (dict(ram_budget_mb=float("inf")), "ram_budget_mb=inf must be a positive, finite"),
-                       (dict(ram_budget_mb=True), "ram_budget_mb=True"),
-                       (dict(flash_sparsity="0.3"), r"flash_sparsity='0.3' must be a number in \[0, 1\)"),
-                       (dict(flash_sparsity=1.5), r"flash_sparsity=1.5 must be a number in \[0, 1\)"),
-                       (dict(flash_max_sparse_tokens=2.5), "flash_max_sparse_tokens=2.5 must be an integer"),
-                       (dict(flash_dense_up="yes"), "flash_dense_up='yes' must be True, False or None"),
-                       (dict(flash_stream_gate=1), "flash_stream_gate=1 must be True, False or None"),
-                       (dict(flash_io_engine="aio"), "flash_io_engine='aio' must be one of auto, io_uring, pool"),
-                       (dict(sidecar_path=3), "sidecar_path=3 must be a path")]:
+    for bad, match in [
+        (dict(ram_budget_mb="abc"), r"ram_budget_mb='abc' must be a positive, finite number"),
+        (dict(ram_budget_mb=float("inf")), "ram_budget_mb=inf must be a positive, finite"),
+        (dict(ram_budget_mb=True), "ram_budget_mb=True"),
+        (dict(flash_sparsity="0.3"), r"flash_sparsity='0.3' must be a number in \[0, 1\)"),
+        (dict(flash_sparsity=1.5), r"flash_sparsity=1.5 must be a number in \[0, 1\)"),
+        (dict(flash_max_sparse_tokens=2.5), "flash_max_sparse_tokens=2.5 must be an integer"),
+        (dict(flash_dense_up="yes"), "flash_dense_up='yes' must be True, False or None"),
+        (dict(flash_stream_gate=1), "flash_stream_gate=1 must be True, False or None"),
+        (dict(flash_io_engine="aio"), "flash_io_engine='aio' must be one of auto, io_uring, pool"),
+        (dict(sidecar_path=3), "sidecar_path=3 must be a path"),
+    ]:
         with pytest.raises(ValueError, match=match):
             llamaflash.Llama(model_path=str(model), **bad)
     with pytest.raises(ValueError, match="ram_budget_mb needs the sparse lane"):

@@ -202,7 +202,13 @@ def _run(config, limit, rep, status="ok", decode=10.0, tokens=(1, 2, 3, 4), budg
 
 
 def _payload(rows, runs):
-    return {"benchmark": "memlimit", "options": {"threads": 2}, "model": {"name": "tiny"}, "summary": rows, "runs": runs}
+    return {
+        "benchmark": "memlimit",
+        "options": {"threads": 2},
+        "model": {"name": "tiny"},
+        "summary": rows,
+        "runs": runs,
+    }
 
 
 def test_summary_table_and_json(tmp_path):
@@ -221,7 +227,9 @@ def test_summary_table_and_json(tmp_path):
     assert by[1400, "llamaflash"]["decode_x_stock"] == pytest.approx(26.5 / 29.0)
     assert by[1400, "llamaflash"]["budget_applied"] is False
     assert by[900, "stock"]["n_gen_done"] == 2 and by[900, "stock"]["greedy_agree"] == 1.0  # prefix of the ref
-    assert by[900, "llamaflash"]["greedy_agree"] == pytest.approx(2 / 3) and by[900, "llamaflash"]["first_divergence"] == 2
+    assert (
+        by[900, "llamaflash"]["greedy_agree"] == pytest.approx(2 / 3) and by[900, "llamaflash"]["first_divergence"] == 2
+    )
     assert by[1400, "stock"]["read_mb"] == 1200 and by[1400, "stock"]["decode_read_mb_per_tok"] == 100
     assert by[700, "stock"]["status"] == "OOM (load)" and by[700, "stock"]["decode_tps"] is None
     assert by[700, "stock"]["counts"]["OOM"] == 2
@@ -397,10 +405,14 @@ def test_io_bound_from_the_saved_disk_profile(tmp_path, monkeypatch):
     sidecar = tmp_path / "disk" / "m.flash.gguf"
     sidecar.parent.mkdir()
     plan = {"slot_bytes": 2 * 256 * 1024, "queue_depth": 32}
-    runs = [{"ok": True, "config": "llamaflash", "limit_mb": 900, "ram_budget": {"plan": plan}},
-            {"ok": True, "config": "stock", "limit_mb": 900}]
-    rows = [{"config": "llamaflash", "limit_mb": 900, "decode_tps": 2.0, "decode_read_mb_per_tok": 300.0},
-            {"config": "stock", "limit_mb": 900, "decode_tps": 0.9, "decode_read_mb_per_tok": 800.0}]
+    runs = [
+        {"ok": True, "config": "llamaflash", "limit_mb": 900, "ram_budget": {"plan": plan}},
+        {"ok": True, "config": "stock", "limit_mb": 900},
+    ]
+    rows = [
+        {"config": "llamaflash", "limit_mb": 900, "decode_tps": 2.0, "decode_read_mb_per_tok": 300.0},
+        {"config": "stock", "limit_mb": 900, "decode_tps": 0.9, "decode_read_mb_per_tok": 800.0},
+    ]
     memlimit.add_io_bound(rows, runs, sidecar)
     assert "io_bound" not in rows[0] and memlimit.io_bound_lines(rows) == []  # no saved profile
     profile = {**default_disk(), "source": None, "directory": str(sidecar.parent)}

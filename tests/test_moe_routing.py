@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from synth import synthetic_text
 
 from llamaflash.converters import moe_routing_stats as st
 from llamaflash.converters.llama_runner import Hook, LlamaRunner
 from llamaflash.converters.moe_routing import RoutingRecorder, RoutingTrace
-
-from synth import synthetic_text
 
 # -- statistics on a hand-made trace ----------------------------------------------------------
 
@@ -138,8 +137,8 @@ def test_shaped_routing_raises_reuse_and_skew_over_uniform(tiny_moe_factory):
             trace = rec.record([tokens[:500], tokens[500:]])
         cont = trace.continues_previous()
         stats[regime] = (
-            np.mean([st.reuse_rate(trace.experts[l], cont) for l in trace.layers]),
-            np.mean([st.top_k_share(trace.experts[l], 8, 2) for l in trace.layers]),
+            np.mean([st.reuse_rate(trace.experts[lay], cont) for lay in trace.layers]),
+            np.mean([st.top_k_share(trace.experts[lay], 8, 2) for lay in trace.layers]),
         )
     assert stats["uniform"][0] < 0.33
     assert stats["shaped"][0] > stats["uniform"][0] + 0.05, stats

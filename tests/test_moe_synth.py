@@ -7,10 +7,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
-
-import llama_cpp
 
 from llamaflash.bench import moe_layout, moe_synth
 
@@ -74,8 +73,15 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 def test_tensor_layout_of_each_architecture():
     dims = moe_synth.preset_spec("tiny", "gpt-oss").dims(1000)
     names = {n for n, _ in moe_layout.tensor_shapes(moe_layout.ARCHS["gpt-oss"], dims)}
-    for t in ("attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias", "ffn_up_exps.bias",
-              "ffn_gate_exps.bias", "ffn_down_exps.bias", "post_attention_norm.weight"):
+    for t in (
+        "attn_sinks.weight",
+        "attn_output.bias",
+        "ffn_gate_inp.bias",
+        "ffn_up_exps.bias",
+        "ffn_gate_exps.bias",
+        "ffn_down_exps.bias",
+        "post_attention_norm.weight",
+    ):
         assert f"blk.0.{t}" in names
     shapes = dict(moe_layout.tensor_shapes(moe_layout.ARCHS["qwen3moe"], dims))
     assert shapes["blk.1.ffn_gate_exps.weight"] == (8, 64, 64)
@@ -87,18 +93,28 @@ def test_tensor_layout_of_each_architecture():
 
 def test_bench_preset_is_the_benchmark_model():
     spec = moe_synth.preset_spec("bench", routing="shaped")
-    assert (spec.arch, spec.n_layer, spec.n_expert, spec.n_expert_used, spec.n_embd, spec.n_ff_exp,
-            spec.quant) == ("qwen3moe", 24, 64, 8, 1024, 768, "Q4_K_M")
+    assert (spec.arch, spec.n_layer, spec.n_expert, spec.n_expert_used, spec.n_embd, spec.n_ff_exp, spec.quant) == (
+        "qwen3moe",
+        24,
+        64,
+        8,
+        1024,
+        768,
+        "Q4_K_M",
+    )
     assert spec.routing.structured
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(arch="mamba"), "unknown arch"),
-    (dict(n_expert_used=9), "n_expert_used must not exceed n_expert"),
-    (dict(quant="Q4_K_M"), "multiples of 256"),
-    (dict(n_head_kv=3), "multiple of n_head_kv"),
-    (dict(n_layer=0), "n_layer must be positive"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(arch="mamba"), "unknown arch"),
+        (dict(n_expert_used=9), "n_expert_used must not exceed n_expert"),
+        (dict(quant="Q4_K_M"), "multiples of 256"),
+        (dict(n_head_kv=3), "multiple of n_head_kv"),
+        (dict(n_layer=0), "n_layer must be positive"),
+    ],
+)
 def test_bad_spec_is_refused_with_the_way_out(change, message):
     with pytest.raises(ValueError, match=message):
         moe_synth.preset_spec("tiny", **{"arch": change.pop("arch", None)}, **change)

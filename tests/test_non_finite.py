@@ -8,11 +8,11 @@ import struct
 
 import numpy as np
 import pytest
+from synth import FAST_CONVERT
 
 import llamaflash
 from llamaflash import _native
 from llamaflash import sidecar_format as fmt
-from synth import FAST_CONVERT
 from llamaflash.converters import convert
 from llamaflash.errors import NonFiniteOutputError
 from llamaflash.sidecar import read_sidecar
@@ -34,15 +34,19 @@ def poisoned(tiny_model_factory, tmp_path_factory):
     data = bytearray(sidecar.read_bytes())
     for row in range(layer.n_ff):
         at = layer.down_t_offset + row * layer.down_t_row_bytes
-        data[at:at + 2] = NAN_F16  # the first Q8_0 block's f16 scale
+        data[at : at + 2] = NAN_F16  # the first Q8_0 block's f16 scale
     # the row checksums re-made for the poisoned rows, as a converter writing NaN weights would: the
     # integrity check passes, and what runs into the NaN is the engine's output check
-    rows = np.frombuffer(bytes(data[layer.down_t_offset:layer.down_t_offset + layer.n_ff * layer.down_t_row_bytes]),
-                         dtype=np.uint8)
-    table = np.frombuffer(bytes(data[layer.checksum_offset:layer.checksum_offset + 16 * layer.n_ff]),
-                          dtype="<u4").reshape(layer.n_ff, 4).copy()
+    rows = np.frombuffer(
+        bytes(data[layer.down_t_offset : layer.down_t_offset + layer.n_ff * layer.down_t_row_bytes]), dtype=np.uint8
+    )
+    table = (
+        np.frombuffer(bytes(data[layer.checksum_offset : layer.checksum_offset + 16 * layer.n_ff]), dtype="<u4")
+        .reshape(layer.n_ff, 4)
+        .copy()
+    )
     table[:, fmt.CHECKSUM_COLUMNS.index("down_t")] = _native.crc32c_rows(rows, layer.down_t_row_bytes)
-    data[layer.checksum_offset:layer.checksum_offset + table.nbytes] = table.tobytes()
+    data[layer.checksum_offset : layer.checksum_offset + table.nbytes] = table.tobytes()
     sidecar.write_bytes(bytes(data))
     return model, sidecar, layer.layer
 
@@ -56,8 +60,11 @@ def _decode(llm):
 def test_nan_from_a_served_layer_raises_naming_it(poisoned, budget):
     model, sidecar, layer = poisoned
     # (flash_mode="sparse" under a budget: offload even where the budget would hold stock's model)
-    kw = dict(flash_mode="sparse") if budget is None else dict(ram_budget_mb=budget, flash_speculative=False,
-                                                               flash_mode="sparse")
+    kw = (
+        dict(flash_mode="sparse")
+        if budget is None
+        else dict(ram_budget_mb=budget, flash_speculative=False, flash_mode="sparse")
+    )
     llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), **kw, **KW)
     with pytest.raises(NonFiniteOutputError, match=rf"layer {layer}'s FFN output: token 0, value \d+ is NaN"):
         _decode(llm)

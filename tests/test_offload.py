@@ -15,12 +15,12 @@ import shutil
 
 import numpy as np
 import pytest
+from llama_helpers import run_model
+from offload_helpers import KW, make_plan
 
 import llamaflash
 from llamaflash.errors import FlashIoError
 from llamaflash.sidecar import read_sidecar
-from llama_helpers import run_model
-from offload_helpers import KW, make_plan
 
 N_GEN = 10
 
@@ -28,7 +28,7 @@ N_GEN = 10
 def _steps(llm, n_gen=N_GEN):
     run = run_model(llm, n_gen=n_gen)
     n_prompt = len(run.prompt_logits)
-    return run, np.array(llm.scores[n_prompt: llm.n_tokens], dtype=np.float32)
+    return run, np.array(llm.scores[n_prompt : llm.n_tokens], dtype=np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,9 @@ def test_streamed_gate_matches_the_in_memory_sparse_lane(converted, in_memory, f
     assert np.array_equal(ref_steps, steps)
     off = run.stats["offload"]
     info = read_sidecar(sidecar)
-    assert off["gate_streamed"] and off["gate_bytes_per_token"] == sum(l.n_ff * l.gate_row_bytes for l in info.layers)
+    assert off["gate_streamed"] and off["gate_bytes_per_token"] == sum(
+        lay.n_ff * lay.gate_row_bytes for lay in info.layers
+    )
     assert run.stats["sparse_lane_calls"] == 2 * N_GEN and run.stats["sparse_fallbacks"] == 0
     llm.close()
 

@@ -3,6 +3,7 @@
 - no anonymous RAM is committed for them (RssAnon, measured in fresh processes);
 - reading one the way another backend would have to aborts loudly instead of returning garbage.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -13,7 +14,6 @@ import textwrap
 import pytest
 
 from llamaflash.converters import convert
-from llama_helpers import run_in_subprocess
 
 # 4 layers x 3 matrices x 512 x 2048 F32 = 48 MiB of FFN weights
 N_LAYER, N_EMBD, N_FF = 4, 512, 2048
@@ -49,10 +49,12 @@ def big_fixture(tiny_model_factory, tmp_path_factory):
 
 
 def _measure(mode: str, model) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, mode, str(model)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE, mode, str(model)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
+
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

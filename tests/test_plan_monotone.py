@@ -23,13 +23,13 @@ import math
 from pathlib import Path
 
 import pytest
+from planner_cases import make_pair
 
 from llamaflash import budget_decision, draft_plan
 from llamaflash.errors import RamBudgetError
 from llamaflash.gguf_model import read_base_model
 from llamaflash.planner import MARGIN_FIXED_BYTES, MARGIN_FRACTION, MiB, llama_share, plan_offload
 from llamaflash.sidecar import validate_pair
-from planner_cases import make_pair
 
 #: The sweep's default top (bench/lab/sweep.py: TOP_MODEL_RATIO, TOP_STOCK_NEED_RATIO).
 TOP_MODEL_RATIO, TOP_STOCK_NEED_RATIO = 1.3, 1.15
@@ -85,8 +85,15 @@ def sweep_budgets(model: Path, sidecar: Path, step_mb: float, n_ctx: int = 512, 
         check_ubatch_trade(plan)
         d = budget_decision.decide(base.header, info, budget, n_ctx)
         pred = predictions(plan, info)
-        rows.append({"budget_mb": budget, "plan": plan, "lane": d.lane, **pred,
-                     "curve": budget_decision.stock_decode_tok_s(d.parts) if d.stock else pred["nospec"]})
+        rows.append(
+            {
+                "budget_mb": budget,
+                "plan": plan,
+                "lane": d.lane,
+                **pred,
+                "curve": budget_decision.stock_decode_tok_s(d.parts) if d.stock else pred["nospec"],
+            }
+        )
     assert rows[-1]["budget_mb"] >= top
     return rows
 
@@ -95,9 +102,11 @@ def assert_non_decreasing(rows: list[dict], key: str) -> None:
     best = None
     for r in rows:
         if best is not None:
-            assert r[key] >= best[key], (f"{key}: {r[key]} at {r['budget_mb']:.2f} MiB < {best[key]} at "
-                                         f"{best['budget_mb']:.2f} MiB (n_ubatch {r['plan'].n_ubatch} vs "
-                                         f"{best['plan'].n_ubatch})")
+            assert r[key] >= best[key], (
+                f"{key}: {r[key]} at {r['budget_mb']:.2f} MiB < {best[key]} at "
+                f"{best['budget_mb']:.2f} MiB (n_ubatch {r['plan'].n_ubatch} vs "
+                f"{best['plan'].n_ubatch})"
+            )
         if best is None or r[key] > best[key]:
             best = r
 
@@ -109,14 +118,20 @@ def assert_monotone_curve(rows: list[dict]) -> None:
     assert lanes == sorted(lanes, key=lambda lane: lane == budget_decision.STOCK)  # offload, then stock
     assert lanes[0] == budget_decision.OFFLOAD and lanes[-1] == budget_decision.STOCK
     # stock's predicted rate is above the offload plan's wherever stock runs (it reads its FFN from memory)
-    assert all(r["curve"] >= r["nospec"] or r["plan"].io_bound_tok_s is None for r in rows
-               if r["lane"] == budget_decision.STOCK)
+    assert all(
+        r["curve"] >= r["nospec"] or r["plan"].io_bound_tok_s is None
+        for r in rows
+        if r["lane"] == budget_decision.STOCK
+    )
 
 
-@pytest.mark.parametrize("name, step_mb, draft_copy", [("base-order", 1.0, None), ("hot-order-draft", 2.0, None),
-                                                       ("hot-order-draft", 2.0, False)])
-def test_synthetic_pair_is_never_predicted_slower_with_more_memory(name, step_mb, draft_copy, tiny_model_factory,
-                                                                    tmp_path):
+@pytest.mark.parametrize(
+    "name, step_mb, draft_copy",
+    [("base-order", 1.0, None), ("hot-order-draft", 2.0, None), ("hot-order-draft", 2.0, False)],
+)
+def test_synthetic_pair_is_never_predicted_slower_with_more_memory(
+    name, step_mb, draft_copy, tiny_model_factory, tmp_path
+):
     model, sidecar = make_pair(name, tiny_model_factory, tmp_path)
     rows = sweep_budgets(model, sidecar, step_mb, draft_copy=draft_copy)
     assert_monotone_curve(rows)

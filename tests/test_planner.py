@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from planner_cases import random_freqs, write_v2_sidecar
 
 from llamaflash.cli import EXIT_LLAMAFLASH_ERROR, main
 from llamaflash.converters.bundle import BundleStage
@@ -20,11 +21,21 @@ from llamaflash.errors import LlamaflashError, RamBudgetError, SidecarError
 from llamaflash.gguf_model import base_identity, read_base_model
 from llamaflash.planner import CLUSTER_SIZES, MiB, default_disk, plan_offload
 from llamaflash.sidecar import read_sidecar
-from planner_cases import random_freqs, write_v2_sidecar
 
 N_LAYER, N_FF = 3, 256
-PARTS = ("runtime", "llama_vocab", "llama_weights", "kv_cache", "compute_buffers", "prefill_window",
-         "gate_rows", "cold_slots", "verify_buffers", "hot_slots", "margin")
+PARTS = (
+    "runtime",
+    "llama_vocab",
+    "llama_weights",
+    "kv_cache",
+    "compute_buffers",
+    "prefill_window",
+    "gate_rows",
+    "cold_slots",
+    "verify_buffers",
+    "hot_slots",
+    "margin",
+)
 RUNTIME = 40 * MiB
 
 
@@ -41,7 +52,9 @@ def model(tiny_model_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pair(model, tmp_path_factory) -> tuple[Path, Path]:
-    return model, write_v2_sidecar(model, tmp_path_factory.mktemp("planner") / "m.flash.gguf", random_freqs(N_LAYER, N_FF))
+    return model, write_v2_sidecar(
+        model, tmp_path_factory.mktemp("planner") / "m.flash.gguf", random_freqs(N_LAYER, N_FF)
+    )
 
 
 def plan(pair, budget_mb, **kw):
@@ -60,7 +73,9 @@ def test_parts_sum_to_the_budget_and_are_explained(pair):
     assert all(v >= 0 for v in p.parts.values())
     assert p.parts["runtime"] == RUNTIME and p.n_ubatch == p.n_batch == 64
     assert p.hot_slots > 0 and p.parts["hot_slots"] == p.hot_slots * p.slot_bytes
-    assert p.parts["cold_slots"] == p.cold_slots * p.slot_bytes == 3 * (N_FF // 8) * p.slot_bytes  # 1 + 2 read-ahead layers
+    assert (
+        p.parts["cold_slots"] == p.cold_slots * p.slot_bytes == 3 * (N_FF // 8) * p.slot_bytes
+    )  # 1 + 2 read-ahead layers
     assert p.slot_bytes % 4096 == 0 and p.slot_bytes >= 2 * 4096
     assert p.minimum_bytes <= p.budget_bytes - p.parts["hot_slots"] < p.minimum_bytes + p.slot_bytes
     assert p.parts["margin"] >= 16 * MiB
@@ -69,8 +84,11 @@ def test_parts_sum_to_the_budget_and_are_explained(pair):
     for name in PARTS + ("minimum", "predicted", "cluster size 8", "built-in default"):
         assert name in text
     d = json.loads(json.dumps(p.to_dict()))
-    assert d["parts"] == p.parts and len(d["hot_clusters"]) == N_LAYER and d["hot_per_layer"] == [
-        len(h) for h in p.hot_clusters]
+    assert (
+        d["parts"] == p.parts
+        and len(d["hot_clusters"]) == N_LAYER
+        and d["hot_per_layer"] == [len(h) for h in p.hot_clusters]
+    )
     assert "hot_clusters" not in p.to_dict(arrays=False)
 
 
@@ -98,8 +116,9 @@ def test_more_budget_pins_more_and_hits_more(pair):
     assert len(set(hot)) == len(hot)
     assert hit == sorted(hit) and hit[0] == 0 and hit[-1] == pytest.approx(1.0)
     # without read-ahead (whose speculative bytes may buy speed) fewer bytes come from flash
-    flash = [plan(pair, low + extra, prefetch_layers=0, **kw).flash_bytes_per_token
-             for extra in (0, 0.05, 0.2, 0.5, 1, 3)]
+    flash = [
+        plan(pair, low + extra, prefetch_layers=0, **kw).flash_bytes_per_token for extra in (0, 0.05, 0.2, 0.5, 1, 3)
+    ]
     assert flash == sorted(flash, reverse=True) and flash[-1] == 0
     assert plans[-1].io_bound_tok_s is None and plans[-1].flash_bytes_per_token == 0
     assert all(sum(p.parts.values()) == p.budget_bytes for p in plans)
@@ -141,9 +160,9 @@ def test_gate_is_streamed_where_the_resident_gate_does_not_fit_or_predicts_slowe
 
 def test_cluster_probability_and_pin_order_on_a_hand_example(model, tmp_path):
     freqs = {i: np.zeros(N_FF, dtype=np.float32) for i in range(N_LAYER)}
-    freqs[0][:4] = [0.5, 0.5, 0.1, 0.0]      # clusters of 2: P = 0.75, 0.1
-    freqs[1][10:12] = [0.9, 0.2]              # cluster 5: P = 0.92
-    freqs[2][20:22] = [0.75, 0.0]             # cluster 10: P = 0.75, sum f 0.75 < layer 0's 1.0
+    freqs[0][:4] = [0.5, 0.5, 0.1, 0.0]  # clusters of 2: P = 0.75, 0.1
+    freqs[1][10:12] = [0.9, 0.2]  # cluster 5: P = 0.92
+    freqs[2][20:22] = [0.75, 0.0]  # cluster 10: P = 0.75, sum f 0.75 < layer 0's 1.0
     # bundles stored hot-first (a permutation): probabilities must still be in base neuron order
     orders = {i: np.argsort(-freqs[i], kind="stable").astype(np.int32) for i in range(N_LAYER)}
     pair = (model, write_v2_sidecar(model, tmp_path / "hand.flash.gguf", freqs, orders))
@@ -183,8 +202,10 @@ def test_choices_are_explained_and_bounded(pair):
     if p.io_bound_tok_s is not None:
         assert q.io_bound_tok_s > p.io_bound_tok_s
     # a larger context costs KV cache
-    assert plan(pair, 10_000, n_ctx=1024, n_ubatch=32, cluster_size=8).parts["kv_cache"] == \
-        2 * plan(pair, 10_000, n_ctx=512, n_ubatch=32, cluster_size=8).parts["kv_cache"]
+    assert (
+        plan(pair, 10_000, n_ctx=1024, n_ubatch=32, cluster_size=8).parts["kv_cache"]
+        == 2 * plan(pair, 10_000, n_ctx=512, n_ubatch=32, cluster_size=8).parts["kv_cache"]
+    )
     # no read-ahead: one layer of cold slots
     r = plan(pair, 10_000, prefetch_layers=0, cluster_size=8, n_ubatch=32)
     assert r.cold_slots == N_FF // 8 and r.prefetch_min_prob > 1
@@ -199,8 +220,9 @@ def test_n_ubatch_follows_the_budget(pair):
 
 def test_format_1_sidecar_is_refused_naming_convert(model, tmp_path):
     info = read_base_model(model)
-    v1 = write_sidecar_atomically(plan_sidecar(info, base_identity(model, info), [BundleStage()]),
-                                  tmp_path / "v1.flash.gguf")
+    v1 = write_sidecar_atomically(
+        plan_sidecar(info, base_identity(model, info), [BundleStage()]), tmp_path / "v1.flash.gguf"
+    )
     with pytest.raises(SidecarError, match="llamaflash convert"):
         plan_offload(model, v1, 1000, runtime_rss_bytes=RUNTIME)
 
@@ -228,14 +250,30 @@ def test_cli_plan_prints_the_table_and_json(pair):
     ok = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--runtime-mb", 40)
     assert ok.exit_code == 0, ok.output
     assert "hot_slots" in ok.stdout and "minimum" in ok.stdout
-    js = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--runtime-mb", 40, "--json",
-                 "--cluster-size", 8, "--n-ctx", 256)
+    js = run_cli(
+        "plan",
+        model,
+        "--sidecar",
+        sidecar,
+        "--ram-budget-mb",
+        300,
+        "--runtime-mb",
+        40,
+        "--json",
+        "--cluster-size",
+        8,
+        "--n-ctx",
+        256,
+    )
     assert js.exit_code == 0, js.output
     d = json.loads(js.stdout)
     assert sum(d["parts"].values()) == d["budget_bytes"] == 300 * MiB
     assert d["cluster_size"] == 8 and d["n_ctx"] == 256 and "hot_clusters" not in d
-    arrays = json.loads(run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--runtime-mb", 40,
-                                "--json", "--json-arrays").stdout)
+    arrays = json.loads(
+        run_cli(
+            "plan", model, "--sidecar", sidecar, "--ram-budget-mb", 300, "--runtime-mb", 40, "--json", "--json-arrays"
+        ).stdout
+    )
     assert len(arrays["cluster_prob"]) == N_LAYER
 
 
@@ -247,7 +285,9 @@ def test_cli_plan_too_small_budget_exits_2_naming_the_minimum(pair, tmp_path):
     assert "Traceback" not in r.output
     profile = tmp_path / "disk.json"
     profile.write_text(json.dumps(default_disk()))
-    ok = run_cli("plan", model, "--sidecar", sidecar, "--ram-budget-mb", 400, "--runtime-mb", 40, "--disk-profile", profile)
+    ok = run_cli(
+        "plan", model, "--sidecar", sidecar, "--ram-budget-mb", 400, "--runtime-mb", 40, "--disk-profile", profile
+    )
     assert ok.exit_code == 0 and "built-in default" in ok.stdout
     missing = run_cli("plan", model, "--sidecar", tmp_path / "nope.flash.gguf", "--ram-budget-mb", 300)
     assert missing.exit_code == 2 and "no such sidecar" in missing.stderr
@@ -256,7 +296,6 @@ def test_cli_plan_too_small_budget_exits_2_naming_the_minimum(pair, tmp_path):
 # --------------------------------------------------------------------------------------
 # the real SmolLM2 sidecar converted by `llamaflash convert` (conftest.smollm2_sidecar)
 # --------------------------------------------------------------------------------------
-
 
 
 @pytest.mark.real_model
@@ -290,8 +329,12 @@ def test_real_smollm2_llama_buffers_match_llama_cpp_log(smollm2_sidecar):
 
     SMOL = smollm2_sidecar
     script = Path(__file__).resolve().parent.parent / "bench" / "planner_constants.py"
-    out = subprocess.run([sys.executable, str(script), "--child", "smollm2-135m,llamaflash,128,512",
-                          "--sidecar", str(SMOL[1])], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, str(script), "--child", "smollm2-135m,llamaflash,128,512", "--sidecar", str(SMOL[1])],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     logged = json.loads(out.stdout.strip().splitlines()[-1])["buffers_mib"]
     share = llama_share(read_gguf_header(SMOL[0]), validate_pair(*SMOL), 512, 128)
     assert share["kv_cache"] / MiB == pytest.approx(logged["CPU KV"], abs=0.01)
@@ -326,8 +369,14 @@ def test_saved_disk_profiles_are_per_filesystem(pair, tmp_path):
 
     cache, disk_dir = tmp_path / "cache", tmp_path / "models"
     disk_dir.mkdir()
-    probe = {**default_disk(), "source": None, "directory": str(disk_dir), "filesystem": "ext4", "engine": "pool",
-             "direct": True}
+    probe = {
+        **default_disk(),
+        "source": None,
+        "directory": str(disk_dir),
+        "filesystem": "ext4",
+        "engine": "pool",
+        "direct": True,
+    }
     written = disk_probe.save_profile(probe, cache)
     assert written.parent == cache / "disk-profiles"
     sidecar = disk_dir / "m.flash.gguf"  # need not exist: its directory's filesystem is what counts

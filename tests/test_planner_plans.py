@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from planner_cases import PAIRS, RECORDED, cases, make_pair, plan_summary
 
 

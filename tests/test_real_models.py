@@ -7,19 +7,21 @@ identical (same kernels, same bytes, same order).
 Flash offload on SmolLM2 with its calibrated sidecar (conftest.smollm2_sidecar) against the in-memory sparse lane:
 the same tokens and bit-identical prompt logits, with the gate resident or streamed.
 """
+
 from __future__ import annotations
 
 import llama_cpp
 import numpy as np
 import pytest
+from llama_helpers import run_model
 
 import llamaflash
 from llamaflash import assets
 from llamaflash.converters import convert
-from llama_helpers import run_model
 
-PROMPT = ("Q: Name the planets of the solar system in order from the sun. A: The planets are Mercury, "
-          "Venus, Earth, Mars,")
+PROMPT = (
+    "Q: Name the planets of the solar system in order from the sun. A: The planets are Mercury, Venus, Earth, Mars,"
+)
 
 pytestmark = pytest.mark.real_model
 
@@ -29,8 +31,7 @@ def real_model(request, tmp_path_factory):
     model = assets.fetch_model(request.param, progress=False)
     # profile=False: a bundle-only (format 1) sidecar; the dense lane needs no calibration, and
     # calibrating real models is covered by the converter tests and costs minutes
-    sidecar = convert(model, tmp_path_factory.mktemp(request.param) / "model.flash.gguf", progress=False,
-                      profile=False)
+    sidecar = convert(model, tmp_path_factory.mktemp(request.param) / "model.flash.gguf", progress=False, profile=False)
     return request.param, model, sidecar
 
 
@@ -57,10 +58,12 @@ def test_real_offload_matches_the_in_memory_sparse_lane(stream_gate, smollm2_sid
 
     model, sidecar = smollm2_sidecar
     # offload runs batch-invariant (flash attention, plain weights): so does the reference
-    kwargs = dict(n_ctx=256, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0,
-                  flash_batch_invariant=True)
-    llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), flash_mode="sparse",
-                           flash_dense_up=False, **kwargs)
+    kwargs = dict(
+        n_ctx=256, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0, flash_batch_invariant=True
+    )
+    llm = llamaflash.Llama(
+        model_path=str(model), sidecar_path=str(sidecar), flash_mode="sparse", flash_dense_up=False, **kwargs
+    )
     ref = run_model(llm, PROMPT, n_gen=24)
     llm.close()
     out = run_in_subprocess(f"""

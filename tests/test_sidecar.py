@@ -13,13 +13,14 @@ d/2 + 127·d·2⁻¹¹ < 0.57·amax/127 per element of that block. F16 (n_embd n
 from __future__ import annotations
 
 import math
-
 import shutil
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from fuzz_cases import set_uint_metadata
+from synth import FAST_CONVERT, truncate, write_not_gguf, write_unsupported_architecture
 
 from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert
@@ -36,9 +37,6 @@ from llamaflash.errors import (
 )
 from llamaflash.gguf_model import base_identity, read_base_model, require_supported
 from llamaflash.sidecar import LayerLayout, default_sidecar_path, read_sidecar, validate_pair
-from fuzz_cases import set_uint_metadata
-from synth import FAST_CONVERT
-from synth import truncate, write_not_gguf, write_unsupported_architecture
 
 Q8_0_BLOCK = 32
 
@@ -81,10 +79,10 @@ def assert_layer_round_trips(model: Path, sidecar: Path, lay: LayerLayout) -> No
     g, u, stride = lay.gate_row_bytes, lay.up_row_bytes, lay.bundle_stride
     bundle = read_at(sidecar, lay.bundle_offset, lay.n_ff * stride)
     for k, neuron in enumerate(order):
-        row = bundle[k * stride:(k + 1) * stride]
+        row = bundle[k * stride : (k + 1) * stride]
         assert row[:g] == read_at(model, lay.base_gate_offset + int(neuron) * g, g)
-        assert row[g:g + u] == read_at(model, lay.base_up_offset + int(neuron) * u, u)
-        assert row[g + u:] == bytes(stride - g - u)
+        assert row[g : g + u] == read_at(model, lay.base_up_offset + int(neuron) * u, u)
+        assert row[g + u :] == bytes(stride - g - u)
 
     base_raw = np.frombuffer(
         read_at(model, lay.base_down_offset, lay.n_embd * lay.base_down_row_bytes), dtype=np.uint8
@@ -219,9 +217,15 @@ def test_round_trip_is_exact_for_gate_up_and_within_tolerance_for_down(tiny_mode
     for lay, ffn in zip(info.layers, base.ffn_layers):
         assert lay.is_resolved
         assert (lay.gate_type, lay.up_type, lay.base_down_type) == (
-            ffn.gate.ggml_type, ffn.up.ggml_type, ffn.down.ggml_type)
+            ffn.gate.ggml_type,
+            ffn.up.ggml_type,
+            ffn.down.ggml_type,
+        )
         assert (lay.base_gate_offset, lay.base_up_offset, lay.base_down_offset) == (
-            ffn.gate.offset, ffn.up.offset, ffn.down.offset)
+            ffn.gate.offset,
+            ffn.up.offset,
+            ffn.down.offset,
+        )
         gate_block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(lay.gate_type)][1]
         up_block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(lay.up_type)][1]
         assert lay.bundle_stride % gate_block == 0 and lay.bundle_stride % up_block == 0
@@ -268,10 +272,26 @@ def test_layout_dicts_carry_every_field_once_resolved(tiny_llama_q8_0, tmp_path)
     with pytest.raises(ValueError, match="validate_pair"):
         alone.layers[0].to_dict()
     d = validate_pair(model, sidecar).layers[0].to_dict()
-    for key in ("layer", "n_embd", "n_ff", "gate_type", "up_type", "gate_row_bytes", "up_row_bytes",
-                "bundle_offset", "bundle_stride", "down_t_type", "down_t_offset", "down_t_row_bytes",
-                "order_offset", "base_gate_offset", "base_up_offset", "base_down_offset",
-                "base_down_type", "base_down_row_bytes"):
+    for key in (
+        "layer",
+        "n_embd",
+        "n_ff",
+        "gate_type",
+        "up_type",
+        "gate_row_bytes",
+        "up_row_bytes",
+        "bundle_offset",
+        "bundle_stride",
+        "down_t_type",
+        "down_t_offset",
+        "down_t_row_bytes",
+        "order_offset",
+        "base_gate_offset",
+        "base_up_offset",
+        "base_down_offset",
+        "base_down_type",
+        "base_down_row_bytes",
+    ):
         assert isinstance(d[key], int), key
 
 

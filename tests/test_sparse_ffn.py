@@ -13,6 +13,7 @@ Thresholds for the selection tests are placed in the middle of a wide gap betwee
 |act(g)| values, so float rounding cannot move a neuron across them; the kernel's active mask must
 then equal the reference's set exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,8 +82,9 @@ class Layer:
         self.G, self.U, self.D = _dq(gq, gate_type), _dq(uq, up_type), _dq(dq, down_t_type)
 
     @classmethod
-    def from_bytes(cls, bundles, stride, gate_type, up_type, gate_row_bytes, up_row_bytes, down_t, down_t_type,
-                   n_embd, activation):
+    def from_bytes(
+        cls, bundles, stride, gate_type, up_type, gate_row_bytes, up_row_bytes, down_t, down_t_type, n_embd, activation
+    ):
         self = cls.__new__(cls)
         self.n_ff, self.n_embd = bundles.shape[0], n_embd
         self.gate_type, self.up_type, self.down_t_type = T(gate_type), T(up_type), T(down_t_type)
@@ -99,9 +101,23 @@ class Layer:
         """The kernel's phases in the order the sparse lane runs them for these arguments (by cluster
         with gate_values and no up_values, else by range)."""
         return N.sparse_ffn_forward(
-            self.bundles, self.bundle_stride, int(self.gate_type), int(self.up_type), self.gate_row_bytes,
-            self.up_row_bytes, self.down_t, int(self.down_t_type), self.down_t_row_bytes, self.n_embd, self.n_ff,
-            self.activation, x, threshold, n_threads, **kw)
+            self.bundles,
+            self.bundle_stride,
+            int(self.gate_type),
+            int(self.up_type),
+            self.gate_row_bytes,
+            self.up_row_bytes,
+            self.down_t,
+            int(self.down_t_type),
+            self.down_t_row_bytes,
+            self.n_embd,
+            self.n_ff,
+            self.activation,
+            x,
+            threshold,
+            n_threads,
+            **kw,
+        )
 
     def act_g_u(self, x):
         """Per token (g, act(g), u) as the kernel's dots see them, float64 [n_tokens, n_ff]."""
@@ -124,7 +140,7 @@ def act_ref(name, g):
     # ggml's GEGLU on CPU: f16 table of the tanh-approximation gelu, indexed by f16(g)
     v = g.astype(np.float16).astype(np.float32)
     c = np.float32(0.79788456080286535587989211986876)
-    r = (np.float32(0.5) * v * (np.float32(1) + np.tanh(c * v * (np.float32(1) + np.float32(0.044715) * v * v))))
+    r = np.float32(0.5) * v * (np.float32(1) + np.tanh(c * v * (np.float32(1) + np.float32(0.044715) * v * v)))
     r = r.astype(np.float16).astype(np.float64)
     return np.where(g <= -10, 0.0, np.where(g >= 10, g, r))
 
@@ -155,8 +171,19 @@ def random_layer(rng, n_embd, n_ff, gate_type, up_type, down_t_type, activation,
 
 def ggml_dense(gate, gate_type, up, up_type, down, down_type, n_embd, n_ff, activation, x, n_threads=1):
     """y of ggml's own dense FFN graph on the CPU backend (csrc/ffn_dense_ref.h)."""
-    graph = N.DenseFfnGraph(gate, int(gate_type), up, int(up_type), down, int(down_type), n_embd, n_ff, activation,
-                            n_tokens=x.shape[0], n_threads=n_threads)
+    graph = N.DenseFfnGraph(
+        gate,
+        int(gate_type),
+        up,
+        int(up_type),
+        down,
+        int(down_type),
+        n_embd,
+        n_ff,
+        activation,
+        n_tokens=x.shape[0],
+        n_threads=n_threads,
+    )
     y, seconds = graph.run(x)
     assert len(seconds) == 1 and seconds[0] > 0
     return y
@@ -178,16 +205,16 @@ def gap_threshold(values, keep_fraction):
 VARIANTS = [
     (T.Q8_0, T.Q8_0, T.Q8_0, "silu", 128, 96),
     (T.Q4_0, T.Q4_0, T.F16, "silu", 96, 160),
-    (T.Q4_0, T.Q8_0, T.Q8_0, "silu", 64, 128),   # mixed gate/up types: padded bundle stride
-    (T.Q4_1, T.Q4_1, T.Q8_0, "gelu", 64, 100),   # vec_dot_type Q8_1
+    (T.Q4_0, T.Q8_0, T.Q8_0, "silu", 64, 128),  # mixed gate/up types: padded bundle stride
+    (T.Q4_1, T.Q4_1, T.Q8_0, "gelu", 64, 100),  # vec_dot_type Q8_1
     (T.Q5_0, T.Q5_0, T.Q8_0, "relu", 96, 128),
-    (T.F16, T.F16, T.F16, "gelu", 48, 64),        # n_embd % 32 != 0 -> F16 down_t with a SIMD tail
+    (T.F16, T.F16, T.F16, "gelu", 48, 64),  # n_embd % 32 != 0 -> F16 down_t with a SIMD tail
     (T.F32, T.F32, T.F16, "silu", 100, 70),
-    (T.Q8_0, T.Q8_0, T.Q4_0, "silu", 64, 96),    # 4-bit down_t (converter --down-t-type q4_0/q4_1)
+    (T.Q8_0, T.Q8_0, T.Q4_0, "silu", 64, 96),  # 4-bit down_t (converter --down-t-type q4_0/q4_1)
     (T.Q4_1, T.Q4_1, T.Q4_1, "gelu", 96, 64),
-    (T.Q8_0, T.Q8_0, T.Q4_K, "silu", 256, 96),   # K-quant down_t (--down-t-type q4_k / base)
+    (T.Q8_0, T.Q8_0, T.Q4_K, "silu", 256, 96),  # K-quant down_t (--down-t-type q4_k / base)
     (T.Q4_0, T.Q4_0, T.Q6_K, "silu", 512, 64),
-    (T.Q4_K, T.Q2_K, T.Q2_K, "silu", 256, 96),   # the draft copy's up and down_t (--draft-type auto)
+    (T.Q4_K, T.Q2_K, T.Q2_K, "silu", 256, 96),  # the draft copy's up and down_t (--draft-type auto)
 ]
 
 
@@ -373,9 +400,20 @@ def test_batch_equals_token_by_token(by_cluster):
 def test_kernel_object_reuses_scratch():
     rng = np.random.default_rng(7)
     layer = random_layer(rng, 64, 128, T.Q4_0, T.Q4_0, T.Q8_0, "silu")
-    k = N.SparseFfnKernel(layer.bundles, layer.bundle_stride, int(layer.gate_type), int(layer.up_type),
-                          layer.gate_row_bytes, layer.up_row_bytes, layer.down_t, int(layer.down_t_type),
-                          layer.down_t_row_bytes, 64, 128, "silu")
+    k = N.SparseFfnKernel(
+        layer.bundles,
+        layer.bundle_stride,
+        int(layer.gate_type),
+        int(layer.up_type),
+        layer.gate_row_bytes,
+        layer.up_row_bytes,
+        layer.down_t,
+        int(layer.down_t_type),
+        layer.down_t_row_bytes,
+        64,
+        128,
+        "silu",
+    )
     x = rng.standard_normal((4, 64)).astype(np.float32)
     y_small, _ = k.forward(x[:1], 0.0, n_threads=1)
     y_big, _ = k.forward(x, 0.0, n_threads=2)  # grows the scratch
@@ -390,8 +428,9 @@ def test_activation_matches_ggml_semantics():
     g = np.concatenate([np.linspace(-12, 12, 2001), [-10.0, 10.0, 0.0, -0.0]]).astype(np.float32)
     for name in ("silu", "gelu", "relu"):
         # atol: where tanh ~ -1, 1 + tanh(.) differs between libm's tanhf and NumPy's float32 tanh
-        np.testing.assert_allclose(N.sparse_ffn_activation(name, g), act_ref(name, g.astype(np.float64)),
-                                   rtol=2e-6, atol=1e-5)
+        np.testing.assert_allclose(
+            N.sparse_ffn_activation(name, g), act_ref(name, g.astype(np.float64)), rtol=2e-6, atol=1e-5
+        )
 
 
 def test_bad_arguments_are_refused():
@@ -399,14 +438,53 @@ def test_bad_arguments_are_refused():
     layer = random_layer(rng, 64, 32, T.Q8_0, T.Q8_0, T.Q8_0, "silu")
     x = np.zeros((1, 64), np.float32)
     with pytest.raises(ValueError, match="activation"):
-        N.sparse_ffn_forward(layer.bundles, layer.bundle_stride, 8, 8, layer.gate_row_bytes, layer.up_row_bytes,
-                             layer.down_t, 8, layer.down_t_row_bytes, 64, 32, "swish", x)
+        N.sparse_ffn_forward(
+            layer.bundles,
+            layer.bundle_stride,
+            8,
+            8,
+            layer.gate_row_bytes,
+            layer.up_row_bytes,
+            layer.down_t,
+            8,
+            layer.down_t_row_bytes,
+            64,
+            32,
+            "swish",
+            x,
+        )
     with pytest.raises(ValueError, match="row"):
-        N.sparse_ffn_forward(layer.bundles, layer.bundle_stride, 8, 8, layer.gate_row_bytes + 1,
-                             layer.up_row_bytes, layer.down_t, 8, layer.down_t_row_bytes, 64, 32, "silu", x)
+        N.sparse_ffn_forward(
+            layer.bundles,
+            layer.bundle_stride,
+            8,
+            8,
+            layer.gate_row_bytes + 1,
+            layer.up_row_bytes,
+            layer.down_t,
+            8,
+            layer.down_t_row_bytes,
+            64,
+            32,
+            "silu",
+            x,
+        )
     with pytest.raises(ValueError, match="bundles"):
-        N.sparse_ffn_forward(layer.bundles[:10], layer.bundle_stride, 8, 8, layer.gate_row_bytes,
-                             layer.up_row_bytes, layer.down_t, 8, layer.down_t_row_bytes, 64, 32, "silu", x)
+        N.sparse_ffn_forward(
+            layer.bundles[:10],
+            layer.bundle_stride,
+            8,
+            8,
+            layer.gate_row_bytes,
+            layer.up_row_bytes,
+            layer.down_t,
+            8,
+            layer.down_t_row_bytes,
+            64,
+            32,
+            "silu",
+            x,
+        )
     with pytest.raises(ValueError, match="gate_values"):
         layer.run(x, 0.0, gate_values=np.zeros((1, 31), np.float32))
     with pytest.raises(ValueError, match="n_embd"):
@@ -431,15 +509,27 @@ def _sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd, n_ff, dow
     for lay in info.layers:
         bundles = side[lay.bundle_offset : lay.bundle_offset + lay.n_ff * lay.bundle_stride].reshape(lay.n_ff, -1)
         down_t = side[lay.down_t_offset : lay.down_t_offset + lay.n_ff * lay.down_t_row_bytes].reshape(lay.n_ff, -1)
-        layer = Layer.from_bytes(bundles, lay.bundle_stride, lay.gate_type, lay.up_type, lay.gate_row_bytes,
-                                 lay.up_row_bytes, down_t, lay.down_t_type, lay.n_embd, info.activation)
+        layer = Layer.from_bytes(
+            bundles,
+            lay.bundle_stride,
+            lay.gate_type,
+            lay.up_type,
+            lay.gate_row_bytes,
+            lay.up_row_bytes,
+            down_t,
+            lay.down_t_type,
+            lay.n_embd,
+            info.activation,
+        )
         rows = lay.n_ff * _row_bytes(T(lay.gate_type), lay.n_embd)
         base_w = dict(
-            gate=base[lay.base_gate_offset : lay.base_gate_offset + rows], gate_type=lay.gate_type,
+            gate=base[lay.base_gate_offset : lay.base_gate_offset + rows],
+            gate_type=lay.gate_type,
             up=base[lay.base_up_offset : lay.base_up_offset + lay.n_ff * _row_bytes(T(lay.up_type), lay.n_embd)],
             up_type=lay.up_type,
             down=base[lay.base_down_offset : lay.base_down_offset + lay.n_embd * lay.base_down_row_bytes],
-            down_type=lay.base_down_type)
+            down_type=lay.base_down_type,
+        )
         out.append((layer, base_w))
     return out
 
@@ -451,8 +541,9 @@ DOWN_T_CHOICES = [("q8_0", T.Q8_0, 1e-2), ("auto", T.Q4_K, 9e-2)]
 
 @pytest.mark.parametrize("down_t,down_t_type,requant_rtol", DOWN_T_CHOICES)
 @pytest.mark.parametrize("weight_type,n_embd,n_ff", [("Q4_K_M", 256, 512), ("Q6_K", 256, 768)])
-def test_kquant_sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd, n_ff, down_t, down_t_type,
-                               requant_rtol):
+def test_kquant_sidecar_layers(
+    tiny_model_factory, tmp_path, weight_type, n_embd, n_ff, down_t, down_t_type, requant_rtol
+):
     layers = _sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd, n_ff, down_t)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((2, n_embd)).astype(np.float32)
@@ -476,13 +567,36 @@ def test_kquant_sidecar_layers(tiny_model_factory, tmp_path, weight_type, n_embd
         assert np.linalg.norm(y_dense - y_exact) / np.linalg.norm(y_exact) < requant_rtol
         # and against ggml's own dense FFN graph on the base weights, which also quantizes h to Q8_K
         # for its down matmul (measured ~1.5% from y_exact)
-        y_ggml = ggml_dense(base_w["gate"], base_w["gate_type"], base_w["up"], base_w["up_type"], base_w["down"],
-                            base_w["down_type"], n_embd, n_ff, layer.activation, x, n_threads=2)
+        y_ggml = ggml_dense(
+            base_w["gate"],
+            base_w["gate_type"],
+            base_w["up"],
+            base_w["up_type"],
+            base_w["down"],
+            base_w["down_type"],
+            n_embd,
+            n_ff,
+            layer.activation,
+            x,
+            n_threads=2,
+        )
         assert np.linalg.norm(y_dense - y_ggml) / np.linalg.norm(y_ggml) < 2e-2 + requant_rtol
 
         # hybrid: g from ggml's (repacked) dense gate GEMV, up/down_t sparse in the kernel
-        gate_graph = N.DenseFfnGraph(base_w["gate"], base_w["gate_type"], None, 0, None, 0, n_embd, n_ff,
-                                     layer.activation, n_tokens=2, n_threads=2, gate_only=True)
+        gate_graph = N.DenseFfnGraph(
+            base_w["gate"],
+            base_w["gate_type"],
+            None,
+            0,
+            None,
+            0,
+            n_embd,
+            n_ff,
+            layer.activation,
+            n_tokens=2,
+            n_threads=2,
+            gate_only=True,
+        )
         g_ggml, _ = gate_graph.run(x)
         g, _, _ = layer.act_g_u(x)
         assert np.abs(g_ggml - g).max() <= 1e-5 * np.abs(g).max()  # same g (bundle order = base order here)

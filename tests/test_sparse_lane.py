@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import shutil
 
-import llama_cpp
 import numpy as np
 import pytest
+from llama_helpers import PROMPT, rel_max_diff, run_model
+from sparse_emulation import SparseFfnEmulator
+from synth import FAST_CONVERT
 
 import llamaflash
-from synth import FAST_CONVERT
 from llamaflash.converters import convert
 from llamaflash.converters.llama_runner import LlamaRunner
 from llamaflash.sidecar import read_sidecar
-from llama_helpers import PROMPT, rel_max_diff, run_model
-from sparse_emulation import SparseFfnEmulator
 
 KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0)
 N_GEN = 12
@@ -40,7 +39,7 @@ def converted(tiny_model_factory, tmp_path_factory):
 def _decode_logits(llm, n_gen=N_GEN):
     """Prompt in one batch (dense lane), then n_gen greedy single-token steps; the logits of each step."""
     run = run_model(llm, n_gen=n_gen)
-    return run, np.array(llm.scores[len(llm.tokenize(PROMPT.encode())): llm.n_tokens], dtype=np.float32)
+    return run, np.array(llm.scores[len(llm.tokenize(PROMPT.encode())) : llm.n_tokens], dtype=np.float32)
 
 
 def test_sparse_mode_needs_the_sidecars_thresholds(converted):
@@ -68,7 +67,7 @@ def test_nothing_skipped_matches_dense_lane(converted):
     assert sparse.generated[:4] == dense.generated[:4]
     st = sparse.stats
     assert st["sparse_lane_calls"] == 2 * N_GEN  # 2 layers × single-token steps
-    assert st["dense_lane_calls"] == 2           # the prompt batch
+    assert st["dense_lane_calls"] == 2  # the prompt batch
     assert st["sparse_fallbacks"] == 0
     assert st["mean_active_fraction"] == pytest.approx(1.0)
 
@@ -160,7 +159,6 @@ def test_up_by_ggml_matches_kernel_up(converted):
     assert out[True][2] == pytest.approx(out[False][2])
 
 
-
 def test_hot_order_sidecar_takes_the_gate_from_the_kernel(converted, tmp_path):
     """Bundles in hot-first order (`convert --order hot`) do not line up with the base gate that ggml's
     GEMV computes over: the kernel computes g from the bundles itself and sums by range. Same model,
@@ -168,13 +166,21 @@ def test_hot_order_sidecar_takes_the_gate_from_the_kernel(converted, tmp_path):
     tokens come out as with the base-order sidecar, whose g comes from ggml and whose sum runs by
     cluster."""
     model, sidecar, _ = converted
-    hot = convert(model, tmp_path / "m.hot.flash.gguf", progress=False, sparsity=0.5, measure_quality=False,
-                  order="hot", **FAST_CONVERT)
+    hot = convert(
+        model,
+        tmp_path / "m.hot.flash.gguf",
+        progress=False,
+        sparsity=0.5,
+        measure_quality=False,
+        order="hot",
+        **FAST_CONVERT,
+    )
     assert read_sidecar(hot).sparsity.bundle_order == "hot"
     out = {}
     for name, path in (("base", sidecar), ("hot", hot)):
-        llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(path), flash_mode="sparse",
-                               flash_sparsity=0.5, **KW)
+        llm = llamaflash.Llama(
+            model_path=str(model), sidecar_path=str(path), flash_mode="sparse", flash_sparsity=0.5, **KW
+        )
         out[name] = _decode_logits(llm, n_gen=4)
         llm.close()
     (base, base_steps), (hot_run, hot_steps) = out["base"], out["hot"]

@@ -16,11 +16,11 @@ import shutil
 import numpy as np
 import pytest
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+from offload_helpers import PROMPT, SELF_DRAFT, greedy, make_plan
 
 import llamaflash
 from llamaflash import speculative
 from llamaflash.errors import FlashIoError
-from offload_helpers import PROMPT, SELF_DRAFT, greedy, make_plan
 
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
 LOOKUP = {"adaptive": False, "max_draft": 6, "self_draft": False, "max_ngram": 1}
@@ -35,10 +35,12 @@ def offload(converted, forced_plan):  # noqa: F811
     made = []
 
     def make(spec, sidecar_path=None, **kw):
-        llm = llamaflash.Llama(model_path=str(model), sidecar_path=sidecar_path, ram_budget_mb=64,
-                               flash_speculative=spec, **{**KW, **kw})
+        llm = llamaflash.Llama(
+            model_path=str(model), sidecar_path=sidecar_path, ram_budget_mb=64, flash_speculative=spec, **{**KW, **kw}
+        )
         made.append(llm)
         return llm
+
     yield make
     for llm in made:
         llm.close()
@@ -98,18 +100,22 @@ def test_completion_streaming_stop_and_logprobs(offload):
     got = spec.create_completion(PROMPT, max_tokens=24, temperature=0, logprobs=2)
     assert got["choices"][0]["text"] == ref["choices"][0]["text"]
     assert got["choices"][0]["logprobs"]["tokens"] == ref["choices"][0]["logprobs"]["tokens"]
-    np.testing.assert_array_equal(got["choices"][0]["logprobs"]["token_logprobs"],
-                                  ref["choices"][0]["logprobs"]["token_logprobs"])
+    np.testing.assert_array_equal(
+        got["choices"][0]["logprobs"]["token_logprobs"], ref["choices"][0]["logprobs"]["token_logprobs"]
+    )
     text = ref["choices"][0]["text"]
-    stop = text[len(text) // 2:][:3]  # a stop sequence inside the reference text
+    stop = text[len(text) // 2 :][:3]  # a stop sequence inside the reference text
     if stop.strip():
         want = plain.create_completion(PROMPT, max_tokens=24, temperature=0, stop=[stop])["choices"][0]
         got = spec.create_completion(PROMPT, max_tokens=24, temperature=0, stop=[stop])["choices"][0]
         assert got["text"] == want["text"] and got["finish_reason"] == want["finish_reason"] == "stop"
 
         def stream(llm):
-            return [c["choices"][0]["text"] for c in llm.create_completion(PROMPT, max_tokens=24, temperature=0,
-                                                                           stop=[stop], stream=True)]
+            return [
+                c["choices"][0]["text"]
+                for c in llm.create_completion(PROMPT, max_tokens=24, temperature=0, stop=[stop], stream=True)
+            ]
+
         assert stream(spec) == stream(plain)  # the same pieces, as they are accepted
 
 
@@ -187,13 +193,21 @@ def test_real_model_greedy_speculation_is_exact(smollm2_sidecar):
 
     model, sidecar = smollm2_sidecar
     low = plan_offload(str(model), str(sidecar), 10_000, n_ctx=256).least_budget_bytes
-    prompt = ("Rewrite with a list comprehension:\n\ndef squares(xs):\n    out = []\n    for x in xs:\n"
-              "        out.append(x * x)\n    return out\n\nAnswer:\n")
+    prompt = (
+        "Rewrite with a list comprehension:\n\ndef squares(xs):\n    out = []\n    for x in xs:\n"
+        "        out.append(x * x)\n    return out\n\nAnswer:\n"
+    )
     runs = {}
     for name, spec in (("off", False), ("self", SELF_DRAFT), ("lookup", LOOKUP), ("default", True)):
         # flash_mode="sparse": offload (this budget would hold all of SmolLM2 for stock)
-        llm = llamaflash.Llama(model_path=str(model), sidecar_path=str(sidecar), ram_budget_mb=low / MiB + 48,
-                               flash_speculative=spec, flash_mode="sparse", **KW)
+        llm = llamaflash.Llama(
+            model_path=str(model),
+            sidecar_path=str(sidecar),
+            ram_budget_mb=low / MiB + 48,
+            flash_speculative=spec,
+            flash_mode="sparse",
+            **KW,
+        )
         runs[name] = (greedy(llm, prompt, 48), llm.flash_stats())
         llm.close()
     for name in ("self", "lookup", "default"):

@@ -20,6 +20,9 @@ import gguf
 import llama_cpp
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from fuzz_cases import deadline, edit_tensor_info, relative_offsets
+from synth import write_unsupported_architecture
 
 import llamaflash
 from llamaflash import sidecar_format as fmt
@@ -29,9 +32,6 @@ from llamaflash.errors import BaseModelError, SidecarFormatError
 from llamaflash.gguf_header import GGUFHeaderError, read_gguf_header
 from llamaflash.gguf_model import read_base_model
 from llamaflash.sidecar import read_sidecar, validate_pair
-from click.testing import CliRunner
-from fuzz_cases import deadline, edit_tensor_info, relative_offsets
-from synth import write_unsupported_architecture
 
 BLOCK_COUNT_KEY = "llama.block_count"
 
@@ -113,8 +113,11 @@ def assert_refused_everywhere(model: Path, sidecar: Path, *fragments: str) -> No
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [0xFFFFFFFF, 2 ^ 0xFF000000, 3, 1, 0],
-                         ids=["all-ones", "top-byte-flipped", "one-too-many", "one-too-few", "zero"])
+@pytest.mark.parametrize(
+    "value",
+    [0xFFFFFFFF, 2 ^ 0xFF000000, 3, 1, 0],
+    ids=["all-ones", "top-byte-flipped", "one-too-many", "one-too-few", "zero"],
+)
 def test_implausible_block_count_is_refused_at_once(tiny_llama_q8_0, tmp_path, value, llama_must_not_start):
     # the tiny model has blocks 0 and 1: a larger count has no tensors behind it, a smaller one leaves
     # tensors llama.cpp would refuse as unused
@@ -258,16 +261,17 @@ def test_threshold_table_entries_are_checked(pair, llama_must_not_start):
     assert_refused_everywhere(model, sidecar, "layer 1", "decreases")
 
 
-@pytest.mark.parametrize("key, value", [(fmt.KEY_SPARSITY_REACHED, 1.5), (fmt.KEY_SPARSITY_REACHED, float("nan")),
-                                        (fmt.KEY_FFN_REL_ERROR, float("inf"))])
+@pytest.mark.parametrize(
+    "key, value",
+    [(fmt.KEY_SPARSITY_REACHED, 1.5), (fmt.KEY_SPARSITY_REACHED, float("nan")), (fmt.KEY_FFN_REL_ERROR, float("inf"))],
+)
 def test_per_layer_measurements_are_range_checked(pair, key, value, llama_must_not_start):
     model, sidecar = pair
     set_array_entry(sidecar, key, 0, value)
     assert_refused_everywhere(model, sidecar, "layer 0", key)
 
 
-@pytest.mark.parametrize("which, value", [("freq", 2.0), ("freq", float("nan")), ("mag", -1.0),
-                                          ("mag", float("inf"))])
+@pytest.mark.parametrize("which, value", [("freq", 2.0), ("freq", float("nan")), ("mag", -1.0), ("mag", float("inf"))])
 def test_neuron_statistics_are_range_checked(pair, which, value, llama_must_not_start):
     model, sidecar = pair
     lay = read_sidecar(sidecar).layers[0]

@@ -28,10 +28,18 @@ def test_ladder_runs_from_the_least_budget_past_the_top():
 
 
 def test_monotone_violations_name_the_budgets():
-    view = {"budgets": {"700": {"nospec_tok_s": 2.0}, "800": {"nospec_tok_s": 2.5}, "900": {"nospec_tok_s": 2.4},
-                        "1000": {"nospec_tok_s": None}, "1100": {"nospec_tok_s": 3.0}}}
+    view = {
+        "budgets": {
+            "700": {"nospec_tok_s": 2.0},
+            "800": {"nospec_tok_s": 2.5},
+            "900": {"nospec_tok_s": 2.4},
+            "1000": {"nospec_tok_s": None},
+            "1100": {"nospec_tok_s": 3.0},
+        }
+    }
     assert sweep.monotone_violations(view, ("nospec_tok_s",)) == [
-        {"key": "nospec_tok_s", "budget_mb": 900, "value": 2.4, "smaller_budget_mb": 800, "smaller_value": 2.5}]
+        {"key": "nospec_tok_s", "budget_mb": 900, "value": 2.4, "smaller_budget_mb": 800, "smaller_value": 2.5}
+    ]
 
 
 def test_without_cgroups_the_sweep_predicts_only(converted, tmp_path):  # noqa: F811
@@ -54,30 +62,77 @@ def test_without_cgroups_the_sweep_predicts_only(converted, tmp_path):  # noqa: 
 def test_the_command_line_sweep_says_what_it_could_not_measure(converted, tmp_path, monkeypatch):  # noqa: F811
     model, sidecar = converted
     monkeypatch.setattr(memlimit, "_pyplot", lambda: None)  # as without matplotlib
-    out = CliRunner().invoke(main, ["bench", str(model), "--sweep", "--no-cgroup", "--points", "2", "--sidecar",
-                                    str(sidecar), "--n-gen", "4", "--prompt-tokens", "16", "--prompt-set", "text",
-                                    "--json",
-                                    str(tmp_path / "c.json")])
+    out = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            str(model),
+            "--sweep",
+            "--no-cgroup",
+            "--points",
+            "2",
+            "--sidecar",
+            str(sidecar),
+            "--n-gen",
+            "4",
+            "--prompt-tokens",
+            "16",
+            "--prompt-set",
+            "text",
+            "--json",
+            str(tmp_path / "c.json"),
+        ],
+    )
     assert out.exit_code == 0, out.output
     assert "PREDICTIONS ONLY" in out.output and sweep_report.PLOT_NEEDS in out.output
-    again = CliRunner().invoke(main, ["bench", str(model), "--sweep", "--no-cgroup", "--points", "2", "--sidecar",
-                                      str(sidecar), "--json", str(tmp_path / "c.json")])
+    again = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            str(model),
+            "--sweep",
+            "--no-cgroup",
+            "--points",
+            "2",
+            "--sidecar",
+            str(sidecar),
+            "--json",
+            str(tmp_path / "c.json"),
+        ],
+    )
     assert again.exit_code == 2 and "--resume" in again.output
 
 
 def _fake_result(spec, limit):
     tps = {"stock": 1.0, "llamaflash": 2.0, "llamaflash-nospec": 1.9}[spec["config"]] * limit / 100
-    return {"ok": True, "status": "ok", "config": spec["config"], "rep": spec["rep"], "limit_mb": limit,
-            "decode_tps": tps, "prefill_tps": 10.0, "n_gen_done": 4, "tokens": [1, 2, 3, 4, 5],
-            "flash_mode": "offload" if spec["config"] != "stock" else None}
+    return {
+        "ok": True,
+        "status": "ok",
+        "config": spec["config"],
+        "rep": spec["rep"],
+        "limit_mb": limit,
+        "decode_tps": tps,
+        "prefill_tps": 10.0,
+        "n_gen_done": 4,
+        "tokens": [1, 2, 3, 4, 5],
+        "flash_mode": "offload" if spec["config"] != "stock" else None,
+    }
 
 
 def test_an_interrupted_sweep_keeps_its_points_and_resumes(converted, tmp_path, monkeypatch):  # noqa: F811
     model, sidecar = converted
     monkeypatch.setattr(memlimit, "memory_cgroup_support", lambda: (True, "fake"))
     copies = tmp_path / "copies"
-    opts = lambda: sweep.SweepOptions(model=str(model), sidecar=str(sidecar), budgets_mb=[300, 200],  # noqa: E731
-                                      private_copy_dir=str(copies), **SMALL)
+
+    def opts():
+        return sweep.SweepOptions(
+            model=str(model),
+            sidecar=str(sidecar),
+            budgets_mb=[300, 200],
+            private_copy_dir=str(copies),
+            **SMALL,
+        )
+
     calls = []
 
     def interrupting(spec, limit, files, timeout):
@@ -106,6 +161,7 @@ def test_an_interrupted_sweep_keeps_its_points_and_resumes(converted, tmp_path, 
     def recording(spec, limit, files, timeout):
         resumed.append((limit, spec["config"]))
         return _fake_result(spec, limit)
+
     payload = sweep.run_sweep(opts(), path, resume=True, runner=recording)
     assert len(resumed) == 4 and not set(resumed) & set(calls[:2])  # only the points it lacked
     assert payload["complete"] and len({sweep.run_key(r) for r in payload["runs"]}) == 6
@@ -155,8 +211,12 @@ def test_smoke_sweep_on_smollm2(smollm2_sidecar, tmp_path):
     model, sidecar = smollm2_sidecar
     view = sweep.predict(model, sidecar, [], 256)
     budgets = [int(view["least_mb"]) + 12, int(view["stock_need_mb"]) + 40]
-    opts = sweep.SweepOptions(model=str(model), sidecar=str(sidecar), budgets_mb=budgets,
-                              **{**SMALL, "n_ctx": 256, "n_batch": 256, "prompt_set": "chat", "timeout_s": 600})
+    opts = sweep.SweepOptions(
+        model=str(model),
+        sidecar=str(sidecar),
+        budgets_mb=budgets,
+        **{**SMALL, "n_ctx": 256, "n_batch": 256, "prompt_set": "chat", "timeout_s": 600},
+    )
     payload = sweep.run_sweep(opts, tmp_path / "smoke.json", echo=lambda s: None)
     assert [r["status"] for r in payload["runs"]] == ["ok"] * 6, [r.get("error") for r in payload["runs"]]
     rows = sweep_report.curve(payload)

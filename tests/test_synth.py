@@ -6,15 +6,21 @@ import math
 
 import gguf
 import pytest
+from synth import TinyModelSpec
 
 from llamaflash.gguf_model import read_base_model
-from synth import TinyModelSpec
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
 EXPECTED_FFN_TYPES = {
-    "F32": "F32", "F16": "F16", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
-    "Q4_K": "Q4_K", "Q6_K": "Q6_K",
+    "F32": "F32",
+    "F16": "F16",
+    "Q8_0": "Q8_0",
+    "Q4_0": "Q4_0",
+    "Q4_1": "Q4_1",
+    "Q5_0": "Q5_0",
+    "Q4_K": "Q4_K",
+    "Q6_K": "Q6_K",
 }
 
 

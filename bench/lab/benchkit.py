@@ -29,12 +29,30 @@ from typing import Any, Iterable, Sequence
 from .worker import PROGRESS_MARK, RESULT_MARK, STOCK_CONFIGS, cpu_busy_seconds
 
 __all__ = [
-    "PROMPT_TEXT", "RESULT_MARK", "PROGRESS_MARK", "STOCK_CONFIGS", "WORKER", "WorkerError",
-    "cpu_busy_seconds", "machine_busy_fraction", "wait_until_quiet", "machine_info",
-    "resolve_model", "sha256_file", "warm_page_cache", "sidecar_path_for",
-    "run_worker", "worker_command", "parse_worker_output", "require_ok", "prompt_tokens", "timed_run",
-    "median", "greedy_agreement",
-    "write_json", "timestamp",
+    "PROMPT_TEXT",
+    "RESULT_MARK",
+    "PROGRESS_MARK",
+    "STOCK_CONFIGS",
+    "WORKER",
+    "WorkerError",
+    "cpu_busy_seconds",
+    "machine_busy_fraction",
+    "wait_until_quiet",
+    "machine_info",
+    "resolve_model",
+    "sha256_file",
+    "warm_page_cache",
+    "sidecar_path_for",
+    "run_worker",
+    "worker_command",
+    "parse_worker_output",
+    "require_ok",
+    "prompt_tokens",
+    "timed_run",
+    "median",
+    "greedy_agreement",
+    "write_json",
+    "timestamp",
 ]
 
 #: The worker script; run it by path (``python WORKER '<json spec>'``), see :mod:`llamaflash.bench.worker`.
@@ -83,6 +101,7 @@ PROMPT_TEXT = (
 def resolve_model(model: str) -> tuple[Path, str, str]:
     """(path, short name, sha256) for an asset name (fetched and verified) or a GGUF path."""
     from llamaflash import assets
+
     if model in assets.MODELS:
         path = assets.fetch_model(model)
         return path, model, assets.MODELS[model].sha256
@@ -128,8 +147,12 @@ def _pkg_version(name: str) -> str | None:
 def files_record(model_path: Path, model_name: str, model_sha: str, sidecar: Path | None) -> dict[str, Any]:
     """The ``model`` and ``sidecar`` entries of a benchmark's JSON (sidecar None: no llamaflash config)."""
     return {
-        "model": {"name": model_name, "path": str(model_path), "sha256": model_sha,
-                  "bytes": model_path.stat().st_size},  # fmt: skip
+        "model": {
+            "name": model_name,
+            "path": str(model_path),
+            "sha256": model_sha,
+            "bytes": model_path.stat().st_size,
+        },  # fmt: skip
         "sidecar": {"path": str(sidecar), "bytes": sidecar.stat().st_size} if sidecar is not None else None,
     }
 
@@ -243,29 +266,59 @@ def parse_worker_output(stdout: str | None) -> tuple[dict[str, Any] | None, list
 def require_ok(result: dict[str, Any]) -> dict[str, Any]:
     """``result`` if the worker's run succeeded (``"ok"``); else WorkerError with its error and traceback."""
     if not result.get("ok"):
-        raise WorkerError(f"worker for {result.get('config')!r} failed: {result.get('error')}\n"
-                          f"{result.get('traceback', '')}".rstrip())
+        raise WorkerError(
+            f"worker for {result.get('config')!r} failed: {result.get('error')}\n{result.get('traceback', '')}".rstrip()
+        )
     return result
 
 
 def prompt_tokens(model: Path | str, n_prompt: int, threads: int = 1, timeout: float | None = 900) -> list[int]:
     """The first ``n_prompt`` tokens of :data:`PROMPT_TEXT` (repeated as needed) in ``model``'s
     vocabulary, BOS first where the model adds one; tokenized by a worker (vocabulary only)."""
-    tok = run_worker({"mode": "tokenize", "model": str(model), "config": "tokenize", "prompt_text": PROMPT_TEXT,
-                      "n_prompt": n_prompt, "threads": threads}, timeout=timeout)
+    tok = run_worker(
+        {
+            "mode": "tokenize",
+            "model": str(model),
+            "config": "tokenize",
+            "prompt_text": PROMPT_TEXT,
+            "n_prompt": n_prompt,
+            "threads": threads,
+        },
+        timeout=timeout,
+    )
     return require_ok(tok)["prompt_tokens"]
 
 
-def timed_run(model: Path | str, config: str, prompt: Sequence[int], n_gen: int, threads: int,
-              timeout: float | None = 900, **spec: Any) -> dict[str, Any]:
+def timed_run(
+    model: Path | str,
+    config: str,
+    prompt: Sequence[int],
+    n_gen: int,
+    threads: int,
+    timeout: float | None = 900,
+    **spec: Any,
+) -> dict[str, Any]:
     """One "run" of the worker in a fresh process: load ``model`` as ``config`` (``spec``: more worker
     keys, e.g. ``sidecar_path``, ``flash_mode``), warm up, prefill ``prompt`` as one batch, decode
     ``n_gen`` greedy tokens one at a time, each step timed (see :mod:`llamaflash.bench.worker`).
     Returns the result dict (``prefill_tps``, ``decode_tps``, ``tokens``, ``flash_stats``, ...);
     WorkerError if the run failed. The context holds the prompt and the generated tokens."""
     n_ctx = max(512, len(prompt) + n_gen + 1)
-    return require_ok(run_worker({"mode": "run", "model": str(model), "config": config, "prompt_tokens": list(prompt),
-                                  "n_gen": n_gen, "threads": threads, "n_ctx": n_ctx, **spec}, timeout=timeout))
+    return require_ok(
+        run_worker(
+            {
+                "mode": "run",
+                "model": str(model),
+                "config": config,
+                "prompt_tokens": list(prompt),
+                "n_gen": n_gen,
+                "threads": threads,
+                "n_ctx": n_ctx,
+                **spec,
+            },
+            timeout=timeout,
+        )
+    )
 
 
 # --------------------------------------------------------------------------------------------

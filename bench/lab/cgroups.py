@@ -170,8 +170,11 @@ class MemoryCgroup:
             "failcnt": _read_int(self.path / "memory.failcnt"),
             "oom_kill": oom.get("oom_kill", 0),
             "under_oom": oom.get("under_oom", 0),
-            "stat": {k: stat[k] for k in ("cache", "rss", "mapped_file", "pgmajfault", "total_cache", "total_rss")
-                     if k in stat},  # fmt: skip
+            "stat": {
+                k: stat[k]
+                for k in ("cache", "rss", "mapped_file", "pgmajfault", "total_cache", "total_rss")
+                if k in stat
+            },  # fmt: skip
         }
 
     def remove(self) -> bool:
@@ -185,7 +188,7 @@ class MemoryCgroup:
 
 
 def _block_device_of(path: str | os.PathLike) -> str | None:
-    """"major:minor" of the whole disk holding ``path`` (throttle rules take disks, not partitions)."""
+    """ "major:minor" of the whole disk holding ``path`` (throttle rules take disks, not partitions)."""
     st = os.stat(path)
     dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
     sys_dev = Path("/sys/dev/block") / dev

@@ -12,6 +12,7 @@ The sdist comes from, in this order:
 The archive is checked against the sha256 pinned in :data:`SDIST_SHA256` before anything is read
 from it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,9 +40,11 @@ class FetchError(RuntimeError):
 
 
 def how_to_fix(version: str) -> str:
-    return (f"Ways out: check the network connection to the package index, or download the sdist "
-            f"elsewhere (`pip download --no-deps --no-binary :all: llama-cpp-python=={version}`) and "
-            f"point LLAMAFLASH_LLAMA_CPP_SDIST at the .tar.gz.")
+    return (
+        f"Ways out: check the network connection to the package index, or download the sdist "
+        f"elsewhere (`pip download --no-deps --no-binary :all: llama-cpp-python=={version}`) and "
+        f"point LLAMAFLASH_LLAMA_CPP_SDIST at the .tar.gz."
+    )
 
 
 class _Links(html.parser.HTMLParser):
@@ -88,8 +91,19 @@ def _download_from_index(version: str, dest: Path, index_url: Optional[str]) -> 
 def _download_with_pip(version: str, dest: Path, index_url: Optional[str]) -> Path:
     if importlib.util.find_spec("pip") is None:
         raise FetchError("pip is not importable here")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "--no-build-isolation", f"llama-cpp-python=={version}", "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--no-build-isolation",
+        f"llama-cpp-python=={version}",
+        "-d",
+        str(dest),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -104,8 +118,9 @@ def check_sha256(path: Path, version: str) -> None:
     """Raises :class:`FetchError` unless ``path`` is the pinned sdist of ``version``."""
     want = SDIST_SHA256.get(version)
     if want is None:
-        raise FetchError(f"llamaflash knows no sdist digest for llama-cpp-python {version} "
-                         f"(supported: {', '.join(SDIST_SHA256)})")
+        raise FetchError(
+            f"llamaflash knows no sdist digest for llama-cpp-python {version} (supported: {', '.join(SDIST_SHA256)})"
+        )
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -114,8 +129,7 @@ def check_sha256(path: Path, version: str) -> None:
         raise FetchError(f"{path} has sha256 {h.hexdigest()}, expected {want} for llama-cpp-python {version}")
 
 
-def obtain_sdist(version: str, dest: Path, local: Optional[str] = None,
-                 index_url: Optional[str] = None) -> Path:
+def obtain_sdist(version: str, dest: Path, local: Optional[str] = None, index_url: Optional[str] = None) -> Path:
     """The verified sdist of ``version``: ``local`` when given, else downloaded into ``dest``."""
     if local:
         path = Path(local)

@@ -38,12 +38,24 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import benchkit, prompt_sets
-from .decode_report import (  # noqa: F401  (add_io_bound, io_bound_lines: used through this module)
-    add_io_bound, io_bound_lines, limit_label, speculation_columns, speculation_lines,
-)
+
 # the layers below the benchmark, re-exported: callers and tests use them through this module
 from .cgroups import (  # noqa: F401
-    STATUSES, BlkioCgroup, CgroupError, MemoryCgroup, Outcome, classify, memory_cgroup_support, run_in_cgroup,
+    STATUSES,
+    BlkioCgroup,
+    CgroupError,
+    MemoryCgroup,
+    Outcome,
+    classify,
+    memory_cgroup_support,
+    run_in_cgroup,
+)
+from .decode_report import (  # noqa: F401  (add_io_bound, io_bound_lines: used through this module)
+    add_io_bound,
+    io_bound_lines,
+    limit_label,
+    speculation_columns,
+    speculation_lines,
 )
 from .pagecache import EVICT_TOLERANCE_BYTES, MiB, evict, evict_files, private_copies, resident_bytes  # noqa: F401
 
@@ -116,7 +128,9 @@ def _phase_of(progress: list[dict[str, Any]]) -> str:
     if not progress:
         return "load"
     last = progress[-1]
-    return {"loaded": "warm-up", "warmed_up": "prefill", "prefilled": "decode", "decoding": "decode"}.get(last["phase"], last["phase"])
+    return {"loaded": "warm-up", "warmed_up": "prefill", "prefilled": "decode", "decoding": "decode"}.get(
+        last["phase"], last["phase"]
+    )
 
 
 def run_one(spec: dict[str, Any], limit_mb: int | None, files: Sequence[Path], timeout: float) -> dict[str, Any]:
@@ -236,7 +250,8 @@ def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> di
     if flash_configs and not sidecar.is_file():
         raise FileNotFoundError(
             f"config(s) {', '.join(flash_configs)} need the sidecar {sidecar}: create it with "
-            f"`llamaflash convert {model_path}` (or pass the sidecar path), or run only 'stock'")
+            f"`llamaflash convert {model_path}` (or pass the sidecar path), or run only 'stock'"
+        )
 
     originals = {"model": str(model_path), "sidecar": str(sidecar) if flash_configs else None}
     created: list[Path] = []
@@ -260,8 +275,15 @@ def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> di
     return payload
 
 
-def _run_all(opts: BenchOptions, model_path: Path, model_name: str, model_sha: str, sidecar: Path,
-             flash_configs: list[str], echo: Callable[[str], None]) -> dict[str, Any]:
+def _run_all(
+    opts: BenchOptions,
+    model_path: Path,
+    model_name: str,
+    model_sha: str,
+    sidecar: Path,
+    flash_configs: list[str],
+    echo: Callable[[str], None],
+) -> dict[str, Any]:
     cg_ok, cg_why = memory_cgroup_support() if opts.use_cgroup else (False, "memory cgroups switched off")
     limits: list[int | None] = sorted(set(opts.limits_mb), reverse=True) if cg_ok else [None]
     if not cg_ok:
@@ -271,15 +293,21 @@ def _run_all(opts: BenchOptions, model_path: Path, model_name: str, model_sha: s
     else:
         echo(f"memory limits: {cg_why}")
 
-    what = ({"chat_prompts": prompt_sets.prompt_set(opts.prompt_set)} if opts.prompt_set else
-            {"prompt_text": benchkit.PROMPT_TEXT, "n_prompt": opts.n_prompt})
+    what = (
+        {"chat_prompts": prompt_sets.prompt_set(opts.prompt_set)}
+        if opts.prompt_set
+        else {"prompt_text": benchkit.PROMPT_TEXT, "n_prompt": opts.n_prompt}
+    )
     tok = benchkit.run_worker({"mode": "tokenize", "model": str(model_path), "config": "tokenize",
                                "threads": opts.threads, **what}, timeout=opts.timeout_s)  # fmt: skip
     if not tok.get("ok"):
         raise RuntimeError(f"tokenisation failed: {tok.get('error')}\n{tok.get('traceback', '')}")
     prompt_tokens = tok.get("prompt_tokens") or [t for p in tok["prompts_tokens"] for t in p]
-    prompts = {"mode": "generate", "prompts_tokens": tok["prompts_tokens"]} if opts.prompt_set else \
-        {"mode": "run", "prompt_tokens": prompt_tokens}
+    prompts = (
+        {"mode": "generate", "prompts_tokens": tok["prompts_tokens"]}
+        if opts.prompt_set
+        else {"mode": "run", "prompt_tokens": prompt_tokens}
+    )
 
     machine = benchkit.machine_info()
     echo(f"machine : {machine['cpu']}, {machine['cores_usable']}/{machine['cores_online']} cores, "
@@ -328,8 +356,7 @@ def _run_line(r: dict[str, Any]) -> str:
     head = f"  rep {r.get('rep')} {limit_label(r['limit_mb']):>5} MB {r['config']:<11}"
     if r["status"] != "ok":
         extra = f" in {r.get('died_in')}" if r.get("died_in") else ""
-        err = (f": {r['error'].splitlines()[0][:160]}" if r["status"] in ("error", "refused") and r.get("error")
-               else "")
+        err = f": {r['error'].splitlines()[0][:160]}" if r["status"] in ("error", "refused") and r.get("error") else ""
         return f"{head} {r['status']}{extra} after {r['wall_s']:.1f} s{err}"
     read = _read_total_bytes(r)
     line = (f"{head} prefill {r['prefill_tps']:7.1f} tok/s  decode {_fmt(r['decode_tps'], '6.2f')} tok/s "
@@ -375,8 +402,17 @@ def summarize(runs: list[dict[str, Any]], configs: Sequence[str], limits: Sequen
             def med(key, rs=good):
                 return benchkit.median(r.get(key) for r in rs)
 
-            for key in ("prefill_tps", "decode_tps", "ttft_s", "load_s", "cg_peak_mb", "vm_hwm_mb", "n_gen_done",
-                        "foreign_cpu", "evict_residual_mb"):
+            for key in (
+                "prefill_tps",
+                "decode_tps",
+                "ttft_s",
+                "load_s",
+                "cg_peak_mb",
+                "vm_hwm_mb",
+                "n_gen_done",
+                "foreign_cpu",
+                "evict_residual_mb",
+            ):
                 row[key] = med(key)
             row["decode_tps_range"] = ([min(r["decode_tps"] for r in good if r.get("decode_tps") is not None),
                                         max(r["decode_tps"] for r in good if r.get("decode_tps") is not None)]
@@ -388,7 +424,7 @@ def summarize(runs: list[dict[str, Any]], configs: Sequence[str], limits: Sequen
                 for r in good if r.get("read_bytes_phases") and r.get("n_gen_done"))  # fmt: skip
             row["evict_residual_mb_max"] = max((r.get("evict_residual_mb") or 0 for r in rs), default=0)
             budgets = [r.get("ram_budget") for r in rs if r.get("ram_budget")]
-            row["budget_applied"] = (all(b.get("applied") for b in budgets) if budgets else None)
+            row["budget_applied"] = all(b.get("applied") for b in budgets) if budgets else None
             row["flash_mode"] = next((r.get("flash_mode") for r in rs if r.get("flash_mode")), None)
             if ref is not None and good:
                 agrees = [_prefix_agreement(ref["tokens"], r["tokens"]) for r in good]
@@ -431,8 +467,23 @@ def config_label(row: dict[str, Any]) -> str:
     return row["config"] + ("*" if row.get("budget_applied") is False else "")
 
 
-TABLE_COLUMNS = ("limit MB", "config", "status", "prefill tok/s", "decode tok/s", "x stock", "TTFT s", "load s",
-                 "cg peak MB", "VmHWM MB", "read MB", "dec MB/tok", "tokens", "agree", "other load")
+TABLE_COLUMNS = (
+    "limit MB",
+    "config",
+    "status",
+    "prefill tok/s",
+    "decode tok/s",
+    "x stock",
+    "TTFT s",
+    "load s",
+    "cg peak MB",
+    "VmHWM MB",
+    "read MB",
+    "dec MB/tok",
+    "tokens",
+    "agree",
+    "other load",
+)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -452,7 +503,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(str(row[i])) for row in cells) for i in range(len(TABLE_COLUMNS))]
     lines = []
     for k, row in enumerate(cells):
-        lines.append("  ".join(str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append(
+            "  ".join(str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
         if k == 0:
             lines.append("-" * len(lines[0]))
     notes = table_notes(rows)
@@ -531,8 +584,10 @@ def write_plot(path: Path, payload: dict[str, Any]) -> Path | None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     model = payload.get("model", {}).get("name", "")
-    fig.suptitle(f"{model}, {payload['options']['threads']} threads"
-                 + ("   (* no RAM budget applied)" if any(r.get("budget_applied") is False for r in rows) else ""))
+    fig.suptitle(
+        f"{model}, {payload['options']['threads']} threads"
+        + ("   (* no RAM budget applied)" if any(r.get("budget_applied") is False for r in rows) else "")
+    )
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -541,7 +596,9 @@ def write_plot(path: Path, payload: dict[str, Any]) -> Path | None:
     return path
 
 
-def report(payload: dict[str, Any], json_path: Path, png_path: Path | None, echo: Callable[[str], None] = print) -> None:
+def report(
+    payload: dict[str, Any], json_path: Path, png_path: Path | None, echo: Callable[[str], None] = print
+) -> None:
     """Print the table, write the JSON and the PNG (saying so when matplotlib is missing)."""
     echo("")
     echo(format_table(payload["summary"]))

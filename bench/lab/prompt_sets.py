@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-_INTERVALS = '''def merge_intervals(intervals):
+_INTERVALS = """def merge_intervals(intervals):
     intervals = sorted(intervals, key=lambda iv: iv[0])
     merged = []
     for start, end in intervals:
@@ -26,9 +26,9 @@ _INTERVALS = '''def merge_intervals(intervals):
         else:
             merged.append([start, end])
     return merged
-'''
+"""
 
-_WORDS = '''def count_words(path):
+_WORDS = """def count_words(path):
     counts = {}
     with open(path) as f:
         for line in f:
@@ -42,9 +42,9 @@ def top_words(path, n=10):
     counts = count_words(path)
     ranked = sorted(counts.items(), key=lambda kv: -kv[1])
     return ranked[:n]
-'''
+"""
 
-_CACHE = '''class LruCache:
+_CACHE = """class LruCache:
     def __init__(self, capacity):
         self.capacity = capacity
         self.items = {}
@@ -65,9 +65,9 @@ _CACHE = '''class LruCache:
             del self.items[oldest]
         self.items[key] = value
         self.order.append(key)
-'''
+"""
 
-_STATS = '''def summarize(values):
+_STATS = """def summarize(values):
     n = len(values)
     mean = sum(values) / n
     var = sum((v - mean) ** 2 for v in values) / n
@@ -77,24 +77,30 @@ _STATS = '''def summarize(values):
     else:
         median = (ordered[n // 2 - 1] + ordered[n // 2]) / 2
     return {"n": n, "mean": mean, "std": var ** 0.5, "median": median}
-'''
+"""
 
-_HARBOUR = ("The old harbour was quiet that morning. A few fishing boats was tied to the pier, their paint "
-            "peeling after years of salt and wind. Maria walked along the water with her dog, who stopped every "
-            "few steps to sniff at the ropes and the nets that the fishermen had left to dry. She thought about "
-            "the letter she had recieved the day before, and about whether she should finally sell the house "
-            "her grandmother had left her.")
+_HARBOUR = (
+    "The old harbour was quiet that morning. A few fishing boats was tied to the pier, their paint "
+    "peeling after years of salt and wind. Maria walked along the water with her dog, who stopped every "
+    "few steps to sniff at the ropes and the nets that the fishermen had left to dry. She thought about "
+    "the letter she had recieved the day before, and about whether she should finally sell the house "
+    "her grandmother had left her."
+)
 
-_MEETING = ("The team agreed to move the product launch from March to May. The main reasons were the delays "
-            "in the payment integration and the results of the user study, which showed that new users "
-            "struggled with the setup screen. Priya will redesign the setup flow by the end of February, and "
-            "Tom will work with the payment provider to fix the remaining issues. The marketing budget stays "
-            "the same, but the campaign will start two weeks before the new launch date.")
+_MEETING = (
+    "The team agreed to move the product launch from March to May. The main reasons were the delays "
+    "in the payment integration and the results of the user study, which showed that new users "
+    "struggled with the setup screen. Priya will redesign the setup flow by the end of February, and "
+    "Tom will work with the payment provider to fix the remaining issues. The marketing budget stays "
+    "the same, but the campaign will start two weeks before the new launch date."
+)
 
-_GARDEN = ("Tomatoes need at least six hours of direct sun a day and soil that drains well. Water them deeply "
-           "but not too often, so that the roots grow down instead of staying near the surface. When the plants "
-           "are about thirty centimetres tall, tie them to a stake or a cage. Remove the small shoots that grow "
-           "between the main stem and the branches if you want fewer but larger fruits.")
+_GARDEN = (
+    "Tomatoes need at least six hours of direct sun a day and soil that drains well. Water them deeply "
+    "but not too often, so that the roots grow down instead of staying near the surface. When the plants "
+    "are about thirty centimetres tall, tie them to a stake or a cage. Remove the small shoots that grow "
+    "between the main stem and the branches if you want fewer but larger fruits."
+)
 
 PROMPT_SETS: Dict[str, List[str]] = {
     "chat": [

@@ -42,8 +42,18 @@ LADDER_STEP_MB = 10
 #: A prediction further than this from the measurement is flagged in the table.
 PREDICTION_TOLERANCE = 0.25
 #: The JSON fields two sweeps must share for one to resume the other.
-IDENTITY_FIELDS = ("configs", "budgets_mb", "reps", "threads", "n_prompt", "n_gen", "n_ctx", "n_batch",
-                   "max_decode_s", "prompt_set")
+IDENTITY_FIELDS = (
+    "configs",
+    "budgets_mb",
+    "reps",
+    "threads",
+    "n_prompt",
+    "n_gen",
+    "n_ctx",
+    "n_batch",
+    "max_decode_s",
+    "prompt_set",
+)
 
 
 @dataclass
@@ -98,8 +108,9 @@ def ladder(least_mb: float, top_mb: float, points: int, step_mb: int = LADDER_ST
 # what the planner predicts
 
 
-def predict(model_path: Path, sidecar: Path, budgets_mb: Sequence[int], n_ctx: int,
-            disk: Optional[dict] = None) -> dict[str, Any]:
+def predict(
+    model_path: Path, sidecar: Path, budgets_mb: Sequence[int], n_ctx: int, disk: Optional[dict] = None
+) -> dict[str, Any]:
     """The planner's view of the ladder: ``least_mb`` (its least budget), ``stock_need_mb`` (what
     stock keeps resident, at the largest budget's n_ubatch) and per budget a dict: ``lane`` (stock or
     offload), ``refused`` (below the least budget), ``io_bound_tok_s`` (the offload plan's, None when
@@ -122,9 +133,15 @@ def predict(model_path: Path, sidecar: Path, budgets_mb: Sequence[int], n_ctx: i
     for b in budgets_mb:
         d = budget_decision.decide(base.header, info, b, n_ctx)
         stock_tok_s = budget_decision.stock_decode_tok_s(d.parts) if d.stock else None
-        row: dict[str, Any] = {"lane": d.lane, "stock_need_mb": d.stock_need_bytes / MiB, "refused": None,
-                               "io_bound_tok_s": None, "nospec_tok_s": stock_tok_s, "spec_tok_s": stock_tok_s,
-                               "stock_tok_s": stock_tok_s}
+        row: dict[str, Any] = {
+            "lane": d.lane,
+            "stock_need_mb": d.stock_need_bytes / MiB,
+            "refused": None,
+            "io_bound_tok_s": None,
+            "nospec_tok_s": stock_tok_s,
+            "spec_tok_s": stock_tok_s,
+            "stock_tok_s": stock_tok_s,
+        }
         try:
             plan = plan_offload(model_path, sidecar, b, n_ctx=n_ctx, disk=disk, info=info, header=base.header)
         except RamBudgetError as e:
@@ -141,8 +158,9 @@ def predict(model_path: Path, sidecar: Path, budgets_mb: Sequence[int], n_ctx: i
     return {"least_mb": least_mb, "stock_need_mb": stock_need_mb, "budgets": points}
 
 
-def monotone_violations(view: dict[str, Any], keys: Sequence[str] = ("io_bound_tok_s", "nospec_tok_s", "spec_tok_s")
-                        ) -> list[dict[str, Any]]:
+def monotone_violations(
+    view: dict[str, Any], keys: Sequence[str] = ("io_bound_tok_s", "nospec_tok_s", "spec_tok_s")
+) -> list[dict[str, Any]]:
     """Where the planner predicts a larger budget (more pinned) slower than a smaller one: per key, each
     budget whose prediction is below the best at any smaller budget, with that budget and both values."""
     out = []
@@ -154,8 +172,9 @@ def monotone_violations(view: dict[str, Any], keys: Sequence[str] = ("io_bound_t
             if v is None:
                 continue
             if best is not None and v < best[1] * (1 - 1e-9):
-                out.append({"key": key, "budget_mb": b, "value": v, "smaller_budget_mb": best[0],
-                            "smaller_value": best[1]})
+                out.append(
+                    {"key": key, "budget_mb": b, "value": v, "smaller_budget_mb": best[0], "smaller_value": best[1]}
+                )
             if best is None or v > best[1]:
                 best = (b, v)
     return out
@@ -165,8 +184,9 @@ def default_budgets(model_path: Path, sidecar: Path, points: int, n_ctx: int, di
     """The default ladder for this model (see the module docstring)."""
     view = predict(model_path, sidecar, [], n_ctx, disk)
     model_mb = model_path.stat().st_size / MiB
-    return ladder(view["least_mb"], max(TOP_MODEL_RATIO * model_mb, TOP_STOCK_NEED_RATIO * view["stock_need_mb"]),
-                  points)
+    return ladder(
+        view["least_mb"], max(TOP_MODEL_RATIO * model_mb, TOP_STOCK_NEED_RATIO * view["stock_need_mb"]), points
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,13 +218,20 @@ def load_for_resume(path: Path, opts: SweepOptions, model: dict[str, Any]) -> di
     theirs = {**payload.get("identity", {}), "model_sha256": payload.get("model", {}).get("sha256")}
     differ = sorted(k for k in mine if mine[k] != theirs.get(k))
     if differ:
-        raise ValueError(f"--resume: {path} is another sweep (it differs in {', '.join(differ)}); give the same "
-                         f"options, or another --json to start a new sweep")
+        raise ValueError(
+            f"--resume: {path} is another sweep (it differs in {', '.join(differ)}); give the same "
+            f"options, or another --json to start a new sweep"
+        )
     return payload
 
 
-def run_sweep(opts: SweepOptions, json_path: Path, resume: bool = False, runner: Optional[Runner] = None,
-              echo: Callable[[str], None] = print) -> dict[str, Any]:
+def run_sweep(
+    opts: SweepOptions,
+    json_path: Path,
+    resume: bool = False,
+    runner: Optional[Runner] = None,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Measure (or, without cgroups, predict) the curve; the payload is written to ``json_path`` after
     every run. ``runner(spec, limit_mb, files, timeout)``: one run's result (default memlimit.run_one).
     A KeyboardInterrupt (Ctrl-C, or SIGTERM) leaves the runs so far in the JSON and is raised again."""
@@ -216,8 +243,10 @@ def run_sweep(opts: SweepOptions, json_path: Path, resume: bool = False, runner:
     model_path, model_name, model_sha = benchkit.resolve_model(opts.model)
     sidecar = Path(opts.sidecar).expanduser().resolve() if opts.sidecar else benchkit.sidecar_path_for(model_path)
     if not sidecar.is_file():
-        raise FileNotFoundError(f"the sweep's llamaflash configs need the sidecar {sidecar}: create it with "
-                                f"`llamaflash convert {model_path}` (or pass --sidecar)")
+        raise FileNotFoundError(
+            f"the sweep's llamaflash configs need the sidecar {sidecar}: create it with "
+            f"`llamaflash convert {model_path}` (or pass --sidecar)"
+        )
     from llamaflash import disk_probe
 
     disk = disk_probe.saved_profile(sidecar)
@@ -226,21 +255,34 @@ def run_sweep(opts: SweepOptions, json_path: Path, resume: bool = False, runner:
     files = benchkit.files_record(model_path, model_name, model_sha, sidecar)
     payload = load_for_resume(json_path, opts, files["model"]) if resume and json_path.exists() else None
     if payload is None:
-        payload = {"benchmark": "sweep", "identity": _identity(opts), "options": asdict(opts), **files,
-                   "model_mb": model_path.stat().st_size / MiB, "runs": [], "complete": False}
+        payload = {
+            "benchmark": "sweep",
+            "identity": _identity(opts),
+            "options": asdict(opts),
+            **files,
+            "model_mb": model_path.stat().st_size / MiB,
+            "runs": [],
+            "complete": False,
+        }
     view = predict(model_path, sidecar, opts.budgets_mb, opts.n_ctx, disk)
     payload.update(predictions=view, disk_profile=(disk or {}).get("saved_at") or "built-in default")
     cg_ok, cg_why = memlimit.memory_cgroup_support() if opts.use_cgroup else (False, "switched off (--no-cgroup)")
     payload["cgroup"] = {"available": cg_ok, "detail": cg_why}
     for v in monotone_violations(view):
-        echo(f"WARNING: the planner predicts {v['key']} {v['value']:.2f} at {v['budget_mb']} MiB, less than "
-             f"{v['smaller_value']:.2f} at {v['smaller_budget_mb']} MiB (more memory predicted slower)")
-    echo(f"sweep   : {model_path.name}, budgets {', '.join(map(str, opts.budgets_mb))} MiB (planner's least budget "
-         f"{view['least_mb']:.0f} MiB; stock keeps about {view['stock_need_mb']:.0f} MiB resident; model file "
-         f"{payload['model_mb']:.0f} MiB)")
+        echo(
+            f"WARNING: the planner predicts {v['key']} {v['value']:.2f} at {v['budget_mb']} MiB, less than "
+            f"{v['smaller_value']:.2f} at {v['smaller_budget_mb']} MiB (more memory predicted slower)"
+        )
+    echo(
+        f"sweep   : {model_path.name}, budgets {', '.join(map(str, opts.budgets_mb))} MiB (planner's least budget "
+        f"{view['least_mb']:.0f} MiB; stock keeps about {view['stock_need_mb']:.0f} MiB resident; model file "
+        f"{payload['model_mb']:.0f} MiB)"
+    )
     if not cg_ok:
-        echo(f"memory cgroups unavailable ({cg_why}): nothing is measured; the table and the plot show the "
-             f"planner's PREDICTIONS only")
+        echo(
+            f"memory cgroups unavailable ({cg_why}): nothing is measured; the table and the plot show the "
+            f"planner's PREDICTIONS only"
+        )
         payload.update(measured=False, complete=True)
         benchkit.write_json(json_path, payload)
         return payload
@@ -278,10 +320,15 @@ def _remove_copies(created: Sequence[Path], directory: Optional[str], originals:
 
 def _prompts(opts: SweepOptions, model_path: Path) -> dict[str, Any]:
     """The worker spec's prompt keys (tokenized once, by a worker)."""
-    what = ({"chat_prompts": prompt_sets.prompt_set(opts.prompt_set)} if opts.prompt_set else
-            {"prompt_text": benchkit.PROMPT_TEXT, "n_prompt": opts.n_prompt})
-    tok = benchkit.run_worker({"mode": "tokenize", "model": str(model_path), "config": "tokenize",
-                               "threads": opts.threads, **what}, timeout=opts.timeout_s)
+    what = (
+        {"chat_prompts": prompt_sets.prompt_set(opts.prompt_set)}
+        if opts.prompt_set
+        else {"prompt_text": benchkit.PROMPT_TEXT, "n_prompt": opts.n_prompt}
+    )
+    tok = benchkit.run_worker(
+        {"mode": "tokenize", "model": str(model_path), "config": "tokenize", "threads": opts.threads, **what},
+        timeout=opts.timeout_s,
+    )
     if not tok.get("ok"):
         raise RuntimeError(f"tokenisation failed: {tok.get('error')}")
     if opts.prompt_set:
@@ -289,11 +336,23 @@ def _prompts(opts: SweepOptions, model_path: Path) -> dict[str, Any]:
     return {"mode": "run", "prompt_tokens": tok["prompt_tokens"]}
 
 
-def _measure(opts: SweepOptions, payload: dict[str, Any], model_path: Path, sidecar: Path, json_path: Path,
-             runner: Runner, echo: Callable[[str], None]) -> None:
+def _measure(
+    opts: SweepOptions,
+    payload: dict[str, Any],
+    model_path: Path,
+    sidecar: Path,
+    json_path: Path,
+    runner: Runner,
+    echo: Callable[[str], None],
+) -> None:
     done = {run_key(r) for r in payload["runs"]}
-    todo = [(limit, config, rep) for rep in range(opts.reps) for limit in sorted(opts.budgets_mb, reverse=True)
-            for config in opts.configs if (limit, config, rep) not in done]
+    todo = [
+        (limit, config, rep)
+        for rep in range(opts.reps)
+        for limit in sorted(opts.budgets_mb, reverse=True)
+        for config in opts.configs
+        if (limit, config, rep) not in done
+    ]
     if done:
         echo(f"resuming: {len(done)} run(s) kept, {len(todo)} to go")
     if not todo:
@@ -302,10 +361,20 @@ def _measure(opts: SweepOptions, payload: dict[str, Any], model_path: Path, side
     t0 = time.monotonic()
     for i, (limit, config, rep) in enumerate(todo, 1):
         flash = config not in benchkit.STOCK_CONFIGS
-        spec = {"model": str(model_path), "config": config, "rep": rep,
-                "sidecar_path": str(sidecar) if flash else None, **prompts, "n_gen": opts.n_gen,
-                "threads": opts.threads, "n_ctx": opts.n_ctx, "n_batch": opts.n_batch,
-                "max_decode_s": opts.max_decode_s, "progress": True, **memlimit._config_spec(config, limit)}
+        spec = {
+            "model": str(model_path),
+            "config": config,
+            "rep": rep,
+            "sidecar_path": str(sidecar) if flash else None,
+            **prompts,
+            "n_gen": opts.n_gen,
+            "threads": opts.threads,
+            "n_ctx": opts.n_ctx,
+            "n_batch": opts.n_batch,
+            "max_decode_s": opts.max_decode_s,
+            "progress": True,
+            **memlimit._config_spec(config, limit),
+        }
         if opts.quiet_wait_s > 0:
             benchkit.wait_until_quiet(opts.quiet_wait_s)
         r = runner(spec, limit, [model_path] + ([sidecar] if flash else []), opts.timeout_s)
@@ -324,8 +393,11 @@ def progress_line(r: dict[str, Any], predictions: dict[str, Any]) -> str:
     tps = r.get("decode_tps")
     pred = predicted_for(r["config"], predictions.get("budgets", {}).get(str(r["limit_mb"])))
     mode = f" [{r.get('flash_mode')}]" if r.get("flash_mode") else ""
-    return (f"{head} decode {tps:6.2f} tok/s" if tps is not None else f"{head} decode -") + mode + (
-        f"  predicted {pred:.2f}" if pred is not None else "")
+    return (
+        (f"{head} decode {tps:6.2f} tok/s" if tps is not None else f"{head} decode -")
+        + mode
+        + (f"  predicted {pred:.2f}" if pred is not None else "")
+    )
 
 
 def predicted_for(config: str, point: Optional[dict[str, Any]]) -> Optional[float]:
@@ -343,8 +415,13 @@ def predicted_for(config: str, point: Optional[dict[str, Any]]) -> Optional[floa
 EXIT_INTERRUPTED = 130
 
 
-def run_from_command_line(opts: SweepOptions, json_path: Optional[Path], png_path: Optional[Path], resume: bool,
-                          echo: Callable[[str], None] = print) -> dict[str, Any]:
+def run_from_command_line(
+    opts: SweepOptions,
+    json_path: Optional[Path],
+    png_path: Optional[Path],
+    resume: bool,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """``llamaflash bench MODEL --sweep``: run, then print the table and write the JSON and the PNG.
     Bad options and a JSON that is another sweep are LlamaflashError (exit status 2); an interrupt
     exits with status 130 after saying where the measured points are."""
@@ -370,5 +447,16 @@ def run_from_command_line(opts: SweepOptions, json_path: Optional[Path], png_pat
     return payload
 
 
-__all__ = ("run_from_command_line", "monotone_violations", "SweepOptions", "CONFIGS", "ladder", "predict", "default_budgets", "run_sweep", "load_for_resume",
-           "predicted_for", "progress_line")
+__all__ = (
+    "run_from_command_line",
+    "monotone_violations",
+    "SweepOptions",
+    "CONFIGS",
+    "ladder",
+    "predict",
+    "default_budgets",
+    "run_sweep",
+    "load_for_resume",
+    "predicted_for",
+    "progress_line",
+)

@@ -36,20 +36,30 @@ def curve(payload: dict[str, Any]) -> list[dict[str, Any]]:
     for b in sorted(payload["identity"]["budgets_mb"]):
         by = {r["config"]: r for r in rows if r["limit_mb"] == b}
         point = preds.get(str(b), {})
-        c: dict[str, Any] = {"budget_mb": b, "lane": point.get("lane"), "refused": point.get("refused"),
-                             "rows": by, "predicted": {cfg: predicted_for(cfg, point) for cfg in
-                                                       (memlimit.BUDGET_CONFIG, memlimit.NO_SPECULATION_CONFIG)}}
+        c: dict[str, Any] = {
+            "budget_mb": b,
+            "lane": point.get("lane"),
+            "refused": point.get("refused"),
+            "rows": by,
+            "predicted": {
+                cfg: predicted_for(cfg, point) for cfg in (memlimit.BUDGET_CONFIG, memlimit.NO_SPECULATION_CONFIG)
+            },
+        }
         dec = {cfg: (by[cfg]["decode_tps"] if cfg in by else None) for cfg in payload["identity"]["configs"]}
         c["decode"] = dec
         stock = by.get("stock")
         flash = dec.get(memlimit.BUDGET_CONFIG)
-        c["x_stock"] = (flash / dec["stock"] if flash and dec.get("stock") else
-                        (float("inf") if flash and stock and stock["status"].startswith("OOM") else None))
+        c["x_stock"] = (
+            flash / dec["stock"]
+            if flash and dec.get("stock")
+            else (float("inf") if flash and stock and stock["status"].startswith("OOM") else None)
+        )
         nospec = dec.get(memlimit.NO_SPECULATION_CONFIG)
         c["x_nospec"] = flash / nospec if flash and nospec else None
         c["stock_oom"] = bool(stock and stock["status"].startswith("OOM"))
-        c["prediction_error"] = {cfg: (dec[cfg] / p - 1 if dec.get(cfg) and p else None)
-                                 for cfg, p in c["predicted"].items()}
+        c["prediction_error"] = {
+            cfg: (dec[cfg] / p - 1 if dec.get(cfg) and p else None) for cfg, p in c["predicted"].items()
+        }
         c["same_tokens"] = _same_tokens(payload["runs"], b)
         out.append(c)
     return out
@@ -58,8 +68,14 @@ def curve(payload: dict[str, Any]) -> list[dict[str, Any]]:
 def _same_tokens(runs: list[dict[str, Any]], budget: int) -> Optional[bool]:
     """Whether every ok speculative and non-speculative run at ``budget`` decoded the same tokens
     (over their common prefix: decode may stop early under the time cap); None if either is missing."""
-    toks = [r.get("tokens") for r in runs if r.get("ok") and r["limit_mb"] == budget
-            and r["config"] in (memlimit.BUDGET_CONFIG, memlimit.NO_SPECULATION_CONFIG) and r.get("tokens")]
+    toks = [
+        r.get("tokens")
+        for r in runs
+        if r.get("ok")
+        and r["limit_mb"] == budget
+        and r["config"] in (memlimit.BUDGET_CONFIG, memlimit.NO_SPECULATION_CONFIG)
+        and r.get("tokens")
+    ]
     kinds = {r["config"] for r in runs if r.get("ok") and r["limit_mb"] == budget and r.get("tokens")}
     if not {memlimit.BUDGET_CONFIG, memlimit.NO_SPECULATION_CONFIG} <= kinds:
         return None
@@ -86,10 +102,16 @@ def format_table(payload: dict[str, Any]) -> str:
         if measured:
             for cfg in configs:
                 row = c["rows"].get(cfg)
-                line.append(_f(c["decode"].get(cfg), ".2f") if row is None or row["status"] == "ok"
-                            else row["status"].split(" (")[0])
-            line += [_f(c["x_stock"], ".2f"), _f(c["x_nospec"], ".2f"),
-                     {True: "yes", False: "NO", None: "-"}[c["same_tokens"]]]
+                line.append(
+                    _f(c["decode"].get(cfg), ".2f")
+                    if row is None or row["status"] == "ok"
+                    else row["status"].split(" (")[0]
+                )
+            line += [
+                _f(c["x_stock"], ".2f"),
+                _f(c["x_nospec"], ".2f"),
+                {True: "yes", False: "NO", None: "-"}[c["same_tokens"]],
+            ]
         for cfg in (memlimit.NO_SPECULATION_CONFIG, memlimit.BUDGET_CONFIG):
             p, err = c["predicted"][cfg], c["prediction_error"][cfg]
             mark = ""
@@ -101,20 +123,26 @@ def format_table(payload: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
     text = ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in cells]
     text.insert(1, "-" * len(text[0]))
-    notes = ["runs as: the planner's decision for llamaflash at the budget (stock: the budget holds what stock "
-             "keeps resident, so llamaflash runs stock llama.cpp; offload: flash offload; refused: below its "
-             "least budget)"]
+    notes = [
+        "runs as: the planner's decision for llamaflash at the budget (stock: the budget holds what stock "
+        "keeps resident, so llamaflash runs stock llama.cpp; offload: flash offload; refused: below its "
+        "least budget)"
+    ]
     if measured:
-        notes.append("decode tok/s: medians over the ok runs (OOM: killed by the cgroup); x stock = llamaflash / "
-                     "stock (inf: stock OOM-killed); x nospec = llamaflash / llamaflash-nospec; same tokens: the "
-                     "speculative and non-speculative runs decoded the same tokens")
+        notes.append(
+            "decode tok/s: medians over the ok runs (OOM: killed by the cgroup); x stock = llamaflash / "
+            "stock (inf: stock OOM-killed); x nospec = llamaflash / llamaflash-nospec; same tokens: the "
+            "speculative and non-speculative runs decoded the same tokens"
+        )
     else:
         notes.append("PREDICTIONS ONLY: nothing was measured (" + payload.get("cgroup", {}).get("detail", "") + ")")
-    notes.append("predicted: the planner's decode tok/s for flash offload (draft_plan's pass model: I/O bound plus "
-                 "resident bytes at memory speed; spec: its best draft length at the plan's predicted self-draft "
-                 "acceptance), and where llamaflash runs stock, stock's in-memory rate (every weight read once per "
-                 "token, budget_decision.STOCK_BYTES_PER_S); (+x%) = measured / predicted - 1" + ("; ! = off by more than "
-                                                                    f"{PREDICTION_TOLERANCE:.0%}" if flagged else ""))
+    notes.append(
+        "predicted: the planner's decode tok/s for flash offload (draft_plan's pass model: I/O bound plus "
+        "resident bytes at memory speed; spec: its best draft length at the plan's predicted self-draft "
+        "acceptance), and where llamaflash runs stock, stock's in-memory rate (every weight read once per "
+        "token, budget_decision.STOCK_BYTES_PER_S); (+x%) = measured / predicted - 1"
+        + (f"; ! = off by more than {PREDICTION_TOLERANCE:.0%}" if flagged else "")
+    )
     return "\n".join(text + [""] + notes)
 
 
@@ -147,8 +175,15 @@ def write_plot(path: Path, payload: dict[str, Any]) -> Optional[Path]:
     model_mb = payload.get("model_mb")
     if model_mb:
         ax.axvline(model_mb, color="gray", linestyle="-.", lw=1)
-        ax.annotate(f"model file {model_mb:.0f} MiB", (model_mb, ax.get_ylim()[1] * 0.95), rotation=90,
-                    ha="right", va="top", fontsize=8, color="gray")
+        ax.annotate(
+            f"model file {model_mb:.0f} MiB",
+            (model_mb, ax.get_ylim()[1] * 0.95),
+            rotation=90,
+            ha="right",
+            va="top",
+            fontsize=8,
+            color="gray",
+        )
     if any(c["stock_oom"] for c in pts):
         ax.plot([], [], color="red", alpha=0.3, lw=8, label="stock OOM-killed")
     if any(c["lane"] == "stock" for c in pts):
@@ -157,8 +192,10 @@ def write_plot(path: Path, payload: dict[str, Any]) -> Optional[Path]:
     ax.set_ylabel("decode tok/s" + ("" if measured else " (PREDICTED)"))
     name = payload.get("model", {}).get("name", "")
     threads = payload["identity"]["threads"]
-    ax.set_title(f"{name}, {threads} threads: decode speed against memory"
-                 + ("" if measured else "\nPREDICTIONS ONLY (memory cgroups unavailable: nothing measured)"))
+    ax.set_title(
+        f"{name}, {threads} threads: decode speed against memory"
+        + ("" if measured else "\nPREDICTIONS ONLY (memory cgroups unavailable: nothing measured)")
+    )
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -170,8 +207,9 @@ def write_plot(path: Path, payload: dict[str, Any]) -> Optional[Path]:
     return path
 
 
-def report(payload: dict[str, Any], json_path: Path, png_path: Optional[Path],
-           echo: Callable[[str], None] = print) -> None:
+def report(
+    payload: dict[str, Any], json_path: Path, png_path: Optional[Path], echo: Callable[[str], None] = print
+) -> None:
     """Print the table, say where the JSON is, write the PNG (or say what it needs)."""
     echo("")
     echo(format_table(payload))

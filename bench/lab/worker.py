@@ -151,9 +151,7 @@ def _load(spec: dict):
     try:
         from llamaflash import Llama as FlashLlama
     except ImportError as e:
-        raise RuntimeError(
-            f"config {config!r} needs the llamaflash package (pip install . in the repo): {e}"
-        ) from e
+        raise RuntimeError(f"config {config!r} needs the llamaflash package (pip install . in the repo): {e}") from e
     # the memory-limit harness passes flash_mode explicitly (None: llamaflash's choice); others name it in config
     flash_mode, level, dense_up = parse_flash_config(spec["flash_mode"] if "flash_mode" in spec else config)
     extra = {"flash_sparsity": level, "flash_dense_up": dense_up}
@@ -171,9 +169,12 @@ def _load(spec: dict):
     llm = FlashLlama(**common_kwargs, sidecar_path=spec.get("sidecar_path"), flash_mode=flash_mode,
                      ram_budget_mb=budget, **extra)  # fmt: skip
     # the budget's decision: flash offload (its plan), or stock llama.cpp where the budget holds the model
-    spec["_ram_budget"] = {"requested_mb": budget, "applied": True,
-                           "plan": llm.flash_plan.to_dict(arrays=False) if llm.flash_plan else None,
-                           "decision": llm.flash_stats().get("decision")}
+    spec["_ram_budget"] = {
+        "requested_mb": budget,
+        "applied": True,
+        "plan": llm.flash_plan.to_dict(arrays=False) if llm.flash_plan else None,
+        "decision": llm.flash_stats().get("decision"),
+    }
     spec["_flash_mode"] = llm.flash_mode
     return llm
 
@@ -207,7 +208,7 @@ def _ppl(spec: dict) -> dict:
     llm = _load(dict(spec, logits_all=True))
     nll, n, top1 = 0.0, 0, []
     for start in range(0, len(toks) - n_ctx + 1, n_ctx):
-        window = toks[start:start + n_ctx]
+        window = toks[start : start + n_ctx]
         llm.reset()
         llm._ctx.kv_cache_clear()
         llm.eval(window)
@@ -216,12 +217,18 @@ def _ppl(spec: dict) -> dict:
         z = logits[first:-1]
         z = z - z.max(axis=1, keepdims=True)
         logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-        target = np.array(window[first + 1:])
+        target = np.array(window[first + 1 :])
         nll -= float(logp[np.arange(len(target)), target].sum())
         top1 += [int(t) for t in z.argmax(axis=1)]
         n += len(target)
-    result = {"ok": True, "config": spec["config"], "ppl": float(np.exp(nll / n)) if n else None,
-              "scored_tokens": n, "argmax": top1, "seconds": time.perf_counter() - t0}
+    result = {
+        "ok": True,
+        "config": spec["config"],
+        "ppl": float(np.exp(nll / n)) if n else None,
+        "scored_tokens": n,
+        "argmax": top1,
+        "seconds": time.perf_counter() - t0,
+    }
     stats = getattr(llm, "flash_stats", None)
     if callable(stats):
         result["flash_stats"] = stats()
@@ -231,7 +238,6 @@ def _ppl(spec: dict) -> dict:
 
 def _tokenize(spec: dict) -> dict:
     import llama_cpp
-
     from llama_cpp import Llama
 
     llm = Llama(model_path=spec["model"], vocab_only=True, verbose=False)
@@ -263,8 +269,9 @@ def _chat_tokens(llm, message: str) -> list:
     if not template:
         raise ValueError("the model has no chat template (tokenizer.chat_template): use the text prompt instead")
     vocab = llm._model
-    formatter = Jinja2ChatFormatter(template, eos_token=vocab.token_get_text(vocab.token_eos()),
-                                    bos_token=vocab.token_get_text(vocab.token_bos()))
+    formatter = Jinja2ChatFormatter(
+        template, eos_token=vocab.token_get_text(vocab.token_eos()), bos_token=vocab.token_get_text(vocab.token_bos())
+    )
     text = formatter(messages=[{"role": "user", "content": message}]).prompt
     return llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
@@ -274,9 +281,8 @@ def _io_delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 
 def _run(spec: dict) -> dict:
-    import numpy as np
-
     import llama_cpp
+    import numpy as np
 
     prompt = [int(t) for t in spec["prompt_tokens"]]
     n_gen = int(spec["n_gen"])
@@ -404,9 +410,8 @@ def _run(spec: dict) -> dict:
 
 def _generate(spec: dict) -> dict:
     """The "generate" mode (see the module docstring)."""
-    import numpy as np
-
     import llama_cpp
+    import numpy as np
 
     prompts = [[int(t) for t in p] for p in spec["prompts_tokens"]]
     n_gen, max_decode_s = int(spec["n_gen"]), spec.get("max_decode_s")
@@ -444,12 +449,21 @@ def _generate(spec: dict) -> dict:
         n_done += len(out) - 1  # the first token came from the prefill
         per_prompt.append({"n_prompt": len(prompt), "tokens": out, "decode_s": dt})
     result = {
-        "ok": True, "config": spec["config"], "rep": spec.get("rep"), "mode": "generate", "load_s": load_s,
-        "n_prompts": len(per_prompt), "prefill_s": prefill_s, "decode_s": decode_s, "n_gen_done": n_done,
+        "ok": True,
+        "config": spec["config"],
+        "rep": spec.get("rep"),
+        "mode": "generate",
+        "load_s": load_s,
+        "n_prompts": len(per_prompt),
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "n_gen_done": n_done,
         "prefill_tps": sum(p["n_prompt"] for p in per_prompt) / prefill_s if prefill_s > 0 else None,
         "ttft_s": prefill_s / len(per_prompt) if per_prompt else None,  # mean prefill + first token
-        "decode_tps": n_done / decode_s if decode_s > 0 else None, "decode_capped": capped,
-        "per_prompt": per_prompt, "foreign_cpu": fc.fraction(),
+        "decode_tps": n_done / decode_s if decode_s > 0 else None,
+        "decode_capped": capped,
+        "per_prompt": per_prompt,
+        "foreign_cpu": fc.fraction(),
         "read_bytes_phases": {"decode": read_decode},  # /proc/self/io during the decode loops
         "tokens": [t for p in per_prompt for t in p["tokens"]],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -3,8 +3,8 @@
 // with its run-time settings (thresholds, sparse configuration) and statistics.
 // IoError during open becomes llamaflash.errors.FlashIoError (IntegrityError SidecarIntegrityError);
 // std::invalid_argument a ValueError.
-#include "../engine_config.h"
 #include "../crc32c.h"
+#include "../engine_config.h"
 #include "../flash_model.h"
 #include "../integrity.h"
 #include "flash_io_py.h"
@@ -41,9 +41,10 @@ std::vector<std::vector<T>> to_vectors(const py::sequence & seq) {
 }
 
 // a ggml_type field of LayerSpec as a Python int
-#define LAYER_TYPE_FIELD(name)                                                                  \
-    def_property(#name, [](const LayerSpec & s) { return static_cast<int>(s.name); },           \
-                 [](LayerSpec & s, int v) { s.name = static_cast<ggml_type>(v); })
+#define LAYER_TYPE_FIELD(name)                                               \
+    def_property(                                                            \
+        #name, [](const LayerSpec & s) { return static_cast<int>(s.name); }, \
+        [](LayerSpec & s, int v) { s.name = static_cast<ggml_type>(v); })
 
 void bind_config(py::module_ & m) {
     py::class_<LayerSpec>(m, "LayerSpec", "One served layer of the sidecar layout (engine_config.h); offsets absolute.")
@@ -103,12 +104,14 @@ void bind_config(py::module_ & m) {
         .def_readwrite("direct", &OffloadConfig::direct)
         .def_readwrite("engine", &OffloadConfig::engine)
         .def_readwrite("draft_copy", &OffloadConfig::draft_copy)
-        .def_property("hot", [](const OffloadConfig & o) { return o.hot; },
-                      [](OffloadConfig & o, const py::sequence & v) { o.hot = to_vectors<int32_t>(v); },
-                      "per served layer: the clusters to pin (int32)")
-        .def_property("cluster_prob", [](const OffloadConfig & o) { return o.cluster_prob; },
-                      [](OffloadConfig & o, const py::sequence & v) { o.cluster_prob = to_vectors<float>(v); },
-                      "per served layer: P(cluster needed), one per cluster (float32)");
+        .def_property(
+            "hot", [](const OffloadConfig & o) { return o.hot; },
+            [](OffloadConfig & o, const py::sequence & v) { o.hot = to_vectors<int32_t>(v); },
+            "per served layer: the clusters to pin (int32)")
+        .def_property(
+            "cluster_prob", [](const OffloadConfig & o) { return o.cluster_prob; },
+            [](OffloadConfig & o, const py::sequence & v) { o.cluster_prob = to_vectors<float>(v); },
+            "per served layer: P(cluster needed), one per cluster (float32)");
 
     py::class_<EngineConfig>(m, "EngineConfig",
                              "Everything FlashModel.open needs (engine_config.h): in memory (offload None) or "
@@ -172,57 +175,64 @@ void bind_engine(py::module_ & m) {
         .def_property_readonly("bound_count", &FlashModel::bound_count,
                                "llama.cpp weight tensors bound to this model (3 per served layer once loaded)")
         .def_property_readonly("resident_bytes", [](const FlashModel & fm) { return fm.weights().resident_bytes(); })
-        .def_property_readonly("served_layers", [](const FlashModel & fm) {
-            std::vector<int> out;
-            for (const auto & s : fm.layers()) out.push_back(s.layer);
-            return out;
-        })
+        .def_property_readonly("served_layers",
+                               [](const FlashModel & fm) {
+                                   std::vector<int> out;
+                                   for (const auto & s : fm.layers()) out.push_back(s.layer);
+                                   return out;
+                               })
         .def("stats", [](const FlashModel & fm) { return stats_dict(fm.stats().snapshot()); })
         .def("reset_stats", [](FlashModel & fm) { fm.stats().reset(); })
-        .def("set_sparse_config",
-             [](FlashModel & fm, bool enabled, int64_t max_tokens, int cluster_size, bool up_by_ggml) {
-                 fm.set_sparse_config(SparseConfig{enabled, max_tokens, cluster_size, up_by_ggml});
-             },
-             py::arg("enabled"), py::arg("max_tokens") = 1, py::arg("cluster_size") = 32, py::arg("up_by_ggml") = false,
-             "Route decode batches of up to max_tokens tokens of layers with a threshold to the sparse lane "
-             "(loaded at open).")
-        .def_property_readonly("sparse_config", [](const FlashModel & fm) {
-            const SparseConfig & c = fm.sparse_config();
-            py::dict d;
-            d["enabled"] = c.enabled;
-            d["max_tokens"] = c.max_tokens;
-            d["cluster_size"] = c.cluster_size;
-            d["up_by_ggml"] = c.up_by_ggml;
-            return d;
-        })
+        .def(
+            "set_sparse_config",
+            [](FlashModel & fm, bool enabled, int64_t max_tokens, int cluster_size, bool up_by_ggml) {
+                fm.set_sparse_config(SparseConfig{enabled, max_tokens, cluster_size, up_by_ggml});
+            },
+            py::arg("enabled"), py::arg("max_tokens") = 1, py::arg("cluster_size") = 32, py::arg("up_by_ggml") = false,
+            "Route decode batches of up to max_tokens tokens of layers with a threshold to the sparse lane "
+            "(loaded at open).")
+        .def_property_readonly("sparse_config",
+                               [](const FlashModel & fm) {
+                                   const SparseConfig & c = fm.sparse_config();
+                                   py::dict d;
+                                   d["enabled"] = c.enabled;
+                                   d["max_tokens"] = c.max_tokens;
+                                   d["cluster_size"] = c.cluster_size;
+                                   d["up_by_ggml"] = c.up_by_ggml;
+                                   return d;
+                               })
         .def_property("thresholds", &FlashModel::thresholds, &FlashModel::set_thresholds,
                       "Per served layer (in served_layers order): skip neuron k when |act(gate_k·x)| <= "
                       "threshold; a negative threshold runs that layer dense.")
         .def("take_non_finite", &FlashModel::take_non_finite,
              "Which served FFN produced a NaN or an infinity in the last failed compute, cleared; '' if none.")
-        .def("check_files",
-             [](FlashModel & fm) {
-                 try {
-                     fm.check_files();
-                 } catch (const IntegrityError & e) {
-                     raise_integrity_error(e.what());
-                 } catch (const IoError & e) {
-                     raise_flash_io_error(e.what());
-                 }
-             },
-             "Raise FlashIoError when the sidecar or the base model changed size on disk since the model was "
-             "opened, or was modified in place without checksums to check it against; SidecarIntegrityError "
-             "when a row modified in place no longer matches its checksum (flash_model.h).")
-        .def_property_readonly("integrity", [](const FlashModel & fm) {
-            const WeightStore & w = fm.weights();
-            py::dict d;
-            d["checksums"] = w.has_checksums();
-            d["verifying"] = w.verifying();
-            d["load_verified_bytes"] = w.verified_bytes();
-            d["load_verify_seconds"] = w.verify_seconds();
-            d["crc32c"] = std::string(crc32c_implementation());
-            return d;
-        }, "The sidecar has checksums; they are checked; bytes and time checked at load; the CRC-32C code in use.")
+        .def(
+            "check_files",
+            [](FlashModel & fm) {
+                try {
+                    fm.check_files();
+                } catch (const IntegrityError & e) {
+                    raise_integrity_error(e.what());
+                } catch (const IoError & e) {
+                    raise_flash_io_error(e.what());
+                }
+            },
+            "Raise FlashIoError when the sidecar or the base model changed size on disk since the model was "
+            "opened, or was modified in place without checksums to check it against; SidecarIntegrityError "
+            "when a row modified in place no longer matches its checksum (flash_model.h).")
+        .def_property_readonly(
+            "integrity",
+            [](const FlashModel & fm) {
+                const WeightStore & w = fm.weights();
+                py::dict d;
+                d["checksums"] = w.has_checksums();
+                d["verifying"] = w.verifying();
+                d["load_verified_bytes"] = w.verified_bytes();
+                d["load_verify_seconds"] = w.verify_seconds();
+                d["crc32c"] = std::string(crc32c_implementation());
+                return d;
+            },
+            "The sidecar has checksums; they are checked; bytes and time checked at load; the CRC-32C code in use.")
         .def("take_error", &FlashModel::take_error,
              "The error that failed the last graph compute (an I/O error in the offload lane), cleared; '' if none.");
 }

@@ -92,38 +92,42 @@ void bind_experts(py::module_ & m) {
         .def_readwrite("prefetch_extra", &ExpertConfig::prefetch_extra);
 
     py::class_<ExpertModel, std::shared_ptr<ExpertModel>>(m, "ExpertModel")
-        .def_static("open",
-                    [](ExpertConfig config) {
-                        try {
-                            py::gil_scoped_release release;
-                            return ExpertModel::open(std::move(config));
-                        } catch (const IoError & e) {
-                            llamaflash_py::raise_flash_io_error(e.what());
-                        } catch (const std::runtime_error & e) {
-                            if (std::strncmp(e.what(), kIntegrityErrorPrefix, std::strlen(kIntegrityErrorPrefix)) == 0) {
-                                llamaflash_py::raise_integrity_error(e.what());
-                            }
-                            throw;
-                        }
-                    },
-                    py::arg("config"), "Open the expert engine (reads the pinned experts).")
+        .def_static(
+            "open",
+            [](ExpertConfig config) {
+                try {
+                    py::gil_scoped_release release;
+                    return ExpertModel::open(std::move(config));
+                } catch (const IoError & e) {
+                    llamaflash_py::raise_flash_io_error(e.what());
+                } catch (const std::runtime_error & e) {
+                    if (std::strncmp(e.what(), kIntegrityErrorPrefix, std::strlen(kIntegrityErrorPrefix)) == 0) {
+                        llamaflash_py::raise_integrity_error(e.what());
+                    }
+                    throw;
+                }
+            },
+            py::arg("config"), "Open the expert engine (reads the pinned experts).")
         .def_property_readonly("bound_count", &ExpertModel::bound_count)
         .def_property("draft", &ExpertModel::draft, &ExpertModel::set_draft,
                       "Draft mode: route among resident experts only, read nothing (self-speculation).")
         .def("stats", [](const ExpertModel & model) { return stats_dict(model); })
         .def("reset_stats", &ExpertModel::reset_stats)
         .def("take_error", &ExpertModel::take_error)
-        .def_property_readonly("resident_bytes", [](const ExpertModel & model) { return model.cache().resident_bytes(); })
+        .def_property_readonly("resident_bytes",
+                               [](const ExpertModel & model) { return model.cache().resident_bytes(); })
         .def("slot_bytes", [](const ExpertModel & model, int position) { return model.cache().slot_bytes(position); })
         .def("resident_experts",
              [](const ExpertModel & model, int position) { return model.cache().resident_experts(position); })
-        .def_property_readonly("io_engine", [](const ExpertModel & model) { return std::string(model.cache().engine_name()); })
+        .def_property_readonly("io_engine",
+                               [](const ExpertModel & model) { return std::string(model.cache().engine_name()); })
         .def_property_readonly("direct", [](const ExpertModel & model) { return model.cache().direct(); })
         .def_property_readonly("alignment", [](const ExpertModel & model) { return model.cache().alignment(); });
 
-    m.def("begin_expert_model_load", [](std::shared_ptr<ExpertModel> model) {
-        WeightRegistry::instance().set_pending_experts(std::move(model));
-    }, "Make `model` the one whose routed expert tensors llama.cpp's next model load places on the device.");
+    m.def(
+        "begin_expert_model_load",
+        [](std::shared_ptr<ExpertModel> model) { WeightRegistry::instance().set_pending_experts(std::move(model)); },
+        "Make `model` the one whose routed expert tensors llama.cpp's next model load places on the device.");
     m.def("expert_slot_bytes", &expert_slot_bytes, py::arg("expert_bytes"), py::arg("alignment"),
           "Bytes of one expert cache slot holding tensors of `expert_bytes` each (direct-I/O alignment).");
 }

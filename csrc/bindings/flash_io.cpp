@@ -21,11 +21,13 @@ void bind_flash_io(py::module_ & m) {
              "Start reading range i into out[dst_offsets[i]:][:lengths[i]] (default: packed one after the "
              "other); returns a ticket. `out` must not be touched until wait(ticket).")
         .def("wait", &PyFlashReader::wait, py::arg("ticket"))
-        .def("poll", [](const PyFlashReader & r, uint64_t t) { return r.get().poll(t); }, py::arg("ticket"))
-        .def("wait_request", [](const PyFlashReader & r, uint64_t t, size_t i) { return r.get().wait_request(t, i); },
-             py::arg("ticket"), py::arg("request"), py::call_guard<py::gil_scoped_release>(),
-             "Block until range `request` of the batch has finished; True when it was read, False when it "
-             "failed (wait(ticket) reports why and must still be called).")
+        .def(
+            "poll", [](const PyFlashReader & r, uint64_t t) { return r.get().poll(t); }, py::arg("ticket"))
+        .def(
+            "wait_request", [](const PyFlashReader & r, uint64_t t, size_t i) { return r.get().wait_request(t, i); },
+            py::arg("ticket"), py::arg("request"), py::call_guard<py::gil_scoped_release>(),
+            "Block until range `request` of the batch has finished; True when it was read, False when it "
+            "failed (wait(ticket) reports why and must still be called).")
         .def("read", &PyFlashReader::read, py::arg("offsets"), py::arg("lengths"), py::arg("out"),
              py::arg("dst_offsets") = py::none(), "submit() + wait()")
         .def("verify", &PyFlashReader::verify)
@@ -42,17 +44,24 @@ void bind_flash_io(py::module_ & m) {
         .def_property_readonly("engine_note", [](const PyFlashReader & r) { return r.get().engine_note(); })
         .def_property_readonly("queue_depth", [](const PyFlashReader & r) { return r.get().queue_depth(); });
 
-    m.def("aligned_empty", [](size_t nbytes, size_t alignment) {
-        if (alignment == 0 || (alignment & (alignment - 1)) != 0) throw py::value_error("alignment must be a power of two");
-        auto * buf = new AlignedBuffer(nbytes, alignment);
-        py::capsule owner(buf, [](void * p) { delete static_cast<AlignedBuffer *>(p); });
-        return py::array_t<uint8_t>({static_cast<py::ssize_t>(nbytes)}, {1}, buf->data(), owner);
-    }, py::arg("nbytes"), py::arg("alignment") = 4096,
-       "An uninitialised uint8 array whose data is aligned to `alignment` bytes (for direct reads).");
+    m.def(
+        "aligned_empty",
+        [](size_t nbytes, size_t alignment) {
+            if (alignment == 0 || (alignment & (alignment - 1)) != 0)
+                throw py::value_error("alignment must be a power of two");
+            auto * buf = new AlignedBuffer(nbytes, alignment);
+            py::capsule owner(buf, [](void * p) { delete static_cast<AlignedBuffer *>(p); });
+            return py::array_t<uint8_t>({static_cast<py::ssize_t>(nbytes)}, {1}, buf->data(), owner);
+        },
+        py::arg("nbytes"), py::arg("alignment") = 4096,
+        "An uninitialised uint8 array whose data is aligned to `alignment` bytes (for direct reads).");
 
-    m.def("io_uring_available", [] {
-        std::string why;
-        const bool ok = io_uring_available(&why);
-        return py::make_tuple(ok, why);
-    }, "(available, reason it is not)");
+    m.def(
+        "io_uring_available",
+        [] {
+            std::string why;
+            const bool ok = io_uring_available(&why);
+            return py::make_tuple(ok, why);
+        },
+        "(available, reason it is not)");
 }

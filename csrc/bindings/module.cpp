@@ -4,9 +4,9 @@
 // shared_ptr (llamaflash.Llama keeps one; the weight registry keeps one per llama.cpp buffer bound to it).
 #include "../crc32c.h"
 #include "../file_reader.h"
-#include "../integrity.h"
 #include "../flash_backend.h"
 #include "../flash_model.h"
+#include "../integrity.h"
 #include "../weight_registry.h"
 
 #include <pybind11/numpy.h>
@@ -35,83 +35,88 @@ PYBIND11_MODULE(_native, m) {
     py::register_exception<IoError>(m, "IoError", PyExc_OSError);
     bind_flash_io(m);
 
-    m.def("register_backend", [] { register_backend(); },
-          "Register the llamaflash ggml backend with ggml (idempotent). Must run before a model loads.");
+    m.def(
+        "register_backend", [] { register_backend(); },
+        "Register the llamaflash ggml backend with ggml (idempotent). Must run before a model loads.");
 
     bind_engine(m);
     bind_offload(m);
     bind_experts(m);
 
-    m.def("begin_model_load", [](std::shared_ptr<FlashModel> model) {
-        WeightRegistry::instance().set_pending(std::move(model));
-    }, "Make `model` the one whose FFN weights llama.cpp's next model load places on the device.");
+    m.def(
+        "begin_model_load",
+        [](std::shared_ptr<FlashModel> model) { WeightRegistry::instance().set_pending(std::move(model)); },
+        "Make `model` the one whose FFN weights llama.cpp's next model load places on the device.");
     m.def("end_model_load", [] { WeightRegistry::instance().clear_pending(); });
 
     m.attr("INTEGRITY_ERROR_PREFIX") = std::string(kIntegrityErrorPrefix);
     m.def("crc32c_implementation", &crc32c_implementation,
           "What computes CRC-32C on this machine: 'sse4.2' (the crc32 instruction) or 'table' (portable).");
-    m.def("crc32c_rows",
-          [](py::buffer data, size_t row_bytes, const std::string & impl) {
-              const py::buffer_info info = data.request();
-              if (row_bytes == 0) throw py::value_error("row_bytes must be positive");
-              const size_t n = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
-              bool contiguous = true;
-              for (py::ssize_t d = info.ndim - 1, expect = info.itemsize; d >= 0; --d) {
-                  contiguous = contiguous && info.strides[d] == expect;
-                  expect *= info.shape[d];
-              }
-              if (!contiguous) throw py::value_error("data must be C-contiguous");
-              if (n % row_bytes != 0) {
-                  throw py::value_error(std::to_string(n) + " bytes are not a whole number of " +
-                                        std::to_string(row_bytes) + "-byte rows");
-              }
-              const Crc32cImpl which = impl == "auto" ? Crc32cImpl::automatic
-                                       : impl == "table" ? Crc32cImpl::table
-                                       : impl == "hardware" ? Crc32cImpl::hardware
-                                       : throw py::value_error("impl must be 'auto', 'table' or 'hardware'");
-              const int64_t rows = static_cast<int64_t>(n / row_bytes);
-              py::array_t<uint32_t> out(rows);
-              const auto * p = static_cast<const uint8_t *>(info.ptr);
-              uint32_t * o = out.mutable_data();
-              try {
-                  py::gil_scoped_release release;
-                  crc32c_rows(p, rows, row_bytes, row_bytes, o, which);
-              } catch (const std::invalid_argument & e) {
-                  throw py::value_error(e.what());
-              }
-              return out;
-          },
-          py::arg("data"), py::arg("row_bytes"), py::arg("impl") = "auto",
-          "CRC-32C (Castagnoli) of each `row_bytes`-byte row of a C-contiguous buffer, as uint32 (crc32c.h). "
-          "impl: 'auto', 'table' (portable) or 'hardware' (SSE4.2; ValueError without it).");
+    m.def(
+        "crc32c_rows",
+        [](py::buffer data, size_t row_bytes, const std::string & impl) {
+            const py::buffer_info info = data.request();
+            if (row_bytes == 0) throw py::value_error("row_bytes must be positive");
+            const size_t n = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+            bool contiguous = true;
+            for (py::ssize_t d = info.ndim - 1, expect = info.itemsize; d >= 0; --d) {
+                contiguous = contiguous && info.strides[d] == expect;
+                expect *= info.shape[d];
+            }
+            if (!contiguous) throw py::value_error("data must be C-contiguous");
+            if (n % row_bytes != 0) {
+                throw py::value_error(std::to_string(n) + " bytes are not a whole number of " +
+                                      std::to_string(row_bytes) + "-byte rows");
+            }
+            const Crc32cImpl which = impl == "auto"    ? Crc32cImpl::automatic
+                                     : impl == "table" ? Crc32cImpl::table
+                                     : impl == "hardware"
+                                         ? Crc32cImpl::hardware
+                                         : throw py::value_error("impl must be 'auto', 'table' or 'hardware'");
+            const int64_t rows = static_cast<int64_t>(n / row_bytes);
+            py::array_t<uint32_t> out(rows);
+            const auto * p = static_cast<const uint8_t *>(info.ptr);
+            uint32_t * o = out.mutable_data();
+            try {
+                py::gil_scoped_release release;
+                crc32c_rows(p, rows, row_bytes, row_bytes, o, which);
+            } catch (const std::invalid_argument & e) {
+                throw py::value_error(e.what());
+            }
+            return out;
+        },
+        py::arg("data"), py::arg("row_bytes"), py::arg("impl") = "auto",
+        "CRC-32C (Castagnoli) of each `row_bytes`-byte row of a C-contiguous buffer, as uint32 (crc32c.h). "
+        "impl: 'auto', 'table' (portable) or 'hardware' (SSE4.2; ValueError without it).");
 
-    m.def("quantize_rows",
-          [](int type, const F32Array & values) {
-              if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size(static_cast<ggml_type>(type)) <= 0) {
-                  throw py::value_error("unknown ggml type " + std::to_string(type));
-              }
-              const ggml_type t = static_cast<ggml_type>(type);
-              if (values.ndim() != 2) {
-                  throw py::value_error("values must be 2-D (rows, n)");
-              }
-              const int64_t rows = values.shape(0), n = values.shape(1);
-              if (n % ggml_blck_size(t) != 0) {
-                  throw py::value_error(std::string("rows of ") + std::to_string(n) + " values do not split into " +
-                                        ggml_type_name(t) + " blocks of " + std::to_string(ggml_blck_size(t)));
-              }
-              if (ggml_quantize_requires_imatrix(t)) {
-                  throw py::value_error(std::string(ggml_type_name(t)) + " needs an importance matrix");
-              }
-              const size_t row_bytes = ggml_row_size(t, n);
-              py::array_t<uint8_t> out({static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(row_bytes)});
-              {
-                  py::gil_scoped_release release;
-                  ggml_quantize_init(t);
-                  ggml_quantize_chunk(t, values.data(), out.mutable_data(), 0, rows, n, nullptr);
-              }
-              return out;
-          },
-          py::arg("type"), py::arg("values"),
-          "ggml's own quantization (ggml_quantize_chunk, no importance matrix) of f32 rows: raw block bytes "
-          "(rows, row_bytes).");
+    m.def(
+        "quantize_rows",
+        [](int type, const F32Array & values) {
+            if (type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size(static_cast<ggml_type>(type)) <= 0) {
+                throw py::value_error("unknown ggml type " + std::to_string(type));
+            }
+            const ggml_type t = static_cast<ggml_type>(type);
+            if (values.ndim() != 2) {
+                throw py::value_error("values must be 2-D (rows, n)");
+            }
+            const int64_t rows = values.shape(0), n = values.shape(1);
+            if (n % ggml_blck_size(t) != 0) {
+                throw py::value_error(std::string("rows of ") + std::to_string(n) + " values do not split into " +
+                                      ggml_type_name(t) + " blocks of " + std::to_string(ggml_blck_size(t)));
+            }
+            if (ggml_quantize_requires_imatrix(t)) {
+                throw py::value_error(std::string(ggml_type_name(t)) + " needs an importance matrix");
+            }
+            const size_t row_bytes = ggml_row_size(t, n);
+            py::array_t<uint8_t> out({static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(row_bytes)});
+            {
+                py::gil_scoped_release release;
+                ggml_quantize_init(t);
+                ggml_quantize_chunk(t, values.data(), out.mutable_data(), 0, rows, n, nullptr);
+            }
+            return out;
+        },
+        py::arg("type"), py::arg("values"),
+        "ggml's own quantization (ggml_quantize_chunk, no importance matrix) of f32 rows: raw block bytes "
+        "(rows, row_bytes).");
 }

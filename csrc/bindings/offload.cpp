@@ -76,15 +76,15 @@ void bind_offload(py::module_ & m) {
         "Bytes the sparse lane's scratch takes for a layer of these ggml types and n_embd, up to n_tokens tokens, "
         "n_threads threads and n_clusters clusters of the cluster phase (sparse_ffn.h, SparseFfnScratch::reserve).");
     auto cls = py::reinterpret_borrow<FlashModelClass>(m.attr("FlashModel"));
-    cls.def_property_readonly("stream_gate", [](const FlashModel & fm) { return fm.offload() && fm.offload()->stream_gate(); })
+    cls.def_property_readonly("stream_gate",
+                              [](const FlashModel & fm) { return fm.offload() && fm.offload()->stream_gate(); })
         .def_property_readonly(
             "streamed_gate_bytes",
             [](const FlashModel & fm) { return fm.offload() ? fm.offload()->streamed_gate_bytes() : uint64_t{0}; },
             "Gate bytes a decode token reads from flash (every served layer's gate matrix; 0 when resident).")
         .def_property_readonly("offloaded", [](const FlashModel & fm) { return fm.offload() != nullptr; })
         .def_property(
-            "draft",
-            [](const FlashModel & fm) { return fm.offload() != nullptr && fm.offload()->draft(); },
+            "draft", [](const FlashModel & fm) { return fm.offload() != nullptr && fm.offload()->draft(); },
             [](FlashModel & fm, bool draft) {
                 if (fm.offload() == nullptr) throw py::value_error("draft mode needs flash offload (ram_budget_mb)");
                 fm.offload()->set_draft(draft);
@@ -108,13 +108,14 @@ void bind_offload(py::module_ & m) {
              [](FlashModel & fm) {
                  if (fm.offload() != nullptr) fm.offload()->cache().reset_stats();
              })
-        .def("verify_files",
-             [](const FlashModel & fm) {
-                 try {
-                     if (fm.offload() != nullptr) fm.offload()->cache().verify();
-                 } catch (const IoError & e) {
-                     raise_flash_io_error(e.what());
-                 }
-             },
-             "Raise FlashIoError when the model or sidecar changed on disk since the cache opened them.");
+        .def(
+            "verify_files",
+            [](const FlashModel & fm) {
+                try {
+                    if (fm.offload() != nullptr) fm.offload()->cache().verify();
+                } catch (const IoError & e) {
+                    raise_flash_io_error(e.what());
+                }
+            },
+            "Raise FlashIoError when the model or sidecar changed on disk since the cache opened them.");
 }

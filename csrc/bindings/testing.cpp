@@ -169,8 +169,11 @@ public:
         p.threshold = threshold;
         p.n_threads = n_threads;
         p.cluster_size = cluster_size;
-        p.isa = isa == "auto" ? SparseIsa::auto_ : isa == "scalar" ? SparseIsa::scalar : isa == "avx2" ? SparseIsa::avx2
-              : isa == "avx512" ? SparseIsa::avx512 : throw py::value_error("isa must be auto, scalar, avx2 or avx512");
+        p.isa = isa == "auto"     ? SparseIsa::auto_
+                : isa == "scalar" ? SparseIsa::scalar
+                : isa == "avx2"   ? SparseIsa::avx2
+                : isa == "avx512" ? SparseIsa::avx512
+                                  : throw py::value_error("isa must be auto, scalar, avx2 or avx512");
         const F32Array gv = per_neuron_values(gate_values, n_tokens, L_.n_ff, "gate_values");
         const F32Array uv = per_neuron_values(up_values, n_tokens, L_.n_ff, "up_values");
         p.gate_values = gate_values.is_none() ? nullptr : gv.data();
@@ -209,12 +212,16 @@ private:
 PYBIND11_MODULE(_native_testing, m) {
     m.doc() = "llamaflash test and benchmark hooks (not used by the runtime package)";
 
-    m.def("inject_fault",
-          [](llamaflash_py::PyFlashReader & r, uint64_t offset, int err) { r.get().inject_fault_for_testing(offset, err); },
-          py::arg("reader"), py::arg("offset"), py::arg("errno"),
-          "Make reads of `reader` (a llamaflash._native.FlashReader) covering `offset` fail with `errno` (0: stop).");
-    m.def("pending_buffers", [](const llamaflash_py::PyFlashReader & r) { return r.pending(); }, py::arg("reader"),
-          "Destination buffers `reader` keeps alive for tickets not yet waited for.");
+    m.def(
+        "inject_fault",
+        [](llamaflash_py::PyFlashReader & r, uint64_t offset, int err) {
+            r.get().inject_fault_for_testing(offset, err);
+        },
+        py::arg("reader"), py::arg("offset"), py::arg("errno"),
+        "Make reads of `reader` (a llamaflash._native.FlashReader) covering `offset` fail with `errno` (0: stop).");
+    m.def(
+        "pending_buffers", [](const llamaflash_py::PyFlashReader & r) { return r.pending(); }, py::arg("reader"),
+        "Destination buffers `reader` keeps alive for tickets not yet waited for.");
 
     // Reads the bytes of a bound phantom weight the way another backend would have to
     // (ggml_backend_tensor_get). The safety net must abort the process with a message; the test
@@ -228,7 +235,6 @@ PYBIND11_MODULE(_native_testing, m) {
         ggml_backend_tensor_get(t, bytes.data(), 0, bytes.size());
     });
 
-
     py::class_<SparseFfnKernelPy>(m, "SparseFfnKernel",
                                   "One layer's sparse FFN kernel over bundles/down_t buffers it keeps alive.")
         .def(py::init<const py::object &, size_t, int, int, size_t, size_t, const py::object &, int, size_t, int64_t,
@@ -236,73 +242,85 @@ PYBIND11_MODULE(_native_testing, m) {
              py::arg("bundles"), py::arg("bundle_stride"), py::arg("gate_type"), py::arg("up_type"),
              py::arg("gate_row_bytes"), py::arg("up_row_bytes"), py::arg("down_t"), py::arg("down_t_type"),
              py::arg("down_t_row_bytes"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"))
-        .def("forward", [](SparseFfnKernelPy & k, const F32Array & x, float threshold, int n_threads, int cluster_size,
-                           const std::string & isa, bool return_mask, const py::object & gate_values,
-                           const py::object & up_values) {
-                 return k.run(x, threshold, n_threads, cluster_size, isa, return_mask, 0, gate_values, up_values);
-             },
-             py::arg("x"), py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32,
-             py::arg("isa") = "auto", py::arg("return_mask") = false, py::arg("gate_values") = py::none(),
-             py::arg("up_values") = py::none(),
-             "(y, active_counts[, active_mask]); see csrc/sparse_ffn.h for the contract. The phases run on\n"
-             "n_threads std::threads in the order the sparse lane takes: by cluster with gate_values and\n"
-             "no up_values, else by range.")
-        .def("time", [](SparseFfnKernelPy & k, const F32Array & x, float threshold, int n_threads, int cluster_size,
-                        const std::string & isa, int n_iter, const py::object & gate_values, const py::object & up_values) {
-                 return k.run(x, threshold, n_threads, cluster_size, isa, false, std::max(n_iter, 1), gate_values,
-                              up_values);
-             },
-             py::arg("x"), py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32,
-             py::arg("isa") = "auto", py::arg("n_iter") = 10, py::arg("gate_values") = py::none(),
-             py::arg("up_values") = py::none(),
-             "wall time in seconds of each of n_iter forward calls (scratch reused, GIL released)");
-    m.def("sparse_ffn_forward",
-          [](const py::object & bundles, size_t bundle_stride, int gate_type, int up_type, size_t gate_row_bytes,
-             size_t up_row_bytes, const py::object & down_t, int down_t_type, size_t down_t_row_bytes, int64_t n_embd,
-             int64_t n_ff, const std::string & activation, const F32Array & x, float threshold, int n_threads,
-             int cluster_size, const std::string & isa, bool return_mask, const py::object & gate_values,
-             const py::object & up_values) {
-              SparseFfnKernelPy k(bundles, bundle_stride, gate_type, up_type, gate_row_bytes, up_row_bytes, down_t,
-                                  down_t_type, down_t_row_bytes, n_embd, n_ff, activation);
-              return k.run(x, threshold, n_threads, cluster_size, isa, return_mask, 0, gate_values, up_values);
-          },
-          py::arg("bundles"), py::arg("bundle_stride"), py::arg("gate_type"), py::arg("up_type"),
-          py::arg("gate_row_bytes"), py::arg("up_row_bytes"), py::arg("down_t"), py::arg("down_t_type"),
-          py::arg("down_t_row_bytes"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"), py::arg("x"),
-          py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32, py::arg("isa") = "auto",
-          py::arg("return_mask") = false, py::arg("gate_values") = py::none(), py::arg("up_values") = py::none(),
-          "Sparse FFN of one layer (csrc/sparse_ffn.h) -> (y [n_tokens, n_embd], active_counts [n_tokens])\n"
-          "(+ active_mask [n_tokens, n_ff] with return_mask). gate_values / up_values: optional float32\n"
-          "[n_tokens, n_ff] precomputed g / u (bundle order); the gate / up rows are then not read.");
-    m.def("measure_read_bandwidth",
-          [](size_t buffer_bytes, int n_threads, int repetitions) {
-              BandwidthResult r;
-              {
-                  py::gil_scoped_release release;
-                  r = measure_read_bandwidth(buffer_bytes, n_threads, repetitions);
-              }
-              py::dict d;
-              d["bytes_per_second"] = r.bytes_per_second;
-              d["median_bytes_per_second"] = r.median_bytes_per_second;
-              d["buffer_bytes"] = r.buffer_bytes;
-              d["n_threads"] = r.n_threads;
-              d["repetitions"] = r.repetitions;
-              return d;
-          },
-          py::arg("buffer_bytes") = size_t(1) << 30, py::arg("n_threads") = 2, py::arg("repetitions") = 5,
-          "DRAM read bandwidth: n_threads stream a buffer of buffer_bytes (best and median of the repetitions).");
+        .def(
+            "forward",
+            [](SparseFfnKernelPy & k, const F32Array & x, float threshold, int n_threads, int cluster_size,
+               const std::string & isa, bool return_mask, const py::object & gate_values,
+               const py::object & up_values) {
+                return k.run(x, threshold, n_threads, cluster_size, isa, return_mask, 0, gate_values, up_values);
+            },
+            py::arg("x"), py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32,
+            py::arg("isa") = "auto", py::arg("return_mask") = false, py::arg("gate_values") = py::none(),
+            py::arg("up_values") = py::none(),
+            "(y, active_counts[, active_mask]); see csrc/sparse_ffn.h for the contract. The phases run on\n"
+            "n_threads std::threads in the order the sparse lane takes: by cluster with gate_values and\n"
+            "no up_values, else by range.")
+        .def(
+            "time",
+            [](SparseFfnKernelPy & k, const F32Array & x, float threshold, int n_threads, int cluster_size,
+               const std::string & isa, int n_iter, const py::object & gate_values, const py::object & up_values) {
+                return k.run(x, threshold, n_threads, cluster_size, isa, false, std::max(n_iter, 1), gate_values,
+                             up_values);
+            },
+            py::arg("x"), py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32,
+            py::arg("isa") = "auto", py::arg("n_iter") = 10, py::arg("gate_values") = py::none(),
+            py::arg("up_values") = py::none(),
+            "wall time in seconds of each of n_iter forward calls (scratch reused, GIL released)");
+    m.def(
+        "sparse_ffn_forward",
+        [](const py::object & bundles, size_t bundle_stride, int gate_type, int up_type, size_t gate_row_bytes,
+           size_t up_row_bytes, const py::object & down_t, int down_t_type, size_t down_t_row_bytes, int64_t n_embd,
+           int64_t n_ff, const std::string & activation, const F32Array & x, float threshold, int n_threads,
+           int cluster_size, const std::string & isa, bool return_mask, const py::object & gate_values,
+           const py::object & up_values) {
+            SparseFfnKernelPy k(bundles, bundle_stride, gate_type, up_type, gate_row_bytes, up_row_bytes, down_t,
+                                down_t_type, down_t_row_bytes, n_embd, n_ff, activation);
+            return k.run(x, threshold, n_threads, cluster_size, isa, return_mask, 0, gate_values, up_values);
+        },
+        py::arg("bundles"), py::arg("bundle_stride"), py::arg("gate_type"), py::arg("up_type"),
+        py::arg("gate_row_bytes"), py::arg("up_row_bytes"), py::arg("down_t"), py::arg("down_t_type"),
+        py::arg("down_t_row_bytes"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"), py::arg("x"),
+        py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32, py::arg("isa") = "auto",
+        py::arg("return_mask") = false, py::arg("gate_values") = py::none(), py::arg("up_values") = py::none(),
+        "Sparse FFN of one layer (csrc/sparse_ffn.h) -> (y [n_tokens, n_embd], active_counts [n_tokens])\n"
+        "(+ active_mask [n_tokens, n_ff] with return_mask). gate_values / up_values: optional float32\n"
+        "[n_tokens, n_ff] precomputed g / u (bundle order); the gate / up rows are then not read.");
+    m.def(
+        "measure_read_bandwidth",
+        [](size_t buffer_bytes, int n_threads, int repetitions) {
+            BandwidthResult r;
+            {
+                py::gil_scoped_release release;
+                r = measure_read_bandwidth(buffer_bytes, n_threads, repetitions);
+            }
+            py::dict d;
+            d["bytes_per_second"] = r.bytes_per_second;
+            d["median_bytes_per_second"] = r.median_bytes_per_second;
+            d["buffer_bytes"] = r.buffer_bytes;
+            d["n_threads"] = r.n_threads;
+            d["repetitions"] = r.repetitions;
+            return d;
+        },
+        py::arg("buffer_bytes") = size_t(1) << 30, py::arg("n_threads") = 2, py::arg("repetitions") = 5,
+        "DRAM read bandwidth: n_threads stream a buffer of buffer_bytes (best and median of the repetitions).");
     m.def("sparse_ffn_best_isa", [] { return std::string(sparse_isa_name(sparse_ffn_best_isa())); });
-    m.def("sparse_ffn_activation", [](const std::string & act, const F32Array & g) {
-              const FfnActivation a = parse_ffn_activation(act);
-              F32Array out(g.size());
-              for (py::ssize_t i = 0; i < g.size(); ++i) out.mutable_data()[i] = ffn_activation(a, g.data()[i]);
-              return out;
-          }, py::arg("activation"), py::arg("g"), "the activation exactly as the sparse kernel applies it");
-    m.def("activation_roundtrip", [](int weight_type, const F32Array & x) {
-              std::vector<float> v = activation_roundtrip(static_cast<ggml_type>(weight_type), x.data(), x.size());
-              return F32Array(static_cast<py::ssize_t>(v.size()), v.data());
-          }, py::arg("weight_type"), py::arg("x"),
-          "x quantized to vec_dot_type(weight_type) by ggml-cpu and decoded: what a row dot multiplies with");
+    m.def(
+        "sparse_ffn_activation",
+        [](const std::string & act, const F32Array & g) {
+            const FfnActivation a = parse_ffn_activation(act);
+            F32Array out(g.size());
+            for (py::ssize_t i = 0; i < g.size(); ++i) out.mutable_data()[i] = ffn_activation(a, g.data()[i]);
+            return out;
+        },
+        py::arg("activation"), py::arg("g"), "the activation exactly as the sparse kernel applies it");
+    m.def(
+        "activation_roundtrip",
+        [](int weight_type, const F32Array & x) {
+            std::vector<float> v = activation_roundtrip(static_cast<ggml_type>(weight_type), x.data(), x.size());
+            return F32Array(static_cast<py::ssize_t>(v.size()), v.data());
+        },
+        py::arg("weight_type"), py::arg("x"),
+        "x quantized to vec_dot_type(weight_type) by ggml-cpu and decoded: what a row dot multiplies with");
     py::class_<DenseFfnGraph>(m, "DenseFfnGraph",
                               "One layer's dense FFN as a ggml CPU graph (csrc/ffn_dense_ref.h), weights copied in.")
         .def(py::init([](const py::object & gate, int gate_type, const py::object & up, int up_type,
@@ -322,7 +340,8 @@ PYBIND11_MODULE(_native_testing, m) {
                  w.down_type = static_cast<ggml_type>(down_type);
                  w.activation = parse_ffn_activation(activation);
                  for (ggml_type t : {w.gate_type, w.up_type, w.down_type}) {
-                     if (t < 0 || t >= GGML_TYPE_COUNT || ggml_blck_size(t) <= 0) throw py::value_error("bad ggml type");
+                     if (t < 0 || t >= GGML_TYPE_COUNT || ggml_blck_size(t) <= 0)
+                         throw py::value_error("bad ggml type");
                  }
                  if (g.size < ggml_row_size(w.gate_type, n_embd) * n_ff ||
                      (!gate_only && (u.size < ggml_row_size(w.up_type, n_embd) * n_ff ||
@@ -334,19 +353,22 @@ PYBIND11_MODULE(_native_testing, m) {
              py::arg("gate"), py::arg("gate_type"), py::arg("up"), py::arg("up_type"), py::arg("down"),
              py::arg("down_type"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"), py::arg("n_tokens") = 1,
              py::arg("n_threads") = 1, py::arg("repack") = true, py::arg("gate_only") = false)
-        .def("run", [](DenseFfnGraph & gr, const F32Array & x, int n_iter) {
-                 if (x.ndim() != 2 || x.shape(0) != gr.n_tokens() || x.shape(1) != gr.n_embd()) {
-                     throw py::value_error("x must be float32 [n_tokens, n_embd] as given at construction");
-                 }
-                 F32Array y({static_cast<py::ssize_t>(x.shape(0)), static_cast<py::ssize_t>(gr.out_width())});
-                 std::vector<double> seconds;
-                 {
-                     py::gil_scoped_release release;
-                     for (int it = 0; it < std::max(n_iter, 1); ++it) seconds.push_back(gr.run(x.data(), y.mutable_data()));
-                 }
-                 return py::make_tuple(y, seconds);
-             },
-             py::arg("x"), py::arg("n_iter") = 1, "(y, [graph compute seconds per run]); x shape fixed at construction")
+        .def(
+            "run",
+            [](DenseFfnGraph & gr, const F32Array & x, int n_iter) {
+                if (x.ndim() != 2 || x.shape(0) != gr.n_tokens() || x.shape(1) != gr.n_embd()) {
+                    throw py::value_error("x must be float32 [n_tokens, n_embd] as given at construction");
+                }
+                F32Array y({static_cast<py::ssize_t>(x.shape(0)), static_cast<py::ssize_t>(gr.out_width())});
+                std::vector<double> seconds;
+                {
+                    py::gil_scoped_release release;
+                    for (int it = 0; it < std::max(n_iter, 1); ++it)
+                        seconds.push_back(gr.run(x.data(), y.mutable_data()));
+                }
+                return py::make_tuple(y, seconds);
+            },
+            py::arg("x"), py::arg("n_iter") = 1, "(y, [graph compute seconds per run]); x shape fixed at construction")
         .def("set_n_threads", &DenseFfnGraph::set_n_threads, py::arg("n_threads"))
         .def_property_readonly("repacked", &DenseFfnGraph::repacked)
         .def_property_readonly("weight_bytes", &DenseFfnGraph::weight_bytes);
