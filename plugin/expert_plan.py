@@ -316,7 +316,7 @@ def plan_experts(
         notes.append("no routing statistics in the sidecar: hit rate predicted for uniform routing, nothing pinned")
     if not forced:
         # just below stock's need: stock's few page-cache misses against the expert cache's misses
-        u_min = stock_ubatch(header, moe, 1 << 62, n_ctx, user_ubatch or UBATCH_CHOICES[-1])
+        u_min = int(user_ubatch or UBATCH_CHOICES[-1])  # the batch that leaves stock least short
         need = stock_need(header, moe, n_ctx, u_min)
         reread = stock_reread_per_token(moe, sum(need.values()) - budget)
         if reread is not None and reread * STOCK_FAULT_SLOWDOWN <= read:
