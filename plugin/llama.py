@@ -341,6 +341,7 @@ class Llama(llama_cpp.Llama):
                 info=info,
                 header=base.header,
                 draft_copy=flash_draft_copy,
+                logits_all=bool(kwargs.get("logits_all", False)),
             )
             kwargs.setdefault("n_batch", plan.n_batch)
             kwargs.setdefault("n_ubatch", plan.n_ubatch)
@@ -432,6 +433,7 @@ class Llama(llama_cpp.Llama):
             disk_profile=a["flash_disk_profile"],
             verify=a["flash_verify"],
             n_slots=a["flash_expert_slots"],
+            logits_all=bool(kwargs.get("logits_all", False)),
         )
         self._expert_setup = setup
         self._flash_decision = lane_decision.Decision(
