@@ -67,7 +67,9 @@ class ExpertPlan:
     def explain(self) -> str:
         lines = [f"budget {self.budget_bytes / MiB:.0f} MiB"]
         for k, v in self.share.items():
-            lines.append(f"  {k:<22} {v / MiB:8.1f} MiB")
+            lines.append(
+                f"  {k:<22} {v / MiB:8.1f} MiB" + (f" (n_ubatch {self.n_ubatch})" if k == "compute_buffers" else "")
+            )
         if self.fits:
             lines.append(
                 f"  runs as stock llama.cpp (plain weights, n_ubatch {self.n_ubatch}): nothing served from flash"
