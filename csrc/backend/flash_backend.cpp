@@ -1,11 +1,11 @@
 // flash_backend.cpp — see flash_backend.h. Interface slots follow ggml-backend-impl.h
 // (GGML_BACKEND_API_VERSION 2); optional slots left null fall back to ggml's defaults.
-#include "flash_backend.h"
+#include "backend/flash_backend.h"
 
+#include "backend/phantom_buffer.h"
+#include "backend/split_executor.h"
+#include "backend/weight_registry.h"
 #include "ggml-backend-impl.h"
-#include "phantom_buffer.h"
-#include "split_executor.h"
-#include "weight_registry.h"
 
 #include <sys/sysinfo.h>
 #include <cstring>

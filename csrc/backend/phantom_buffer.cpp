@@ -1,8 +1,8 @@
 // phantom_buffer.cpp — see phantom_buffer.h.
-#include "phantom_buffer.h"
+#include "backend/phantom_buffer.h"
 
+#include "backend/weight_registry.h"
 #include "ggml-backend-impl.h"
-#include "weight_registry.h"
 
 #include <sys/mman.h>
 #include <unistd.h>

@@ -1,9 +1,9 @@
 // split_executor.cpp — see split_executor.h.
-#include "split_executor.h"
+#include "backend/split_executor.h"
 
-#include "flash_model.h"
+#include "backend/weight_registry.h"
 #include "ggml-cpu.h"
-#include "weight_registry.h"
+#include "model/flash_model.h"
 
 #include <chrono>
 #include <cmath>

@@ -16,12 +16,12 @@
 //             FFN evaluations, the sparse lane's active neurons.
 #pragma once
 
-#include "dense_lane.h"
-#include "expert_lane.h"
+#include "experts/expert_lane.h"
 #include "ggml-backend.h"
 #include "ggml.h"
-#include "graph_mirror.h"
-#include "sparse_lane.h"
+#include "lanes/dense_lane.h"
+#include "lanes/graph_mirror.h"
+#include "lanes/sparse_lane.h"
 
 #include <cstdint>
 #include <vector>

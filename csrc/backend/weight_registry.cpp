@@ -1,5 +1,5 @@
 // weight_registry.cpp — see weight_registry.h.
-#include "weight_registry.h"
+#include "backend/weight_registry.h"
 
 #include <cstdio>
 #include <cstring>

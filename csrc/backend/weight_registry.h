@@ -10,8 +10,8 @@
 // Thread safety: all members lock one mutex; lookups are a hash-map probe.
 #pragma once
 
-#include "expert_model.h"
-#include "flash_model.h"
+#include "experts/expert_model.h"
+#include "model/flash_model.h"
 
 #include "ggml-backend.h"
 #include "ggml.h"

@@ -1,8 +1,8 @@
 // expert_cache.cpp — see expert_cache.h.
-#include "expert_cache.h"
+#include "experts/expert_cache.h"
 
-#include "crc32c.h"
-#include "integrity.h"
+#include "io/crc32c.h"
+#include "io/integrity.h"
 
 #include <algorithm>
 #include <stdexcept>

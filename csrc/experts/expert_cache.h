@@ -22,7 +22,7 @@
 // Thread safety: one request at a time per cache (the caller serialises; ExpertLane locks).
 #pragma once
 
-#include "flash_io.h"
+#include "io/flash_io.h"
 
 #include <chrono>
 #include <cstdint>

@@ -1,9 +1,9 @@
 // expert_lane.cpp — see expert_lane.h.
-#include "expert_lane.h"
+#include "experts/expert_lane.h"
 
+#include "backend/weight_registry.h"
 #include "ggml-cpu.h"
-#include "integrity.h"
-#include "weight_registry.h"
+#include "io/integrity.h"
 
 #include <algorithm>
 #include <chrono>

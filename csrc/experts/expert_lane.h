@@ -27,10 +27,10 @@
 // Only draft tokens come from it; the exact pass that verifies them runs as above.
 #pragma once
 
-#include "expert_model.h"
+#include "experts/expert_model.h"
 #include "ggml-backend.h"
 #include "ggml.h"
-#include "graph_mirror.h"
+#include "lanes/graph_mirror.h"
 
 #include <cstdint>
 #include <memory>

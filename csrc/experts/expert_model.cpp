@@ -1,5 +1,5 @@
 // expert_model.cpp — see expert_model.h.
-#include "expert_model.h"
+#include "experts/expert_model.h"
 
 #include "ggml.h"
 

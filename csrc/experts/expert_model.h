@@ -19,7 +19,7 @@
 // by the weight registry for every llama.cpp buffer bound to it.
 #pragma once
 
-#include "expert_cache.h"
+#include "experts/expert_cache.h"
 
 #include <atomic>
 #include <cstdint>

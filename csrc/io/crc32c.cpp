@@ -1,5 +1,5 @@
 // crc32c.cpp — see crc32c.h.
-#include "crc32c.h"
+#include "io/crc32c.h"
 
 #include <cstring>
 #include <memory>

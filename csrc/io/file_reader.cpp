@@ -1,5 +1,5 @@
 // file_reader.cpp — see file_reader.h.
-#include "file_reader.h"
+#include "io/file_reader.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,8 +1,8 @@
 // flash_io.cpp — FlashReader: opening (direct or buffered), request planning (alignment, bounce
 // buffers, splitting), batches and their completion, statistics. Engines: io_pool.cpp,
 // io_uring_queue.cpp. See flash_io.h for the contracts.
-#include "flash_io.h"
-#include "io_engine.h"
+#include "io/flash_io.h"
+#include "io/io_engine.h"
 
 #include <fcntl.h>
 #include <linux/fs.h>

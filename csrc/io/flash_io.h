@@ -25,7 +25,7 @@
 // EINTR/EAGAIN are retried, partial reads are resumed; nothing waits forever on a failed read.
 #pragma once
 
-#include "file_reader.h"  // IoError
+#include "io/file_reader.h"  // IoError
 
 #include <cstddef>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // integrity.cpp — see integrity.h.
-#include "integrity.h"
+#include "io/integrity.h"
 
-#include "crc32c.h"
+#include "io/crc32c.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -16,8 +16,8 @@
 // naming the file, the tensor, the row, its byte range in the file and the way out.
 #pragma once
 
-#include "engine_config.h"
-#include "file_reader.h"
+#include "io/file_reader.h"
+#include "model/engine_config.h"
 
 #include <cstdint>
 #include <string>

@@ -8,7 +8,7 @@
 // destructor returns no callback is running or will run, and the kernel writes no more memory.
 #pragma once
 
-#include "flash_io.h"
+#include "io/flash_io.h"
 
 #include <atomic>
 #include <cstdint>

@@ -1,6 +1,6 @@
 // io_pool.cpp — the "pool" engine of flash_io: queue_depth threads, each issuing blocking pread()s.
 // Works on every kernel and filesystem; see io_engine.h for the engine contract.
-#include "io_engine.h"
+#include "io/io_engine.h"
 
 #include <unistd.h>
 #include <algorithm>

@@ -4,7 +4,7 @@
 // and completions' task work runs on that thread, which never exits while reads are in flight).
 // Other threads hand ops over through a mutex-protected queue and wake the I/O thread with an
 // eventfd, on which the ring keeps a POLL_ADD armed. See io_engine.h for the engine contract.
-#include "io_engine.h"
+#include "io/io_engine.h"
 
 #include <linux/io_uring.h>
 

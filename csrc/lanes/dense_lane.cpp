@@ -1,9 +1,9 @@
 // dense_lane.cpp — see dense_lane.h.
-#include "dense_lane.h"
+#include "lanes/dense_lane.h"
 
-#include "flash_model.h"
-#include "graph_mirror.h"
-#include "weight_registry.h"
+#include "backend/weight_registry.h"
+#include "lanes/graph_mirror.h"
+#include "model/flash_model.h"
 
 #include <cstring>
 

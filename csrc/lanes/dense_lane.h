@@ -24,8 +24,8 @@
 // lane, map_src()/mirror_node() of the few nodes it needs from ggml.
 #pragma once
 
-#include "engine_config.h"
 #include "ggml.h"
+#include "model/engine_config.h"
 
 #include <cstdint>
 #include <unordered_map>

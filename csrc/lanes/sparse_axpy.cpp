@@ -1,5 +1,5 @@
 // sparse_axpy.cpp — see sparse_axpy.h.
-#include "sparse_axpy.h"
+#include "lanes/sparse_axpy.h"
 
 #include <cstring>
 

@@ -15,7 +15,7 @@
 //      y per 4 rows);
 //   4. reduce: by range y_t = Σ_threads partial (chunks of n_embd over threads, fixed thread
 //      order); by cluster y_t = Σ_clusters partial in ascending cluster order.
-#include "sparse_ffn.h"
+#include "lanes/sparse_ffn.h"
 
 #include "ggml-cpu.h"
 

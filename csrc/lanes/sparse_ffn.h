@@ -47,7 +47,7 @@
 #pragma once
 
 #include "ggml.h"
-#include "sparse_axpy.h"
+#include "lanes/sparse_axpy.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // sparse_lane.cpp — see sparse_lane.h.
-#include "sparse_lane.h"
+#include "lanes/sparse_lane.h"
 
-#include "weight_registry.h"
+#include "backend/weight_registry.h"
 
 #include <cstring>
 #include <stdexcept>

@@ -50,9 +50,9 @@
 // over max_tokens) is left to the dense lane, which stays bit-identical to stock llama.cpp.
 #pragma once
 
-#include "flash_model.h"
 #include "ggml.h"
-#include "sparse_ffn.h"
+#include "lanes/sparse_ffn.h"
+#include "model/flash_model.h"
 
 #include <atomic>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // engine_config.cpp — see engine_config.h.
-#include "engine_config.h"
+#include "model/engine_config.h"
 
-#include "sparse_ffn.h"
+#include "lanes/sparse_ffn.h"
 
 #include <set>
 #include <stdexcept>

@@ -21,7 +21,7 @@ namespace llamaflash {
 
 enum class FfnWeightKind : int { gate = 0, up = 1, down = 2 };
 
-// One served layer, as described by the sidecar reader (llamaflash.sidecar.LayerLayout). All
+// One served layer, as described by the sidecar reader (llamaflash.files.sidecar.LayerLayout). All
 // offsets are absolute byte offsets in their file.
 struct LayerSpec {
     int layer = -1;

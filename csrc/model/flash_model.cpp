@@ -1,5 +1,5 @@
 // flash_model.cpp — see flash_model.h.
-#include "flash_model.h"
+#include "model/flash_model.h"
 
 #include <stdexcept>
 

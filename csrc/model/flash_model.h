@@ -16,10 +16,10 @@
 // are atomic counters.
 #pragma once
 
-#include "engine_config.h"
-#include "flash_stats.h"
-#include "offload_state.h"
-#include "weight_store.h"
+#include "model/engine_config.h"
+#include "model/flash_stats.h"
+#include "model/weight_store.h"
+#include "offload/offload_state.h"
 
 #include <atomic>
 #include <map>

@@ -1,5 +1,5 @@
 // flash_stats.cpp — see flash_stats.h.
-#include "flash_stats.h"
+#include "model/flash_stats.h"
 
 namespace llamaflash {
 

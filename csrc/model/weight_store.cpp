@@ -1,5 +1,5 @@
 // weight_store.cpp — see weight_store.h.
-#include "weight_store.h"
+#include "model/weight_store.h"
 
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"

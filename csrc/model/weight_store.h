@@ -31,11 +31,11 @@
 // Lifetime: owned by FlashModel; the tensors and mappings live as long as the store.
 #pragma once
 
-#include "engine_config.h"
-#include "file_reader.h"
 #include "ggml-backend.h"
-#include "integrity.h"
-#include "sparse_ffn.h"
+#include "io/file_reader.h"
+#include "io/integrity.h"
+#include "lanes/sparse_ffn.h"
+#include "model/engine_config.h"
 
 #include <map>
 #include <memory>

@@ -1,5 +1,5 @@
 // neuron_cache.cpp — see neuron_cache.h.
-#include "neuron_cache.h"
+#include "offload/neuron_cache.h"
 
 #include <algorithm>
 #include <stdexcept>

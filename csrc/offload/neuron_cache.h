@@ -9,7 +9,7 @@
 // so within a slot neuron i's up row is at up_ptr(cluster) + (i − c·C)·up_row_bytes, likewise down_t.
 // A cluster is therefore two contiguous file ranges: one read each (direct I/O, see flash_io.h).
 //
-// Regions (PowerInfer-2's segmented cache, sized by the planner, plugin/planner.py):
+// Regions (PowerInfer-2's segmented cache, sized by the planner, plugin/planning/planner.py):
 //   hot  : clusters pinned for the model's lifetime (the most frequently needed, chosen by the planner
 //          from the sidecar's neuron frequencies), read once by load_hot();
 //   cold : slots filled on demand and by read-ahead, replaced least-recently-used. A slot that the
@@ -49,8 +49,8 @@
 // check_cluster: one plan/wait sequence at a time (the backend computes splits one at a time per model).
 #pragma once
 
-#include "flash_io.h"
-#include "integrity.h"
+#include "io/flash_io.h"
+#include "io/integrity.h"
 
 #include <atomic>
 #include <chrono>
@@ -80,7 +80,7 @@ struct CacheLayerSource {
 
 // Bytes of one slot: round_up(C·up_row_bytes, 4096) + round_up(C·down_t_row_bytes, 4096), with the
 // largest row sizes over the cached layers. The one formula for the slot size: the planner
-// (plugin/planner.py, through llamaflash._native.cache_slot_bytes) budgets with it.
+// (plugin/planning/planner.py, through llamaflash._native.cache_slot_bytes) budgets with it.
 size_t neuron_cache_slot_bytes(int64_t cluster_size, uint64_t up_row_bytes, uint64_t down_t_row_bytes);
 
 // The fewest cold slots the cache accepts: (1 + prefetch_layers) · the most clusters of a layer (the

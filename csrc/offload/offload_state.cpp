@@ -1,7 +1,7 @@
 // offload_state.cpp — see offload_state.h.
-#include "offload_state.h"
+#include "offload/offload_state.h"
 
-#include "weight_store.h"
+#include "model/weight_store.h"
 
 #include <sys/mman.h>
 

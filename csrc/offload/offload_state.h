@@ -32,10 +32,10 @@
 // thread computing the split (one split at a time per context).
 #pragma once
 
-#include "engine_config.h"
-#include "file_reader.h"
-#include "integrity.h"
-#include "neuron_cache.h"
+#include "io/file_reader.h"
+#include "io/integrity.h"
+#include "model/engine_config.h"
+#include "offload/neuron_cache.h"
 
 #include <atomic>
 #include <map>

@@ -1,5 +1,5 @@
 // bandwidth.cpp — see bandwidth.h.
-#include "bandwidth.h"
+#include "testing/bandwidth.h"
 
 #include <omp.h>
 

@@ -1,5 +1,5 @@
 // ffn_dense_ref.cpp — see ffn_dense_ref.h.
-#include "ffn_dense_ref.h"
+#include "testing/ffn_dense_ref.h"
 
 #include "ggml-cpu.h"
 

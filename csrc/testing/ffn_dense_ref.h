@@ -11,7 +11,7 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml.h"
-#include "sparse_ffn.h"
+#include "lanes/sparse_ffn.h"
 
 #include <cstdint>
 #include <vector>

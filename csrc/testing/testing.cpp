@@ -1,4 +1,4 @@
-// bindings/testing.cpp — module llamaflash._native_testing: what only the tests (tests/) and the
+// testing/testing.cpp — module llamaflash._native_testing: what only the tests (tests/) and the
 // benchmarks (bench/) call, never imported by the runtime package. It links the same core library
 // as llamaflash._native (one weight registry, one backend per process):
 //   read_phantom_weight     reads a bound phantom weight as another backend would (must abort)
@@ -10,11 +10,11 @@
 //   measure_read_bandwidth  DRAM read bandwidth (bandwidth.h)
 //   inject_fault, pending_buffers
 //                           a FlashReader's fault injection (flash_io.h) and its kept destination buffers
-#include "../bandwidth.h"
-#include "../ffn_dense_ref.h"
-#include "../sparse_ffn.h"
-#include "../weight_registry.h"
-#include "flash_reader_py.h"
+#include "backend/weight_registry.h"
+#include "bindings/flash_reader_py.h"
+#include "lanes/sparse_ffn.h"
+#include "testing/bandwidth.h"
+#include "testing/ffn_dense_ref.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -252,7 +252,7 @@ PYBIND11_MODULE(_native_testing, m) {
             py::arg("x"), py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32,
             py::arg("isa") = "auto", py::arg("return_mask") = false, py::arg("gate_values") = py::none(),
             py::arg("up_values") = py::none(),
-            "(y, active_counts[, active_mask]); see csrc/sparse_ffn.h for the contract. The phases run on\n"
+            "(y, active_counts[, active_mask]); see csrc/lanes/sparse_ffn.h for the contract. The phases run on\n"
             "n_threads std::threads in the order the sparse lane takes: by cluster with gate_values and\n"
             "no up_values, else by range.")
         .def(
@@ -282,7 +282,7 @@ PYBIND11_MODULE(_native_testing, m) {
         py::arg("down_t_row_bytes"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"), py::arg("x"),
         py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32, py::arg("isa") = "auto",
         py::arg("return_mask") = false, py::arg("gate_values") = py::none(), py::arg("up_values") = py::none(),
-        "Sparse FFN of one layer (csrc/sparse_ffn.h) -> (y [n_tokens, n_embd], active_counts [n_tokens])\n"
+        "Sparse FFN of one layer (csrc/lanes/sparse_ffn.h) -> (y [n_tokens, n_embd], active_counts [n_tokens])\n"
         "(+ active_mask [n_tokens, n_ff] with return_mask). gate_values / up_values: optional float32\n"
         "[n_tokens, n_ff] precomputed g / u (bundle order); the gate / up rows are then not read.");
     m.def(
@@ -321,8 +321,9 @@ PYBIND11_MODULE(_native_testing, m) {
         },
         py::arg("weight_type"), py::arg("x"),
         "x quantized to vec_dot_type(weight_type) by ggml-cpu and decoded: what a row dot multiplies with");
-    py::class_<DenseFfnGraph>(m, "DenseFfnGraph",
-                              "One layer's dense FFN as a ggml CPU graph (csrc/ffn_dense_ref.h), weights copied in.")
+    py::class_<DenseFfnGraph>(
+        m, "DenseFfnGraph",
+        "One layer's dense FFN as a ggml CPU graph (csrc/testing/ffn_dense_ref.h), weights copied in.")
         .def(py::init([](const py::object & gate, int gate_type, const py::object & up, int up_type,
                          const py::object & down, int down_type, int64_t n_embd, int64_t n_ff,
                          const std::string & activation, int64_t n_tokens, int n_threads, bool repack, bool gate_only) {

@@ -1,11 +1,11 @@
 """The ``llamaflash`` command line: ``run`` a prompt, ``chat``, ``serve`` an OpenAI-compatible API,
 list the registry ``models``, ``convert`` a base model, ``inspect`` a sidecar, run the ``demo``, ``bench``
-under memory limits, ``plan`` the flash-offload engine's RAM (those two in :mod:`llamaflash.cli_budget`), ``verify`` a sidecar's checksums. Wherever a model file is expected, a
+under memory limits, ``plan`` the flash-offload engine's RAM (those two in :mod:`llamaflash.cli.cli_budget`), ``verify`` a sidecar's checksums. Wherever a model file is expected, a
 registry model name (``llamaflash models``) works too.
 
 Errors llamaflash raises on purpose (:class:`~llamaflash.errors.LlamaflashError`) are
 printed to stderr as ``error: <message>`` and end the command with exit status 2, without
-a traceback. Also runnable as ``python -m llamaflash`` (or ``python -m llamaflash.cli``).
+a traceback. Also runnable as ``python -m llamaflash`` (or ``python -m llamaflash.cli.cli``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import click
 
 from llamaflash import __version__
-from llamaflash import sidecar_format as fmt
 from llamaflash.errors import LlamaflashError
+from llamaflash.files import sidecar_format as fmt
 
 #: Exit status of a command that failed with a LlamaflashError.
 EXIT_LLAMAFLASH_ERROR = 2
@@ -209,8 +209,8 @@ def convert(
     del selection, quality_method  # one value each: the converter's only selection and quality method
     if no_quality and sparsity == "auto":
         raise click.UsageError("--no-quality needs a fixed --sparsity (auto measures perplexity to choose).")
+    from llamaflash.cli.models_by_name import is_registry_name, resolve_model
     from llamaflash.converters import convert as run_convert
-    from llamaflash.models_by_name import is_registry_name, resolve_model
 
     if is_registry_name(str(model)):
         model = resolve_model(str(model), progress=not quiet)
@@ -242,7 +242,7 @@ def convert(
     "model_name",
     default="qwen2.5-coder-1.5b",
     show_default=True,
-    help="Registry model to run (see llamaflash.assets.MODELS).",
+    help="Registry model to run (see llamaflash.files.assets.MODELS).",
 )
 @click.option(
     "--ram-limit-mb",
@@ -256,7 +256,7 @@ def convert(
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
 def demo(model_name: str, limits: tuple[int, ...], no_limit: bool, max_tokens: int, threads: int) -> None:
     """Fetch a real model, convert it, and run it beside stock llama.cpp under memory limits and in memory."""
-    from llamaflash.demo import DEFAULT_LIMITS_MB, run_demo
+    from llamaflash.cli.demo import DEFAULT_LIMITS_MB, run_demo
 
     run_demo(model_name, () if no_limit else (limits or DEFAULT_LIMITS_MB), max_tokens, threads, echo=click.echo)
 
@@ -283,8 +283,8 @@ def tune(model: Path, sidecar: Path | None, reps: int, threads: int) -> None:
     `Llama(model)` without ram_budget_mb then runs the faster of the two (stock, untouched, unless the
     sparse lane measured at least 3% faster at decode and not slower at prefill). The result is kept
     in <sidecar>.tuning.json, one entry per machine. Time it on a quiet machine."""
-    from llamaflash import lane_decision
-    from llamaflash.sidecar import default_sidecar_path, validate_pair
+    from llamaflash.files.sidecar import default_sidecar_path, validate_pair
+    from llamaflash.planning import lane_decision
 
     sidecar = sidecar or default_sidecar_path(model)
     info = validate_pair(model, sidecar)
@@ -316,7 +316,7 @@ def verify(sidecar: Path, model: Path | None, max_mismatches: int) -> None:
 
     Exits 0 when every checked row matches; 1 naming the rows that do not (file, tensor, row, byte
     offset), or when the sidecar has no checksums; 2 for a malformed or mismatched file."""
-    from llamaflash.integrity import verify_files
+    from llamaflash.files.integrity import verify_files
 
     report = verify_files(sidecar, model, max_mismatches=max_mismatches)
     if report.algorithm is None:
@@ -351,7 +351,7 @@ def inspect(sidecar: Path) -> None:
     import gguf
     import numpy as np
 
-    from llamaflash.sidecar import read_layer_vectors, read_sidecar
+    from llamaflash.files.sidecar import read_layer_vectors, read_sidecar
 
     info = read_sidecar(sidecar)
     click.echo(f"sidecar:          {info.path}")
@@ -367,7 +367,7 @@ def inspect(sidecar: Path) -> None:
         f"checksums:        {info.integrity or 'none (not verified when read; re-convert with --force to add them)'}"
     )
     if info.sparsity is not None:
-        from llamaflash.lane_decision import stored_decision
+        from llamaflash.planning.lane_decision import stored_decision
 
         click.echo(f"default lane:     {stored_decision(sidecar).reason}")
 
@@ -506,7 +506,7 @@ def _generation_options(command):
 
 
 def _load(model: str, sidecar, flash_mode, ram_budget_mb, n_ctx, threads):
-    from llamaflash import run_chat
+    from llamaflash.cli import run_chat
 
     options = run_chat.LoadOptions(
         sidecar=str(sidecar) if sidecar else None,
@@ -551,7 +551,7 @@ def run(
 
     Without PROMPT (or with -), the prompt is read from stdin. Loading and notices go to stderr.
     Ctrl-C stops the reply (exit status 130)."""
-    from llamaflash import run_chat
+    from llamaflash.cli import run_chat
 
     if prompt is None or prompt == "-":
         if sys.stdin.isatty():
@@ -595,7 +595,7 @@ def chat(
 
     The conversation is kept (the oldest exchanges are dropped when it outgrows --n-ctx); /reset
     forgets it. Ctrl-C stops a reply; Ctrl-D, /exit, or Ctrl-C at an empty prompt quits."""
-    from llamaflash import run_chat
+    from llamaflash.cli import run_chat
 
     try:
         llm = _load(model, sidecar, flash_mode, ram_budget_mb, n_ctx, threads)
@@ -617,7 +617,7 @@ def serve_command(ctx: click.Context, args: tuple[str, ...]) -> None:
     llamaflash serve MODEL [--ram-budget-mb N] [--sidecar S] [--flash-mode M] [--host H] [--port P]
     [any llama_cpp.server option] [--config_file FILE]; `llamaflash serve --help` lists them all."""
     try:
-        from llamaflash.serve import serve
+        from llamaflash.cli.serve import serve
     except ImportError as e:
         raise LlamaflashError(
             f"`llamaflash serve` needs llama-cpp-python's server packages ({e.name} is not "
@@ -634,13 +634,13 @@ def serve_command(ctx: click.Context, args: tuple[str, ...]) -> None:
 def models() -> None:
     """List the registry models (usable by name wherever a model file is expected): size, whether
     they are in the cache, and the sidecar beside them if there is one."""
-    from llamaflash.models_by_name import format_model_table, model_rows
+    from llamaflash.cli.models_by_name import format_model_table, model_rows
 
     click.echo(format_model_table(model_rows()))
 
 
 def _register_budget_commands() -> None:
-    from llamaflash.cli_budget import bench, plan
+    from llamaflash.cli.cli_budget import bench, plan
 
     main.add_command(bench)
     main.add_command(plan)

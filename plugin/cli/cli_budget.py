@@ -1,6 +1,6 @@
 """``llamaflash bench`` (stock against llamaflash under memory limits, and the speed-memory sweep) and
 ``llamaflash plan`` (how a RAM budget is spent): the commands about budgets, registered on the
-``llamaflash`` group by :mod:`llamaflash.cli`."""
+``llamaflash`` group by :mod:`llamaflash.cli.cli`."""
 
 from __future__ import annotations
 
@@ -279,7 +279,7 @@ def bench(
     "--disk-profile",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="A saved disk probe result (JSON from llamaflash.disk_probe.probe_disk / bench/bench_disk.py).",
+    help="A saved disk probe result (JSON from llamaflash.planning.disk_probe.probe_disk / bench/bench_disk.py).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of the table.")
 @click.option("--json-arrays", is_flag=True, help="With --json: include hot_clusters and cluster_prob per layer.")
@@ -305,9 +305,10 @@ def plan(
     pin, and the predicted hit rate and I/O-bound decode speed. Exit status 2 if the budget is too small."""
     import json
 
-    from llamaflash import assets, disk_probe
-    from llamaflash.planner import plan_offload
-    from llamaflash.sidecar import default_sidecar_path
+    from llamaflash.files import assets
+    from llamaflash.files.sidecar import default_sidecar_path
+    from llamaflash.planning import disk_probe
+    from llamaflash.planning.planner import plan_offload
 
     model_path = Path(model)
     if not model_path.exists() and model in assets.list_models():
@@ -326,9 +327,9 @@ def plan(
     if moe_plan is not None:
         click.echo(json.dumps(dataclasses.asdict(moe_plan), indent=1, default=str) if as_json else moe_plan.explain())
         return
-    from llamaflash import budget_decision
-    from llamaflash.gguf_model import read_base_model
-    from llamaflash.sidecar import validate_pair
+    from llamaflash.files.gguf_model import read_base_model
+    from llamaflash.files.sidecar import validate_pair
+    from llamaflash.planning import budget_decision
 
     runtime = None if runtime_mb is None else int(runtime_mb * (1 << 20))
     base = read_base_model(model_path)
@@ -362,10 +363,11 @@ def plan(
 
 def _plan_experts(model_path: Path, sidecar_path: Path, budget_mb: float, n_ctx: int, n_ubatch: int | None, disk):
     """The expert plan of a mixture-of-experts model (None for a dense model): dense part, KV, expert slots."""
-    from llamaflash import expert_plan, expert_sidecar
-    from llamaflash.experts import read_moe_model
-    from llamaflash.gguf_header import read_gguf_header
-    from llamaflash.planner import default_disk
+    from llamaflash.files import expert_sidecar
+    from llamaflash.files.experts import read_moe_model
+    from llamaflash.files.gguf_header import read_gguf_header
+    from llamaflash.planning import expert_plan
+    from llamaflash.planning.planner import default_disk
 
     header = read_gguf_header(model_path)
     moe = read_moe_model(header)

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import assets
-from .lane_decision import SPEED_PROMPT_TOKENS
-from .sidecar import default_sidecar_path
+from ..files import assets
+from ..files.sidecar import default_sidecar_path
+from ..planning.lane_decision import SPEED_PROMPT_TOKENS
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 #: Memory limits of the demo for the default model: stock runs at about 1 tok/s at 900 MiB and is
@@ -51,8 +51,8 @@ def find_or_convert_sidecar(model: Path, echo: Callable[[str], None]) -> Path:
     if quick.is_file():
         echo(f"[2/5] sidecar: {quick} (the demo's quick conversion, made earlier)")
         return quick
-    from .converters import convert
-    from .gguf_model import read_base_model
+    from ..converters import convert
+    from ..files.gguf_model import read_base_model
 
     info = read_base_model(model)
     settings = dict(DEMO_CONVERT, calib_tokens=max(DEMO_CONVERT["calib_tokens"], 1024, 2 * info.n_embd))
@@ -67,7 +67,7 @@ def find_or_convert_sidecar(model: Path, echo: Callable[[str], None]) -> Path:
 
 
 def _limit_rows(model: Path, sidecar: Path, limits: Sequence[int], n_gen: int, echo) -> Optional[List[Dict]]:
-    from .bench import memlimit
+    from ..bench import memlimit
 
     ok, why = memlimit.memory_cgroup_support()
     if not ok:
@@ -95,7 +95,7 @@ def _limit_rows(model: Path, sidecar: Path, limits: Sequence[int], n_gen: int, e
 
 
 def _in_memory(model: Path, sidecar: Path, n_gen: int, n_threads: int, echo) -> Dict[str, Dict[str, Any]]:
-    from .bench import benchkit
+    from ..bench import benchkit
 
     echo("[4/5] in memory (no limit), stock and llamaflash's default, one fresh process each:")
     prompt = benchkit.prompt_tokens(model, SPEED_PROMPT_TOKENS)

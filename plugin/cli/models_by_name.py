@@ -1,5 +1,5 @@
 """Models by registry name on the command line: ``llamaflash run smollm2-135m`` means the model that
-:func:`llamaflash.assets.fetch_model` fetches, verifies and caches.
+:func:`llamaflash.files.assets.fetch_model` fetches, verifies and caches.
 
 :func:`resolve_model` turns what a user typed into a model path: an existing file is used as is; else
 a registry name is fetched (once; later calls find it in the cache); else :class:`UnknownModelError`
@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import assets
-from .errors import LlamaflashError
-from .sidecar import default_sidecar_path
+from ..errors import LlamaflashError
+from ..files import assets
+from ..files.sidecar import default_sidecar_path
 
 
 class UnknownModelError(LlamaflashError, LookupError):
@@ -55,7 +55,7 @@ def resolve_model(model: str | os.PathLike[str], progress: bool = True) -> Path:
 
 
 def cached_model_path(name: str, cache_dir: Path | None = None) -> Path:
-    """Where :func:`llamaflash.assets.fetch_model` keeps registry model ``name``."""
+    """Where :func:`llamaflash.files.assets.fetch_model` keeps registry model ``name``."""
     return Path(cache_dir or assets.DEFAULT_CACHE_DIR) / "models" / assets.MODELS[name].filename
 
 

@@ -61,7 +61,7 @@ def plain_notices() -> Iterator[None]:
     """Within: llamaflash's own notices (LlamaflashWarning, e.g. "no sidecar ... running as stock") are
     printed to stderr as plain lines when the block ends, without the warnings module's file:line prefix;
     other warnings are shown as usual."""
-    from .llama import LlamaflashWarning
+    from ..runtime.llama import LlamaflashWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LlamaflashWarning)
@@ -93,7 +93,7 @@ def load_model(model: str, options: LoadOptions):
     path = resolve_model(model, progress=True)
     say(f"llamaflash: loading {path} ...")
     start = time.perf_counter()
-    from .llama import Llama
+    from ..runtime.llama import Llama
 
     with plain_notices():
         llm = Llama(model_path=str(path), **options.llama_kwargs())

@@ -42,8 +42,8 @@ from pydantic import Field, ValidationError
 from starlette_context.middleware import RawContextMiddleware
 from starlette_context.plugins import RequestIdPlugin
 
-from .errors import LlamaflashError
-from .llama import Llama
+from ..errors import LlamaflashError
+from ..runtime.llama import Llama
 from .models_by_name import check_model, resolve_model
 from .run_chat import describe_lane, plain_notices, say
 
@@ -148,7 +148,7 @@ _UPSTREAM_LOADER = LlamaProxy.load_llama_from_model_settings
 if "llama_cpp" not in _UPSTREAM_LOADER.__code__.co_names:  # the loader reaches Llama as llama_cpp.Llama
     raise ImportError(
         f"llama_cpp {llama_cpp.__version__}: LlamaProxy.load_llama_from_model_settings no longer "
-        "constructs llama_cpp.Llama by that name; llamaflash.serve must be updated for it"
+        "constructs llama_cpp.Llama by that name; llamaflash.cli.serve must be updated for it"
     )
 
 

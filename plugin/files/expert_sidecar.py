@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import SidecarFormatError, SidecarMismatchError, SidecarVersionError
+from ..errors import SidecarFormatError, SidecarMismatchError, SidecarVersionError
 from .experts import EXPERT_KINDS, MoeModelInfo
 
 ARCHITECTURE = "llamaflash-experts"

@@ -37,7 +37,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
+from llamaflash.files import sidecar_format as fmt
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS = (2, 3)

@@ -1,6 +1,6 @@
 """Inspection of a base model GGUF: what llamaflash needs to know about it, and its identity.
 
-:func:`read_base_model` parses a GGUF's header (:mod:`llamaflash.gguf_header`) and returns a
+:func:`read_base_model` parses a GGUF's header (:mod:`llamaflash.files.gguf_header`) and returns a
 :class:`BaseModelInfo`: architecture, sizes, and for every layer llamaflash can serve the
 location of its FFN tensors (absolute byte offsets in the file). :func:`base_identity`
 fingerprints the file cheaply so a sidecar can be tied to it. :func:`read_tensor_rows`
@@ -19,9 +19,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.errors import BaseModelError, BaseModelNotFoundError
-from llamaflash.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, ValueType, read_gguf_header
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, ValueType, read_gguf_header
 
 _READ_CHUNK = 1 << 20
 _INTEGER_TYPES = frozenset(

@@ -4,8 +4,8 @@ The integrity section of a sidecar (``docs/SIDECAR.md``, "Integrity") holds the 
 the engine can read: per served layer the bundle rows and ``ffn_down_t`` rows of the sidecar and the
 base model's ``ffn_gate``, ``ffn_up`` and ``ffn_down`` rows. :func:`verify_files` recomputes all of
 them (the sidecar's own rows always; the base model's when it is given, after the checks of
-:func:`~llamaflash.sidecar.validate_pair`) and reports every mismatch. ``llamaflash verify`` prints the
-report. The engine runs the same checks on what it reads (csrc/integrity.h).
+:func:`~llamaflash.files.sidecar.validate_pair`) and reports every mismatch. ``llamaflash verify`` prints the
+report. The engine runs the same checks on what it reads (csrc/io/integrity.h).
 
 A model that runs as stock although it has a sidecar (the in-memory default, lane_decision) reads its
 FFN weights through llama.cpp, not the engine: :class:`BaseRowCheck` checks the base model's FFN rows
@@ -24,9 +24,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.errors import SidecarIntegrityError
-from llamaflash.sidecar import LayerLayout, SidecarInfo, read_sidecar, validate_pair
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.sidecar import LayerLayout, SidecarInfo, read_sidecar, validate_pair
 
 
 @dataclass(frozen=True)
@@ -157,8 +157,8 @@ def verify_files(
     progress: Optional[Callable[[int, int], None]] = None,
 ) -> VerifyReport:
     """Check every row the sidecar has checksums for: the sidecar's bundle and down_t rows, and with
-    ``model`` its FFN gate, up and down rows. Raises what :func:`~llamaflash.sidecar.read_sidecar` /
-    :func:`~llamaflash.sidecar.validate_pair` raise for a file that is malformed or does not belong;
+    ``model`` its FFN gate, up and down rows. Raises what :func:`~llamaflash.files.sidecar.read_sidecar` /
+    :func:`~llamaflash.files.sidecar.validate_pair` raise for a file that is malformed or does not belong;
     a row whose checksum differs is reported, never raised. ``progress(layers done, layers)``."""
     if max_mismatches < 0:
         raise ValueError(f"max_mismatches={max_mismatches} must be >= 0")

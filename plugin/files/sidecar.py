@@ -5,7 +5,7 @@
 give absolute byte offsets of every per-layer tensor. :func:`validate_pair` additionally
 checks that the sidecar was converted from the given base model and fills in where that
 model's own FFN tensors lie; its layouts are what the native engine is opened with
-(:func:`llamaflash.engine.layer_spec`).
+(:func:`llamaflash.runtime.engine.layer_spec`).
 
 All offsets are absolute file offsets.
 """
@@ -20,21 +20,21 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.errors import (
     SidecarFormatError,
     SidecarMismatchError,
     SidecarNotFoundError,
     SidecarVersionError,
 )
-from llamaflash.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_gguf_header
-from llamaflash.gguf_model import (
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_gguf_header
+from llamaflash.files.gguf_model import (
     BaseModelInfo,
     base_identity,
     ggml_row_bytes,
     read_base_model,
 )
-from llamaflash.sidecar_checks import (
+from llamaflash.files.sidecar_checks import (
     Fields,
     block_bytes,
     check_layer_floats,
@@ -199,7 +199,7 @@ def read_sidecar(path: str | os.PathLike[str], *, model_path: str | os.PathLike[
     messages suggest (otherwise it is guessed from the sidecar's name).
 
     Raises :class:`SidecarNotFoundError` if it does not exist, :class:`SidecarVersionError`
-    if its format version is not in :data:`~llamaflash.sidecar_format.SUPPORTED_FORMAT_VERSIONS`,
+    if its format version is not in :data:`~llamaflash.files.sidecar_format.SUPPORTED_FORMAT_VERSIONS`,
     and :class:`SidecarFormatError` for anything else wrong: not a GGUF, truncated or
     corrupt, not a llamaflash file, missing/mistyped keys, tensors missing, of the wrong
     type or shape, misaligned, or an order that is not a permutation.
@@ -312,10 +312,10 @@ def validate_pair(
     """Check that ``sidecar_path`` belongs to ``model_path``; return its info with every
     layout's base-model offsets resolved.
 
-    ``model``: :func:`~llamaflash.gguf_model.read_base_model` of ``model_path`` if the caller has
+    ``model``: :func:`~llamaflash.files.gguf_model.read_base_model` of ``model_path`` if the caller has
     it already (the header is then not parsed again).
 
-    Raises what :func:`~llamaflash.gguf_model.read_base_model` raises for a bad model,
+    Raises what :func:`~llamaflash.files.gguf_model.read_base_model` raises for a bad model,
     what :func:`read_sidecar` raises for a bad sidecar, and :class:`SidecarMismatchError`
     when the sidecar was converted from a different model.
     """

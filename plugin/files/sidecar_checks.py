@@ -1,10 +1,10 @@
-"""Typed, checked access to a sidecar's metadata and tensors, for :mod:`llamaflash.sidecar`.
+"""Typed, checked access to a sidecar's metadata and tensors, for :mod:`llamaflash.files.sidecar`.
 
 Everything a sidecar declares is untrusted until checked here: every failure raises
 :class:`~llamaflash.errors.SidecarFormatError` naming the file, the key or tensor, what is wrong
 and the way out (re-create the sidecar, or copy it again). The GGUF structure itself (running
 tensor offsets, no overlap, data inside the file, sizes from shapes and types) is checked by
-:mod:`llamaflash.gguf_header` before anything here runs.
+:mod:`llamaflash.files.gguf_header` before anything here runs.
 
 Value rules (``docs/SIDECAR.md``, "Validation"):
 
@@ -33,9 +33,9 @@ from typing import NoReturn
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.errors import SidecarFormatError
-from llamaflash.gguf_header import UNSIGNED_TYPES, MetadataValue, TensorInfo, ValueType
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_header import UNSIGNED_TYPES, MetadataValue, TensorInfo, ValueType
 
 
 class Fields:

@@ -111,7 +111,7 @@ KEY_PREFIX = "llamaflash."
 
 #: uint32: the sidecar format version.
 KEY_FORMAT_VERSION = KEY_PREFIX + "format_version"
-#: string: :func:`llamaflash.gguf_model.base_identity` of the base model.
+#: string: :func:`llamaflash.files.gguf_model.base_identity` of the base model.
 KEY_BASE_IDENTITY = KEY_PREFIX + "base.identity"
 #: string: ``general.architecture`` of the base model.
 KEY_BASE_ARCHITECTURE = KEY_PREFIX + "base.architecture"

@@ -36,10 +36,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
+from ..files import sidecar_format as fmt
+from ..files.gguf_header import GGUFHeader
+from ..files.sidecar import SidecarInfo
 from . import planner
-from . import sidecar_format as fmt
-from .gguf_header import GGUFHeader
-from .sidecar import SidecarInfo
 
 #: Bytes of weights per second stock llama.cpp decodes with the model resident (repacked kernels, 2
 #: threads): Qwen2.5-Coder-1.5B Q4_K_M (980 MB of weights besides token_embd) measured 20.8-28.5 tok/s

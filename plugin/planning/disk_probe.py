@@ -2,7 +2,7 @@
 
 :func:`probe_disk` writes a scratch file in the directory that will hold the sidecar (default
 ``~/.cache/llamaflash``), evicts it from the page cache, and times random reads of several request
-sizes at several queue depths through :class:`~llamaflash.flash_io.FlashReader` with direct I/O
+sizes at several queue depths through :class:`~llamaflash.runtime.flash_io.FlashReader` with direct I/O
 (each point a fixed time, ``seconds``), then deletes the file. It returns a plain dict (JSON-ready):
 
     {"directory", "filesystem", "engine", "direct", "fallback_reason", "alignment", "file_mb",
@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import FlashIoError
+from ..errors import FlashIoError
 
 DEFAULT_SIZES_KIB = (4, 16, 32, 64, 256)
 DEFAULT_DEPTHS = (1, 4, 16, 32)
@@ -159,7 +159,7 @@ def probe_disk(
     Raises :class:`~llamaflash.errors.FlashIoError` when the scratch file cannot be written (the
     message names the directory) or read.
     """
-    from .flash_io import io_uring_available, open_reader  # the native reader: loads llama.cpp's ggml
+    from ..runtime.flash_io import io_uring_available, open_reader  # the native reader: loads llama.cpp's ggml
 
     seconds = min(max(float(seconds), 0.05), MAX_SECONDS_PER_POINT)
     sizes = sorted({int(s) for s in sizes_kib})
@@ -232,7 +232,7 @@ def probe_disk(
 
 def _sequential_mb_s(path: Path, engine: str, seconds: float) -> float:
     """Streaming throughput: 1 MiB reads in file order, 8 in flight, for about ``seconds``."""
-    from .flash_io import aligned_empty, open_reader
+    from ..runtime.flash_io import aligned_empty, open_reader
 
     _evict(path)
     size = path.stat().st_size

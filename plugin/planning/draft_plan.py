@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import gguf
 
+from ..runtime.speculative import BATCH_INVARIANT_MAX
 from .plan_llama_share import MiB
-from .speculative import BATCH_INVARIANT_MAX
 
 if TYPE_CHECKING:
+    from ..files.sidecar import SidecarInfo
     from .plan_result import OffloadPlan
-    from .sidecar import SidecarInfo
 
 _Q = gguf.GGMLQuantizationType
 

@@ -2,7 +2,7 @@
 
 The budget covers the whole process. What is not the routed experts is resident in llama.cpp's
 mapping of the file, locked in RAM after load (expert_runtime.lock_dense_part): every non-expert weight, the vocabulary, the KV cache and the compute buffers, plus the Python runtime
-and a margin, as the dense planner counts them (plugin/planner.py). What remains is the expert cache:
+and a margin, as the dense planner counts them (plugin/planning/planner.py). What remains is the expert cache:
 the same number of slots in every MoE layer, each slot one expert (all its tensors, aligned for direct
 I/O: ``_native.expert_slot_bytes``). Slots hold the most popular experts of the calibration text
 pinned (up to half the slots above n_used) and LRU for the rest.
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .experts import MoeModelInfo
+from ..files.experts import MoeModelInfo
 
 MiB = 1024 * 1024
 
@@ -197,8 +197,8 @@ def plan_experts(
     """The plan for ``moe`` under ``ram_budget_mb``; raises RamBudgetError below the minimum.
     ``n_slots``: the expert slots per layer the user asked for (then the engine serves the experts even
     when the whole model would fit; refused when those slots do not fit the budget)."""
-    from . import _native
-    from .errors import RamBudgetError
+    from .. import _native
+    from ..errors import RamBudgetError
     from .planner import (
         MARGIN_FIXED_BYTES,
         MARGIN_FRACTION,

@@ -63,7 +63,7 @@ def machine_key() -> str:
     """A short id of what makes speed comparable: CPU model and ISA features, core count, and the
     versions of llama-cpp-python and llamaflash (read from the installed distribution, so that a
     stored decision is found without loading llama.cpp)."""
-    from . import __version__
+    from .. import __version__
 
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
@@ -226,7 +226,7 @@ def measure(
 ) -> Decision:
     """Measures stock against the sparse lane (the sidecar's operating point) on this machine,
     alternating the two, `reps` runs each in fresh processes; decides by `decide` and stores it."""
-    from .bench import benchkit
+    from ..bench import benchkit
 
     model, sidecar = os.fspath(model), Path(sidecar)
     speeds: Dict[str, Dict[str, List[float]]] = {e: {"decode": [], "prefill": []} for e in (STOCK, SPARSE)}

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import _native
-from .gguf_header import GGUFHeader
+from .. import _native
+from ..files.gguf_header import GGUFHeader
+from ..files.sidecar import SidecarInfo
+from ..runtime.speculative import BATCH_INVARIANT_MAX
 from .plan_clusters import ClusterTable
 from .plan_llama_share import MiB, llama_share, vocabulary_size
-from .sidecar import SidecarInfo
-from .speculative import BATCH_INVARIANT_MAX
 
 #: n_ubatch candidates, largest first (plan_search takes the one whose plan predicts the fastest decode).
 #: UBATCH_BUDGET_SHARE: prefill's choice, the largest whose compute buffers take at most this share of

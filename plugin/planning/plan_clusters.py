@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _native
+from .. import _native
+from ..files.sidecar import SidecarInfo, read_layer_vectors
 from .plan_disk import DiskModel
-from .sidecar import SidecarInfo, read_layer_vectors
 
 #: Bytes of the alignment an O_DIRECT read of a cluster's rows is widened to (the sidecar's and the
 #: reader's alignment).

@@ -1,5 +1,5 @@
 """The planner's disk model: device seconds per read request from a disk profile
-(:func:`~llamaflash.disk_probe.probe_disk`'s format: IOPS measured per request size and queue depth),
+(:func:`~llamaflash.planning.disk_probe.probe_disk`'s format: IOPS measured per request size and queue depth),
 and the built-in conservative profile used when none is given."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 
 def default_disk() -> dict[str, Any]:
-    """A conservative built-in disk profile, in :func:`~llamaflash.disk_probe.probe_disk`'s format (not
+    """A conservative built-in disk profile, in :func:`~llamaflash.planning.disk_probe.probe_disk`'s format (not
     measured): 150 us per request plus 400 MB/s transfer, at most 25k IOPS and 400 MB/s; about half
     of what the development VM's disk measured (docs/PLANNER.md)."""
     points = []

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import gguf
 
-from . import sidecar_format as fmt
+from ..files import sidecar_format as fmt
 from .plan_budget import (
     GATE_WINDOW_LAYERS,
     MARGIN_FIXED_BYTES,

@@ -9,9 +9,9 @@ from typing import Any, Collection
 
 import numpy as np
 
-from . import sidecar_format as fmt
-from .gguf_header import GGUFHeader
-from .sidecar import SidecarInfo
+from ..files import sidecar_format as fmt
+from ..files.gguf_header import GGUFHeader
+from ..files.sidecar import SidecarInfo
 
 MiB = 1 << 20
 #: Bytes of a memory page: token_embd is read by rows, and llama_weights counts the pages they touch.
@@ -81,7 +81,7 @@ def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int
     """llama.cpp's memory in offload mode (bytes): :func:`llama_memory` with the served layers'
     ffn_gate/up/down served (the LLAMAFLASH device's compute: n_ubatch x 3 n_ff x 4; token_embd read
     by rows), and ``prefill_window`` (one served layer's base up + down bytes, page cache during dense
-    prefill). ``header``: the base model's (:func:`~llamaflash.gguf_header.read_gguf_header`)."""
+    prefill). ``header``: the base model's (:func:`~llamaflash.files.gguf_header.read_gguf_header`)."""
     served = {fmt.base_ffn_gate_name(lay.layer) for lay in info.layers}
     served |= {fmt.base_ffn_up_name(lay.layer) for lay in info.layers}
     served |= {fmt.base_ffn_down_name(lay.layer) for lay in info.layers}

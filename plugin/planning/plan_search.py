@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import RamBudgetError
+from ..errors import RamBudgetError
 from .plan_budget import (
     UBATCH_BUDGET_SHARE,
     UBATCH_CHOICES,

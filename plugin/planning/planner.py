@@ -20,9 +20,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import RamBudgetError, SidecarError
-from .gguf_header import GGUFHeader, read_gguf_header
-from .gguf_model import read_base_model
+from ..errors import RamBudgetError, SidecarError
+from ..files.gguf_header import GGUFHeader, read_gguf_header
+from ..files.gguf_model import read_base_model
+from ..files.sidecar import SidecarInfo, default_sidecar_path, validate_pair
 from .plan_budget import (
     GATE_WINDOW_LAYERS,
     MARGIN_FIXED_BYTES,
@@ -39,7 +40,6 @@ from .plan_disk import default_disk, disk_throughput
 from .plan_llama_share import COMPUTE_SAFETY, VOCAB_BYTES_PER_ENTRY, VOCAB_FIXED_BYTES, MiB, llama_share
 from .plan_result import OffloadPlan
 from .plan_search import copy_layout, plan_layout, plan_with_copy, plan_without_copy, with_ubatch_trade
-from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
 
 __all__ = [
     "CLUSTER_SIZES",
@@ -94,13 +94,13 @@ def plan_offload(
     the gate matrices stay resident when that fits the budget, else they are streamed from flash
     every token (GATE_WINDOW_LAYERS layers in memory; every gate row read per token). Raises
     :class:`RamBudgetError` below the minimum, :class:`SidecarError` for a sidecar without neuron
-    statistics, and what :func:`~llamaflash.sidecar.validate_pair` raises for a bad pair.
+    statistics, and what :func:`~llamaflash.files.sidecar.validate_pair` raises for a bad pair.
 
     ``draft_copy``: keep the sidecar's draft copy resident for speculative self-drafts (True; the gate
     then stays resident, SidecarError without a copy), not (False), or None: plan both ways and keep
-    the one with the higher predicted delivered decode speed (:mod:`llamaflash.draft_plan`).
+    the one with the higher predicted delivered decode speed (:mod:`llamaflash.planning.draft_plan`).
 
-    ``info`` / ``header``: the pair's :func:`~llamaflash.sidecar.validate_pair` result and the base
+    ``info`` / ``header``: the pair's :func:`~llamaflash.files.sidecar.validate_pair` result and the base
     model's parsed header, when the caller has them (``llamaflash.Llama``), so that one load parses
     the base header once and checks the pair's identity once; None: read here."""
     if (

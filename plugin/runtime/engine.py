@@ -1,8 +1,8 @@
 """Opening the native engine for `llamaflash.Llama`: one typed configuration, one call.
 
-The configuration is ``_native.EngineConfig`` (csrc/engine_config.h), a C++ struct with named, typed
-fields, built here once from the checked sidecar (:func:`~llamaflash.sidecar.validate_pair`) and, for
-flash offload, the planner's :class:`~llamaflash.planner.OffloadPlan`:
+The configuration is ``_native.EngineConfig`` (csrc/model/engine_config.h), a C++ struct with named, typed
+fields, built here once from the checked sidecar (:func:`~llamaflash.files.sidecar.validate_pair`) and, for
+flash offload, the planner's :class:`~llamaflash.planning.planner.OffloadPlan`:
 
   layers        one ``_native.LayerSpec`` per served layer (the sidecar layout with the base model's
                 offsets resolved, and the layer's threshold: < 0 runs it dense)
@@ -27,9 +27,9 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Sequence
 
-from . import _native
-from . import sidecar_format as fmt
-from .sidecar import LayerLayout, SidecarInfo
+from .. import _native
+from ..files import sidecar_format as fmt
+from ..files.sidecar import LayerLayout, SidecarInfo
 
 #: LayerSpec field <- LayerLayout field, where the names differ
 _RENAMED = {"down_type": "base_down_type"}
@@ -113,7 +113,7 @@ def engine_config(
     verify: bool = True,
 ) -> "_native.EngineConfig":
     """The whole configuration; ``thresholds`` None: every layer dense (the sparse lane is not used).
-    ``verify``: check what is read against the sidecar's row checksums (csrc/integrity.h)."""
+    ``verify``: check what is read against the sidecar's row checksums (csrc/io/integrity.h)."""
     config = _native.EngineConfig()
     config.verify = bool(verify)
     per_layer = thresholds if thresholds is not None else [None] * len(info.layers)

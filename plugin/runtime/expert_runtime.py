@@ -1,7 +1,7 @@
 """What `llamaflash.Llama` does with an MoE model: decide, plan, open the expert engine, report.
 
 Under ``ram_budget_mb`` an MoE model's routed experts (``*_exps``) are served by the expert engine
-(csrc/expert_*.h) from the base file through an expert cache; every other weight stays resident in
+(csrc/experts/expert_*.h) from the base file through an expert cache; every other weight stays resident in
 llama.cpp's mapping of the file and is locked after load (mlock), so the kernel cannot reclaim it under pressure. The
 result is bit-identical to stock llama.cpp with plain weights (use_extra_bufts=False), whatever the
 cache holds. Without a budget, when stock fits the budget (or so nearly that its page-cache misses cost
@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from . import expert_plan, expert_sidecar, experts
-from .errors import SidecarNotFoundError
-from .gguf_model import BaseModelInfo, base_identity
+from ..errors import SidecarNotFoundError
+from ..files import expert_sidecar, experts
+from ..files.gguf_model import BaseModelInfo, base_identity
+from ..planning import expert_plan
 
 #: flash_mode reported for an MoE model served by the expert engine.
 EXPERTS_MODE = "experts"
@@ -50,8 +51,9 @@ def prepare(
     n_slots: Optional[int] = None,
 ) -> ExpertSetup:
     """Checks the pair and plans; opens the engine when there is something to serve."""
-    from . import _native, disk_probe
-    from .sidecar import default_sidecar_path
+    from .. import _native
+    from ..files.sidecar import default_sidecar_path
+    from ..planning import disk_probe
 
     why = experts.check_layout(moe)
     if why is not None:
@@ -100,7 +102,7 @@ def prepare(
 
 
 def _default_disk() -> Dict[str, Any]:
-    from .planner import default_disk
+    from ..planning.planner import default_disk
 
     return default_disk()
 
@@ -116,7 +118,7 @@ def engine_config(
     prefetch: bool = True,
 ):
     """The native ExpertConfig of a plan."""
-    from . import _native
+    from .. import _native
 
     stats = {s.layer: s for s in info.layers}
     config = _native.ExpertConfig()

@@ -1,4 +1,4 @@
-"""Asynchronous reads of sidecar byte ranges from flash (the native ``FlashReader``, csrc/flash_io.h).
+"""Asynchronous reads of sidecar byte ranges from flash (the native ``FlashReader``, csrc/io/flash_io.h).
 
     reader = open_reader("model.flash.gguf", queue_depth=32)
     out = aligned_empty(total_bytes, reader.alignment)
@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import warnings
 
-from . import _native
-from .errors import FlashIoError
+from .. import _native
+from ..errors import FlashIoError
 
 FlashReader = _native.FlashReader
 aligned_empty = _native.aligned_empty

@@ -1,14 +1,14 @@
 """`llamaflash.Llama`: a drop-in replacement for `llama_cpp.Llama` that serves FFN layers from a sidecar.
 
 Layering (as in llama-cpp-python): `llamaflash._native` (C++ core and ggml backend) → this module,
-which opens the native FlashModel (`llamaflash.engine`: one typed configuration, one open call) and
+which opens the native FlashModel (`llamaflash.runtime.engine`: one typed configuration, one open call) and
 owns it for the lifetime of the llama.cpp model → the public `Llama`.
 
 Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword arguments:
   sidecar_path   path of the sidecar GGUF; default `<model stem>.flash.gguf` beside the model. With
                  no sidecar the model runs exactly as stock llama-cpp-python (said once, as a warning).
   flash_mode     None / "auto" (in memory): the lane measured for this sidecar on this machine
-                 (plugin/lane_decision.py): stock llama.cpp, untouched, unless `llamaflash tune` (or
+                 (plugin/planning/lane_decision.py): stock llama.cpp, untouched, unless `llamaflash tune` (or
                  `lane_decision.measure`) stored a measurement showing the sparse lane faster than stock
                  here, then "sparse". Fixed at load, never timed at run time (deterministic);
                  `flash_stats()["decision"]` says what was chosen and why. Embedding models
@@ -27,13 +27,13 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  DENSE_UP_MAX_SPARSITY, where streaming the whole matrix measured faster).
   ram_budget_mb  flash offload: the whole process (llama.cpp's weights, KV cache and buffers, Python,
                  and everything llamaflash allocates) is planned to fit in this many MiB
-                 (plugin/planner.py; `llamaflash plan MODEL --ram-budget-mb N` shows the plan). The up
+                 (plugin/planning/planner.py; `llamaflash plan MODEL --ram-budget-mb N` shows the plan). The up
                  and down_t rows of the FFN stay on flash and come through a neuron cache by direct I/O;
                  decode runs on the sparse lane (the converter's operating point, or flash_sparsity).
                  Needs a format-2 sidecar in base neuron order. A budget below the minimum raises
                  RamBudgetError naming the minimum; n_batch/n_ubatch default to the plan's. With
                  flash_mode unset, a budget that holds everything stock llama.cpp keeps resident (the
-                 model file, llama.cpp's share and a margin: plugin/budget_decision.py) runs stock
+                 model file, llama.cpp's share and a margin: plugin/planning/budget_decision.py) runs stock
                  llama.cpp untouched instead, which is faster there; flash_stats()["decision"] says
                  which and why (flash_mode="sparse" forces offload).
   flash_io_engine  offload only: "auto" (io_uring when the kernel allows it, else a pread pool),
@@ -46,7 +46,7 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  from flash every token one layer ahead, whichever predicts the faster decode: streamed
                  where resident does not fit or its memory pins enough more clusters); True / False
                  force streamed / resident.
-  flash_speculative  speculative decoding (plugin/speculative.py): None = on under ram_budget_mb,
+  flash_speculative  speculative decoding (plugin/runtime/speculative.py): None = on under ram_budget_mb,
                  off in memory; True / False; or a dict of `SpeculativeSettings` fields. Drafts come
                  from the context (prompt lookup), from the model itself in draft mode (offload: FFN
                  from the RAM-resident clusters only), or from a `draft_model=` the caller passes;
@@ -54,7 +54,7 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
   flash_draft_copy  offload only: the sidecar's draft copy (every neuron's up and down rows at low bit
                  width, `llamaflash convert --draft-type`) kept resident for the self-draft: None = the
                  planner's choice (the copy or the same memory as pinned clusters, whichever predicts
-                 the faster delivered decode; plugin/draft_plan.py); True / False force it. Only drafts
+                 the faster delivered decode; plugin/planning/draft_plan.py); True / False force it. Only drafts
                  use it, so it never changes the tokens.
   flash_batch_invariant  None = on under ram_budget_mb, off in memory. On: flash attention
                  (flash_attn=True unless given) and llama.cpp's and llamaflash's weights in plain, not
@@ -88,9 +88,13 @@ from typing import Any, Dict, Optional
 import llama_cpp
 from llama_cpp._logger import set_verbose
 
-from . import _native, budget_decision, engine, expert_runtime, experts, gguf_model, lane_decision, offload, speculative
-from .errors import FlashIoError, LlamaflashError, NonFiniteOutputError, SidecarIntegrityError, SidecarNotFoundError
-from .gguf_model import BaseModelInfo
+from .. import _native
+from ..errors import FlashIoError, LlamaflashError, NonFiniteOutputError, SidecarIntegrityError, SidecarNotFoundError
+from ..files import experts, gguf_model
+from ..files.gguf_model import BaseModelInfo
+from ..files.sidecar import SidecarInfo, default_sidecar_path, validate_pair
+from ..planning import budget_decision, lane_decision
+from . import engine, expert_runtime, offload, speculative
 from .llama_settings import (  # noqa: F401
     DENSE_UP_MAX_SPARSITY,
     FLASH_MODES,
@@ -100,7 +104,6 @@ from .llama_settings import (  # noqa: F401
     _resolve_mode,
     sparsity_thresholds,
 )
-from .sidecar import SidecarInfo, default_sidecar_path, validate_pair
 
 OFFLOAD_MODE = "offload"  # flash_mode reported when ram_budget_mb is set
 
@@ -283,7 +286,7 @@ class Llama(llama_cpp.Llama):
             self._flash_decision = lane_decision.Decision(choice.lane, False, choice.reason, detail=choice.as_dict())
             if choice.stock:
                 if flash_disk_profile is not None and str(flash_disk_profile) != "probe":
-                    from . import disk_probe
+                    from ..planning import disk_probe
 
                     disk_probe.resolve_profile(flash_disk_profile, sidecar)  # a bad one is still an error
                 self._flash_mode = "stock"
@@ -312,7 +315,7 @@ class Llama(llama_cpp.Llama):
                 # llama.cpp reads the FFN weights itself: their rows are checked against the sidecar's
                 # checksums on a thread of their own while it loads (a damaged model is refused here too)
                 if flash_verify and info.integrity is not None:
-                    from .integrity import BaseRowCheck  # numpy: only a check needs it
+                    from ..files.integrity import BaseRowCheck  # numpy: only a check needs it
 
                     self._base_check = BaseRowCheck(info, model_path)
                 self._init_llama(model_path, args, kwargs, spec_settings)
@@ -328,7 +331,7 @@ class Llama(llama_cpp.Llama):
         if self._flash_mode in ("sparse", OFFLOAD_MODE):
             thresholds = sparsity_thresholds(info, flash_sparsity)
         if self._flash_mode == OFFLOAD_MODE:
-            from . import disk_probe, planner  # numpy-heavy; only offload needs them
+            from ..planning import disk_probe, planner  # numpy-heavy; only offload needs them
 
             plan = planner.plan_offload(
                 os.fspath(model_path),
@@ -392,7 +395,7 @@ class Llama(llama_cpp.Llama):
                 self._speculation_off_reason = "self-draft off: the gate is streamed from flash under this budget"
                 self._speculator.disable_source("self_draft", "off: " + self._speculation_off_reason)
             elif spec_settings.self_draft:
-                from . import draft_plan
+                from ..planning import draft_plan
 
                 # the plan's predicted acceptance for its resident share (none without an I/O bound)
                 predicted = (

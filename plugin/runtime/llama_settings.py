@@ -1,5 +1,5 @@
 """What `llamaflash.Llama`'s own keyword arguments accept and mean: type and range checks, the
-flash mode, and the sparsity levels a sidecar was calibrated for (used by plugin/llama.py)."""
+flash mode, and the sparsity levels a sidecar was calibrated for (used by plugin/runtime/llama.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import os
 from typing import Any, Optional
 
+from ..files.sidecar import SidecarInfo
 from .flash_io import ENGINES
-from .sidecar import SidecarInfo
 
 FLASH_MODES = ("auto", "dense", "sparse")
 

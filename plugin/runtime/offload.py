@@ -9,14 +9,14 @@ Order of operations (what `Llama(..., ram_budget_mb=N)` does):
      streamed from the base file for prefill), the sparse lane, the neuron cache with the planner's
      pinned clusters, which are read now;
   3. llama.cpp loads the rest with the plan's batch sizes; decode runs on the sparse lane, whose up and
-     down_t rows come from the cache (csrc/neuron_cache.h); `stats` reports what it did.
+     down_t rows come from the cache (csrc/offload/neuron_cache.h); `stats` reports what it did.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from . import _native
+from .. import _native
 
 
 def stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
