@@ -2,7 +2,9 @@
 
 Layering (as in llama-cpp-python): `llamaflash._native` (C++ core and ggml backend) → this module,
 which opens the native FlashModel (`llamaflash.runtime.engine`: one typed configuration, one open call) and
-owns it for the lifetime of the llama.cpp model → the public `Llama`.
+owns it for the lifetime of the llama.cpp model → the public `Llama`. Beside it: `offload` (the plan
+and configuration under ram_budget_mb), `moe_init` (an MoE model's expert engine), `notices` (what
+loading tells the user) and `flash_stats` (the `flash_stats()` report).
 
 Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword arguments:
   sidecar_path   path of the sidecar GGUF; default `<model stem>.flash.gguf` beside the model. With
@@ -77,10 +79,7 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import sys
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -94,7 +93,7 @@ from ..files import experts, gguf_model
 from ..files.gguf_model import BaseModelInfo
 from ..files.sidecar import SidecarInfo, default_sidecar_path, validate_pair
 from ..planning import budget_decision, lane_decision
-from . import engine, expert_runtime, offload, speculative
+from . import engine, expert_runtime, flash_stats, moe_init, offload, speculative
 from .llama_settings import (  # noqa: F401
     DENSE_UP_MAX_SPARSITY,
     FLASH_MODES,
@@ -104,54 +103,9 @@ from .llama_settings import (  # noqa: F401
     _resolve_mode,
     sparsity_thresholds,
 )
+from .notices import LlamaflashWarning, say_once, warn_no_sidecar, warn_unchecked  # noqa: F401
 
 OFFLOAD_MODE = "offload"  # flash_mode reported when ram_budget_mb is set
-
-
-class LlamaflashWarning(UserWarning):
-    """Something llamaflash wants the user to know, that does not stop the model from running."""
-
-
-_warned_no_sidecar = False
-
-
-def _warn_no_sidecar(model_path: str, expected: Path) -> None:
-    global _warned_no_sidecar
-    if _warned_no_sidecar:
-        return
-    _warned_no_sidecar = True
-    warnings.warn(
-        f"llamaflash: no sidecar for '{model_path}' (looked for '{expected}'); running as stock "
-        f"llama-cpp-python without acceleration. Create one with `llamaflash convert {model_path}`.",
-        LlamaflashWarning,
-        stacklevel=3,
-    )
-
-
-_said: set = set()
-_warned_unchecked: set = set()
-
-
-def _warn_unchecked(info: SidecarInfo, model_path: str) -> None:
-    """Once per sidecar per process: a sidecar without checksums is served unchecked."""
-    key = str(info.path)
-    if key in _warned_unchecked:
-        return
-    _warned_unchecked.add(key)
-    warnings.warn(
-        f"llamaflash: sidecar '{info.path}' (format {info.format_version}) has no checksums, so the weights read "
-        f"from it and from the model are not verified; `llamaflash convert {model_path} --force` re-creates it "
-        f"with them",
-        LlamaflashWarning,
-        stacklevel=4,
-    )
-
-
-def _say_once(message: str) -> None:
-    """One line on stderr per distinct message per process (the default lane's decision)."""
-    if message not in _said:
-        _said.add(message)
-        print(message, file=sys.stderr)
 
 
 def _default_decision(info: SidecarInfo, sidecar: Path, kwargs: Dict[str, Any]) -> lane_decision.Decision:
@@ -263,7 +217,7 @@ class Llama(llama_cpp.Llama):
         base = gguf_model.read_base_model(os.fspath(model_path))  # the one parse of the base header
         moe = experts.read_moe_model(base.header) if base.header is not None else None
         if moe is not None:
-            self._init_moe(os.fspath(model_path), base, moe, args, kwargs, flash_speculative)
+            moe_init.init_moe(self, os.fspath(model_path), base, moe, args, kwargs, flash_speculative)
             return
         sidecar = self._find_sidecar(os.fspath(model_path), sidecar_path, base)
         if sidecar is None and ram_budget_mb is not None:
@@ -301,7 +255,7 @@ class Llama(llama_cpp.Llama):
                     kwargs.pop("flash_attn", None)
                 kwargs.setdefault("n_ubatch", choice.n_ubatch)
                 if kwargs.get("verbose", True):
-                    _say_once(f"llamaflash: {choice.reason}")
+                    say_once(f"llamaflash: {choice.reason}")
                 self._init_llama(model_path, args, kwargs, stock_spec)
                 return
         if self._flash_mode == "auto":
@@ -311,7 +265,7 @@ class Llama(llama_cpp.Llama):
                 self._flash_mode = "stock"
                 self._flash_info, self._flash_sidecar = info, Path(sidecar)
                 if kwargs.get("verbose", True):
-                    _say_once(f"llamaflash: '{sidecar}': {self._flash_decision.reason}")
+                    say_once(f"llamaflash: '{sidecar}': {self._flash_decision.reason}")
                 # llama.cpp reads the FFN weights itself: their rows are checked against the sidecar's
                 # checksums on a thread of their own while it loads (a damaged model is refused here too)
                 if flash_verify and info.integrity is not None:
@@ -331,32 +285,20 @@ class Llama(llama_cpp.Llama):
         if self._flash_mode in ("sparse", OFFLOAD_MODE):
             thresholds = sparsity_thresholds(info, flash_sparsity)
         if self._flash_mode == OFFLOAD_MODE:
-            from ..planning import disk_probe, planner  # numpy-heavy; only offload needs them
-
-            plan = planner.plan_offload(
-                os.fspath(model_path),
-                str(sidecar),
-                ram_budget_mb,
-                n_ctx=int(kwargs.get("n_ctx", 512)),
-                n_ubatch=kwargs.get("n_ubatch"),
-                stream_gate=flash_stream_gate,
-                disk=disk_probe.resolve_profile(flash_disk_profile, sidecar),
-                info=info,
-                header=base.header,
-                draft_copy=flash_draft_copy,
-            )
-            kwargs.setdefault("n_batch", plan.n_batch)
-            kwargs.setdefault("n_ubatch", plan.n_ubatch)
-            # every decode split of a layer with a threshold runs on the sparse lane (the dense lane
-            # would stream the whole layer from flash), and so do verify batches (1 + k drafted
-            # tokens, reading the union of their clusters once); prefill streams on the dense lane
-            max_tokens = max(flash_max_sparse_tokens, speculative.verify_batch_max(spec_settings))
-            config = engine.engine_config(
-                info,
+            plan, config = offload.configure(
                 model_path,
+                sidecar,
+                info,
+                base.header,
                 thresholds,
-                engine.sparse_config(True, max_tokens, int(plan.cluster_size), up_by_ggml=False),
-                engine.offload_config(plan, engine=flash_io_engine),
+                kwargs,
+                spec_settings,
+                ram_budget_mb=ram_budget_mb,
+                max_sparse_tokens=flash_max_sparse_tokens,
+                stream_gate=flash_stream_gate,
+                disk_profile=flash_disk_profile,
+                draft_copy=flash_draft_copy,
+                io_engine=flash_io_engine,
                 verify=flash_verify,
             )
             self._flash_plan = plan
@@ -369,7 +311,7 @@ class Llama(llama_cpp.Llama):
             config = engine.engine_config(info, model_path, thresholds, sparse, verify=flash_verify)
         config.repack = not self._batch_invariant
         if info.integrity is None:
-            _warn_unchecked(info, os.fspath(model_path))
+            warn_unchecked(info, os.fspath(model_path))
         flash = engine.open_engine(config)
 
         _native.register_backend()  # idempotent; the first served model registers the ggml backend
@@ -391,91 +333,8 @@ class Llama(llama_cpp.Llama):
         self._flash_info = info
         self._flash_sidecar = Path(sidecar)
         if self._speculator is not None and self._flash_mode == OFFLOAD_MODE and user_draft is None:
-            if self._flash_plan.stream_gate:
-                self._speculation_off_reason = "self-draft off: the gate is streamed from flash under this budget"
-                self._speculator.disable_source("self_draft", "off: " + self._speculation_off_reason)
-            elif spec_settings.self_draft:
-                from ..planning import draft_plan
-
-                # the plan's predicted acceptance for its resident share (none without an I/O bound)
-                predicted = (
-                    draft_plan.predict_plan(self._flash_plan, info)
-                    if getattr(self._flash_plan, "io_bound_tok_s", None) is not None
-                    else None
-                )
-                self._speculator.attach_self_draft(
-                    speculative.make_self_draft(weakref.ref(self), self.n_vocab()),
-                    prior_acceptance=predicted.acceptance if predicted else None,
-                    prior_step_seconds=predicted.step_seconds if predicted else 0.0,
-                    note=(
-                        f"prior: the plan's resident share of the active neurons is "
-                        f"{self._flash_plan.neuron_hit_rate:.0%}, predicted acceptance {predicted.acceptance:.2f}"
-                        if predicted and not self._flash_plan.draft_copy
-                        else ""
-                    ),
-                )
-
-    def _init_moe(self, model_path: str, base, moe, args, kwargs, flash_speculative) -> None:
-        """An MoE model: its routed experts from flash under ram_budget_mb (expert_runtime), else stock."""
-        a = self._flash_args
-        if self._flash_args["flash_mode"] not in (None, "auto"):
-            raise ValueError(
-                f"flash_mode={a['flash_mode']!r} is for dense FFN models; '{model_path}' is a "
-                f"mixture-of-experts model: leave flash_mode unset"
-            )
-        setup = expert_runtime.prepare(
-            model_path,
-            base,
-            moe,
-            sidecar_path=a["sidecar_path"],
-            ram_budget_mb=a["ram_budget_mb"],
-            n_ctx=int(kwargs.get("n_ctx", 512)),
-            n_ubatch=kwargs.get("n_ubatch"),
-            io_engine=a["flash_io_engine"],
-            disk_profile=a["flash_disk_profile"],
-            verify=a["flash_verify"],
-            n_slots=a["flash_expert_slots"],
-        )
-        self._expert_setup = setup
-        self._flash_decision = lane_decision.Decision(
-            lane_decision.STOCK if setup.model is None else expert_runtime.EXPERTS_MODE, False, setup.reason
-        )
-        spec_settings = speculative.SpeculativeSettings.from_argument(flash_speculative)
-        if spec_settings is not None and setup.model is None:
-            spec_settings = dataclasses.replace(spec_settings, self_draft=False)  # stock: nothing to draft with
-        if setup.model is None:
-            self._flash_mode = "stock"
-            if setup.plan is not None and setup.plan.fits:  # the prefill batch at which stock fits the budget
-                kwargs.setdefault("n_ubatch", setup.plan.n_ubatch)
-            if kwargs.get("verbose", True):
-                _say_once(f"llamaflash: '{model_path}': {setup.reason}")
-            self._init_llama(model_path, args, kwargs, spec_settings)
-            return
-        plan = setup.plan
-        kwargs.setdefault("n_batch", plan.n_ubatch)
-        kwargs.setdefault("n_ubatch", plan.n_ubatch)
-        _native.register_backend()
-        _native.begin_expert_model_load(setup.model)
-        try:
-            self._init_llama(model_path, args, kwargs, spec_settings)
-        finally:
-            _native.end_model_load()
-        if setup.model.bound_count != moe.n_expert_tensors:
-            self.close()
-            raise LlamaflashError(
-                f"llama.cpp placed {setup.model.bound_count} of the {moe.n_expert_tensors} expert tensors of "
-                f"'{model_path}' on the llamaflash device; the model cannot be served. Check that llama_cpp was "
-                f"not given tensor overrides for expert weights, or run without ram_budget_mb."
-            )
-        self._experts = setup.model
-        self._expert_lock = expert_runtime.lock_dense_part(model_path, moe, base.header)
-        self._flash_mode = expert_runtime.EXPERTS_MODE
-        self._flash_sidecar = setup.sidecar
-        if self._speculator is not None and self._user_draft is None and spec_settings.self_draft:
-            # cache-conditional routing: each draft token among the resident experts, nothing read
-            self._speculator.attach_self_draft(
-                speculative.make_self_draft(weakref.ref(self), self.n_vocab()),
-                note="draft tokens route among the resident experts only (no flash reads)",
+            self._speculation_off_reason = offload.attach_self_draft(
+                self, self._speculator, self._flash_plan, info, spec_settings
             )
 
     def _init_llama(self, model_path, args, kwargs, spec_settings) -> None:
@@ -575,7 +434,7 @@ class Llama(llama_cpp.Llama):
             return None  # no classic FFN (e.g. state-space models): pass through untouched
         path = default_sidecar_path(model_path)
         if not path.exists():
-            _warn_no_sidecar(model_path, path)
+            warn_no_sidecar(model_path, path)
             return None
         return path
 
@@ -606,97 +465,9 @@ class Llama(llama_cpp.Llama):
             self._configure_sparse(level)
 
     def flash_stats(self) -> Dict[str, Any]:
-        """Counters since load (or the last reset): layers served, FFN evaluations, tokens, time."""
-        stats: Dict[str, Any] = {
-            "mode": self._flash_mode,
-            "sidecar": str(self._flash_sidecar) if self._flash_sidecar else None,
-            "layers_served": 0,
-            "ffn_evals": 0,
-            "tokens": 0,
-            "graph_splits": 0,
-            "dense_lane_calls": 0,
-            "compute_seconds": 0.0,
-            "prepare_seconds": 0.0,
-            "resident_ffn_bytes": 0,
-            "decision": self._flash_decision.as_dict() if self._flash_decision is not None else None,
-        }
-        if self._flash is not None:
-            native = self._flash.stats()
-            layer_ids = native.pop("layer_ids")
-            tokens = native.pop("layer_sparse_tokens")
-            active = native.pop("layer_active_neurons")
-            stats.update(native)
-            stats["layers_served"] = len(self._flash.served_layers)
-            config = self._flash.sparse_config
-            stats["sparse_config"] = config
-            # the lane is fixed per layer: sparse for batches up to max_tokens when the lane is
-            # enabled and the layer has a threshold, dense otherwise
-            stats["sparse_layers"] = sum(1 for t in self._flash.thresholds if t >= 0) if config["enabled"] else 0
-            stats["resident_ffn_bytes"] = self._flash.resident_bytes
-            n_ff = {layer.layer: layer.n_ff for layer in self._flash_info.layers}
-            # per layer: fraction of neurons the sparse lane computed, over the tokens it ran
-            stats["active_fraction"] = {
-                layer: (a / (t * n_ff[layer]) if t else None) for layer, t, a in zip(layer_ids, tokens, active)
-            }
-            fractions = [f for f in stats["active_fraction"].values() if f is not None]
-            stats["mean_active_fraction"] = sum(fractions) / len(fractions) if fractions else None
-            stats["offload"] = offload.stats(self._flash, self._flash_plan)
-        if self._experts is not None:
-            setup = self._expert_setup
-            stats["experts"] = expert_runtime.stats(self._experts, setup.plan, setup.moe)
-            stats["experts"].update(self._expert_lock)
-            stats["layers_served"] = len(setup.moe.layers)
-        stats["integrity"] = self._integrity_stats(stats.get("offload"))
-        stats["speculative"] = self._speculation_stats(stats)
-        return stats
-
-    def _integrity_stats(self, off: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        """What is checked: the sidecar's checksums (algorithm or None), whether this model checks them,
-        bytes and seconds checked at load and, offload, on flash reads since the last reset (and how many
-        clusters the compute threads checked right before using them rather than the waiting thread)."""
-        if self._flash_info is None:
-            return None
-        out = {"algorithm": self._flash_info.integrity, "checked": False}
-        if self._flash is not None:
-            native = self._flash.integrity
-            out.update(
-                checked=native["verifying"],
-                load_verified_bytes=native["load_verified_bytes"],
-                load_verify_seconds=native["load_verify_seconds"],
-                crc32c=native["crc32c"],
-            )
-            if off is not None:
-                out.update(
-                    read_verified_bytes=off["verified_bytes"],
-                    read_verify_seconds=off["verify_seconds"],
-                    read_clusters_checked_by_compute=off["clusters_checked_by_compute"],
-                    read_compute_verify_seconds=off["compute_verify_seconds"],
-                )
-        elif self._base_check is not None:  # stock: the base model's FFN rows, checked while llama.cpp loaded
-            out.update(
-                checked=True,
-                load_verified_bytes=self._base_check.checked_bytes,
-                load_verify_seconds=self._base_check.seconds,
-            )
-        if self._flash_info.integrity is None:
-            out["note"] = "the sidecar has no checksums (re-create it with `llamaflash convert MODEL --force`)"
-        return out
-
-    def _speculation_stats(self, stats: Dict[str, Any]) -> Dict[str, Any]:
-        if self._speculator is None:
-            return {"enabled": False, "reason": self._speculation_off_reason or "flash_speculative is off"}
-        off = stats.get("offload") or {}
-        out = self._speculator.summary(flash_bytes=off.get("bytes_read"))
-        if self._flash is not None:
-            native = self._flash.stats()
-            out["draft_tokens_evaluated"] = native.get("draft_tokens", 0)
-        copy_bytes = self._flash.draft_copy_bytes if self._flash is not None and self._flash.offloaded else 0
-        out["self_draft_source"] = "draft_copy" if copy_bytes else "resident_clusters"
-        out["draft_copy_bytes"] = copy_bytes
-        if off.get("draft_plans"):  # the share a draft computed from exact rows (with a copy: the rest from it)
-            out["draft_resident_fraction"] = off["draft_clusters_resident"] / max(1, off["draft_clusters_needed"])
-        out["self_draft_off_reason"] = self._speculation_off_reason
-        return out
+        """Counters since load (or the last reset): layers served, FFN evaluations, tokens, time
+        (assembled by :func:`llamaflash.runtime.flash_stats.collect`)."""
+        return flash_stats.collect(self)
 
     def reset_flash_stats(self) -> None:
         if self._flash is not None:
