@@ -141,7 +141,7 @@ def converted(tiny_model_factory, tmp_path_factory) -> tuple[Path, Path]:
 def forced_plan(monkeypatch):
     """forced_plan(plan, calls=None): Llama(ram_budget_mb=...) uses ``plan`` (offload_helpers.make_plan)
     instead of the planner's; ``calls`` collects the keyword arguments the planner was called with."""
-    import llamaflash
+    import llamaflash.planning
 
     def use(plan, calls=None):
         from llamaflash.planning import planner as real
@@ -158,7 +158,7 @@ def forced_plan(monkeypatch):
 
         fake.plan_offload = plan_offload
         monkeypatch.setitem(sys.modules, "llamaflash.planning.planner", fake)
-        monkeypatch.setattr(llamaflash, "planner", fake, raising=False)
+        monkeypatch.setattr(llamaflash.planning, "planner", fake, raising=False)
 
     return use
 
