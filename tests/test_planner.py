@@ -442,3 +442,17 @@ def test_saved_disk_profiles_are_per_filesystem(pair, tmp_path):
         disk_probe.resolve_profile(tmp_path / "nothing.json", sidecar, cache)
     # the planner names a saved profile as such
     assert f"saved {saved['saved_at']}" in plan(pair, 10_000, disk=saved).disk_source
+
+
+def test_logits_all_counts_every_row_of_logits(pair):
+    """Llama(logits_all=True) keeps every token's logits: a batch writes n_ubatch rows of them, and
+    llama-cpp-python holds n_ctx rows; the plan counts both, and leaves the cache that much less."""
+    from llamaflash.files.gguf_header import read_gguf_header
+    from llamaflash.planning.plan_llama_share import vocabulary_size
+
+    n_vocab = vocabulary_size(read_gguf_header(pair[0]))
+    base = plan(pair, 10_000, n_ubatch=64, n_ctx=512)
+    every = plan(pair, 10_000, n_ubatch=64, n_ctx=512, logits_all=True)
+    assert "python_logits" not in base.parts and every.parts["python_logits"] == 512 * n_vocab * 4
+    assert every.parts["compute_buffers"] >= base.parts["compute_buffers"]  # (both at the reserve here)
+    assert sum(every.parts.values()) == every.budget_bytes

@@ -111,7 +111,7 @@ def llama_memory(
     served: Collection[str],
     device_compute_bytes: int,
     embeddings_by_rows: bool,
-    n_outputs: int = DEFAULT_OUTPUTS,
+    logits_all: bool = False,
 ) -> dict[str, int]:
     """llama.cpp's memory when llamaflash serves the tensors named in ``served`` (bytes):
     ``llama_vocab``, ``llama_weights`` (every other tensor: resident), ``kv_cache`` (f16 K and V for
@@ -135,26 +135,33 @@ def llama_memory(
     if embeddings_by_rows and "output.weight" in size and "token_embd.weight" in size:
         emb = size["token_embd.weight"]
         size["token_embd.weight"] = min(emb, n_ctx * (-(-(emb // max(1, n_vocab)) // PAGE) + 1) * PAGE)
-    return {
+    n_outputs = n_ubatch if logits_all else DEFAULT_OUTPUTS
+    parts = {
         "llama_vocab": VOCAB_FIXED_BYTES + VOCAB_BYTES_PER_ENTRY * entries,
         "llama_weights": sum(b for name, b in size.items() if name not in served),
         "kv_cache": int(kv_heads.sum()) * cells * (k_len + v_len) * 2,
         "compute_buffers": compute_touched_bytes(h, n_ctx, n_ubatch, served, device_compute_bytes, n_outputs),
     }
+    if logits_all:
+        parts["python_logits"] = n_ctx * n_vocab * 4
+    return parts
 
 
-def llama_share(header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
+def llama_share(
+    header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int, logits_all: bool = False
+) -> dict[str, int]:
     """llama.cpp's memory in offload mode (bytes): :func:`llama_memory` with the served layers'
     ffn_gate/up/down served (the LLAMAFLASH device's compute: n_ubatch x 3 n_ff x 4; token_embd read
     by rows), and ``prefill_window`` (one served layer's base up + down bytes, page cache during dense
-    prefill). ``header``: the base model's (:func:`~llamaflash.files.gguf_header.read_gguf_header`)."""
+    prefill). ``header``: the base model's (:func:`~llamaflash.files.gguf_header.read_gguf_header`);
+    ``logits_all``: as :func:`llama_memory`."""
     served = {fmt.base_ffn_gate_name(lay.layer) for lay in info.layers}
     served |= {fmt.base_ffn_up_name(lay.layer) for lay in info.layers}
     served |= {fmt.base_ffn_down_name(lay.layer) for lay in info.layers}
     n_ff = max(lay.n_ff for lay in info.layers)
     size = {t.name: t.nbytes for t in header.tensors}
     return {
-        **llama_memory(header, n_ctx, n_ubatch, served, n_ubatch * 3 * n_ff * 4, embeddings_by_rows=True),
+        **llama_memory(header, n_ctx, n_ubatch, served, n_ubatch * 3 * n_ff * 4, True, logits_all),
         "prefill_window": max(
             size[fmt.base_ffn_up_name(lay.layer)] + size[fmt.base_ffn_down_name(lay.layer)] for lay in info.layers
         ),

@@ -43,6 +43,7 @@ def init_moe(
         disk_profile=a["flash_disk_profile"],
         verify=a["flash_verify"],
         n_slots=a["flash_expert_slots"],
+        logits_all=bool(kwargs.get("logits_all", False)),
     )
     llm._expert_setup = setup
     llm._flash_decision = lane_decision.Decision(

@@ -60,6 +60,7 @@ def configure(
         info=info,
         header=header,
         draft_copy=draft_copy,
+        logits_all=bool(kwargs.get("logits_all", False)),
     )
     kwargs.setdefault("n_batch", plan.n_batch)
     kwargs.setdefault("n_ubatch", plan.n_ubatch)
