@@ -4,7 +4,7 @@ the sparse lane, in one process each, one after the other.
 Per config: a 64-token prompt, then `--evals` evals of k tokens each (the first 2 not counted), median
 milliseconds per eval and per token. The sparse lane runs forced (`flash_mode="sparse"`,
 `flash_max_sparse_tokens=8`) at the sidecar's operating point, so every batch of up to 8 tokens goes
-through the kernel, which reads each row of the union of the batch's active sets once (csrc/sparse_ffn.h
+through the kernel, which reads each row of the union of the batch's active sets once (csrc/lanes/sparse_ffn.h
 "Batches").
 
 Usage:  python bench/bench_batches.py --sidecar SIDECAR [--model qwen2.5-coder-1.5b] [--configs stock,dense,sparse]
@@ -68,11 +68,11 @@ def main() -> int:
     args = ap.parse_args()
     model = args.model
     if not Path(model).exists():
-        from llamaflash import assets
+        from llamaflash.files import assets
 
         model = str(assets.fetch_model(model))
     if args.text is None:
-        from llamaflash import assets
+        from llamaflash.files import assets
 
         args.text = str(assets.fetch_text("shakespeare"))
     if args.worker:

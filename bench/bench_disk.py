@@ -1,4 +1,4 @@
-"""Disk random-read benchmark: what the planner measures (llamaflash.disk_probe), as a table + JSON.
+"""Disk random-read benchmark: what the planner measures (llamaflash.planning.disk_probe), as a table + JSON.
 
 Random reads of 4..256 KiB at queue depths 1..32 with direct I/O through llamaflash's FlashReader, on
 a scratch file (evicted from the page cache) in the directory given (default ~/.cache/llamaflash),
@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from llamaflash.disk_probe import DEFAULT_DEPTHS, DEFAULT_FILE_MB, DEFAULT_SIZES_KIB, format_table, probe_disk  # noqa: E402
+from llamaflash.planning.disk_probe import DEFAULT_DEPTHS, DEFAULT_FILE_MB, DEFAULT_SIZES_KIB, format_table, probe_disk  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:

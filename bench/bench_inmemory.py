@@ -12,7 +12,7 @@ file (and sidecar) are read once beforehand so every run starts with them in the
 Configs: "stock" (llama_cpp.Llama), "stock2" (the same again: a check that the ratios come out at
 ~1.0), anything else is a llamaflash ``flash_mode`` ("dense", ...) and uses the sidecar
 ``<stem>.flash.gguf`` beside the model (or --sidecar), converted first with
-``python -m llamaflash.cli convert`` when missing or with --reconvert (conversion time is reported).
+``python -m llamaflash.cli.cli convert`` when missing or with --reconvert (conversion time is reported).
 
 The machine may be shared: before each run the script waits (--quiet-wait) until the cores are
 idle, every run measures the share of the cores other processes used while it was timed ("other
@@ -37,7 +37,9 @@ import common  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="asset name (llamaflash.assets.MODELS) or a .gguf path")
+    p.add_argument(
+        "--model", default="smollm2-135m", help="asset name (llamaflash.files.assets.MODELS) or a .gguf path"
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--n-gen", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
@@ -91,7 +93,7 @@ def ensure_sidecar(model: Path, sidecar: Path, force: bool = False) -> dict | No
     """Convert once when the sidecar is missing (or ``force``); returns what was done (or None)."""
     if sidecar.is_file() and not force:
         return None
-    cmd = [sys.executable, "-m", "llamaflash.cli", "convert", str(model)]
+    cmd = [sys.executable, "-m", "llamaflash.cli.cli", "convert", str(model)]
     if sidecar != common.sidecar_path_for(model):
         cmd += ["-o", str(sidecar)]
     if force:
@@ -115,7 +117,7 @@ def report_bound(model_path: Path, sidecar: Path | None, runs: list[dict], args,
 
     from bound import decode_bytes
 
-    from llamaflash.sidecar import read_sidecar
+    from llamaflash.files.sidecar import read_sidecar
 
     info = read_sidecar(sidecar) if sidecar is not None else None
     bw = bandwidth["bytes_per_second"]

@@ -179,8 +179,8 @@ def main() -> int:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
 
-    from llamaflash import assets
-    from llamaflash.integrity import verify_files
+    from llamaflash.files import assets
+    from llamaflash.files.integrity import verify_files
 
     model = Path(args.model) if Path(args.model).exists() else assets.fetch_model(args.model, progress=True)
     sidecar = args.sidecar or assets.DEFAULT_CACHE_DIR / "converted" / SIDECAR_NAME

@@ -34,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     d = memlimit.BenchOptions(model="", limits_mb=[])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--model", default="qwen2.5-coder-1.5b", help="asset name (llamaflash.assets.MODELS) or a .gguf path"
+        "--model", default="qwen2.5-coder-1.5b", help="asset name (llamaflash.files.assets.MODELS) or a .gguf path"
     )
     p.add_argument("--limits", type=int, nargs="+", default=[1400, 1100, 900, 700], help="memory limits in MB")
     p.add_argument(

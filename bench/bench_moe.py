@@ -64,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def disk_mb_s(sidecar: Path, read_bytes: float, depth: int) -> tuple[float, str]:
     """The disk's throughput for reads of ``read_bytes`` at ``depth``: the saved probe of the sidecar's
     filesystem, measured now when there is none."""
-    from llamaflash import disk_probe
-    from llamaflash.planner import disk_throughput
+    from llamaflash.planning import disk_probe
+    from llamaflash.planning.planner import disk_throughput
 
     profile = disk_probe.saved_profile(sidecar)
     if profile is None:
@@ -75,10 +75,10 @@ def disk_mb_s(sidecar: Path, read_bytes: float, depth: int) -> tuple[float, str]
 
 def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
     """Per (limit, config): decode/prefill medians, the expert statistics and the I/O bound."""
-    from llamaflash import expert_sidecar
-    from llamaflash.expert_plan import EXPERT_READ_DEPTH
-    from llamaflash.experts import read_moe_model
-    from llamaflash.gguf_header import read_gguf_header
+    from llamaflash.files import expert_sidecar
+    from llamaflash.files.experts import read_moe_model
+    from llamaflash.files.gguf_header import read_gguf_header
+    from llamaflash.planning.expert_plan import EXPERT_READ_DEPTH
 
     moe = read_moe_model(read_gguf_header(model))
     info = expert_sidecar.read_expert_sidecar(sidecar)

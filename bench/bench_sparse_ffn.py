@@ -1,4 +1,4 @@
-"""Micro-benchmark of the sparse FFN decode kernel (csrc/sparse_ffn.h) on one real layer.
+"""Micro-benchmark of the sparse FFN decode kernel (csrc/lanes/sparse_ffn.h) on one real layer.
 
 Times, per token, one layer's FFN computed by
   * the sparse kernel, gate-first (gate for every neuron, up + down_t for the active ones), with the
@@ -9,7 +9,7 @@ Times, per token, one layer's FFN computed by
     summed by cluster (what the sparse lane runs on a base-order sidecar);
   * ggml's own dense FFN graph (MUL_MAT gate, MUL_MAT up, SWIGLU, MUL_MAT down) on the base
     model's weights, on ggml's CPU backend, repacked as stock llama.cpp repacks them: the speed to
-    beat (csrc/ffn_dense_ref.h);
+    beat (csrc/testing/ffn_dense_ref.h);
 at 1 and 2 threads, and reports microseconds per token (median; p20 = 20th percentile) and effective
 GB/s = bytes the lane must read ÷ median time ("MB read": dense = the three base weights; gate-first
 and hybrid = every gate row + up and down_t rows of the active neurons). Times are taken in C++ around each call (no Python overhead); the hybrid
@@ -49,7 +49,7 @@ import common  # noqa: E402
 
 from llamaflash import _native_testing as N  # noqa: E402
 from llamaflash.errors import LlamaflashError  # noqa: E402
-from llamaflash.sidecar import validate_pair  # noqa: E402
+from llamaflash.files.sidecar import validate_pair  # noqa: E402
 
 
 def find_sidecar(model: Path, convert_dir: Path, down_t_type: str | None = None):

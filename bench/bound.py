@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from llamaflash.gguf_header import read_gguf_header
-from llamaflash.sidecar import SidecarInfo
+from llamaflash.files.gguf_header import read_gguf_header
+from llamaflash.files.sidecar import SidecarInfo
 
 
 @dataclass

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Measure the constants of the RAM-budget planner (``llamaflash.planner``): the Python runtime's
+"""Measure the constants of the RAM-budget planner (``llamaflash.planning.planner``): the Python runtime's
 RSS, and llama.cpp's own buffers (compute, output, KV) per n_ubatch, from llama.cpp's verbose log.
 
 Each measurement runs in a fresh process (``--child``): one for the runtime (RSS after
@@ -45,7 +45,7 @@ def _child(args: argparse.Namespace) -> None:
         print(json.dumps({"rss_bytes": _rss_bytes()}))
         return
     model, mode, ubatch, n_ctx = args.child.split(",")
-    from llamaflash.assets import fetch_model
+    from llamaflash.files.assets import fetch_model
 
     path = str(fetch_model(model, progress=False))
     rss0 = _rss_bytes()

@@ -5,7 +5,7 @@ hot-first order), the stage plans three tensors (see ``docs/SIDECAR.md``):
 
 * ``blk.L.ffn_bundle`` (I8, n_ff × bundle_stride): row k = base gate row order[k] then
   base up row order[k], bytes copied unchanged (lossless, original ggml types), zero
-  padded to ``bundle_stride`` (:func:`llamaflash.sidecar_format.bundle_stride`);
+  padded to ``bundle_stride`` (:func:`llamaflash.files.sidecar_format.bundle_stride`);
 * ``blk.L.ffn_down_t`` (n_ff × n_embd): row k = base down column order[k], dequantized and
   requantized to Q8_0 (F16 when n_embd is not a multiple of 32);
 * ``blk.L.ffn_order`` (I32, n_ff): the order itself;
@@ -20,14 +20,14 @@ from collections.abc import Mapping
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan
-from llamaflash.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
-from llamaflash.sidecar_format import DEFAULT_DOWN_T, DOWN_T_CHOICES
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
+from llamaflash.files.sidecar_format import DEFAULT_DOWN_T, DOWN_T_CHOICES
 
 
 def bundle_stride(ffn: FfnLayer) -> int:
-    """Bytes per bundle row of ``ffn`` (see :func:`llamaflash.sidecar_format.bundle_stride`)."""
+    """Bytes per bundle row of ``ffn`` (see :func:`llamaflash.files.sidecar_format.bundle_stride`)."""
     return fmt.bundle_stride(
         ffn.gate.row_bytes,
         ffn.up.row_bytes,

@@ -19,7 +19,6 @@ from typing import TextIO
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters import texts
 from llamaflash.converters.analysis import AnalysisSettings, LayerAnalysis, analyse_layer
 from llamaflash.converters.blas import blas_threads
@@ -29,7 +28,8 @@ from llamaflash.converters.progress import Progress
 from llamaflash.converters.quality import GREEDY_PROMPTS, GREEDY_TOKENS, QualityEvaluator, QualityPoint
 from llamaflash.converters.sparsity import LayerDecision, SparsityStage, decide_layer
 from llamaflash.converters.writer import SidecarPlan
-from llamaflash.gguf_model import BaseModelInfo, TensorLocation, read_tensor_rows
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_model import BaseModelInfo, TensorLocation, read_tensor_rows
 
 
 @dataclass
@@ -98,7 +98,7 @@ class CalibrationResult:
 
     def threshold_table(self) -> tuple[list[float], list[float]]:
         """The analysed levels (> 0) and every layer's threshold at each, layer-major in layer
-        order (:data:`~llamaflash.sidecar_format.KEY_THRESHOLD_TABLE`)."""
+        order (:data:`~llamaflash.files.sidecar_format.KEY_THRESHOLD_TABLE`)."""
         layers = sorted(self.analyses)
         if not layers:
             return [], []

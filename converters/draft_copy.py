@@ -19,10 +19,10 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters.integrity import row_checksums
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan
-from llamaflash.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
 
 _Q = gguf.GGMLQuantizationType
 _NAMED = {"q2_k": _Q.Q2_K, "q3_k": _Q.Q3_K, "q4_k": _Q.Q4_K, "q4_0": _Q.Q4_0}
@@ -30,7 +30,7 @@ _NAMED = {"q2_k": _Q.Q2_K, "q3_k": _Q.Q3_K, "q4_k": _Q.Q4_K, "q4_0": _Q.Q4_0}
 
 def draft_type(n_embd: int, choice: str = fmt.DEFAULT_DRAFT) -> gguf.GGMLQuantizationType | None:
     """The draft copy's ggml type for rows of ``n_embd`` values under ``choice`` (one of
-    :data:`~llamaflash.sidecar_format.DRAFT_CHOICES`); None: no draft copy. Raises ValueError for an
+    :data:`~llamaflash.files.sidecar_format.DRAFT_CHOICES`); None: no draft copy. Raises ValueError for an
     unknown choice or a named type whose blocks do not divide n_embd."""
     if choice not in fmt.DRAFT_CHOICES:
         raise ValueError(f"draft_type {choice!r}: use one of {', '.join(fmt.DRAFT_CHOICES)}")

@@ -68,7 +68,7 @@ class EngineRunner:
         level: float,
         n_threads: int,
     ) -> None:
-        from llamaflash.llama import Llama  # loads the native extension only when measuring
+        from llamaflash.runtime.llama import Llama  # loads the native extension only when measuring
 
         self.n_ctx = n_ctx
         try:

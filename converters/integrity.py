@@ -17,9 +17,9 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan
-from llamaflash.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_model import BaseModelInfo, FfnLayer, read_tensor_rows
 
 
 def row_checksums(rows: np.ndarray) -> np.ndarray:

@@ -35,7 +35,7 @@ import numpy as np
 from llama_cpp import _internals
 from llama_cpp._logger import set_verbose
 
-from llamaflash import sidecar_format as fmt
+from llamaflash.files import sidecar_format as fmt
 
 # --------------------------------------------------------------------------------------
 # ggml tensors, seen through ctypes

@@ -1,4 +1,4 @@
-"""Converting an MoE base model: the expert sidecar (plugin/expert_sidecar.py).
+"""Converting an MoE base model: the expert sidecar (plugin/files/expert_sidecar.py).
 
 What it records, per MoE layer: a CRC-32C of every expert's slice of every expert tensor (the engine
 checks each slice it reads against it), and routing statistics measured on calibration text by
@@ -17,10 +17,10 @@ from typing import TextIO
 
 import numpy as np
 
-from llamaflash import expert_sidecar
 from llamaflash.errors import ConversionError, OutputExistsError
-from llamaflash.experts import MoeModelInfo, check_layout
-from llamaflash.gguf_model import BaseModelInfo, base_identity
+from llamaflash.files import expert_sidecar
+from llamaflash.files.experts import MoeModelInfo, check_layout
+from llamaflash.files.gguf_model import BaseModelInfo, base_identity
 
 
 def expert_checksums(moe: MoeModelInfo) -> dict[int, dict[str, np.ndarray]]:

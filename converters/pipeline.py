@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TextIO
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters.bundle import DEFAULT_DOWN_T, DOWN_T_CHOICES, BundleStage
 from llamaflash.converters.draft_copy import DraftCopyStage, draft_type
 from llamaflash.converters.integrity import IntegrityStage
@@ -45,15 +44,16 @@ from llamaflash.converters.writer import (
     write_sidecar_atomically,
 )
 from llamaflash.errors import ConversionError, OutputExistsError
-from llamaflash.experts import read_moe_model
-from llamaflash.gguf_model import (
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.experts import read_moe_model
+from llamaflash.files.gguf_model import (
     BaseModelInfo,
     FfnLayer,
     base_identity,
     read_base_model,
     require_supported,
 )
-from llamaflash.sidecar import default_sidecar_path
+from llamaflash.files.sidecar import default_sidecar_path
 
 
 class ConverterStage(Protocol):
@@ -95,7 +95,7 @@ class ConvertOptions:
     #: type of the transposed down rows the sparse lane reads (llamaflash.converters.bundle.DOWN_T_CHOICES)
     down_t_type: str = DEFAULT_DOWN_T
     #: type of the draft copy a speculative self-draft computes from under a RAM budget
-    #: (llamaflash.sidecar_format.DRAFT_CHOICES; "none": no copy)
+    #: (llamaflash.files.sidecar_format.DRAFT_CHOICES; "none": no copy)
     draft_type: str = fmt.DEFAULT_DRAFT
     #: measure perplexity/greedy agreement for a fixed sparsity too (always for "auto")
     measure_quality: bool = True
@@ -128,7 +128,7 @@ def convert(
 ) -> Path:
     """Convert the base model at ``model_path`` into a sidecar; return the sidecar's path.
 
-    ``out_path`` defaults to :func:`~llamaflash.sidecar.default_sidecar_path` (``m.gguf`` →
+    ``out_path`` defaults to :func:`~llamaflash.files.sidecar.default_sidecar_path` (``m.gguf`` →
     ``m.flash.gguf`` beside it). The base model is validated before anything is written
     (:class:`~llamaflash.errors.BaseModelError` / ``BaseModelNotFoundError``) and never
     modified. An existing output is refused unless ``force``

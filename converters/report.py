@@ -16,8 +16,8 @@ from typing import TextIO
 
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters.quality import GREEDY_PROMPTS, GREEDY_TOKENS
+from llamaflash.files import sidecar_format as fmt
 
 REPORT_SUFFIX = ".report.json"
 

@@ -11,7 +11,7 @@ share one order.
 Selection is gate-first in every layer (gate rows of all n_ff neurons, then up and down_t rows of
 the active ones: exact). The retired per-layer selection and predictor arrays that formats 2 and 3
 require are written with their "gate-first, no predictor" values
-(:data:`~llamaflash.sidecar_format.LEGACY_SELECTION_VALUES`) so that older readers accept the file;
+(:data:`~llamaflash.files.sidecar_format.LEGACY_SELECTION_VALUES`) so that older readers accept the file;
 this reader ignores them.
 """
 
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters.analysis import LayerAnalysis, hot_first_order
 from llamaflash.converters.bundle import DEFAULT_DOWN_T, down_t_type
 from llamaflash.converters.writer import PlannedTensor, SidecarPlan
-from llamaflash.gguf_model import BaseModelInfo, FfnLayer, ggml_row_bytes
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_model import BaseModelInfo, FfnLayer, ggml_row_bytes
 
 
 @dataclass

@@ -3,11 +3,11 @@ and when it is too short.
 
 * Calibration (profiling neuron statistics and thresholds): by default the heads of all
   documents of the registry corpus ``calibration`` (English essays + code in 23 languages,
-  :func:`llamaflash.assets.train_text`), fetched once and cached in ``~/.cache/llamaflash``;
+  :func:`llamaflash.files.assets.train_text`), fetched once and cached in ``~/.cache/llamaflash``;
   or a user file (``--calib``). ``n_tokens`` tokens are taken as evenly spaced windows over the
   whole text, so a corpus of several domains is covered evenly.
 * Validation (perplexity for ``--sparsity auto``): by default the held-out tails of Shakespeare's
-  plays (:func:`llamaflash.assets.held_out_text`), never used for calibration; or a user file.
+  plays (:func:`llamaflash.files.assets.held_out_text`), never used for calibration; or a user file.
 
 Each chunk starts with the model's BOS token (when it adds one) and holds at most ``chunk_len``
 tokens in all.
@@ -68,7 +68,7 @@ def read_text_file(path: str | Path, what: str) -> TextSource:
 
 def default_calibration(cache_dir: Path | None = None) -> TextSource:
     """The registry calibration corpus (document heads), fetched and cached on first use."""
-    from llamaflash import assets
+    from llamaflash.files import assets
 
     text = assets.train_text(DEFAULT_CALIBRATION_TEXT, cache_dir=cache_dir)
     spec = assets.TEXTS[DEFAULT_CALIBRATION_TEXT]
@@ -77,7 +77,7 @@ def default_calibration(cache_dir: Path | None = None) -> TextSource:
 
 def default_validation(n_chars: int, cache_dir: Path | None = None) -> TextSource:
     """The first ``n_chars`` characters (or all) of the registry's held-out Shakespeare text."""
-    from llamaflash import assets
+    from llamaflash.files import assets
 
     text = assets.held_out_text(DEFAULT_VALIDATION_TEXT, min(n_chars, MAX_VALIDATION_CHARS), cache_dir=cache_dir)
     spec = assets.TEXTS[DEFAULT_VALIDATION_TEXT]

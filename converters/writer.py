@@ -33,8 +33,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.errors import ConversionError, OutputExistsError
+from llamaflash.files import sidecar_format as fmt
 
 #: Called after each tensor is written: (tensors written so far, total, tensor just written).
 ProgressCallback = Callable[[int, int, "PlannedTensor"], None]

@@ -3,7 +3,7 @@
     from llamaflash import Llama          # instead of: from llama_cpp import Llama
 
 Importing the package is cheap: it loads neither llama-cpp-python nor the native extension. The
-first access to ``Llama``, ``FLASH_MODES`` or ``LlamaflashWarning`` imports :mod:`llamaflash.llama`,
+first access to ``Llama``, ``FLASH_MODES`` or ``LlamaflashWarning`` imports :mod:`llamaflash.runtime.llama`,
 which loads llama-cpp-python's ggml (through ``llama_cpp``) and then the extension. The llamaflash
 ggml backend is registered with ggml when the first model served by llamaflash loads; a model that
 runs as stock (no sidecar, or the default measured stock faster on this machine) leaves llama.cpp
@@ -32,7 +32,7 @@ from .errors import (
 
 __version__ = "0.1.0"
 
-#: Names served by :mod:`llamaflash.llama`, imported on first access.
+#: Names served by :mod:`llamaflash.runtime.llama`, imported on first access.
 _FROM_LLAMA = ("Llama", "FLASH_MODES", "LlamaflashWarning")
 #: The extension modules: loaded after ``llama_cpp``.
 _EXTENSIONS = ("_native", "_native_testing")
@@ -53,7 +53,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _FROM_LLAMA:
-        value = getattr(importlib.import_module(".llama", __name__), name)
+        value = getattr(importlib.import_module(".runtime.llama", __name__), name)
         globals()[name] = value
         return value
     if name in _EXTENSIONS:

@@ -1,5 +1,5 @@
 """``python -m llamaflash``: the ``llamaflash`` command line."""
 
-from llamaflash.cli import main
+from llamaflash.cli.cli import main
 
 main()

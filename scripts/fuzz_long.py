@@ -43,9 +43,9 @@ sys.path.insert(0, str(REPO / "tests"))
 import fuzz_cases as cases  # noqa: E402
 import numpy as np  # noqa: E402
 
-from llamaflash import assets  # noqa: E402
 from llamaflash.errors import LlamaflashError  # noqa: E402
-from llamaflash.gguf_header import read_gguf_header  # noqa: E402
+from llamaflash.files import assets  # noqa: E402
+from llamaflash.files.gguf_header import read_gguf_header  # noqa: E402
 
 OUTCOMES = ("clean error", "crash", "hang", "same output", "different output")
 SIDECAR_NAME = "SmolLM2-135M-Instruct.Q4_1.v3.flash.gguf"  # where the test fixture keeps it (format 3)
@@ -270,7 +270,7 @@ def llama_subset(all_cases: list[tuple[str, cases.Case]], m: int, seed: int) -> 
 def clean_sidecar(model: Path) -> Path:
     """The test fixture's SmolLM2 sidecar (converted with the defaults when missing)."""
     from llamaflash.converters import convert
-    from llamaflash.sidecar import validate_pair
+    from llamaflash.files.sidecar import validate_pair
 
     sidecar = assets.DEFAULT_CACHE_DIR / "converted" / SIDECAR_NAME
     try:
@@ -325,7 +325,7 @@ def main() -> int:
         reader_jobs = [{"target": t, "case": c, "llama_config": None, "timeout": args.timeout} for t, c in all_cases]
         llama_jobs = []
         if args.llama_cases:
-            import llamaflash.llama  # noqa: F401  (loaded once, before the children fork)
+            import llamaflash.runtime.llama  # noqa: F401  (loaded once, before the children fork)
 
             for i, (t, c) in enumerate(llama_subset(all_cases, args.llama_cases, args.seed)):
                 llama_jobs.append(

@@ -7,7 +7,7 @@ beside it (a sidecar, say).
 Hermetic: everything the project generates (converted sidecars, saved disk profiles) is made by
 these fixtures in ``--generated-dir`` (default: a fresh temporary directory per session; pass a
 directory to reuse real-model conversions between runs); only verified registry downloads
-(``llamaflash.assets``: models, texts) come from the shared cache ``~/.cache/llamaflash``.
+(``llamaflash.files.assets``: models, texts) come from the shared cache ``~/.cache/llamaflash``.
 """
 
 from __future__ import annotations
@@ -105,10 +105,10 @@ def smollm2_sidecar(generated_dir: Path) -> tuple[Path, Path]:
     sidecar converted with the converter's defaults (calibrated, format 2) into ``generated_dir``.
     Converted on first use in a session (about 3 minutes on 2 cores); with a ``--generated-dir``
     given, reused for as long as it validates against the model."""
-    from llamaflash import assets
     from llamaflash.converters import convert
     from llamaflash.errors import LlamaflashError
-    from llamaflash.sidecar import validate_pair
+    from llamaflash.files import assets
+    from llamaflash.files.sidecar import validate_pair
 
     model = assets.fetch_model("smollm2-135m", progress=False)
     sidecar = generated_dir / "converted" / (model.name[: -len(".gguf")] + ".flash.gguf")
@@ -141,12 +141,12 @@ def converted(tiny_model_factory, tmp_path_factory) -> tuple[Path, Path]:
 def forced_plan(monkeypatch):
     """forced_plan(plan, calls=None): Llama(ram_budget_mb=...) uses ``plan`` (offload_helpers.make_plan)
     instead of the planner's; ``calls`` collects the keyword arguments the planner was called with."""
-    import llamaflash
+    import llamaflash.planning
 
     def use(plan, calls=None):
-        from llamaflash import planner as real
+        from llamaflash.planning import planner as real
 
-        fake = types.ModuleType("llamaflash.planner")
+        fake = types.ModuleType("llamaflash.planning.planner")
         fake.__dict__.update(
             {k: v for k, v in vars(real).items() if not k.startswith("__")}
         )  # all but plan_offload real
@@ -157,8 +157,8 @@ def forced_plan(monkeypatch):
             return plan
 
         fake.plan_offload = plan_offload
-        monkeypatch.setitem(sys.modules, "llamaflash.planner", fake)
-        monkeypatch.setattr(llamaflash, "planner", fake, raising=False)
+        monkeypatch.setitem(sys.modules, "llamaflash.planning.planner", fake)
+        monkeypatch.setattr(llamaflash.planning, "planner", fake, raising=False)
 
     return use
 

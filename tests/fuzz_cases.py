@@ -33,12 +33,12 @@ from typing import Callable, Collection, Iterator
 import gguf
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.errors import SidecarIntegrityError
-from llamaflash.gguf_header import read_gguf_header
-from llamaflash.gguf_model import read_base_model
-from llamaflash.integrity import verify_files
-from llamaflash.sidecar import read_sidecar, validate_pair
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_header import read_gguf_header
+from llamaflash.files.gguf_model import read_base_model
+from llamaflash.files.integrity import verify_files
+from llamaflash.files.sidecar import read_sidecar, validate_pair
 
 #: LayerLayout fields holding measured or calibrated values, not structure: a flip inside one of
 #: them that keeps it within its checked range is a value corruption, like a flip in tensor data.

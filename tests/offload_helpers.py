@@ -8,9 +8,9 @@ import types
 
 import numpy as np
 
-from llamaflash.sidecar import read_layer_vectors, read_sidecar
+from llamaflash.files.sidecar import read_layer_vectors, read_sidecar
 
-# offload runs batch-invariant (flash attention, plain weights; plugin/speculative.py): so do the
+# offload runs batch-invariant (flash attention, plain weights; plugin/runtime/speculative.py): so do the
 # in-memory references
 KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0, flash_batch_invariant=True)
 C = 32  # cluster size: n_ff 192 → 6 clusters per layer

@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters.bundle import BundleStage
 from llamaflash.converters.draft_copy import DraftCopyStage, draft_type
 from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.sparsity import LayerDecision, SparsityStage
 from llamaflash.converters.writer import write_sidecar_atomically
 from llamaflash.errors import LlamaflashError
-from llamaflash.gguf_model import base_identity, read_base_model
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_model import base_identity, read_base_model
 
 MiB = 1 << 20
 RECORDED = Path(__file__).resolve().parent / "data" / "planner_plans.json"
@@ -101,7 +101,7 @@ PAIRS: dict[str, dict[str, Any]] = {
 
 def fast_disk() -> dict[str, Any]:
     """The built-in default disk with four times its IOPS, as a measured profile would be given."""
-    from llamaflash.planner import default_disk
+    from llamaflash.planning.planner import default_disk
 
     disk = default_disk()
     for point in disk["points"]:
@@ -158,7 +158,7 @@ def _plain(value: Any) -> Any:
 
 def plan_summary(model: Path, sidecar: Path, case: dict[str, Any]) -> dict[str, Any]:
     """The plan of ``case`` for the pair, as a JSON-able dict without paths (or the refusal)."""
-    from llamaflash.planner import plan_offload
+    from llamaflash.planning.planner import plan_offload
 
     kw = dict(case)
     if kw.get("disk") == "fast":

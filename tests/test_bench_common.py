@@ -57,8 +57,8 @@ def test_decode_bytes_bound(tiny_model_factory, tmp_path):
     from bound import decode_bytes
 
     from llamaflash.converters import convert
-    from llamaflash.gguf_header import read_gguf_header
-    from llamaflash.sidecar import read_sidecar
+    from llamaflash.files.gguf_header import read_gguf_header
+    from llamaflash.files.sidecar import read_sidecar
 
     model = tmp_path / "m.gguf"
     shutil.copy(tiny_model_factory(weight_type="Q8_0"), model)

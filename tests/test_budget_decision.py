@@ -1,4 +1,4 @@
-"""Stepping aside when the model fits (plugin/budget_decision.py): a RAM budget that holds what stock
+"""Stepping aside when the model fits (plugin/planning/budget_decision.py): a RAM budget that holds what stock
 llama.cpp keeps resident runs stock llama.cpp untouched (the same tokens as llama_cpp.Llama), one
 MiB less runs flash offload, and the boundary is the sum of measured/planned parts (the model file's
 tensors, llama.cpp's share at the chosen n_ubatch, the runtime and the planner's margin), never a
@@ -12,10 +12,10 @@ from click.testing import CliRunner
 from offload_helpers import make_plan  # converted and forced_plan are conftest fixtures
 
 import llamaflash
-from llamaflash import budget_decision, planner
-from llamaflash.cli import main
-from llamaflash.gguf_model import read_base_model
-from llamaflash.sidecar import validate_pair
+from llamaflash.cli.cli import main
+from llamaflash.files.gguf_model import read_base_model
+from llamaflash.files.sidecar import validate_pair
+from llamaflash.planning import budget_decision, planner
 
 MiB = planner.MiB
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)

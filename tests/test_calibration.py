@@ -13,7 +13,6 @@ import pytest
 from sparse_emulation import SparseFfnEmulator
 from synth import FAST_CONVERT, synthetic_text
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert
 from llamaflash.converters.analysis import AnalysisSettings, analyse_layer, hot_first_order
 from llamaflash.converters.bundle import BundleStage
@@ -24,9 +23,10 @@ from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.sparsity import SparsityStage, decide_layer
 from llamaflash.converters.writer import write_sidecar_atomically
 from llamaflash.errors import SidecarFormatError
-from llamaflash.gguf_header import read_gguf_header
-from llamaflash.gguf_model import base_identity, read_base_model
-from llamaflash.sidecar import read_layer_vectors, read_sidecar, validate_pair
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_header import read_gguf_header
+from llamaflash.files.gguf_model import base_identity, read_base_model
+from llamaflash.files.sidecar import read_layer_vectors, read_sidecar, validate_pair
 
 # --------------------------------------------------------------------------------------
 # profiling and the reference sparse FFN through llama.cpp

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 from synth import FAST_CONVERT, synthetic_text, write_not_gguf
 
-from llamaflash.cli import EXIT_LLAMAFLASH_ERROR, main
-from llamaflash.sidecar import read_sidecar, validate_pair
+from llamaflash.cli.cli import EXIT_LLAMAFLASH_ERROR, main
+from llamaflash.files.sidecar import read_sidecar, validate_pair
 
 
 def run(*args: str):
@@ -177,7 +177,7 @@ def test_inspect_refuses_non_sidecars(tiny_llama_q8_0, tmp_path):
 
 def test_module_entry_point_runs():
     result = subprocess.run(
-        [sys.executable, "-m", "llamaflash.cli", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "llamaflash.cli.cli", "--help"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     assert "convert" in result.stdout and "inspect" in result.stdout

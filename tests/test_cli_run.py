@@ -19,10 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 import llamaflash
-from llamaflash import assets
-from llamaflash.cli import main
-from llamaflash.models_by_name import model_rows
-from llamaflash.run_chat import ChatSession
+from llamaflash.cli.cli import main
+from llamaflash.cli.models_by_name import model_rows
+from llamaflash.cli.run_chat import ChatSession
+from llamaflash.files import assets
 
 LLAMAFLASH = [sys.executable, "-m", "llamaflash"]
 

@@ -20,7 +20,7 @@ from llamaflash.errors import (
     ConversionError,
     OutputExistsError,
 )
-from llamaflash.sidecar import default_sidecar_path, read_sidecar, validate_pair
+from llamaflash.files.sidecar import default_sidecar_path, read_sidecar, validate_pair
 
 
 def copy_model(model: Path, directory: Path) -> Path:

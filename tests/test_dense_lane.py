@@ -93,7 +93,7 @@ def test_no_sidecar_runs_stock_and_says_so_once(tiny_model_factory, tmp_path, mo
     src = tiny_model_factory(weight_type="F32")
     model = tmp_path / src.name
     shutil.copy(src, model)
-    monkeypatch.setattr("llamaflash.llama._warned_no_sidecar", False)
+    monkeypatch.setattr("llamaflash.runtime.notices._warned_no_sidecar", False)
     kwargs = dict(n_ctx=128, n_threads=2, logits_all=True, verbose=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -47,7 +47,7 @@ def test_two_fresh_processes_generate_the_same_tokens(smollm2_sidecar, settings)
 
 def test_embeddings_are_exact(smollm2_sidecar, tmp_path):
     """embedding=True never runs the sparse lane, even where the sparse lane is the measured default."""
-    from llamaflash import lane_decision
+    from llamaflash.planning import lane_decision
 
     model, cached = smollm2_sidecar
     sidecar = tmp_path / cached.name

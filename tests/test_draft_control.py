@@ -1,4 +1,4 @@
-"""The speculative draft controller (plugin/draft_control.py) on simulated passes: fake costs and a
+"""The speculative draft controller (plugin/runtime/draft_control.py) on simulated passes: fake costs and a
 seeded acceptance process, no model and no clock, so every decision here is deterministic.
 
 What is asserted, against the time the same tokens take without drafts (every token one pass of
@@ -14,8 +14,8 @@ import random
 import numpy as np
 import pytest
 
-from llamaflash import draft_control as dc
-from llamaflash import speculative
+from llamaflash.runtime import draft_control as dc
+from llamaflash.runtime import speculative
 
 
 def verify_time(pass_s: float, per_token_s: float):

@@ -1,5 +1,5 @@
-"""The draft copy (converters/draft_copy.py, the draft mode of csrc/offload_state.* and
-csrc/sparse_lane.cpp, plugin/draft_plan.py): a low-bit copy of every neuron's up and down_t rows that a
+"""The draft copy (converters/draft_copy.py, the draft mode of csrc/offload/offload_state.* and
+csrc/lanes/sparse_lane.cpp, plugin/planning/draft_plan.py): a low-bit copy of every neuron's up and down_t rows that a
 speculative self-draft computes from under a RAM budget.
 
 What must hold: the converter writes exactly ggml's requantization of the base rows in bundle order;
@@ -19,12 +19,13 @@ from offload_helpers import PROMPT, SELF_DRAFT, greedy, make_plan
 from synth import FAST_CONVERT
 
 import llamaflash
-from llamaflash import _native, draft_plan, planner
+from llamaflash import _native
 from llamaflash.converters import convert
 from llamaflash.converters.draft_copy import draft_type
 from llamaflash.errors import SidecarError
-from llamaflash.gguf_model import read_base_model, read_tensor_rows
-from llamaflash.sidecar import read_sidecar, validate_pair
+from llamaflash.files.gguf_model import read_base_model, read_tensor_rows
+from llamaflash.files.sidecar import read_sidecar, validate_pair
+from llamaflash.planning import draft_plan, planner
 
 Q = gguf.GGMLQuantizationType
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
@@ -181,7 +182,7 @@ def test_the_choice_follows_the_predicted_speed():
 def test_command_line_plan_and_inspect(pair):
     from click.testing import CliRunner
 
-    from llamaflash.cli import main
+    from llamaflash.cli.cli import main
 
     model, sidecar = pair
     run = lambda *a: CliRunner().invoke(main, [str(x) for x in a])  # noqa: E731
@@ -215,7 +216,7 @@ def test_a_damaged_draft_copy_is_refused_at_load(pair, forced_plan, tmp_path):  
     with pytest.raises(SidecarIntegrityError, match=f"blk.{lay.layer}.ffn_draft_down_t"):
         llamaflash.Llama(model_path=str(model), sidecar_path=str(damaged), ram_budget_mb=64, **KW)
     # `llamaflash verify` checks the copy's rows too, and names the damaged one
-    from llamaflash.integrity import verify_files
+    from llamaflash.files.integrity import verify_files
 
     assert verify_files(sidecar).ok
     report = verify_files(damaged)

@@ -15,8 +15,7 @@ import pytest
 from click.testing import CliRunner
 from synth import FAST_CONVERT
 
-from llamaflash import sidecar_format as fmt
-from llamaflash.cli import main
+from llamaflash.cli.cli import main
 from llamaflash.converters import convert, engine_quality
 from llamaflash.converters.analysis import AnalysisSettings, analyse_layer
 from llamaflash.converters.bundle import BundleStage
@@ -25,8 +24,9 @@ from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.sparsity import SparsityStage, decide_layer
 from llamaflash.converters.writer import write_sidecar_atomically
 from llamaflash.errors import ConversionError
-from llamaflash.gguf_model import base_identity, read_base_model
-from llamaflash.sidecar import read_sidecar
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_model import base_identity, read_base_model
+from llamaflash.files.sidecar import read_sidecar
 
 
 def _keys(path) -> set[str]:

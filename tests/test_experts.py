@@ -1,7 +1,7 @@
 """Mixture-of-Experts expert offload: exactness against stock llama.cpp, cache behaviour, faults.
 
 Reference: stock llama-cpp-python with plain (not repacked) weights and flash attention, the numerics
-the expert lane reproduces (csrc/expert_lane.h). Claimed: bit-identical logits, prefill and decode,
+the expert lane reproduces (csrc/experts/expert_lane.h). Claimed: bit-identical logits, prefill and decode,
 whatever the cache holds (few slots force misses, prefill in several rounds, and prefetches).
 Models: tiny synthetic MoE GGUFs of real llama.cpp architectures (llamaflash.bench.moe_synth),
 generated fresh per session; their expert sidecars are converted fresh per test directory.
@@ -18,11 +18,11 @@ import pytest
 from llamaflash import Llama
 from llamaflash.converters.pipeline import convert
 from llamaflash.errors import RamBudgetError, SidecarIntegrityError, SidecarMismatchError, SidecarNotFoundError
-from llamaflash.expert_plan import lru_miss_rate
-from llamaflash.expert_sidecar import read_expert_sidecar
-from llamaflash.experts import check_layout, read_moe_model
-from llamaflash.gguf_header import read_gguf_header
-from llamaflash.speculative import batch_invariant_weights
+from llamaflash.files.expert_sidecar import read_expert_sidecar
+from llamaflash.files.experts import check_layout, read_moe_model
+from llamaflash.files.gguf_header import read_gguf_header
+from llamaflash.planning.expert_plan import lru_miss_rate
+from llamaflash.runtime.speculative import batch_invariant_weights
 
 TOKENS = list(range(100, 140))  # 40 tokens: a prefill batch, then decoded one by one
 #: A budget that holds llama.cpp's share of a tiny model; the experts are then served from flash
@@ -321,7 +321,7 @@ def test_self_draft_gives_the_greedy_tokens(converted):
 def test_plan_command_for_moe(converted):
     from click.testing import CliRunner
 
-    from llamaflash.cli import main
+    from llamaflash.cli.cli import main
 
     path = converted("qwen3moe")
     r = CliRunner().invoke(main, ["plan", str(path), "--ram-budget-mb", "4000"])
@@ -333,8 +333,8 @@ def test_steps_aside_once_stock_fits_with_its_own_batch(tiny_moe_factory):
     """Stock's need is the file, its vocabulary, KV cache, compute buffers and the runtime (no expert
     slots, no margin). The plan runs stock from the least budget that holds it at the smallest prefill
     batch, with the largest batch that fits; below it, experts are served (or the budget is refused)."""
-    from llamaflash.expert_plan import plan_experts, stock_need
-    from llamaflash.planner import UBATCH_CHOICES, default_disk
+    from llamaflash.planning.expert_plan import plan_experts, stock_need
+    from llamaflash.planning.planner import UBATCH_CHOICES, default_disk
 
     path = tiny_moe_factory("qwen3moe")
     header = read_gguf_header(path)
@@ -363,8 +363,8 @@ def test_just_below_stock_need_runs_stock_while_its_rereads_cost_less(tiny_moe_f
     """A budget a little short of stock's need: stock re-reads ~AMPLIFICATION x shortfall share of a
     token's expert bytes by page faults; when that (x FAULT_SLOWDOWN) is below the expert cache's
     predicted reads the model runs as stock, and beyond SHORTFALL_MAX of the routed experts never."""
-    from llamaflash import expert_plan
-    from llamaflash.planner import default_disk
+    from llamaflash.planning import expert_plan
+    from llamaflash.planning.planner import default_disk
 
     path = tiny_moe_factory("qwen3moe")
     header = read_gguf_header(path)

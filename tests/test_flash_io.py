@@ -1,4 +1,4 @@
-"""FlashReader (csrc/flash_io.h): both engines, direct and buffered, alignment, faults, lifetimes.
+"""FlashReader (csrc/io/flash_io.h): both engines, direct and buffered, alignment, faults, lifetimes.
 
 Every test body runs under a hang guard (:func:`guarded`): a read that never completes fails the test
 instead of hanging CI. A real device EIO is not simulated (no device-mapper here); the error path is
@@ -18,9 +18,9 @@ import pytest
 
 import llamaflash  # noqa: F401  (loads llama_cpp's ggml before the extension)
 from llamaflash import _native_testing as T
-from llamaflash.disk_probe import format_table, probe_disk
 from llamaflash.errors import FlashIoError, LlamaflashError
-from llamaflash.flash_io import DirectIoFallbackWarning, aligned_empty, io_uring_available, open_reader
+from llamaflash.planning.disk_probe import format_table, probe_disk
+from llamaflash.runtime.flash_io import DirectIoFallbackWarning, aligned_empty, io_uring_available, open_reader
 
 HANG_TIMEOUT = 60.0
 FILE_SIZE = 3 * (1 << 20) + 123  # not a multiple of any block size

@@ -44,7 +44,7 @@ import pytest
 from fuzz_cases import Case, base_summary, deadline, sidecar_summary
 
 from llamaflash.errors import LlamaflashError
-from llamaflash.gguf_header import read_gguf_header
+from llamaflash.files.gguf_header import read_gguf_header
 
 SEED = 0
 CASE_DEADLINE_S = 10

@@ -10,7 +10,7 @@ import pytest
 from synth import truncate, vocabulary, write_not_gguf
 
 from llamaflash.converters import convert
-from llamaflash.gguf_header import GGUFHeaderError, ValueType, read_gguf_header
+from llamaflash.files.gguf_header import GGUFHeaderError, ValueType, read_gguf_header
 
 
 def assert_matches_gguf_py(path) -> None:

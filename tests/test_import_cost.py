@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-HEAVY = ("llama_cpp", "llamaflash._native", "llamaflash._native_testing", "llamaflash.llama")
+HEAVY = ("llama_cpp", "llamaflash._native", "llamaflash._native_testing", "llamaflash.runtime.llama")
 
 
 def _fresh(code: str) -> dict:
@@ -33,7 +33,7 @@ def test_import_llamaflash_loads_neither_llama_cpp_nor_the_extension():
 
 
 def test_the_command_line_module_is_cheap_too():
-    assert _fresh("import llamaflash.cli")["loaded"] == []
+    assert _fresh("import llamaflash.cli.cli")["loaded"] == []
 
 
 def test_llama_is_loaded_on_first_access_with_llama_cpp_before_the_extension():
@@ -62,7 +62,7 @@ def test_unknown_attribute_is_an_attribute_error():
 def _cli(*args: str) -> str:
     """`llamaflash ARGS` run in this fresh interpreter's process (standalone: exits with its status)."""
     return (
-        "import sys\nfrom llamaflash.cli import main\n"
+        "import sys\nfrom llamaflash.cli.cli import main\n"
         f"try:\n    main({list(args)!r})\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
     )
 

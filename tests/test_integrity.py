@@ -1,4 +1,4 @@
-"""Row checksums (sidecar integrity section, csrc/crc32c.*, csrc/integrity.*, plugin/integrity.py): the
+"""Row checksums (sidecar integrity section, csrc/io/crc32c.*, csrc/io/integrity.*, plugin/files/integrity.py): the
 converter stores the CRC-32C of every row the engine reads; the engine checks them before computing
 (in memory at load, offload on every flash read); `llamaflash verify` checks them offline. A flipped
 byte in any checked row is an error naming the file, the tensor and the row, never a wrong output.
@@ -17,16 +17,16 @@ from offload_helpers import KW, C, make_plan
 
 import llamaflash
 from llamaflash import _native
-from llamaflash import sidecar_format as fmt
-from llamaflash.cli import main
+from llamaflash.cli.cli import main
 from llamaflash.converters import convert
 from llamaflash.converters.bundle import BundleStage
 from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.writer import write_sidecar_atomically
 from llamaflash.errors import FlashIoError, SidecarIntegrityError
-from llamaflash.gguf_model import base_identity, read_base_model
-from llamaflash.integrity import verify_files
-from llamaflash.sidecar import read_sidecar, validate_pair
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_model import base_identity, read_base_model
+from llamaflash.files.integrity import verify_files
+from llamaflash.files.sidecar import read_sidecar, validate_pair
 
 
 def crc32c_reference(data: bytes) -> int:

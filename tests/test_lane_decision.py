@@ -18,8 +18,8 @@ from llama_helpers import run_model
 from synth import FAST_CONVERT
 
 import llamaflash
-from llamaflash import lane_decision
 from llamaflash.converters import convert
+from llamaflash.planning import lane_decision
 
 KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0)
 
@@ -124,7 +124,7 @@ def test_demo_in_memory_part_times_stock_and_the_default_with_the_same_harness(c
     """`llamaflash demo`'s in-memory comparison: stock and llamaflash's default, one fresh worker process
     each (the benchmarks' harness, as `tune`); with no stored measurement the default runs as stock and
     generates stock's tokens."""
-    from llamaflash import demo
+    from llamaflash.cli import demo
 
     model, sidecar, _ = converted
     lines = []

@@ -13,8 +13,8 @@ from fuzz_cases import set_uint_metadata
 from synth import truncate, write_not_gguf, write_unsupported_architecture
 
 import llamaflash
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert
+from llamaflash.files import sidecar_format as fmt
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from llamaflash.bench import memlimit
-from llamaflash.cli import EXIT_LLAMAFLASH_ERROR, main
+from llamaflash.cli.cli import EXIT_LLAMAFLASH_ERROR, main
 
 MiB = memlimit.MiB
 
@@ -398,8 +398,8 @@ def test_decode_time_cap_stops_early(tiny_with_sidecar):
 def test_io_bound_from_the_saved_disk_profile(tmp_path, monkeypatch):
     """decode against the disk's bound: the saved profile's throughput at the plan's read size (half a
     slot) and depth ÷ the MiB read per decoded token; nothing without a saved profile."""
-    from llamaflash import disk_probe
-    from llamaflash.planner import default_disk
+    from llamaflash.planning import disk_probe
+    from llamaflash.planning.planner import default_disk
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     sidecar = tmp_path / "disk" / "m.flash.gguf"

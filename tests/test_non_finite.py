@@ -12,10 +12,10 @@ from synth import FAST_CONVERT
 
 import llamaflash
 from llamaflash import _native
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert
 from llamaflash.errors import NonFiniteOutputError
-from llamaflash.sidecar import read_sidecar
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.sidecar import read_sidecar
 
 KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
 NAN_F16 = struct.pack("<e", float("nan"))

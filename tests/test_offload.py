@@ -1,4 +1,4 @@
-"""Flash offload (csrc/neuron_cache.*, the offload nodes of the sparse lane, plugin/offload.py): the
+"""Flash offload (csrc/offload/neuron_cache.*, the offload nodes of the sparse lane, plugin/runtime/offload.py): the
 up and down_t rows come from flash through the neuron cache, and the results are bit-identical to
 the in-memory sparse lane's (same neurons, same bytes, both reduced in cluster order: sparse_ffn.h),
 whatever the cache holds: everything pinned, nothing pinned (every cluster read every
@@ -20,7 +20,7 @@ from offload_helpers import KW, make_plan
 
 import llamaflash
 from llamaflash.errors import FlashIoError
-from llamaflash.sidecar import read_sidecar
+from llamaflash.files.sidecar import read_sidecar
 
 N_GEN = 10
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 from planner_cases import make_pair
 
-from llamaflash import budget_decision, draft_plan
 from llamaflash.errors import RamBudgetError
-from llamaflash.gguf_model import read_base_model
-from llamaflash.planner import MARGIN_FIXED_BYTES, MARGIN_FRACTION, MiB, llama_share, plan_offload
-from llamaflash.sidecar import validate_pair
+from llamaflash.files.gguf_model import read_base_model
+from llamaflash.files.sidecar import validate_pair
+from llamaflash.planning import budget_decision, draft_plan
+from llamaflash.planning.planner import MARGIN_FIXED_BYTES, MARGIN_FRACTION, MiB, llama_share, plan_offload
 
 #: The sweep's default top (bench/lab/sweep.py: TOP_MODEL_RATIO, TOP_STOCK_NEED_RATIO).
 TOP_MODEL_RATIO, TOP_STOCK_NEED_RATIO = 1.3, 1.15

@@ -1,4 +1,4 @@
-"""The RAM-budget planner (``llamaflash.planner``) and ``llamaflash plan``: accounting, minimum,
+"""The RAM-budget planner (``llamaflash.planning.planner``) and ``llamaflash plan``: accounting, minimum,
 cluster probabilities, pin choice, monotonicity, errors and the command line. Synthetic sidecars
 with hand-set neuron frequencies; the real SmolLM2 and its converted sidecar (conftest.smollm2_sidecar)."""
 
@@ -13,15 +13,15 @@ import pytest
 from click.testing import CliRunner
 from planner_cases import random_freqs, write_v2_sidecar
 
-from llamaflash.cli import EXIT_LLAMAFLASH_ERROR, main
+from llamaflash.cli.cli import EXIT_LLAMAFLASH_ERROR, main
 from llamaflash.converters.bundle import BundleStage
 from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.writer import write_sidecar_atomically
 from llamaflash.errors import LlamaflashError, RamBudgetError, SidecarError
-from llamaflash.gguf_model import base_identity, read_base_model
-from llamaflash.plan_llama_share import compute_reserve_bytes, llama_memory
-from llamaflash.planner import CLUSTER_SIZES, MiB, default_disk, plan_offload
-from llamaflash.sidecar import read_sidecar
+from llamaflash.files.gguf_model import base_identity, read_base_model
+from llamaflash.files.sidecar import read_sidecar
+from llamaflash.planning.plan_llama_share import compute_reserve_bytes, llama_memory
+from llamaflash.planning.planner import CLUSTER_SIZES, MiB, default_disk, plan_offload
 
 N_LAYER, N_FF = 3, 256
 PARTS = (
@@ -231,7 +231,7 @@ def test_format_1_sidecar_is_refused_naming_convert(model, tmp_path):
 def test_the_plan_does_not_depend_on_the_process(pair):
     """The runtime is the measured constant, not this process's RSS: the same plan (and the same
     one minimum) before and after the process grows by 256 MiB, and for any budget asked."""
-    from llamaflash.planner import RUNTIME_RSS_BYTES
+    from llamaflash.planning.planner import RUNTIME_RSS_BYTES
 
     before = plan_offload(*pair, 300)
     ballast = np.ones(256 * MiB, dtype=np.uint8)  # touched: resident
@@ -324,9 +324,9 @@ def test_real_smollm2_llama_buffers_match_llama_cpp_log(smollm2_sidecar):
     import subprocess
     import sys
 
-    from llamaflash.gguf_header import read_gguf_header
-    from llamaflash.planner import llama_share
-    from llamaflash.sidecar import validate_pair
+    from llamaflash.files.gguf_header import read_gguf_header
+    from llamaflash.files.sidecar import validate_pair
+    from llamaflash.planning.planner import llama_share
 
     SMOL = smollm2_sidecar
     script = Path(__file__).resolve().parent.parent / "bench" / "planner_constants.py"
@@ -370,7 +370,7 @@ def test_real_compute_buffers_cover_the_pages_a_batch_touches(smollm2_sidecar, n
     import subprocess
     import sys
 
-    from llamaflash.gguf_header import read_gguf_header
+    from llamaflash.files.gguf_header import read_gguf_header
 
     model = smollm2_sidecar[0]
     header = read_gguf_header(model)
@@ -389,7 +389,7 @@ def test_real_compute_buffers_cover_the_pages_a_batch_touches(smollm2_sidecar, n
 
 
 def test_cli_probe_disk_measures_beside_the_sidecar_and_saves_it(pair, monkeypatch, tmp_path):
-    from llamaflash import disk_probe
+    from llamaflash.planning import disk_probe
 
     calls = []
 
@@ -411,7 +411,7 @@ def test_cli_probe_disk_measures_beside_the_sidecar_and_saves_it(pair, monkeypat
 
 
 def test_saved_disk_profiles_are_per_filesystem(pair, tmp_path):
-    from llamaflash import disk_probe
+    from llamaflash.planning import disk_probe
 
     cache, disk_dir = tmp_path / "cache", tmp_path / "models"
     disk_dir.mkdir()
@@ -447,8 +447,8 @@ def test_saved_disk_profiles_are_per_filesystem(pair, tmp_path):
 def test_logits_all_counts_every_row_of_logits(pair):
     """Llama(logits_all=True) keeps every token's logits: a batch writes n_ubatch rows of them, and
     llama-cpp-python holds n_ctx rows; the plan counts both, and leaves the cache that much less."""
-    from llamaflash.gguf_header import read_gguf_header
-    from llamaflash.plan_llama_share import vocabulary_size
+    from llamaflash.files.gguf_header import read_gguf_header
+    from llamaflash.planning.plan_llama_share import vocabulary_size
 
     n_vocab = vocabulary_size(read_gguf_header(pair[0]))
     base = plan(pair, 10_000, n_ubatch=64, n_ctx=512)

@@ -11,9 +11,9 @@ import json
 import numpy as np
 import pytest
 
-from llamaflash import assets
 from llamaflash.converters import convert
-from llamaflash.sidecar import read_layer_vectors, validate_pair
+from llamaflash.files import assets
+from llamaflash.files.sidecar import read_layer_vectors, validate_pair
 
 pytestmark = pytest.mark.real_model
 

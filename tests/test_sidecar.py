@@ -22,7 +22,6 @@ import pytest
 from fuzz_cases import set_uint_metadata
 from synth import FAST_CONVERT, truncate, write_not_gguf, write_unsupported_architecture
 
-from llamaflash import sidecar_format as fmt
 from llamaflash.converters import convert
 from llamaflash.converters.bundle import BundleStage
 from llamaflash.converters.pipeline import plan_sidecar
@@ -35,8 +34,9 @@ from llamaflash.errors import (
     SidecarNotFoundError,
     SidecarVersionError,
 )
-from llamaflash.gguf_model import base_identity, read_base_model, require_supported
-from llamaflash.sidecar import LayerLayout, default_sidecar_path, read_sidecar, validate_pair
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_model import base_identity, read_base_model, require_supported
+from llamaflash.files.sidecar import LayerLayout, default_sidecar_path, read_sidecar, validate_pair
 
 Q8_0_BLOCK = 32
 

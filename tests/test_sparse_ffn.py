@@ -1,4 +1,4 @@
-"""The sparse FFN decode kernel (csrc/sparse_ffn.h) against a NumPy reference.
+"""The sparse FFN decode kernel (csrc/lanes/sparse_ffn.h) against a NumPy reference.
 
 Reference: weights dequantized with ``gguf.quants.dequantize``; x replaced by the activations the
 kernel's row dots actually multiply with (``_native_testing.activation_roundtrip``: x quantized to the
@@ -27,7 +27,7 @@ from gguf.quants import dequantize, quantize
 from llamaflash import _native
 from llamaflash import _native_testing as N
 from llamaflash.converters import convert
-from llamaflash.sidecar import validate_pair
+from llamaflash.files.sidecar import validate_pair
 
 T = gguf.GGMLQuantizationType
 BEST_ISA = N.sparse_ffn_best_isa()
@@ -170,7 +170,7 @@ def random_layer(rng, n_embd, n_ff, gate_type, up_type, down_t_type, activation,
 
 
 def ggml_dense(gate, gate_type, up, up_type, down, down_type, n_embd, n_ff, activation, x, n_threads=1):
-    """y of ggml's own dense FFN graph on the CPU backend (csrc/ffn_dense_ref.h)."""
+    """y of ggml's own dense FFN graph on the CPU backend (csrc/testing/ffn_dense_ref.h)."""
     graph = N.DenseFfnGraph(
         gate,
         int(gate_type),

@@ -1,4 +1,4 @@
-"""The sparse decode lane inside llama.cpp (csrc/sparse_lane.*): routing by batch size and
+"""The sparse decode lane inside llama.cpp (csrc/lanes/sparse_lane.*): routing by batch size and
 sidecar, agreement with the dense lane when nothing is skipped, agreement with a reference
 (tests/sparse_emulation.py: stock llama.cpp with the skipped neurons zeroed) at a real sparsity
 level, statistics, and the Python API (flash_mode / flash_sparsity / set_flash_sparsity) with its
@@ -17,7 +17,7 @@ from synth import FAST_CONVERT
 import llamaflash
 from llamaflash.converters import convert
 from llamaflash.converters.llama_runner import LlamaRunner
-from llamaflash.sidecar import read_sidecar
+from llamaflash.files.sidecar import read_sidecar
 
 KW = dict(n_ctx=128, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False, seed=0)
 N_GEN = 12

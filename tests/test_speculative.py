@@ -1,4 +1,4 @@
-"""Speculative decoding (plugin/speculative.py) under a RAM budget: drafted tokens verified in one
+"""Speculative decoding (plugin/runtime/speculative.py) under a RAM budget: drafted tokens verified in one
 batch on the offload lane give exactly the tokens of non-speculative decoding (greedy), through
 generate, completion, streaming, stop sequences and logprobs; verify batches never leave the offload
 lane; a flash read error during a verify pass raises FlashIoError and reset() recovers.
@@ -19,8 +19,8 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 from offload_helpers import PROMPT, SELF_DRAFT, greedy, make_plan
 
 import llamaflash
-from llamaflash import speculative
 from llamaflash.errors import FlashIoError
+from llamaflash.runtime import speculative
 
 KW = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
 LOOKUP = {"adaptive": False, "max_draft": 6, "self_draft": False, "max_ngram": 1}
@@ -189,7 +189,7 @@ def test_real_model_greedy_speculation_is_exact(smollm2_sidecar):
     """SmolLM2-135M with its calibrated sidecar, 48 MiB above the planner's minimum (about half the
     clusters pinned, the rest read from flash): self-drafted, prompt-lookup and default speculation
     give the non-speculative greedy tokens."""
-    from llamaflash.planner import MiB, plan_offload
+    from llamaflash.planning.planner import MiB, plan_offload
 
     model, sidecar = smollm2_sidecar
     low = plan_offload(str(model), str(sidecar), 10_000, n_ctx=256).least_budget_bytes

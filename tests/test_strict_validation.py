@@ -25,13 +25,13 @@ from fuzz_cases import deadline, edit_tensor_info, relative_offsets
 from synth import write_unsupported_architecture
 
 import llamaflash
-from llamaflash import sidecar_format as fmt
-from llamaflash.cli import EXIT_LLAMAFLASH_ERROR, main
+from llamaflash.cli.cli import EXIT_LLAMAFLASH_ERROR, main
 from llamaflash.converters import convert
 from llamaflash.errors import BaseModelError, SidecarFormatError
-from llamaflash.gguf_header import GGUFHeaderError, read_gguf_header
-from llamaflash.gguf_model import read_base_model
-from llamaflash.sidecar import read_sidecar, validate_pair
+from llamaflash.files import sidecar_format as fmt
+from llamaflash.files.gguf_header import GGUFHeaderError, read_gguf_header
+from llamaflash.files.gguf_model import read_base_model
+from llamaflash.files.sidecar import read_sidecar, validate_pair
 
 BLOCK_COUNT_KEY = "llama.block_count"
 

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from llamaflash.bench import cgroups, memlimit, sweep, sweep_report
-from llamaflash.cli import main
+from llamaflash.cli.cli import main
 
 SMALL = dict(n_prompt=16, n_gen=4, n_ctx=64, n_batch=64, reps=1, quiet_wait_s=0, timeout_s=120, prompt_set=None)
 

@@ -8,7 +8,7 @@ import gguf
 import pytest
 from synth import TinyModelSpec
 
-from llamaflash.gguf_model import read_base_model
+from llamaflash.files.gguf_model import read_base_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

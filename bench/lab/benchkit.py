@@ -100,7 +100,7 @@ PROMPT_TEXT = (
 
 def resolve_model(model: str) -> tuple[Path, str, str]:
     """(path, short name, sha256) for an asset name (fetched and verified) or a GGUF path."""
-    from llamaflash import assets
+    from llamaflash.files import assets
 
     if model in assets.MODELS:
         path = assets.fetch_model(model)

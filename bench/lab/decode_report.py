@@ -28,8 +28,8 @@ def add_io_bound(rows: list[dict[str, Any]], runs: list[dict[str, Any]], sidecar
     and ``of_io_bound`` = decode ÷ that. The throughput is the saved disk profile's (``llamaflash plan
     --probe-disk``) for the sidecar's filesystem, at the plan's read size (half a cache slot: its up or
     its down_t rows) and queue depth. Rows stay without these fields when no profile is saved."""
-    from llamaflash import disk_probe
-    from llamaflash.planner import disk_throughput
+    from llamaflash.planning import disk_probe
+    from llamaflash.planning.planner import disk_throughput
 
     profile = disk_probe.saved_profile(sidecar)
     if profile is None:

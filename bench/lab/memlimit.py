@@ -74,7 +74,7 @@ RESIDENT_DRAFT_CONFIG = "llamaflash-resident"
 
 @dataclass
 class BenchOptions:
-    model: str  # asset name (llamaflash.assets.MODELS) or .gguf path
+    model: str  # asset name (llamaflash.files.assets.MODELS) or .gguf path
     limits_mb: list[int]
     configs: list[str] = field(default_factory=lambda: ["stock", BUDGET_CONFIG])
     sidecar: str | None = None  # default <model stem>.flash.gguf beside the model
@@ -239,7 +239,7 @@ def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> di
     Order: reps outermost, then limits from the largest down, configs alternating innermost, so slow
     drifts of the machine hit every cell."""
     opts.validate()
-    from llamaflash import assets
+    from llamaflash.files import assets
 
     if opts.model not in assets.MODELS and not Path(opts.model).expanduser().is_file():
         raise FileNotFoundError(f"model {opts.model!r} is neither a file nor a registry model "

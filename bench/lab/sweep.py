@@ -4,7 +4,7 @@ At each budget of a ladder, stock llama.cpp and llamaflash (``ram_budget_mb`` = 
 by default, and without speculation) each run in a fresh process inside a fresh memory cgroup of that
 budget, the files evicted first (:func:`llamaflash.bench.memlimit.run_one`). Beside every measured
 point the planner's prediction for that budget (:func:`predict`): whether llamaflash runs stock or
-offload there (plugin/budget_decision.py), and for offload the decode speed the plan predicts
+offload there (plugin/planning/budget_decision.py), and for offload the decode speed the plan predicts
 (draft_plan's pass model: the I/O bound plus the resident bytes at memory speed; with speculation its
 best draft length at the plan's predicted self-draft acceptance, prompt lookup left out); where the
 budget holds what stock keeps resident, stock's in-memory rate (budget_decision.stock_decode_tok_s)
@@ -117,11 +117,11 @@ def predict(
     nothing is read from flash), ``nospec_tok_s`` and ``spec_tok_s`` (llamaflash's predicted decode:
     the offload plan's, or stock's in-memory rate where the lane is stock) and ``stock_tok_s`` (stock's
     in-memory rate where the budget holds what it keeps resident, else None: it would thrash)."""
-    from llamaflash import budget_decision, draft_plan
     from llamaflash.errors import RamBudgetError
-    from llamaflash.gguf_model import read_base_model
-    from llamaflash.planner import plan_offload
-    from llamaflash.sidecar import validate_pair
+    from llamaflash.files.gguf_model import read_base_model
+    from llamaflash.files.sidecar import validate_pair
+    from llamaflash.planning import budget_decision, draft_plan
+    from llamaflash.planning.planner import plan_offload
 
     base = read_base_model(str(model_path))
     info = validate_pair(model_path, sidecar, model=base)
@@ -247,7 +247,7 @@ def run_sweep(
             f"the sweep's llamaflash configs need the sidecar {sidecar}: create it with "
             f"`llamaflash convert {model_path}` (or pass --sidecar)"
         )
-    from llamaflash import disk_probe
+    from llamaflash.planning import disk_probe
 
     disk = disk_probe.saved_profile(sidecar)
     if not opts.budgets_mb:

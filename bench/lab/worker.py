@@ -140,7 +140,7 @@ def _load(spec: dict):
     if config == STOCK_NO_REPACK:
         from llama_cpp import Llama
 
-        from llamaflash.speculative import batch_invariant_weights
+        from llamaflash.runtime.speculative import batch_invariant_weights
 
         with batch_invariant_weights():
             return Llama(**common_kwargs, flash_attn=True)

@@ -3,11 +3,11 @@
 // with its run-time settings (thresholds, sparse configuration) and statistics.
 // IoError during open becomes llamaflash.errors.FlashIoError (IntegrityError SidecarIntegrityError);
 // std::invalid_argument a ValueError.
-#include "../crc32c.h"
-#include "../engine_config.h"
-#include "../flash_model.h"
-#include "../integrity.h"
 #include "flash_io_py.h"
+#include "io/crc32c.h"
+#include "io/integrity.h"
+#include "model/engine_config.h"
+#include "model/flash_model.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

@@ -1,11 +1,11 @@
 // bindings/experts.cpp — the MoE expert engine (expert_model.h, expert_cache.h) as seen from Python:
-// the configuration llamaflash.experts builds, the model Llama owns, its counters, and the slot size
+// the configuration llamaflash.files.experts builds, the model Llama owns, its counters, and the slot size
 // the expert planner sizes the budget with. IoError becomes llamaflash.errors.FlashIoError, a failed
 // checksum SidecarIntegrityError.
-#include "../expert_model.h"
-#include "../integrity.h"
-#include "../weight_registry.h"
+#include "backend/weight_registry.h"
+#include "experts/expert_model.h"
 #include "flash_io_py.h"
+#include "io/integrity.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -3,7 +3,7 @@
 // FlashReaderOptions.
 #pragma once
 
-#include "../flash_io.h"
+#include "io/flash_io.h"
 
 #include <pybind11/pybind11.h>
 

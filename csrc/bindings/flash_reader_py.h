@@ -3,11 +3,11 @@
 // keeps alive until its ticket is waited for or the reader is closed. The GIL is released while
 // waiting; IoError becomes llamaflash.errors.FlashIoError. Bound as llamaflash._native.FlashReader
 // (bindings/flash_io.cpp); llamaflash._native_testing reaches its fault injection and pending
-// buffers (bindings/testing.cpp).
+// buffers (testing/testing.cpp).
 #pragma once
 
-#include "../flash_io.h"
 #include "flash_io_py.h"
+#include "io/flash_io.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

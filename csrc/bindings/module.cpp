@@ -1,13 +1,13 @@
 // bindings/module.cpp — the thin pybind11 layer over the C++ core (module llamaflash._native): what
 // the runtime package (plugin/, converters/) calls. Test and benchmark hooks live in
-// llamaflash._native_testing (bindings/testing.cpp). Python owns lifetimes: FlashModel is held by
+// llamaflash._native_testing (testing/testing.cpp). Python owns lifetimes: FlashModel is held by
 // shared_ptr (llamaflash.Llama keeps one; the weight registry keeps one per llama.cpp buffer bound to it).
-#include "../crc32c.h"
-#include "../file_reader.h"
-#include "../flash_backend.h"
-#include "../flash_model.h"
-#include "../integrity.h"
-#include "../weight_registry.h"
+#include "backend/flash_backend.h"
+#include "backend/weight_registry.h"
+#include "io/crc32c.h"
+#include "io/file_reader.h"
+#include "io/integrity.h"
+#include "model/flash_model.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

@@ -1,11 +1,11 @@
 // bindings/offload.cpp — FlashModel's flash-offload state (offload_state.h, neuron_cache.h) as seen
 // from Python: cache statistics and the streamed gate, and the cache's slot size, which the planner
-// (plugin/planner.py) sizes the budget with. IoError becomes llamaflash.errors.FlashIoError.
-#include "../flash_model.h"
-#include "../neuron_cache.h"
-#include "../offload_state.h"
-#include "../sparse_ffn.h"
+// (plugin/planning/planner.py) sizes the budget with. IoError becomes llamaflash.errors.FlashIoError.
 #include "flash_io_py.h"
+#include "lanes/sparse_ffn.h"
+#include "model/flash_model.h"
+#include "offload/neuron_cache.h"
+#include "offload/offload_state.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

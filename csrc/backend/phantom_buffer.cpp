@@ -1,0 +1,196 @@
+// phantom_buffer.cpp — see phantom_buffer.h.
+#include "backend/phantom_buffer.h"
+
+#include "backend/weight_registry.h"
+#include "ggml-backend-impl.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+namespace llamaflash {
+
+namespace {
+
+constexpr size_t kAlignment = 64;
+
+struct PhantomBuffer {
+    void * base = nullptr;
+    size_t mapped = 0;
+};
+
+bool is_weights(ggml_backend_buffer_t buffer) { return buffer->usage == GGML_BACKEND_BUFFER_USAGE_WEIGHTS; }
+
+[[noreturn]] void phantom_read_abort(const ggml_tensor * tensor, const char * how) {
+    GGML_ABORT(
+        "llamaflash: %s of phantom FFN weight '%s': its bytes live in the llamaflash sidecar, not in "
+        "this buffer. An op using it was scheduled on a backend other than llamaflash; this is a "
+        "llamaflash bug (unsupported graph pattern) - please report it with the model architecture",
+        how, tensor->name);
+}
+
+void buffer_free(ggml_backend_buffer_t buffer) {
+    auto * ctx = static_cast<PhantomBuffer *>(buffer->context);
+    WeightRegistry::instance().unbind_buffer(buffer);
+    if (ctx->mapped != 0) {
+        munmap(ctx->base, ctx->mapped);
+    }
+    delete ctx;
+}
+
+void * buffer_get_base(ggml_backend_buffer_t buffer) { return static_cast<PhantomBuffer *>(buffer->context)->base; }
+
+void buffer_memset_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, uint8_t value, size_t offset,
+                          size_t size) {
+    if (is_weights(buffer)) {
+        return;  // phantom weights have no bytes here
+    }
+    std::memset(static_cast<uint8_t *>(tensor->data) + offset, value, size);
+}
+
+// True if [begin, end) lies inside one shared, read-only, file-backed mapping (llama.cpp's mmap of
+// the GGUF). Anything else (a caller's heap staging buffer) must not be madvised.
+bool in_shared_file_mapping(uintptr_t begin, uintptr_t end) {
+    FILE * maps = std::fopen("/proc/self/maps", "r");
+    if (maps == nullptr) {
+        return false;
+    }
+    bool found = false;
+    char line[512];
+    while (std::fgets(line, sizeof line, maps) != nullptr) {
+        unsigned long lo = 0, hi = 0, inode = 0;
+        char perms[8] = {0};
+        if (std::sscanf(line, "%lx-%lx %7s %*s %*s %lu", &lo, &hi, perms, &inode) != 4) {
+            continue;
+        }
+        if (begin >= lo && end <= hi) {
+            found = inode != 0 && perms[1] == '-' && perms[3] == 's';
+            break;
+        }
+    }
+    std::fclose(maps);
+    return found;
+}
+
+// Advises the kernel that a page-aligned interior of [data, data + size) is not needed: llama.cpp
+// hands weights in from its own mmap of the GGUF; dropping the page-table entries keeps those FFN
+// pages out of this process's RSS (they remain clean, reclaimable page cache). Only done when the
+// source is such a read-only shared file mapping; the pointer is not kept.
+void release_source_pages(const void * data, size_t size) {
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) & ~(page - 1);
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + size) & ~(page - 1);
+    if (end > begin && in_shared_file_mapping(begin, end)) {
+        (void)madvise(reinterpret_cast<void *>(begin), end - begin, MADV_DONTNEED);
+    }
+}
+
+void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const void * data, size_t offset,
+                       size_t size) {
+    if (is_weights(buffer)) {
+        if (!WeightRegistry::instance().bind(tensor, buffer)) {
+            GGML_ABORT(
+                "llamaflash: weight '%s' was placed on the llamaflash device but no sidecar being loaded "
+                "serves it",
+                tensor->name);
+        }
+        if (offset == 0 && size == ggml_nbytes(tensor)) {
+            release_source_pages(data, size);
+        }
+        return;
+    }
+    std::memcpy(static_cast<uint8_t *>(tensor->data) + offset, data, size);
+}
+
+void buffer_get_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * tensor, void * data, size_t offset,
+                       size_t size) {
+    if (is_weights(buffer)) {
+        phantom_read_abort(tensor, "read");
+    }
+    std::memcpy(data, static_cast<const uint8_t *>(tensor->data) + offset, size);
+}
+
+bool buffer_cpy_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * src, ggml_tensor * dst) {
+    if (src->buffer != nullptr && is_phantom_buffer_type(src->buffer->buft) && is_weights(src->buffer)) {
+        phantom_read_abort(src, "copy");
+    }
+    if (is_weights(buffer)) {
+        return false;
+    }
+    if (src->buffer != nullptr && ggml_backend_buffer_is_host(src->buffer)) {
+        std::memcpy(dst->data, src->data, ggml_nbytes(src));
+        return true;
+    }
+    return false;
+}
+
+void buffer_clear(ggml_backend_buffer_t buffer, uint8_t value) {
+    if (is_weights(buffer)) {
+        return;
+    }
+    auto * ctx = static_cast<PhantomBuffer *>(buffer->context);
+    std::memset(ctx->base, value, buffer->size);
+}
+
+const ggml_backend_buffer_i kBufferInterface = {
+    /* .free_buffer   = */ buffer_free,
+    /* .get_base      = */ buffer_get_base,
+    /* .init_tensor   = */ nullptr,
+    /* .memset_tensor = */ buffer_memset_tensor,
+    /* .set_tensor    = */ buffer_set_tensor,
+    /* .get_tensor    = */ buffer_get_tensor,
+    /* .set_tensor_2d = */ nullptr,
+    /* .get_tensor_2d = */ nullptr,
+    /* .cpy_tensor    = */ buffer_cpy_tensor,
+    /* .clear         = */ buffer_clear,
+    /* .reset         = */ nullptr,
+};
+
+const char * buft_get_name(ggml_backend_buffer_type_t) { return "LLAMAFLASH"; }
+
+ggml_backend_buffer_t buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
+    auto * ctx = new PhantomBuffer();
+    if (size != 0) {
+        const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+        ctx->mapped = (size + page - 1) & ~(page - 1);
+        ctx->base =
+            mmap(nullptr, ctx->mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (ctx->base == MAP_FAILED) {
+            delete ctx;
+            return nullptr;
+        }
+    } else {
+        ctx->base = reinterpret_cast<void *>(kAlignment);  // never dereferenced: zero-sized buffer
+    }
+    return ggml_backend_buffer_init(buft, kBufferInterface, ctx, size);
+}
+
+size_t buft_get_alignment(ggml_backend_buffer_type_t) { return kAlignment; }
+
+bool buft_is_host(ggml_backend_buffer_type_t) { return false; }
+
+ggml_backend_buffer_type kBufferType = {
+    /* .iface = */ {
+        /* .get_name       = */ buft_get_name,
+        /* .alloc_buffer   = */ buft_alloc_buffer,
+        /* .get_alignment  = */ buft_get_alignment,
+        /* .get_max_size   = */ nullptr,
+        /* .get_alloc_size = */ nullptr,
+        /* .is_host        = */ buft_is_host,
+    },
+    /* .device  = */ nullptr,
+    /* .context = */ nullptr,
+};
+
+}  // namespace
+
+ggml_backend_buffer_type_t phantom_buffer_type(ggml_backend_dev_t device) {
+    kBufferType.device = device;
+    return &kBufferType;
+}
+
+bool is_phantom_buffer_type(ggml_backend_buffer_type_t buft) { return buft == &kBufferType; }
+
+}  // namespace llamaflash

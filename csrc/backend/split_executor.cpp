@@ -1,0 +1,194 @@
+// split_executor.cpp — see split_executor.h.
+#include "backend/split_executor.h"
+
+#include "backend/weight_registry.h"
+#include "ggml-cpu.h"
+#include "model/flash_model.h"
+
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <string>
+
+namespace llamaflash {
+
+namespace {
+
+double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+}
+
+// The llamaflash weight of the split's first MUL_MAT over one (its layer and model), or nullptr.
+const BoundWeight * first_bound_weight(const ggml_cgraph * split, const WeightRegistry & registry) {
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+        const ggml_tensor * node = ggml_graph_node(g, i);
+        if (const BoundWeight * b = node->op == GGML_OP_MUL_MAT ? registry.lookup(node->src[0]) : nullptr) {
+            return b;
+        }
+    }
+    return nullptr;
+}
+
+// Where the split's output (its last node: the FFN's y, [n_embd, T] f32) first holds a NaN or an
+// infinity, as "token t, value i"; "" when every value is finite (or the output is not f32 rows).
+std::string first_non_finite(const ggml_cgraph * split) {
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    const ggml_tensor * y = ggml_graph_node(g, ggml_graph_n_nodes(g) - 1);
+    if (y->type != GGML_TYPE_F32 || y->nb[0] != sizeof(float) || y->data == nullptr) {
+        return std::string();
+    }
+    for (int64_t t = 0; t < ggml_nrows(y); ++t) {
+        const float * row = reinterpret_cast<const float *>(static_cast<const char *>(y->data) + t * y->nb[1]);
+        for (int64_t i = 0; i < y->ne[0]; ++i) {
+            if (!std::isfinite(row[i])) {
+                return "token " + std::to_string(t) + ", value " + std::to_string(i) + " is " +
+                       (std::isnan(row[i]) ? "NaN" : "infinite");
+            }
+        }
+    }
+    return std::string();
+}
+
+// The split's lane and the served layer it computes.
+struct Route {
+    FlashModel * model = nullptr;  // nullptr: no served weight in the split
+    int layer = -1;
+    GluFfnPattern ffn;                         // set when the split is a plain GLU FFN
+    const SparseLayerView * sparse = nullptr;  // non-null: the sparse lane runs it
+};
+
+Route route(const ggml_cgraph * split, const WeightRegistry & registry) {
+    Route r;
+    if (match_glu_ffn(split, registry, r.ffn)) {
+        r.model = r.ffn.model;
+        r.layer = r.ffn.layer;
+        const SparseLayerView * view = r.model->sparse_layer(r.layer);
+        if (view != nullptr && r.ffn.x->ne[1] <= r.model->sparse_config().max_tokens) {
+            r.sparse = view;
+        }
+    } else if (const BoundWeight * b = first_bound_weight(split, registry)) {
+        r.model = b->model.get();
+        r.layer = b->layer;
+        if (r.model->sparse_layer(r.layer) != nullptr) {
+            r.model->stats().count_sparse_fallback();  // a sparse layer whose split is not a plain GLU FFN
+        }
+    }
+    return r;
+}
+
+}  // namespace
+
+SplitExecutor::SplitExecutor() {
+    cpu_ = ggml_backend_cpu_init();
+    if (cpu_ == nullptr) {
+        GGML_ABORT("llamaflash: cannot create the internal ggml CPU backend");
+    }
+}
+
+SplitExecutor::~SplitExecutor() {
+    if (cpu_ != nullptr) {
+        ggml_backend_free(cpu_);
+    }
+}
+
+void SplitExecutor::set_n_threads(int n_threads) {
+    ggml_backend_cpu_set_n_threads(cpu_, n_threads);
+    n_threads_ = n_threads;
+}
+
+// The sparse lane's nodes: g = gate·x by ggml's GEMV when the bundles are in base order (and u = up·x
+// too when the configuration asks for it, in memory), then the kernel's phases (sparse_lane.h).
+void SplitExecutor::append_sparse(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
+                                  const SparseLayerView & view) {
+    const SparseConfig & config = ffn.model->sparse_config();
+    const bool offload = ffn.model->offload() != nullptr;
+    ggml_tensor * x_leaf = dense_.map_src(ffn.x);
+    ggml_tensor * gate = nullptr;
+    ggml_tensor * up = nullptr;
+    if (view.base_order) {
+        gate = dense_.mirror_node(ffn.gate);
+        ggml_build_forward_expand(graph, gate);
+        if (config.up_by_ggml && !offload) {
+            up = dense_.mirror_node(ffn.up);
+            ggml_build_forward_expand(graph, up);
+        }
+    }
+    try {
+        sparse_.append(ctx, graph, ffn, view, x_leaf, gate, up, n_threads_, config.cluster_size);
+    } catch (const std::exception & e) {  // validated at open: a broken invariant, not bad input
+        GGML_ABORT("llamaflash: sparse lane for layer %d: %s", ffn.layer, e.what());
+    }
+}
+
+ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
+    const auto t_begin = std::chrono::steady_clock::now();
+    const int n_nodes = ggml_graph_n_nodes(const_cast<ggml_cgraph *>(split));
+    if (n_nodes == 0) {
+        return GGML_STATUS_SUCCESS;
+    }
+    // an MoE layer's routed experts: the expert lane (expert_lane.h)
+    const ExpertSplit expert_split = match_expert_split(split);
+    if (expert_split.model != nullptr) {
+        return experts_.compute(split, expert_split, cpu_);
+    }
+    ggml_cgraph * graph = nullptr;
+    ggml_context * ctx = arena_.begin(n_nodes, &graph);
+    dense_.begin(ctx, split);
+
+    // 1. lane, 2. build
+    const Route r = route(split, WeightRegistry::instance());
+    const bool sparse = r.sparse != nullptr;
+    if (sparse) {
+        append_sparse(ctx, graph, r.ffn, *r.sparse);
+    } else {
+        dense_.append_all(graph);
+    }
+    OffloadState * offload = r.model != nullptr ? r.model->offload() : nullptr;
+    const int pos = r.model != nullptr ? r.model->layer_position(r.layer) : -1;
+
+    // 3. run
+    // false: a view this split reads failed its checksums (the error is kept): nothing is computed
+    const bool runnable = offload == nullptr || offload->before_split(pos, sparse);
+    const auto t0 = std::chrono::steady_clock::now();
+    ggml_status status = runnable ? ggml_backend_graph_compute(cpu_, graph) : GGML_STATUS_FAILED;
+    const double seconds = seconds_between(t0, std::chrono::steady_clock::now());
+    const std::string failure = sparse ? sparse_.take_failure() : std::string();
+    const bool ok = offload != nullptr ? offload->after_split(pos, sparse, failure) : failure.empty();
+    if (!ok || !runnable) {  // an I/O or checksum error in the offload lane: the split's result is not valid
+        status = GGML_STATUS_FAILED;
+    }
+    if (status == GGML_STATUS_SUCCESS && r.model != nullptr) {
+        // a NaN or infinity would otherwise flow on silently (generation then just stops)
+        const std::string where = first_non_finite(split);
+        if (!where.empty()) {
+            r.model->set_non_finite("layer " + std::to_string(r.layer) + "'s FFN output: " + where);
+            status = GGML_STATUS_FAILED;
+        }
+    }
+
+    // 4. count
+    FlashModel * counted = sparse ? r.model : dense_.model();
+    if (sparse && sparse_.draft()) {
+        r.model->stats().count_draft_split(pos, static_cast<int64_t>(sparse_.active_counts().size()), seconds);
+    } else if (sparse) {
+        const std::vector<int32_t> & counts = sparse_.active_counts();
+        const int64_t n_tokens = static_cast<int64_t>(counts.size());
+        r.model->stats().count_sparse_call(pos, counts.data(), n_tokens, seconds);
+        r.model->stats().count_ffn_eval(pos, n_tokens);
+    } else {
+        for (const auto & [layer, n_tokens] : dense_.evaluations()) {
+            counted->stats().count_ffn_eval(counted->layer_position(layer), n_tokens);
+        }
+    }
+    if (counted != nullptr) {
+        if (!sparse) {
+            counted->stats().count_dense_call();
+        }
+        counted->stats().count_split(seconds, seconds_between(t_begin, t0));
+    }
+    ggml_free(ctx);
+    return status;
+}
+
+}  // namespace llamaflash

@@ -1,0 +1,55 @@
+// split_executor.h — what the llamaflash backend does with one graph split (one per backend, i.e.
+// per llama.cpp context): mirror it, pick its lane, run it, account for it.
+//
+// Per split (graph_compute of the LLAMAFLASH backend; splits of one context run one at a time):
+//   1. lane   the split is a plain GLU FFN (match_glu_ffn, sparse_lane.h) of a served layer whose
+//             model has the sparse lane enabled, the layer a threshold >= 0, and T <= max_tokens
+//             tokens → sparse lane; anything else → dense lane. A fixed rule, no timing: the lane
+//             of a (layer, T) never changes while the configuration stands.
+//   2. build  a private ggml graph in an arena reused across splits: the dense lane's mirror of the
+//             whole split (dense_lane.h), or the sparse lane's nodes (sparse_lane.h) after the
+//             gate (and up) GEMVs mirrored from ggml.
+//   3. run    offload → OffloadState::before_split; the graph on an internal ggml CPU backend with
+//             the context's thread count; offload → OffloadState::after_split (page release, I/O
+//             error → GGML_STATUS_FAILED).
+//   4. count  into the model's FlashStats (flash_stats.h): the split and its times, the lane call,
+//             FFN evaluations, the sparse lane's active neurons.
+#pragma once
+
+#include "experts/expert_lane.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "lanes/dense_lane.h"
+#include "lanes/graph_mirror.h"
+#include "lanes/sparse_lane.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace llamaflash {
+
+class SplitExecutor {
+public:
+    SplitExecutor();
+    ~SplitExecutor();
+    SplitExecutor(const SplitExecutor &) = delete;
+    SplitExecutor & operator=(const SplitExecutor &) = delete;
+
+    void set_n_threads(int n_threads);
+
+    // Computes all nodes of `split`. Aborts (loudly) if a phantom weight has no resident copy.
+    ggml_status compute(const ggml_cgraph * split);
+
+private:
+    void append_sparse(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
+                       const SparseLayerView & view);
+
+    ggml_backend_t cpu_ = nullptr;
+    GraphArena arena_;  // metadata memory of the private graph, reused across calls
+    DenseLane dense_;
+    SparseLane sparse_;
+    ExpertLane experts_;
+    int n_threads_ = GGML_DEFAULT_N_THREADS;  // the internal CPU backend's, kept in step by set_n_threads
+};
+
+}  // namespace llamaflash

@@ -1,0 +1,83 @@
+// weight_registry.h — which llama.cpp weight tensors are "phantom" FFN weights served by llamaflash.
+//
+// While a model is being loaded, Python sets a *pending* FlashModel (begin_model_load). Two questions
+// are then answered by tensor NAME (llama.cpp asks supports_op with a metadata tensor before any
+// buffer exists): "does the pending model serve blk.N.ffn_{gate,up,down}.weight?". When llama.cpp
+// hands such a weight to our buffer (set_tensor), the tensor POINTER is bound to the model; every
+// later question (graph scheduling and compute) is answered by pointer, so several models can be
+// loaded in one process. Bindings of a buffer are dropped when llama.cpp frees that buffer.
+//
+// Thread safety: all members lock one mutex; lookups are a hash-map probe.
+#pragma once
+
+#include "experts/expert_model.h"
+#include "model/flash_model.h"
+
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+namespace llamaflash {
+
+// Parses "blk.<N>.ffn_gate.weight" / "ffn_up" / "ffn_down". Returns false for any other name.
+bool parse_ffn_weight_name(const char * name, int * layer, FfnWeightKind * kind);
+// Parses "blk.<N>.ffn_{gate,up,down,gate_up}_exps.weight" (an MoE layer's routed expert tensors).
+bool parse_expert_weight_name(const char * name, int * layer, ExpertTensorKind * kind);
+
+// A llama.cpp weight served by llamaflash: an FFN weight of a FlashModel (`model`), or a routed
+// expert tensor of an ExpertModel (`experts`, `expert_kind`). Exactly one of the two is set.
+struct BoundWeight {
+    std::shared_ptr<FlashModel> model;
+    int layer = -1;
+    FfnWeightKind kind = FfnWeightKind::gate;
+    std::shared_ptr<ExpertModel> experts;
+    ExpertTensorKind expert_kind = ExpertTensorKind::up;
+};
+
+class WeightRegistry {
+public:
+    static WeightRegistry & instance();
+
+    void set_pending(std::shared_ptr<FlashModel> model);
+    // An MoE model whose expert tensors the next load places on the device (instead of a FlashModel).
+    void set_pending_experts(std::shared_ptr<ExpertModel> model);
+    void clear_pending();
+    std::shared_ptr<FlashModel> pending() const;
+
+    // Name-based: would the pending model serve this weight?
+    bool pending_serves(const char * name) const;
+
+    // Binds `tensor` (a weight llama.cpp placed in our buffer) to the pending model. Returns false if
+    // no pending model serves its name.
+    bool bind(const ggml_tensor * tensor, ggml_backend_buffer_t buffer);
+
+    // nullptr if `tensor` is not a bound phantom weight. The pointer stays valid until unbind_buffer().
+    const BoundWeight * lookup(const ggml_tensor * tensor) const;
+
+    void unbind_buffer(ggml_backend_buffer_t buffer);
+
+    size_t bound_count() const;
+
+    // Lock-free: is any weight bound (some served model loaded)? Asked for every node of every graph.
+    bool any_model_bound() const { return n_bound_.load(std::memory_order_relaxed) != 0; }
+
+    // Some bound weight, or nullptr (diagnostics and tests).
+    const ggml_tensor * any_bound() const;
+
+private:
+    mutable std::mutex mu_;
+    std::shared_ptr<FlashModel> pending_;
+    std::shared_ptr<ExpertModel> pending_experts_;
+    struct Entry {
+        BoundWeight weight;
+        ggml_backend_buffer_t buffer;
+    };
+    std::unordered_map<const ggml_tensor *, Entry> bound_;
+    std::atomic<size_t> n_bound_{0};
+};
+
+}  // namespace llamaflash

@@ -1,0 +1,506 @@
+// expert_cache.cpp — see expert_cache.h.
+#include "experts/expert_cache.h"
+
+#include "io/crc32c.h"
+#include "io/integrity.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace llamaflash {
+
+namespace {
+
+uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// Region of one expert slice in a slot: its covering aligned extent, whatever the slice's offset
+// modulo the alignment (round_up(len, A) + A >= round_up(r + len, A) for every r < A).
+uint64_t region_bytes(uint64_t expert_bytes, uint64_t alignment) {
+    return round_up(expert_bytes, alignment) + alignment;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+size_t expert_slot_bytes(const std::vector<uint64_t> & expert_bytes, size_t alignment) {
+    uint64_t total = 0;
+    for (uint64_t b : expert_bytes) {
+        total += region_bytes(b, alignment);
+    }
+    return static_cast<size_t>(total);
+}
+
+struct ExpertCache::Slot {
+    int expert = -1;
+    enum class State { empty, loading, ready } state = State::empty;
+    uint64_t last_use = 0;
+    bool pinned = false;
+    bool prefetched = false;  // filled by prefetch and not yet used
+    bool ahead = false;       // filled by read_ahead for the layer's next request: a demand read issued early
+    bool unchecked = false;   // read, checksum not yet checked
+};
+
+struct ExpertCache::Layer {
+    std::vector<uint64_t> region_offset;  // per tensor index: offset of its region within a slot
+    size_t slot_stride = 0;
+    AlignedBuffer memory;
+    std::vector<Slot> slots;
+    std::vector<int> slot_of;     // expert → slot, -1
+    std::vector<char> is_pinned;  // expert → pinned
+    std::vector<FlashReader::Ticket> prefetch_tickets;
+    std::vector<int> prefetch_slots;  // slots filled by those tickets
+    bool demand_pending = false;
+    FlashReader::Ticket demand_ticket = 0;
+    std::vector<int> demand_slots;
+};
+
+ExpertCache::ExpertCache(const ExpertConfig & config) : config_(config) {
+    FlashReaderOptions options;
+    options.engine = parse_io_engine(config.io_engine);
+    options.queue_depth = config.queue_depth;
+    options.direct = config.direct;
+    reader_ = std::make_unique<FlashReader>(config.base_path, options);
+    const uint64_t a = reader_->alignment();
+    for (size_t p = 0; p < config.layers.size(); ++p) {
+        const ExpertLayerSpec & spec = config.layers[p];
+        auto layer = std::make_unique<Layer>();
+        for (const ExpertTensorSpec & t : spec.tensors) {
+            layer->region_offset.push_back(layer->slot_stride);
+            layer->slot_stride += region_bytes(t.expert_bytes, a);
+        }
+        layer->memory = AlignedBuffer(layer->slot_stride * static_cast<size_t>(spec.n_slots), a);
+        layer->slots.resize(static_cast<size_t>(spec.n_slots));
+        layer->slot_of.assign(static_cast<size_t>(spec.n_expert), -1);
+        layer->is_pinned.assign(static_cast<size_t>(spec.n_expert), 0);
+        layers_.push_back(std::move(layer));
+    }
+    // pinned experts: read now, one batch for all layers, checked
+    std::vector<ReadRequest> requests;
+    std::vector<std::pair<int, int>> filled;  // (position, slot)
+    for (size_t p = 0; p < config.layers.size(); ++p) {
+        Layer & layer = *layers_[p];
+        int slot = 0;
+        for (int e : config.layers[p].pinned) {
+            Slot & s = layer.slots[static_cast<size_t>(slot)];
+            s.expert = e;
+            s.pinned = true;
+            s.state = Slot::State::ready;
+            s.unchecked = true;
+            layer.slot_of[static_cast<size_t>(e)] = slot;
+            layer.is_pinned[static_cast<size_t>(e)] = 1;
+            for (const ReadRequest & r : slot_requests(static_cast<int>(p), slot, e)) {
+                requests.push_back(r);
+            }
+            filled.emplace_back(static_cast<int>(p), slot);
+            ++slot;
+        }
+    }
+    if (!requests.empty()) {
+        reader_->read(requests);
+        for (const ReadRequest & r : requests) {
+            stats_.bytes_read += r.length;
+        }
+        for (const auto & [p, slot] : filled) {
+            check_slot(p, slot);
+        }
+    }
+}
+
+ExpertCache::~ExpertCache() {
+    for (auto & layer : layers_) {
+        try {
+            wait_prefetches(*layer);
+            if (layer->demand_pending) {
+                reader_->wait(layer->demand_ticket);
+            }
+        } catch (...) {  // errors of reads nobody will use
+        }
+    }
+}
+
+std::vector<ReadRequest> ExpertCache::slot_requests(int position, int slot, int expert) {
+    const ExpertLayerSpec & spec = config_.layers[static_cast<size_t>(position)];
+    Layer & layer = *layers_[static_cast<size_t>(position)];
+    const uint64_t a = reader_->alignment();
+    std::vector<ReadRequest> out;
+    uint8_t * base = layer.memory.data() + layer.slot_stride * static_cast<size_t>(slot);
+    for (size_t i = 0; i < spec.tensors.size(); ++i) {
+        const ExpertTensorSpec & t = spec.tensors[i];
+        const uint64_t begin = t.offset + t.expert_bytes * static_cast<uint64_t>(expert);
+        const uint64_t aligned = begin / a * a;
+        const uint64_t end = std::min<uint64_t>(round_up(begin + t.expert_bytes, a), reader_->file_size());
+        // the file's last extent may end before the alignment: read up to the end of the file
+        out.push_back(ReadRequest{aligned, end - aligned, base + layer.region_offset[i]});
+    }
+    return out;
+}
+
+const uint8_t * ExpertCache::slot_data(int position, int expert, ExpertTensorKind kind) const {
+    const ExpertLayerSpec & spec = config_.layers[static_cast<size_t>(position)];
+    const Layer & layer = *layers_[static_cast<size_t>(position)];
+    const int slot = layer.slot_of[static_cast<size_t>(expert)];
+    if (slot < 0 || layer.slots[static_cast<size_t>(slot)].state != Slot::State::ready) {
+        return nullptr;
+    }
+    const uint64_t a = reader_->alignment();
+    for (size_t i = 0; i < spec.tensors.size(); ++i) {
+        const ExpertTensorSpec & t = spec.tensors[i];
+        if (t.kind == kind) {
+            const uint64_t begin = t.offset + t.expert_bytes * static_cast<uint64_t>(expert);
+            return layer.memory.data() + layer.slot_stride * static_cast<size_t>(slot) + layer.region_offset[i] +
+                   (begin % a);
+        }
+    }
+    return nullptr;
+}
+
+void ExpertCache::check_slot(int position, int slot) {
+    Layer & layer = *layers_[static_cast<size_t>(position)];
+    Slot & s = layer.slots[static_cast<size_t>(slot)];
+    if (!s.unchecked) {
+        return;
+    }
+    s.unchecked = false;
+    if (!config_.verify) {
+        return;
+    }
+    const ExpertLayerSpec & spec = config_.layers[static_cast<size_t>(position)];
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const ExpertTensorSpec & t : spec.tensors) {
+        if (t.checksums.empty()) {
+            continue;
+        }
+        const uint8_t * data = slot_data(position, s.expert, t.kind);
+        uint32_t got = 0;  // one row: the slice (three interleaved lanes with the instruction)
+        crc32c_rows(data, 1, t.expert_bytes, t.expert_bytes, &got);
+        stats_.verified_bytes += t.expert_bytes;
+        if (got != t.checksums[static_cast<size_t>(s.expert)]) {
+            const uint64_t offset = t.offset + t.expert_bytes * static_cast<uint64_t>(s.expert);
+            layer.slot_of[static_cast<size_t>(s.expert)] = -1;
+            const int expert = s.expert;
+            s = Slot{};
+            throw std::runtime_error(std::string(kIntegrityErrorPrefix) + "'" + config_.base_path + "': layer " +
+                                     std::to_string(spec.layer) + " expert " + std::to_string(expert) +
+                                     " (tensor kind " + std::to_string(static_cast<int>(t.kind)) + ", " +
+                                     std::to_string(t.expert_bytes) + " bytes at offset " + std::to_string(offset) +
+                                     ") does not match its checksum: the model file differs from the one "
+                                     "the sidecar was made for; re-copy it or re-run `llamaflash convert --force`");
+        }
+    }
+    stats_.verify_seconds += seconds_since(t0);
+}
+
+int ExpertCache::capacity(int position, const std::vector<int> & experts) const {
+    const ExpertLayerSpec & spec = config_.layers[static_cast<size_t>(position)];
+    const Layer & layer = *layers_[static_cast<size_t>(position)];
+    int pinned_unused = static_cast<int>(spec.pinned.size());
+    for (int e : experts) {
+        pinned_unused -= layer.is_pinned[static_cast<size_t>(e)] ? 1 : 0;
+    }
+    return spec.n_slots - pinned_unused;
+}
+
+void ExpertCache::wait_prefetches(Layer & layer) {
+    if (layer.prefetch_tickets.empty()) {
+        return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string failure;
+    for (FlashReader::Ticket t : layer.prefetch_tickets) {
+        try {
+            reader_->wait(t);
+        } catch (const IoError & e) {
+            if (failure.empty()) {
+                failure = e.what();
+            }
+        }
+    }
+    stats_.wait_seconds += seconds_since(t0);
+    layer.prefetch_tickets.clear();
+    for (int slot : layer.prefetch_slots) {
+        Slot & s = layer.slots[static_cast<size_t>(slot)];
+        if (s.state == Slot::State::loading) {
+            if (failure.empty()) {
+                s.state = Slot::State::ready;
+            } else {
+                layer.slot_of[static_cast<size_t>(s.expert)] = -1;
+                s = Slot{};
+            }
+        }
+    }
+    layer.prefetch_slots.clear();
+    if (!failure.empty()) {
+        throw IoError(failure);
+    }
+}
+
+// The least recently used slot that is neither pinned, nor loading, nor holding an expert in `keep`
+// (expert → 1); empty slots first. -1 when none.
+int ExpertCache::take_victim(Layer & layer, const std::vector<char> & keep) {
+    int best = -1;
+    for (size_t i = 0; i < layer.slots.size(); ++i) {
+        const Slot & s = layer.slots[i];
+        if (s.pinned || s.state == Slot::State::loading || (s.expert >= 0 && keep[static_cast<size_t>(s.expert)])) {
+            continue;
+        }
+        if (s.state == Slot::State::empty) {
+            return static_cast<int>(i);
+        }
+        if (best < 0 || s.last_use < layer.slots[static_cast<size_t>(best)].last_use) {
+            best = static_cast<int>(i);
+        }
+    }
+    if (best >= 0) {
+        Slot & s = layer.slots[static_cast<size_t>(best)];
+        if (s.prefetched) {
+            ++stats_.prefetch_wasted;
+        }
+        layer.slot_of[static_cast<size_t>(s.expert)] = -1;
+        s = Slot{};
+    }
+    return best;
+}
+
+void ExpertCache::drop_demand_slots(Layer & layer) {
+    for (int slot : layer.demand_slots) {
+        Slot & s = layer.slots[static_cast<size_t>(slot)];
+        if (s.expert >= 0) {
+            layer.slot_of[static_cast<size_t>(s.expert)] = -1;
+        }
+        s = Slot{};
+    }
+    layer.demand_slots.clear();
+}
+
+void ExpertCache::begin(int position, const std::vector<int> & experts) {
+    Layer & layer = *layers_[static_cast<size_t>(position)];
+    ++clock_;
+    ++stats_.requests;
+    stats_.experts_needed += experts.size();
+    std::vector<char> keep(layer.slot_of.size(), 0);
+    for (int e : experts) {
+        keep[static_cast<size_t>(e)] = 1;
+    }
+    std::vector<ReadRequest> requests;
+    layer.demand_slots.clear();
+    for (int e : experts) {
+        int slot = layer.slot_of[static_cast<size_t>(e)];
+        if (slot >= 0) {
+            Slot & s = layer.slots[static_cast<size_t>(slot)];
+            if (s.ahead) {  // read early for this request: a miss whose read is already under way
+                s.ahead = false;
+                ++stats_.misses;
+                ++stats_.read_ahead;
+                stats_.demand_bytes += layer.slot_stride;
+                s.last_use = clock_;
+                continue;
+            }
+            ++stats_.hits;
+            stats_.pinned_hits += s.pinned ? 1 : 0;
+            if (s.prefetched) {
+                ++stats_.prefetch_used;
+                ++lifetime_prefetch_used_;
+                s.prefetched = false;
+            }
+            s.last_use = clock_;
+            continue;
+        }
+        slot = take_victim(layer, keep);
+        if (slot < 0 && !layer.prefetch_tickets.empty()) {  // victims still loading: their reads first
+            try {
+                wait_prefetches(layer);
+            } catch (...) {
+                drop_demand_slots(layer);
+                throw;
+            }
+            slot = take_victim(layer, keep);
+        }
+        if (slot < 0) {
+            drop_demand_slots(layer);
+            throw std::logic_error("expert cache: request larger than the layer's capacity");
+        }
+        ++stats_.misses;
+        Slot & s = layer.slots[static_cast<size_t>(slot)];
+        s.expert = e;
+        s.state = Slot::State::loading;
+        s.unchecked = true;
+        s.last_use = clock_;
+        layer.slot_of[static_cast<size_t>(e)] = slot;
+        for (const ReadRequest & r : slot_requests(position, slot, e)) {
+            requests.push_back(r);
+            stats_.bytes_read += r.length;
+            stats_.demand_bytes += r.length;
+        }
+        layer.demand_slots.push_back(slot);
+    }
+    layer.demand_pending = false;
+    if (!requests.empty()) {
+        try {
+            layer.demand_ticket = reader_->submit(requests);
+        } catch (...) {
+            drop_demand_slots(layer);
+            throw;
+        }
+        layer.demand_pending = true;
+    }
+}
+
+void ExpertCache::finish(int position) {
+    Layer & layer = *layers_[static_cast<size_t>(position)];
+    try {
+        // this layer's prefetches (started while the previous layer computed), then the prefetched
+        // slots this request uses, checked while its demand reads are still in flight
+        wait_prefetches(layer);
+        for (size_t i = 0; i < layer.slots.size(); ++i) {
+            Slot & s = layer.slots[i];
+            if (s.unchecked && s.state == Slot::State::ready && s.last_use == clock_) {
+                check_slot(position, static_cast<int>(i));
+            }
+        }
+    } catch (...) {
+        abandon_demand(layer);
+        throw;
+    }
+    if (!layer.demand_pending) {
+        return;
+    }
+    // the demand reads: each expert checked as soon as its reads are in, while later ones are read
+    const size_t per_slot = config_.layers[static_cast<size_t>(position)].tensors.size();
+    size_t request = 0;
+    bool failed = false;
+    try {
+        for (int slot : layer.demand_slots) {
+            const auto t0 = std::chrono::steady_clock::now();
+            for (size_t k = 0; k < per_slot && !failed; ++k) {
+                failed = !reader_->wait_request(layer.demand_ticket, request++);
+            }
+            stats_.wait_seconds += seconds_since(t0);
+            if (failed) {
+                break;
+            }
+            layer.slots[static_cast<size_t>(slot)].state = Slot::State::ready;
+            check_slot(position, slot);
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        layer.demand_pending = false;
+        reader_->wait(layer.demand_ticket);  // forgets the ticket; throws IoError for a failed read
+        stats_.wait_seconds += seconds_since(t0);
+    } catch (...) {
+        abandon_demand(layer);
+        throw;
+    }
+}
+
+void ExpertCache::abandon_demand(Layer & layer) {
+    if (layer.demand_pending) {
+        layer.demand_pending = false;
+        try {
+            reader_->wait(layer.demand_ticket);  // the kernel must be done writing into the slots
+        } catch (...) {
+        }
+    }
+    drop_demand_slots(layer);
+}
+
+void ExpertCache::prefetch(int position, const std::vector<int> & experts) { submit_early(position, experts, false); }
+
+void ExpertCache::read_ahead(int position, const std::vector<int> & experts) { submit_early(position, experts, true); }
+
+void ExpertCache::submit_early(int position, const std::vector<int> & experts, bool ahead) {
+    Layer & layer = *layers_[static_cast<size_t>(position)];
+    std::vector<char> keep(layer.slot_of.size(), 0);
+    for (int e : experts) {
+        keep[static_cast<size_t>(e)] = 1;
+    }
+    if (ahead) {  // the current request's experts stay: it is computed while these are read
+        for (const Slot & s : layer.slots) {
+            if (s.expert >= 0 && s.last_use == clock_) {
+                keep[static_cast<size_t>(s.expert)] = 1;
+            }
+        }
+    }
+    std::vector<ReadRequest> requests;
+    std::vector<int> slots;
+    for (int e : experts) {
+        if (layer.slot_of[static_cast<size_t>(e)] >= 0) {
+            continue;
+        }
+        const int slot = take_victim(layer, keep);
+        if (slot < 0) {
+            break;
+        }
+        Slot & s = layer.slots[static_cast<size_t>(slot)];
+        s.expert = e;
+        s.state = Slot::State::loading;
+        s.unchecked = true;
+        s.prefetched = !ahead;
+        s.ahead = ahead;
+        s.last_use = clock_;
+        layer.slot_of[static_cast<size_t>(e)] = slot;
+        for (const ReadRequest & r : slot_requests(position, slot, e)) {
+            requests.push_back(r);
+            stats_.bytes_read += r.length;
+        }
+        slots.push_back(slot);
+        if (!ahead) {
+            ++stats_.prefetched;
+            ++lifetime_prefetched_;
+        }
+    }
+    if (requests.empty()) {
+        return;
+    }
+    try {
+        layer.prefetch_tickets.push_back(reader_->submit(requests));
+        layer.prefetch_slots.insert(layer.prefetch_slots.end(), slots.begin(), slots.end());
+    } catch (const std::exception &) {  // not started: forget the slots; a demand read will retry
+        for (int slot : slots) {
+            Slot & s = layer.slots[static_cast<size_t>(slot)];
+            layer.slot_of[static_cast<size_t>(s.expert)] = -1;
+            s = Slot{};
+        }
+    }
+}
+
+int ExpertCache::prefetch_count(int n_used) {
+    constexpr uint64_t kPrefetchWarmup = 64;
+    constexpr uint64_t kPrefetchProbe = 16;
+    ++prefetch_calls_;
+    if (lifetime_prefetched_ < kPrefetchWarmup || prefetch_calls_ % kPrefetchProbe == 0) {
+        return n_used;
+    }
+    const double precision = static_cast<double>(lifetime_prefetch_used_) / static_cast<double>(lifetime_prefetched_);
+    return precision >= 0.5 ? n_used : static_cast<int>(n_used * precision);
+}
+
+size_t ExpertCache::slot_bytes(int position) const { return layers_[static_cast<size_t>(position)]->slot_stride; }
+
+size_t ExpertCache::resident_bytes() const {
+    size_t total = 0;
+    for (const auto & layer : layers_) {
+        total += layer->memory.size();
+    }
+    return total;
+}
+
+size_t ExpertCache::alignment() const { return reader_->alignment(); }
+
+bool ExpertCache::direct() const { return reader_->direct(); }
+
+const char * ExpertCache::engine_name() const { return reader_->engine_name(); }
+
+std::vector<int> ExpertCache::resident_experts(int position) const {
+    std::vector<int> out;
+    for (const Slot & s : layers_[static_cast<size_t>(position)]->slots) {
+        if (s.state == Slot::State::ready) {
+            out.push_back(s.expert);
+        }
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+}  // namespace llamaflash

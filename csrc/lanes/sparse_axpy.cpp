@@ -1,0 +1,548 @@
+// sparse_axpy.cpp — see sparse_axpy.h.
+#include "lanes/sparse_axpy.h"
+
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define LLAMAFLASH_X86 1
+#endif
+
+namespace llamaflash {
+
+namespace {
+
+constexpr int kRowsPerPass = 4;
+
+// Q8_0 block: f16 scale d, then 32 int8 quants; value = d · q.
+constexpr size_t kQ8_0Bytes = 34;
+
+inline uint16_t load_u16(const uint8_t * p) {
+    uint16_t v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+void axpy_q8_0_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        const uint8_t * row = rows[r];
+        for (int64_t b = 0; b < n_embd / 32; ++b) {
+            const uint8_t * blk = row + b * kQ8_0Bytes;
+            const float d = ggml_fp16_to_fp32(load_u16(blk)) * h[r];
+            const int8_t * q = reinterpret_cast<const int8_t *>(blk + 2);
+            float * a = acc + b * 32;
+            for (int j = 0; j < 32; ++j) {
+                a[j] += d * static_cast<float>(q[j]);
+            }
+        }
+    }
+}
+
+void axpy_f16_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        const uint16_t * row = reinterpret_cast<const uint16_t *>(rows[r]);
+        for (int64_t j = 0; j < n_embd; ++j) {
+            acc[j] += h[r] * ggml_fp16_to_fp32(row[j]);
+        }
+    }
+}
+
+// Q4_0 block (18 bytes): f16 d, 16 bytes of nibbles; value j (< 16) = d·((qs[j] & 15) − 8), value
+// 16 + j = d·((qs[j] >> 4) − 8). Q4_1 block (20 bytes): f16 d, f16 m, nibbles; value = d·q + m.
+constexpr size_t kQ4_0Bytes = 18;
+constexpr size_t kQ4_1Bytes = 20;
+
+template <bool kMin>
+void axpy_q4_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
+    for (int r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < n_embd / 32; ++b) {
+            const uint8_t * blk = rows[r] + b * bytes;
+            const float d = ggml_fp16_to_fp32(load_u16(blk)) * h[r];
+            const float m = kMin ? ggml_fp16_to_fp32(load_u16(blk + 2)) * h[r] : -8.0f * d;
+            const uint8_t * qs = blk + (kMin ? 4 : 2);
+            float * a = acc + b * 32;
+            for (int j = 0; j < 16; ++j) {
+                a[j] += d * static_cast<float>(qs[j] & 15) + m;
+                a[j + 16] += d * static_cast<float>(qs[j] >> 4) + m;
+            }
+        }
+    }
+}
+
+// K-quant super-blocks of 256 values (ggml-common.h block_q4_K / block_q6_K):
+//   Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes packing 8 six-bit scales sc[k] and mins m[k], then
+//     128 bytes of nibbles. Sub-block k (32 values) of the 64-value chunk c = k/2 reads qs[32c..32c+32):
+//     low nibbles for even k, high nibbles for odd k; value = d·sc[k]·q − dmin·m[k].
+//   Q6_K (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16], f16 d. Half n (128
+//     values) reads ql[64n..), qh[32n..), scales[8n..); for l < 32, with sc = scales + 8n:
+//       v[l]    = d·sc[l/16]    ·((ql[l]    & 15) | ((qh[l]      & 3) << 4)) − 32)
+//       v[l+32] = d·sc[2 + l/16]·((ql[l+32] & 15) | ((qh[l] >> 2 & 3) << 4)) − 32)
+//       v[l+64] = d·sc[4 + l/16]·((ql[l]    >> 4) | ((qh[l] >> 4 & 3) << 4)) − 32)
+//       v[l+96] = d·sc[6 + l/16]·((ql[l+32] >> 4) | ((qh[l] >> 6 & 3) << 4)) − 32)
+constexpr int64_t kQK = 256;
+constexpr size_t kQ4_KBytes = 144;
+constexpr size_t kQ6_KBytes = 210;
+
+// The 8 scales (out[0..8)) and 8 mins (out[8..16)) of a Q4_K block's 12 packed bytes.
+inline void q4_k_scales_mins(const uint8_t * packed, uint8_t * out) {
+    uint32_t u[4];
+    std::memcpy(u, packed, 12);
+    constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+    u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
+    const uint32_t mins_lo = u[1] & kLow6;
+    u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
+    u[2] = mins_lo;
+    u[0] &= kLow6;
+    std::memcpy(out, u, 16);
+}
+
+void axpy_q4_k_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < n_embd / kQK; ++b) {
+            const uint8_t * blk = rows[r] + b * kQ4_KBytes;
+            const float d = ggml_fp16_to_fp32(load_u16(blk)) * h[r];
+            const float dmin = ggml_fp16_to_fp32(load_u16(blk + 2)) * h[r];
+            uint8_t sm[16];
+            q4_k_scales_mins(blk + 4, sm);
+            const uint8_t * qs = blk + 16;
+            float * a = acc + b * kQK;
+            for (int c = 0; c < 4; ++c) {
+                const float d0 = d * sm[2 * c], m0 = dmin * sm[8 + 2 * c];
+                const float d1 = d * sm[2 * c + 1], m1 = dmin * sm[8 + 2 * c + 1];
+                for (int l = 0; l < 32; ++l) {
+                    a[64 * c + l] += d0 * static_cast<float>(qs[32 * c + l] & 15) - m0;
+                    a[64 * c + 32 + l] += d1 * static_cast<float>(qs[32 * c + l] >> 4) - m1;
+                }
+            }
+        }
+    }
+}
+
+// Q2_K (84 bytes per 256 values): 16 bytes of 4-bit scale (low) and min (high) per 16-value
+// sub-block, 64 bytes of 2-bit quants, f16 d, f16 dmin; value = d·sc·q − dmin·m. Sub-block s of
+// 16 values holds, for half h = s / 8, j = (s % 8) / 2, g = s % 2: bits 2j..2j+1 of bytes
+// qs[32h + 16g .. 32h + 16g + 16), at values 128h + 32j + 16g + l (ggml's dequantize_row_q2_K).
+constexpr size_t kQ2_KBytes = 84;
+
+void axpy_q2_k_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < n_embd / kQK; ++b) {
+            const uint8_t * blk = rows[r] + b * kQ2_KBytes;
+            const float d = ggml_fp16_to_fp32(load_u16(blk + 80)) * h[r];
+            const float dmin = ggml_fp16_to_fp32(load_u16(blk + 82)) * h[r];
+            for (int s = 0; s < 16; ++s) {
+                const int half = s / 8, j = (s % 8) / 2, g = s % 2;
+                const float dl = d * static_cast<float>(blk[s] & 15), ml = dmin * static_cast<float>(blk[s] >> 4);
+                const uint8_t * q = blk + 16 + 32 * half + 16 * g;
+                float * a = acc + b * kQK + 128 * half + 32 * j + 16 * g;
+                for (int l = 0; l < 16; ++l) a[l] += dl * static_cast<float>((q[l] >> (2 * j)) & 3) - ml;
+            }
+        }
+    }
+}
+
+void axpy_q6_k_scalar(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < n_embd / kQK; ++b) {
+            const uint8_t * blk = rows[r] + b * kQ6_KBytes;
+            const float d = ggml_fp16_to_fp32(load_u16(blk + 208)) * h[r];
+            for (int half = 0; half < 2; ++half) {
+                const uint8_t * ql = blk + 64 * half;
+                const uint8_t * qh = blk + 128 + 32 * half;
+                const int8_t * sc = reinterpret_cast<const int8_t *>(blk + 192) + 8 * half;
+                float * a = acc + b * kQK + 128 * half;
+                for (int l = 0; l < 32; ++l) {
+                    const int q1 = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+                    const int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    a[l] += d * sc[l / 16] * static_cast<float>(q1);
+                    a[l + 32] += d * sc[2 + l / 16] * static_cast<float>(q2);
+                    a[l + 64] += d * sc[4 + l / 16] * static_cast<float>(q3);
+                    a[l + 96] += d * sc[6 + l / 16] * static_cast<float>(q4);
+                }
+            }
+        }
+    }
+}
+
+void axpy_f32(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) {
+    for (int r = 0; r < n; ++r) {
+        const float * row = reinterpret_cast<const float *>(rows[r]);
+        for (int64_t j = 0; j < n_embd; ++j) {
+            acc[j] += h[r] * row[j];
+        }
+    }
+}
+
+#if LLAMAFLASH_X86
+// GCC 12 reports its own AVX-512 intrinsics' `__m512 __Y = __Y;` as maybe-uninitialized in
+// target("avx512f") functions (GCC bug 105593): silence that false positive for this section only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// Q2_K, one row at a time (the scalar loop's order per value): 8 floats per FMA.
+__attribute__((target("avx2,f16c,fma"))) void axpy_q2_k_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                             int n, int64_t n_embd) {
+    const __m128i three = _mm_set1_epi8(3);
+    for (int r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < n_embd / kQK; ++b) {
+            const uint8_t * blk = rows[r] + b * kQ2_KBytes;
+            const float d = _cvtsh_ss(load_u16(blk + 80)) * h[r];
+            const float dmin = _cvtsh_ss(load_u16(blk + 82)) * h[r];
+            for (int s = 0; s < 16; ++s) {
+                const int half = s / 8, j = (s % 8) / 2, g = s % 2;
+                const __m256 dl = _mm256_set1_ps(d * static_cast<float>(blk[s] & 15));
+                const __m256 ml = _mm256_set1_ps(dmin * static_cast<float>(blk[s] >> 4));
+                const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + 16 + 32 * half + 16 * g));
+                const __m128i v = _mm_and_si128(_mm_srl_epi16(q, _mm_cvtsi32_si128(2 * j)), three);
+                float * a = acc + b * kQK + 128 * half + 32 * j + 16 * g;
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+                _mm256_storeu_ps(a, _mm256_sub_ps(_mm256_fmadd_ps(dl, lo, _mm256_loadu_ps(a)), ml));
+                _mm256_storeu_ps(a + 8, _mm256_sub_ps(_mm256_fmadd_ps(dl, hi, _mm256_loadu_ps(a + 8)), ml));
+            }
+        }
+    }
+}
+
+// R rows (1..4) in one pass over acc.
+template <int R>
+__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q8_0_pass_avx512(float * acc, const uint8_t * const * rows,
+                                                                           const float * h, int64_t nb) {
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 y0 = _mm512_loadu_ps(acc + 32 * b);
+        __m512 y1 = _mm512_loadu_ps(acc + 32 * b + 16);
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ8_0Bytes;
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r]);
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 2));
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+            y0 = _mm512_fmadd_ps(q0, d, y0);
+            y1 = _mm512_fmadd_ps(q1, d, y1);
+        }
+        _mm512_storeu_ps(acc + 32 * b, y0);
+        _mm512_storeu_ps(acc + 32 * b + 16, y1);
+    }
+}
+
+template <int R>
+__attribute__((target("avx2,f16c,fma"))) void q8_0_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                             int64_t nb) {
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 y[4];
+        for (int k = 0; k < 4; ++k) {
+            y[k] = _mm256_loadu_ps(acc + 32 * b + 8 * k);
+        }
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ8_0Bytes;
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r]);
+            for (int k = 0; k < 4; ++k) {
+                const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(blk + 2 + 8 * k));
+                y[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d, y[k]);
+            }
+        }
+        for (int k = 0; k < 4; ++k) {
+            _mm256_storeu_ps(acc + 32 * b + 8 * k, y[k]);
+        }
+    }
+}
+
+// R rows (1..4) of Q4_0 (kMin false) or Q4_1 (true) in one pass over acc.
+template <bool kMin, int R>
+__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_pass_avx512(float * acc, const uint8_t * const * rows,
+                                                                         const float * h, int64_t nb) {
+    const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 y0 = _mm512_loadu_ps(acc + 32 * b);
+        __m512 y1 = _mm512_loadu_ps(acc + 32 * b + 16);
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * bytes;
+            const float d = _cvtsh_ss(load_u16(blk)) * h[r];
+            const __m512 vd = _mm512_set1_ps(d);
+            const __m512 vm = _mm512_set1_ps(kMin ? _cvtsh_ss(load_u16(blk + 2)) * h[r] : -8.0f * d);
+            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + (kMin ? 4 : 2)));
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
+            y0 = _mm512_add_ps(_mm512_fmadd_ps(q0, vd, vm), y0);
+            y1 = _mm512_add_ps(_mm512_fmadd_ps(q1, vd, vm), y1);
+        }
+        _mm512_storeu_ps(acc + 32 * b, y0);
+        _mm512_storeu_ps(acc + 32 * b + 16, y1);
+    }
+}
+
+template <bool kMin, int R>
+__attribute__((target("avx2,f16c,fma"))) void q4_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                           int64_t nb) {
+    const size_t bytes = kMin ? kQ4_1Bytes : kQ4_0Bytes;
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 y[4];
+        for (int k = 0; k < 4; ++k) {
+            y[k] = _mm256_loadu_ps(acc + 32 * b + 8 * k);
+        }
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * bytes;
+            const float d = _cvtsh_ss(load_u16(blk)) * h[r];
+            const __m256 vd = _mm256_set1_ps(d);
+            const __m256 vm = _mm256_set1_ps(kMin ? _cvtsh_ss(load_u16(blk + 2)) * h[r] : -8.0f * d);
+            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + (kMin ? 4 : 2)));
+            const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int k = 0; k < 4; ++k) {
+                const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]));
+                y[k] = _mm256_add_ps(_mm256_fmadd_ps(v, vd, vm), y[k]);
+            }
+        }
+        for (int k = 0; k < 4; ++k) {
+            _mm256_storeu_ps(acc + 32 * b + 8 * k, y[k]);
+        }
+    }
+}
+// R rows (1..4) of Q4_K in one pass over acc, one 256-value super-block at a time (16 zmm of acc).
+// The min terms are summed over the R rows per sub-block first and subtracted once per pass.
+template <int R>
+__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_pass_avx512(float * acc, const uint8_t * const * rows,
+                                                                           const float * h, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        float * a = acc + b * kQK;
+        __m512 y[16];
+        for (int k = 0; k < 16; ++k) {
+            y[k] = _mm512_loadu_ps(a + 16 * k);
+        }
+        __m256 min_sum = _mm256_setzero_ps();  // Σ_r dmin_r·h_r·m_r[k], k = sub-block
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ4_KBytes;
+            uint8_t sm[16];
+            q4_k_scales_mins(blk + 4, sm);
+            const __m128i sm8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(sm));
+            const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8)),
+                                            _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r]));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
+            min_sum = _mm256_fmadd_ps(mn, _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)) * h[r]), min_sum);
+            alignas(32) float scale[8];
+            _mm256_store_ps(scale, sc);
+            for (int c = 0; c < 4; ++c) {
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 16 + 32 * c));
+                const __m256i lo = _mm256_and_si256(q, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                // 16 nibbles of sub-block 2c (low) or 2c + 1 (high) -> 16 floats, times that sub-block's scale
+                const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                          _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+                for (int k = 0; k < 4; ++k) {
+                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[k]));
+                    y[4 * c + k] = _mm512_fmadd_ps(v, _mm512_set1_ps(scale[2 * c + k / 2]), y[4 * c + k]);
+                }
+            }
+        }
+        alignas(32) float mins[8];
+        _mm256_store_ps(mins, min_sum);
+        for (int k = 0; k < 16; ++k) {
+            _mm512_storeu_ps(a + 16 * k, _mm512_sub_ps(y[k], _mm512_set1_ps(mins[k / 2])));
+        }
+    }
+}
+
+// R rows (1..4) of Q6_K in one pass over acc, one 256-value super-block at a time (16 zmm of acc).
+template <int R>
+__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q6_k_pass_avx512(float * acc, const uint8_t * const * rows,
+                                                                           const float * h, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    for (int64_t b = 0; b < nb; ++b) {
+        float * a = acc + b * kQK;
+        __m512 y[16];
+        for (int k = 0; k < 16; ++k) {
+            y[k] = _mm512_loadu_ps(a + 16 * k);
+        }
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ6_KBytes;
+            const __m512 sc = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + 192)))),
+                _mm512_set1_ps(_cvtsh_ss(load_u16(blk + 208)) * h[r]));
+            alignas(64) float scale[16];
+            _mm512_store_ps(scale, sc);
+            for (int half = 0; half < 2; ++half) {
+                const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * half));
+                const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * half + 32));
+                const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 128 + 32 * half));
+                // q_j: the 32 values l + 32j of this half, as int8 in −32..31
+                const __m256i q[4] = {
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql0, low),
+                                                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), two_bits)),
+                                    bias),
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql1, low),
+                                                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), two_bits)),
+                                    bias),
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
+                                                    _mm256_and_si256(qh, two_bits)),
+                                    bias),
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), two_bits)),
+                                    bias),
+                };
+                for (int j = 0; j < 4; ++j) {
+                    const int k = 8 * half + 2 * j;  // zmm index of values l + 32j, l < 16; scale index likewise
+                    const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q[j])));
+                    const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q[j], 1)));
+                    y[k] = _mm512_fmadd_ps(v0, _mm512_set1_ps(scale[k]), y[k]);
+                    y[k + 1] = _mm512_fmadd_ps(v1, _mm512_set1_ps(scale[k + 1]), y[k + 1]);
+                }
+            }
+        }
+        for (int k = 0; k < 16; ++k) {
+            _mm512_storeu_ps(a + 16 * k, y[k]);
+        }
+    }
+}
+
+template <int R>
+void q4_0_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) {
+    q4_pass_avx512<false, R>(a, rw, h, nb);
+}
+template <int R>
+void q4_1_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) {
+    q4_pass_avx512<true, R>(a, rw, h, nb);
+}
+template <int R>
+void q4_0_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) {
+    q4_pass_avx2<false, R>(a, rw, h, nb);
+}
+template <int R>
+void q4_1_pass_avx2(float * a, const uint8_t * const * rw, const float * h, int64_t nb) {
+    q4_pass_avx2<true, R>(a, rw, h, nb);
+}
+
+template <int R>
+__attribute__((target("avx512f,f16c,fma"))) void f16_pass_avx512(float * acc, const uint8_t * const * rows,
+                                                                 const float * h, int64_t n_embd) {
+    int64_t j = 0;
+    for (; j + 16 <= n_embd; j += 16) {
+        __m512 y = _mm512_loadu_ps(acc + j);
+        for (int r = 0; r < R; ++r) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(rows[r] + 2 * j));
+            y = _mm512_fmadd_ps(_mm512_cvtph_ps(v), _mm512_set1_ps(h[r]), y);
+        }
+        _mm512_storeu_ps(acc + j, y);
+    }
+    for (; j < n_embd; ++j) {
+        for (int r = 0; r < R; ++r) {
+            acc[j] += h[r] * _cvtsh_ss(load_u16(rows[r] + 2 * j));
+        }
+    }
+}
+
+template <int R>
+__attribute__((target("avx2,f16c,fma"))) void f16_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                            int64_t n_embd) {
+    int64_t j = 0;
+    for (; j + 8 <= n_embd; j += 8) {
+        __m256 y = _mm256_loadu_ps(acc + j);
+        for (int r = 0; r < R; ++r) {
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(rows[r] + 2 * j));
+            y = _mm256_fmadd_ps(_mm256_cvtph_ps(v), _mm256_set1_ps(h[r]), y);
+        }
+        _mm256_storeu_ps(acc + j, y);
+    }
+    for (; j < n_embd; ++j) {
+        for (int r = 0; r < R; ++r) {
+            acc[j] += h[r] * _cvtsh_ss(load_u16(rows[r] + 2 * j));
+        }
+    }
+}
+
+// n rows in passes of 4, then the remainder: PASS<R>(acc, rows, h, arg)
+#define LLAMAFLASH_DEFINE_AXPY(name, pass, arg_expr)                                               \
+    void name(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd) { \
+        const int64_t arg = (arg_expr);                                                            \
+        int r = 0;                                                                                 \
+        for (; r + kRowsPerPass <= n; r += kRowsPerPass) pass<4>(acc, rows + r, h + r, arg);       \
+        switch (n - r) {                                                                           \
+            case 3: pass<3>(acc, rows + r, h + r, arg); break;                                     \
+            case 2: pass<2>(acc, rows + r, h + r, arg); break;                                     \
+            case 1: pass<1>(acc, rows + r, h + r, arg); break;                                     \
+            default: break;                                                                        \
+        }                                                                                          \
+    }
+LLAMAFLASH_DEFINE_AXPY(axpy_q8_0_avx512, q8_0_pass_avx512, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_q8_0_avx2, q8_0_pass_avx2, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_f16_avx512, f16_pass_avx512, n_embd)
+LLAMAFLASH_DEFINE_AXPY(axpy_f16_avx2, f16_pass_avx2, n_embd)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx512, q4_0_pass_avx512, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx512, q4_1_pass_avx512, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx2, q4_0_pass_avx2, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx2, q4_1_pass_avx2, n_embd / 32)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_k_avx512, q4_k_pass_avx512, n_embd / kQK)
+LLAMAFLASH_DEFINE_AXPY(axpy_q6_k_avx512, q6_k_pass_avx512, n_embd / kQK)
+#undef LLAMAFLASH_DEFINE_AXPY
+
+#pragma GCC diagnostic pop
+#endif  // LLAMAFLASH_X86
+
+}  // namespace
+
+AxpyFn pick_axpy(ggml_type type, SparseIsa isa) {
+    if (type == GGML_TYPE_F32) return axpy_f32;  // (compiler-vectorized; not a production down_t type)
+#if LLAMAFLASH_X86
+    if (type == GGML_TYPE_Q8_0) {
+        return isa == SparseIsa::avx512 ? axpy_q8_0_avx512 : isa == SparseIsa::avx2 ? axpy_q8_0_avx2 : axpy_q8_0_scalar;
+    }
+    if (type == GGML_TYPE_F16) {
+        return isa == SparseIsa::avx512 ? axpy_f16_avx512 : isa == SparseIsa::avx2 ? axpy_f16_avx2 : axpy_f16_scalar;
+    }
+    if (type == GGML_TYPE_Q4_0) {
+        return isa == SparseIsa::avx512 ? axpy_q4_0_avx512
+               : isa == SparseIsa::avx2 ? axpy_q4_0_avx2
+                                        : axpy_q4_scalar<false>;
+    }
+    if (type == GGML_TYPE_Q4_1) {
+        return isa == SparseIsa::avx512 ? axpy_q4_1_avx512
+               : isa == SparseIsa::avx2 ? axpy_q4_1_avx2
+                                        : axpy_q4_scalar<true>;
+    }
+    // K-quants: AVX-512 or the fused scalar loop (no AVX2 pass)
+    if (type == GGML_TYPE_Q4_K) return isa == SparseIsa::avx512 ? axpy_q4_k_avx512 : axpy_q4_k_scalar;
+    if (type == GGML_TYPE_Q6_K) return isa == SparseIsa::avx512 ? axpy_q6_k_avx512 : axpy_q6_k_scalar;
+    if (type == GGML_TYPE_Q2_K) return isa == SparseIsa::scalar ? axpy_q2_k_scalar : axpy_q2_k_avx2;
+#else
+    if (type == GGML_TYPE_Q2_K) return axpy_q2_k_scalar;
+    if (type == GGML_TYPE_Q4_K) return axpy_q4_k_scalar;
+    if (type == GGML_TYPE_Q6_K) return axpy_q6_k_scalar;
+    if (type == GGML_TYPE_Q4_0) return axpy_q4_scalar<false>;
+    if (type == GGML_TYPE_Q4_1) return axpy_q4_scalar<true>;
+    if (type == GGML_TYPE_Q8_0) return axpy_q8_0_scalar;
+    if (type == GGML_TYPE_F16) return axpy_f16_scalar;
+#endif
+    return nullptr;  // generic path: to_float into a row buffer, then axpy
+}
+
+SparseIsa sparse_ffn_best_isa() {
+#if LLAMAFLASH_X86
+    static const SparseIsa best = [] {
+        __builtin_cpu_init();
+        const bool base = __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        if (base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return SparseIsa::avx512;
+        if (base && __builtin_cpu_supports("avx2")) return SparseIsa::avx2;
+        return SparseIsa::scalar;
+    }();
+    return best;
+#else
+    return SparseIsa::scalar;
+#endif
+}
+
+const char * sparse_isa_name(SparseIsa isa) {
+    switch (isa) {
+        case SparseIsa::auto_: return "auto";
+        case SparseIsa::scalar: return "scalar";
+        case SparseIsa::avx2: return "avx2";
+        case SparseIsa::avx512: return "avx512";
+    }
+    return "?";
+}
+
+}  // namespace llamaflash

@@ -1,0 +1,178 @@
+"""Whether a RAM budget needs flash offload at all.
+
+Flash offload pays where the model does not fit: it reads the FFN rows it needs from flash instead
+of letting the page cache thrash. Where the budget holds everything stock llama.cpp keeps resident,
+stock is faster (its repacked weights, no sparse-lane bookkeeping, nothing read), so
+``Llama(ram_budget_mb=N)`` then runs stock llama.cpp untouched: *stock-equivalent*.
+
+What stock needs resident, in bytes (the planner's own accounting, ``planner.llama_share``, with the
+FFN weights resident instead of on flash):
+
+    runtime          the measured RSS of the Python runtime (planner.RUNTIME_RSS_BYTES)
+    llama_vocab      llama.cpp's tokenizer tables
+    model_weights    every tensor of the model file, the FFN included (token_embd counted by the
+                     pages of n_ctx rows when the model has its own output matrix, as the planner does)
+    kv_cache         f16 K and V at n_ctx
+    compute_buffers  llama.cpp's compute buffers at n_ubatch
+    margin           planner.MARGIN_FIXED_BYTES + planner.MARGIN_FRACTION of the above (allocator slack,
+                     and the page-cache headroom that keeps mmapped weights resident under a cgroup)
+
+n_ubatch (unless the caller fixes it) is the largest of planner.UBATCH_CHOICES whose compute buffers
+take at most planner.UBATCH_BUDGET_SHARE of the budget (stock's decode does not depend on it, its
+prefill does), or a smaller one where that one's need does not fit: the budget is stock's when it
+holds the sum at one of them (:func:`decide`), so that a larger budget never runs offload where a
+smaller ran stock.
+
+Predicted decode (:func:`stock_decode_tok_s`): with everything resident, stock's decode is taken as
+memory-bound, every weight (``model_weights``) read once per token at STOCK_BYTES_PER_S. An offload
+plan's pass (draft_plan: its flash reads plus llama.cpp's weights and the gate at the slower
+draft_plan.MEMORY_BYTES_PER_S of the batch-invariant kernels) is then predicted slower than stock
+wherever a token reads more than about (up + down bytes) × disk rate / memory rate from flash, so the
+predicted curve does not fall where the budget crosses into stock (tests/test_plan_monotone.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+from ..files import sidecar_format as fmt
+from ..files.gguf_header import GGUFHeader
+from ..files.sidecar import SidecarInfo
+from . import planner
+
+#: Bytes of weights per second stock llama.cpp decodes with the model resident (repacked kernels, 2
+#: threads): Qwen2.5-Coder-1.5B Q4_K_M (980 MB of weights besides token_embd) measured 20.8-28.5 tok/s
+#: in memory or under a limit that holds it (docs/BENCHMARKS.md), 20-28 GB/s; the middle is taken.
+STOCK_BYTES_PER_S = 24e9
+
+#: The lane names of a budget decision (flash_stats()["decision"]["lane"]).
+STOCK = "stock"
+OFFLOAD = "offload"
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetDecision:
+    """``lane``: STOCK (the budget holds what stock keeps resident) or OFFLOAD; ``stock_need_bytes``:
+    that need at ``n_ubatch``; ``parts``: its parts (bytes); ``reason``: one sentence for users."""
+
+    lane: str
+    budget_bytes: int
+    stock_need_bytes: int
+    n_ubatch: int
+    parts: Dict[str, int]
+    reason: str
+
+    @property
+    def stock(self) -> bool:
+        return self.lane == STOCK
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def stock_need(
+    header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int, runtime_rss_bytes: Optional[int] = None
+) -> Dict[str, int]:
+    """The parts (bytes) of what stock llama.cpp keeps resident (see the module docstring)."""
+    share = planner.llama_share(header, info, n_ctx, n_ubatch)
+    size = {t.name: t.nbytes for t in header.tensors}
+    ffn = sum(
+        size.get(name(lay.layer), 0)
+        for lay in info.layers
+        for name in (fmt.base_ffn_gate_name, fmt.base_ffn_up_name, fmt.base_ffn_down_name)
+    )
+    parts = {
+        "runtime": int(planner.RUNTIME_RSS_BYTES if runtime_rss_bytes is None else runtime_rss_bytes),
+        "llama_vocab": share["llama_vocab"],
+        "model_weights": share["llama_weights"] + ffn,
+        "kv_cache": share["kv_cache"],
+        "compute_buffers": share["compute_buffers"],
+    }
+    parts["margin"] = planner.MARGIN_FIXED_BYTES + int(planner.MARGIN_FRACTION * sum(parts.values()))
+    return parts
+
+
+def stock_decode_tok_s(parts: Dict[str, int]) -> float:
+    """Stock's predicted decode tok/s with the model resident (see the module docstring): ``parts`` as
+    :func:`stock_need` gives them (every weight of the model file, ``model_weights``, read once per token)."""
+    return STOCK_BYTES_PER_S / parts["model_weights"]
+
+
+def stock_ubatch(header: GGUFHeader, info: SidecarInfo, budget_bytes: int, n_ctx: int) -> int:
+    """The n_ubatch stock takes at ``budget_bytes``: the largest of planner.UBATCH_CHOICES whose compute
+    buffers take at most planner.UBATCH_BUDGET_SHARE of it, else the smallest."""
+    choices = [u for u in planner.UBATCH_CHOICES if u <= n_ctx] or [n_ctx]
+    for u in choices:
+        if planner.llama_share(header, info, n_ctx, u)["compute_buffers"] <= planner.UBATCH_BUDGET_SHARE * budget_bytes:
+            return u
+    return choices[-1]
+
+
+def decide(
+    header: GGUFHeader,
+    info: SidecarInfo,
+    ram_budget_mb: float,
+    n_ctx: int,
+    n_ubatch: Optional[int] = None,
+    runtime_rss_bytes: Optional[int] = None,
+) -> BudgetDecision:
+    """STOCK when ``ram_budget_mb`` MiB hold what stock keeps resident at ``n_ctx`` (and ``n_ubatch``, or
+    stock's choice for the budget, :func:`stock_ubatch`), else OFFLOAD; the reason names both numbers."""
+    MiB = planner.MiB
+    budget = int(ram_budget_mb * MiB)
+    if n_ubatch:
+        candidates = [min(int(n_ubatch), n_ctx)]
+    else:  # stock's choice, else a smaller one that fits (so a larger budget is never less stock)
+        first = stock_ubatch(header, info, budget, n_ctx)
+        candidates = [u for u in (planner.UBATCH_CHOICES + (n_ctx,)) if u <= first] or [first]
+        candidates = sorted(set(candidates), reverse=True)
+    for u in candidates:
+        parts = stock_need(header, info, n_ctx, u, runtime_rss_bytes)
+        need = sum(parts.values())
+        if budget >= need:
+            break
+    if budget < need:  # report the need at the planner's own choice
+        u = candidates[0]
+        parts = stock_need(header, info, n_ctx, u, runtime_rss_bytes)
+        need = sum(parts.values())
+    detail = (
+        f"model {parts['model_weights'] / MiB:.0f} + llama.cpp {(parts['llama_vocab'] + parts['kv_cache'] + parts['compute_buffers']) / MiB:.0f} "
+        f"+ runtime {parts['runtime'] / MiB:.0f} + margin {parts['margin'] / MiB:.0f} MiB at n_ctx {n_ctx}, "
+        f"n_ubatch {u}"
+    )
+    if budget >= need:
+        return BudgetDecision(
+            STOCK,
+            budget,
+            need,
+            u,
+            parts,
+            (
+                f"running as stock: the budget of {ram_budget_mb:g} MiB holds the {need / MiB:.0f} MiB stock llama.cpp "
+                f"keeps resident ({detail}), so nothing is offloaded to flash"
+            ),
+        )
+    return BudgetDecision(
+        OFFLOAD,
+        budget,
+        need,
+        u,
+        parts,
+        (
+            f"flash offload: the budget of {ram_budget_mb:g} MiB is below the {need / MiB:.0f} MiB stock llama.cpp "
+            f"keeps resident ({detail})"
+        ),
+    )
+
+
+__all__ = (
+    "BudgetDecision",
+    "STOCK_BYTES_PER_S",
+    "decide",
+    "stock_decode_tok_s",
+    "stock_need",
+    "stock_ubatch",
+    "STOCK",
+    "OFFLOAD",
+)

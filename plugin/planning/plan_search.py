@@ -1,0 +1,275 @@
+"""The plan search: of the layouts that fit the budget (plan_budget.Layout, plain values), the one
+whose plan predicts the fastest decode.
+
+  1. Every layout allowed (the gate resident or streamed; each n_ubatch of UBATCH_CHOICES up to n_ctx)
+     whose least minimum fits the budget is a candidate. Of one gate placement the smallest n_ubatch
+     leaves the most memory to pinned clusters, so its plan predicts that placement's fastest decode;
+     it is planned (:func:`plan_layout`: the neuron cache sized for every cluster size, the best
+     kept). A streamed gate is planned too unless its gate reads alone take longer than the whole
+     token of the resident gate's plan.
+  2. The plan with the highest predicted I/O-bound decode wins (ties: the resident gate). A larger
+     n_ubatch (faster prefill) is taken only where it predicts the same decode, where every cluster
+     is still pinned beside its larger compute buffers: the largest such.
+  3. The draft copy is one more layout: the chosen one's n_ubatch with the copy resident and the gate
+     resident; draft_plan chooses between the two plans by predicted delivered decode speed.
+
+More memory is never predicted slower: for one layout a larger budget only pins more clusters (fewer
+reads), and every layout that fits a smaller budget fits a larger one and is a candidate there, so
+the best prediction at a budget is at least the best at any smaller budget. The prediction maximized
+is the decode without speculation; the draft copy is weighed after it (planner, draft_plan). (A rule
+that grows n_ubatch with the budget, as prefill would like, makes the budget where it doubles pin
+fewer clusters.) Where a larger n_ubatch would have been taken for prefill (the largest whose compute
+buffers take at most UBATCH_BUDGET_SHARE of the budget) the plan's notes and ``ubatch_choice`` say
+what it would pin and predict: the trade, decode for prefill, is the caller's to reverse with
+``n_ubatch``.
+
+Another kind of offloaded weight is one more part: its sizes in plan_budget's parts, its choice
+beside plan_clusters.choose_cache in :func:`plan_layout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import RamBudgetError
+from .plan_budget import (
+    UBATCH_BUDGET_SHARE,
+    UBATCH_CHOICES,
+    Layout,
+    PlanRequest,
+    cache_floor_bytes,
+    cold_bytes,
+    least_minimum,
+    make_layout,
+    margin_bytes,
+    minimum_bytes,
+    verify_bytes,
+)
+from .plan_clusters import GATE_READ_DEPTH, StreamedGate, choose_cache
+from .plan_disk import DiskModel, default_disk, disk_source
+from .plan_explain import gate_note, part_reasons, plan_notes, ubatch_note
+from .plan_llama_share import MiB
+from .plan_result import OffloadPlan
+
+
+def layout_options(
+    req: PlanRequest, stream_options: tuple[bool, ...], ubatches: tuple[int, ...], copy_bytes: int
+) -> list[Layout]:
+    """Every layout of these gate placements and n_ubatch values (gate placement first, n_ubatch
+    largest first)."""
+    return [make_layout(req, u, s, copy_bytes) for s in stream_options for u in ubatches]
+
+
+def ubatch_options(req: PlanRequest, n_ubatch: int | None) -> tuple[int, ...]:
+    """``n_ubatch`` (at most n_ctx) when given, else the UBATCH_CHOICES up to n_ctx (or n_ctx alone)."""
+    if n_ubatch is not None:
+        return (min(n_ubatch, req.n_ctx),)
+    return tuple(u for u in UBATCH_CHOICES if u <= req.n_ctx) or (req.n_ctx,)
+
+
+def stream_options(stream_gate: bool | None) -> tuple[bool, ...]:
+    return (False, True) if stream_gate is None else (bool(stream_gate),)
+
+
+def fitting_layouts(req: PlanRequest, layouts: list[Layout]) -> list[Layout]:
+    """The ``layouts`` whose least minimum fits the budget. Raises :class:`RamBudgetError` naming the
+    least budget of the least demanding layout (the last) when none does."""
+    fitting = [lay for lay in layouts if least_minimum(req, lay) <= req.budget_bytes]
+    if fitting:
+        return fitting
+    last = layouts[-1]
+    need = math.ceil(least_minimum(req, last) / MiB)
+    big = ", ".join(f"{k} {v / MiB:.0f}" for k, v in sorted(last.fixed.items(), key=lambda kv: -kv[1])[:4])
+    raise RamBudgetError(
+        f"RAM budget {req.budget_mb:g} MiB is below the minimum of {need} MiB that the flash-offload engine "
+        f"needs for {Path(req.model_path).name} at n_ctx {req.n_ctx} (n_ubatch {last.n_ubatch}; largest parts "
+        f"in MiB: {big}). Raise the budget to at least {need} MiB (--ram-budget-mb {need}), or use a smaller "
+        f"n_ctx (the KV cache takes {last.fixed['kv_cache'] / MiB:.1f} MiB at n_ctx {req.n_ctx})."
+    )
+
+
+def prefill_ubatch(req: PlanRequest, ubatches: tuple[int, ...]) -> int:
+    """The n_ubatch prefill would take: the largest of ``ubatches`` (largest first) whose compute
+    buffers take at most UBATCH_BUDGET_SHARE of the budget, else the smallest."""
+    for u in ubatches:
+        if make_layout(req, u, False, 0).fixed["compute_buffers"] <= UBATCH_BUDGET_SHARE * req.budget_bytes:
+            return u
+    return ubatches[-1]
+
+
+def decode_key(plan: OffloadPlan) -> float:
+    """The predicted I/O-bound decode the search maximizes (inf: nothing is read from flash)."""
+    return math.inf if plan.io_bound_tok_s is None else plan.io_bound_tok_s
+
+
+def gate_read_seconds(req: PlanRequest, disk: DiskModel) -> float:
+    """Device seconds per token of a streamed gate's reads alone (one large read per layer)."""
+    return float(disk.seconds(np.array(req.gate_layer_bytes, dtype=float), GATE_READ_DEPTH).sum())
+
+
+def all_pinned_fits(req: PlanRequest, layout: Layout) -> bool:
+    """Whether every cluster of some cluster size fits beside ``layout``'s minimum."""
+    return any(minimum_bytes(req, layout, t) + t.total_clusters * t.slot_bytes <= req.budget_bytes for t in req.tables)
+
+
+def plan_layout(req: PlanRequest, layout: Layout, least_budget: int) -> OffloadPlan:
+    """The plan of ``layout``: the neuron cache sized for every cluster size tried, the best predicted
+    decode kept (ties: the smaller minimum). ``least_budget``: the least budget of the model and
+    settings, reported as is."""
+    disk = DiskModel(req.disk if req.disk is not None else default_disk())
+    gate = StreamedGate(sum(req.gate_layer_bytes), req.gate_layer_bytes) if layout.stream_gate else None
+    rows, choices = [], []
+    for table in req.tables:
+        low = minimum_bytes(req, layout, table)
+        row: dict[str, Any] = {"cluster_size": table.size, "slot_bytes": table.slot_bytes, "minimum_bytes": low}
+        rows.append(row)
+        if low > req.budget_bytes:
+            row["hot_slots"] = None
+            continue
+        n_hot = min(table.total_clusters, (req.budget_bytes - low) // table.slot_bytes)
+        choice = choose_cache(table, n_hot, disk, req.prefetch_layers, gate)
+        row.update(
+            hot_slots=int(n_hot),
+            hit_rate=choice.hit_rate,
+            neuron_hit_rate=choice.neuron_hit_rate,
+            flash_bytes_per_token=choice.flash_bytes_per_token,
+            io_bound_tok_s=choice.io_bound_tok_s,
+            prefetch_min_prob=choice.prefetch_min_prob,
+            queue_depth=choice.queue_depth,
+        )
+        choices.append((choice, low))
+    best, low = max(choices, key=lambda c: (c[0].rank, -c[1]))
+    table = best.table
+    parts = {
+        **layout.fixed,
+        "cold_slots": cold_bytes(req, table),
+        "verify_buffers": verify_bytes(req, table),
+        "hot_slots": best.hot_slots * table.slot_bytes,
+    }
+    parts["margin"] = req.budget_bytes - sum(parts.values())
+    spare = parts["margin"] - margin_bytes(sum(layout.fixed.values()) + cache_floor_bytes(req, table))
+    reasons = part_reasons(req, layout, best, spare)
+    return OffloadPlan(
+        model_path=str(req.model_path),
+        sidecar_path=str(req.sidecar_path),
+        budget_bytes=req.budget_bytes,
+        minimum_bytes=low,
+        least_budget_bytes=least_budget,
+        parts=parts,
+        reasons={k: reasons[k] for k in parts},
+        cluster_size=table.size,
+        slot_bytes=table.slot_bytes,
+        hot_slots=best.hot_slots,
+        cold_slots=table.cold_slots(req.prefetch_layers),
+        total_clusters=table.total_clusters,
+        queue_depth=best.queue_depth,
+        prefetch_layers=req.prefetch_layers,
+        prefetch_min_prob=best.prefetch_min_prob,
+        n_ctx=req.n_ctx,
+        n_batch=layout.n_ubatch,
+        n_ubatch=layout.n_ubatch,
+        layers=[lay.layer for lay in req.info.layers],
+        hot_clusters=[np.flatnonzero(h).astype(np.int32) for h in best.pinned],
+        cluster_prob=table.prob,
+        hit_rate=best.hit_rate,
+        neuron_hit_rate=best.neuron_hit_rate,
+        flash_bytes_per_token=best.flash_bytes_per_token,
+        io_bound_tok_s=best.io_bound_tok_s,
+        disk_source=disk_source(req.disk),
+        candidates=rows,
+        notes=plan_notes(req),
+        stream_gate=layout.stream_gate,
+        draft_copy=layout.draft_copy,
+    )
+
+
+def best_plan(req: PlanRequest, fitting: list[Layout], least_budget: int) -> OffloadPlan:
+    """The plan of the fastest predicted decode among the ``fitting`` layouts (see the module docstring)."""
+    disk = DiskModel(req.disk if req.disk is not None else default_disk())
+    plans: list[OffloadPlan] = []
+    for stream in (False, True):
+        mine = [lay for lay in fitting if lay.stream_gate == stream]
+        if not mine:
+            continue
+        if stream and plans and 1.0 / decode_key(plans[0]) <= gate_read_seconds(req, disk):
+            continue  # the gate's reads alone take longer than the resident gate's whole token
+        plans.append(plan_layout(req, mine[-1], least_budget))  # the smallest n_ubatch of this placement
+    best = max(plans, key=lambda p: (decode_key(p), not p.stream_gate))  # max keeps the first of equals
+    if best.stream_gate and req.stream_gate is None:
+        resident = plans[0] if not plans[0].stream_gate else None
+        best = dataclasses.replace(best, notes=best.notes + [gate_note(req, best, resident)])
+    if best.hot_slots == best.total_clusters:  # every cluster pinned: a larger n_ubatch may predict the same
+        for lay in fitting:
+            if lay.stream_gate != best.stream_gate or lay.n_ubatch <= best.n_ubatch or not all_pinned_fits(req, lay):
+                continue
+            larger = plan_layout(req, lay, least_budget)
+            if decode_key(larger) >= decode_key(best):
+                best = larger
+                break
+    return best
+
+
+def with_ubatch_trade(req: PlanRequest, plan: OffloadPlan) -> OffloadPlan:
+    """``plan`` with ``ubatch_choice`` and, where prefill would take a larger n_ubatch
+    (:func:`prefill_ubatch`), a note on what that n_ubatch would pin and predict instead (the plan's
+    cluster size, gate placement and draft copy)."""
+    choice: dict[str, Any] = {
+        "n_ubatch": plan.n_ubatch,
+        "hot_slots": plan.hot_slots,
+        "io_bound_tok_s": plan.io_bound_tok_s,
+    }
+    if req.n_ubatch is not None:
+        return dataclasses.replace(plan, ubatch_choice={**choice, "given": True})
+    wanted = prefill_ubatch(req, ubatch_options(req, None))
+    choice["prefill_n_ubatch"] = wanted
+    if wanted <= plan.n_ubatch:
+        return dataclasses.replace(plan, ubatch_choice=choice)
+    table = next(t for t in req.tables if t.size == plan.cluster_size)
+    layout = make_layout(req, wanted, plan.stream_gate, plan.parts.get("draft_copy", 0))
+    low = minimum_bytes(req, layout, table)
+    hot, tok_s = None, None
+    if low <= req.budget_bytes:
+        disk = DiskModel(req.disk if req.disk is not None else default_disk())
+        gate = StreamedGate(sum(req.gate_layer_bytes), req.gate_layer_bytes) if plan.stream_gate else None
+        alt = choose_cache(
+            table,
+            min(table.total_clusters, (req.budget_bytes - low) // table.slot_bytes),
+            disk,
+            req.prefetch_layers,
+            gate,
+        )
+        hot, tok_s = alt.hot_slots, alt.io_bound_tok_s
+    choice.update(
+        prefill_hot_slots=hot,
+        prefill_io_bound_tok_s=tok_s,
+        prefill_extra_bytes=layout.fixed["compute_buffers"] - plan.parts["compute_buffers"],
+    )
+    return dataclasses.replace(plan, ubatch_choice=choice, notes=plan.notes + [ubatch_note(choice)])
+
+
+def plan_without_copy(req: PlanRequest) -> OffloadPlan:
+    """The plan with the draft copy left on disk."""
+    layouts = layout_options(req, stream_options(req.stream_gate), ubatch_options(req, req.n_ubatch), 0)
+    return best_plan(req, fitting_layouts(req, layouts), min(least_minimum(req, lay) for lay in layouts))
+
+
+def copy_layout(req: PlanRequest, n_ubatch: int, copy_bytes: int) -> Layout:
+    """The draft copy's layout at ``n_ubatch`` (gate resident: a self-draft never waits for flash);
+    raises RamBudgetError when it does not fit."""
+    return fitting_layouts(req, layout_options(req, (False,), ubatch_options(req, n_ubatch), copy_bytes))[0]
+
+
+def plan_with_copy(req: PlanRequest, copy_bytes: int) -> OffloadPlan:
+    """The plan with the draft copy resident, at the given n_ubatch or else the one the plan without
+    the copy chooses (prefill numerics depend on the ubatch size, and the copy, used by drafts only,
+    must not change a token)."""
+    n_ubatch = req.n_ubatch
+    if n_ubatch is None:
+        n_ubatch = plan_without_copy(dataclasses.replace(req, stream_gate=None)).n_ubatch
+    layout = copy_layout(req, n_ubatch, copy_bytes)
+    return plan_layout(req, layout, least_minimum(req, layout))

@@ -1,0 +1,108 @@
+"""`llamaflash.Llama.flash_stats()`: one dict assembled from the native engine's counters
+(csrc/model/flash_stats.h), the offload cache's (:mod:`~llamaflash.runtime.offload`) or the expert
+engine's (:mod:`~llamaflash.runtime.expert_runtime`), the row checks and speculation."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from . import expert_runtime, offload
+
+if TYPE_CHECKING:
+    from .llama import Llama
+
+
+def collect(llm: "Llama") -> Dict[str, Any]:
+    """Counters since load (or the last reset): layers served, FFN evaluations, tokens, time."""
+    stats: Dict[str, Any] = {
+        "mode": llm._flash_mode,
+        "sidecar": str(llm._flash_sidecar) if llm._flash_sidecar else None,
+        "layers_served": 0,
+        "ffn_evals": 0,
+        "tokens": 0,
+        "graph_splits": 0,
+        "dense_lane_calls": 0,
+        "compute_seconds": 0.0,
+        "prepare_seconds": 0.0,
+        "resident_ffn_bytes": 0,
+        "decision": llm._flash_decision.as_dict() if llm._flash_decision is not None else None,
+    }
+    if llm._flash is not None:
+        native = llm._flash.stats()
+        layer_ids = native.pop("layer_ids")
+        tokens = native.pop("layer_sparse_tokens")
+        active = native.pop("layer_active_neurons")
+        stats.update(native)
+        stats["layers_served"] = len(llm._flash.served_layers)
+        config = llm._flash.sparse_config
+        stats["sparse_config"] = config
+        # the lane is fixed per layer: sparse for batches up to max_tokens when the lane is
+        # enabled and the layer has a threshold, dense otherwise
+        stats["sparse_layers"] = sum(1 for t in llm._flash.thresholds if t >= 0) if config["enabled"] else 0
+        stats["resident_ffn_bytes"] = llm._flash.resident_bytes
+        n_ff = {layer.layer: layer.n_ff for layer in llm._flash_info.layers}
+        # per layer: fraction of neurons the sparse lane computed, over the tokens it ran
+        stats["active_fraction"] = {
+            layer: (a / (t * n_ff[layer]) if t else None) for layer, t, a in zip(layer_ids, tokens, active)
+        }
+        fractions = [f for f in stats["active_fraction"].values() if f is not None]
+        stats["mean_active_fraction"] = sum(fractions) / len(fractions) if fractions else None
+        stats["offload"] = offload.stats(llm._flash, llm._flash_plan)
+    if llm._experts is not None:
+        setup = llm._expert_setup
+        stats["experts"] = expert_runtime.stats(llm._experts, setup.plan, setup.moe)
+        stats["experts"].update(llm._expert_lock)
+        stats["layers_served"] = len(setup.moe.layers)
+    stats["integrity"] = integrity_stats(llm, stats.get("offload"))
+    stats["speculative"] = speculation_stats(llm, stats)
+    return stats
+
+
+def integrity_stats(llm: "Llama", off: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """What is checked: the sidecar's checksums (algorithm or None), whether this model checks them,
+    bytes and seconds checked at load and, offload, on flash reads since the last reset (and how many
+    clusters the compute threads checked right before using them rather than the waiting thread)."""
+    if llm._flash_info is None:
+        return None
+    out = {"algorithm": llm._flash_info.integrity, "checked": False}
+    if llm._flash is not None:
+        native = llm._flash.integrity
+        out.update(
+            checked=native["verifying"],
+            load_verified_bytes=native["load_verified_bytes"],
+            load_verify_seconds=native["load_verify_seconds"],
+            crc32c=native["crc32c"],
+        )
+        if off is not None:
+            out.update(
+                read_verified_bytes=off["verified_bytes"],
+                read_verify_seconds=off["verify_seconds"],
+                read_clusters_checked_by_compute=off["clusters_checked_by_compute"],
+                read_compute_verify_seconds=off["compute_verify_seconds"],
+            )
+    elif llm._base_check is not None:  # stock: the base model's FFN rows, checked while llama.cpp loaded
+        out.update(
+            checked=True,
+            load_verified_bytes=llm._base_check.checked_bytes,
+            load_verify_seconds=llm._base_check.seconds,
+        )
+    if llm._flash_info.integrity is None:
+        out["note"] = "the sidecar has no checksums (re-create it with `llamaflash convert MODEL --force`)"
+    return out
+
+
+def speculation_stats(llm: "Llama", stats: Dict[str, Any]) -> Dict[str, Any]:
+    if llm._speculator is None:
+        return {"enabled": False, "reason": llm._speculation_off_reason or "flash_speculative is off"}
+    off = stats.get("offload") or {}
+    out = llm._speculator.summary(flash_bytes=off.get("bytes_read"))
+    if llm._flash is not None:
+        native = llm._flash.stats()
+        out["draft_tokens_evaluated"] = native.get("draft_tokens", 0)
+    copy_bytes = llm._flash.draft_copy_bytes if llm._flash is not None and llm._flash.offloaded else 0
+    out["self_draft_source"] = "draft_copy" if copy_bytes else "resident_clusters"
+    out["draft_copy_bytes"] = copy_bytes
+    if off.get("draft_plans"):  # the share a draft computed from exact rows (with a copy: the rest from it)
+        out["draft_resident_fraction"] = off["draft_clusters_resident"] / max(1, off["draft_clusters_needed"])
+    out["self_draft_off_reason"] = llm._speculation_off_reason
+    return out

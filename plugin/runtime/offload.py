@@ -1,0 +1,139 @@
+"""Flash offload for `llamaflash.Llama`: the plan and the engine configuration from it
+(:func:`configure`), the self-draft over the resident clusters (:func:`attach_self_draft`), and the
+neuron cache's counters with per-token figures (:func:`stats`).
+
+Order of operations (what `Llama(..., ram_budget_mb=N)` does):
+  1. `planner.plan_offload` sizes everything for the budget (or raises `RamBudgetError` naming the
+     minimum);
+  2. `engine.engine_config` turns the plan into the native configuration's offload part, and
+     `engine.open_engine` opens the model before llama.cpp loads it: offload layout (gate resident, or
+     streamed from the base file one layer ahead when the plan says `stream_gate`; up and down
+     streamed from the base file for prefill), the sparse lane, the neuron cache with the planner's
+     pinned clusters, which are read now;
+  3. llama.cpp loads the rest with the plan's batch sizes; decode runs on the sparse lane, whose up and
+     down_t rows come from the cache (csrc/offload/neuron_cache.h); `stats` reports what it did.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+from .. import _native
+from . import engine, speculative
+
+if TYPE_CHECKING:
+    from ..files.sidecar import SidecarInfo
+    from ..planning.plan_result import OffloadPlan
+
+
+def configure(
+    model_path: str,
+    sidecar,
+    info: "SidecarInfo",
+    header,
+    thresholds,
+    kwargs: Dict[str, Any],
+    spec_settings: Optional[speculative.SpeculativeSettings],
+    *,
+    ram_budget_mb: int,
+    max_sparse_tokens: int,
+    stream_gate: Optional[bool],
+    disk_profile: Any,
+    draft_copy: Optional[bool],
+    io_engine: str,
+    verify: bool,
+) -> Tuple["OffloadPlan", "_native.EngineConfig"]:
+    """Steps 1 and 2: the plan for the budget and the engine configuration from it. Sets llama.cpp's
+    n_batch and n_ubatch in ``kwargs`` to the plan's where the caller did not give them."""
+    from ..planning import disk_probe, planner  # numpy-heavy; only offload needs them
+
+    plan = planner.plan_offload(
+        os.fspath(model_path),
+        str(sidecar),
+        ram_budget_mb,
+        n_ctx=int(kwargs.get("n_ctx", 512)),
+        n_ubatch=kwargs.get("n_ubatch"),
+        stream_gate=stream_gate,
+        disk=disk_probe.resolve_profile(disk_profile, sidecar),
+        info=info,
+        header=header,
+        draft_copy=draft_copy,
+        logits_all=bool(kwargs.get("logits_all", False)),
+    )
+    kwargs.setdefault("n_batch", plan.n_batch)
+    kwargs.setdefault("n_ubatch", plan.n_ubatch)
+    # every decode split of a layer with a threshold runs on the sparse lane (the dense lane
+    # would stream the whole layer from flash), and so do verify batches (1 + k drafted
+    # tokens, reading the union of their clusters once); prefill streams on the dense lane
+    max_tokens = max(max_sparse_tokens, speculative.verify_batch_max(spec_settings))
+    config = engine.engine_config(
+        info,
+        model_path,
+        thresholds,
+        engine.sparse_config(True, max_tokens, int(plan.cluster_size), up_by_ggml=False),
+        engine.offload_config(plan, engine=io_engine),
+        verify=verify,
+    )
+    return plan, config
+
+
+def attach_self_draft(
+    llm, speculator: speculative.Speculator, plan: "OffloadPlan", info: "SidecarInfo", spec_settings
+) -> Optional[str]:
+    """The speculator's self-draft under a budget (no user draft model): off when the gate is streamed
+    from flash (the reason is returned), else the offload lane's draft mode with the plan's predicted
+    acceptance as its prior. ``llm``: the `llamaflash.Llama` drafting, held by weak reference."""
+    if plan.stream_gate:
+        reason = "self-draft off: the gate is streamed from flash under this budget"
+        speculator.disable_source("self_draft", "off: " + reason)
+        return reason
+    if spec_settings.self_draft:
+        from ..planning import draft_plan
+
+        # the plan's predicted acceptance for its resident share (none without an I/O bound)
+        predicted = draft_plan.predict_plan(plan, info) if getattr(plan, "io_bound_tok_s", None) is not None else None
+        speculator.attach_self_draft(
+            speculative.make_self_draft(weakref.ref(llm), llm.n_vocab()),
+            prior_acceptance=predicted.acceptance if predicted else None,
+            prior_step_seconds=predicted.step_seconds if predicted else 0.0,
+            note=(
+                f"prior: the plan's resident share of the active neurons is "
+                f"{plan.neuron_hit_rate:.0%}, predicted acceptance {predicted.acceptance:.2f}"
+                if predicted and not plan.draft_copy
+                else ""
+            ),
+        )
+    return None
+
+
+def stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
+    """The cache's counters since load (or the last reset) with per-token figures.
+
+    hit_rate: needed clusters that were resident without any read for this token (pinned, or still
+    in a cold slot from an earlier token); prefetch_coverage: needed clusters whose read had been
+    started ahead by read-ahead (the I/O overlapped with earlier layers' compute); miss_rate: read on
+    demand; bytes_read_per_token / io_wait_per_token: flash traffic and time blocked on it."""
+    raw = flash.cache_stats()
+    if raw is None:
+        return None
+    needed = raw["clusters_needed"] or 0
+    tokens = raw["plans"] / max(1, len(flash.served_layers))  # decode tokens through the cache
+    per = (lambda v: v / tokens) if tokens else (lambda v: None)
+    out = dict(raw)
+    out.update(
+        tokens=tokens,
+        hit_rate=(raw["hits_hot"] + raw["hits_cold"]) / needed if needed else None,
+        prefetch_coverage=raw["hits_prefetch"] / needed if needed else None,
+        miss_rate=raw["misses"] / needed if needed else None,
+        bytes_read_per_token=per(raw["bytes_read"]),
+        # a streamed gate is read through the page cache (not counted in bytes_read): every served
+        # layer's gate matrix per decode token
+        gate_streamed=bool(flash.stream_gate),
+        gate_bytes_per_token=flash.streamed_gate_bytes,
+        io_wait_per_token=per(raw["io_wait_seconds"]),
+        budget_mb=plan.budget_bytes / 2**20 if plan is not None else None,
+        plan=plan.to_dict() if plan is not None else None,
+    )
+    return out
