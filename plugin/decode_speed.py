@@ -62,29 +62,30 @@ class MachineRates:
     source: str = ""
 
 
-#: Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, quiet machine, 2026-11-25 (bench/results/sweep-qwen2.5-chat-quick.json
-#: for the stock and offload runs; docs/BENCHMARKS.md "The speed–memory curve"; derived by
-#: ``python -m llamaflash.bench.sweep_rates bench/results/sweep-qwen2.5-chat-quick.json --fit-budget 1200``):
+#: Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, quiet machine, 2026-11-25; derived by
+#: ``python -m llamaflash.bench.sweep_rates bench/results/sweep-qwen2.5-chat-quick.json --fit-budget 1200
+#: --inmemory bench/results/inmemory-default-*.json`` (that sweep is docs/BENCHMARKS.md "The speed–memory
+#: curve"):
 #:
-#: * token_overhead_s: in-memory decode of three models on one day (bench/results/inmemory-default-
-#:   {smollm2,gemma3,qwen2.5}.json: 8.9, 13.9 and 36.2 ms per token for 97, 247 and 980 MB of weights)
-#:   fits t = 5.9 ms + bytes / 32 GB/s (gemma3 within 3%): the 5.9 ms that do not scale with bytes;
-#: * dense_bytes_per_s: the sweep's stock at 2000 MiB, 60.1 ms per token for 988.5 MB of weights:
-#:   988.5 MB / (60.1 - 5.9) ms = 18.2 GB/s (that day; the in-memory runs above measured 32 GB/s on
-#:   another: remeasure on the machine that is predicted);
+#: * token_overhead_s: in-memory stock decode of three models on one day (the inmemory-default results:
+#:   8.9, 13.9 and 36.2 ms per token for 97, 247 and 980 MB of weights): the least-squares line
+#:   t = 6.1 ms + bytes / 32.5 GB/s, its intercept the cost that does not scale with bytes;
+#: * dense_bytes_per_s: the sweep at 2000 MiB, where every config ran stock: median 60.9 ms per token
+#:   for 988.5 MB of weights, 988.5 MB / (60.9 - 6.1) ms = 18.1 GB/s (that day; the in-memory runs
+#:   above gave 32.5 GB/s on another: the rate is the machine's, remeasure where it is predicted);
 #: * sparse_bytes_per_s: the 1200 MiB run without speculation, sparse lane 117.4 ms per token, less its
-#:   I/O wait (3.4 ms), the gate GEMV (216.8 MB at the dense rate, 11.9 ms) and the compute threads'
-#:   checks (2.9 ms): 99.2 ms for the active 71.3% of 433.5 MB of up and down_t rows, 3.1 GB/s;
+#:   I/O wait (3.4 ms), the gate GEMV (216.8 MB at the dense rate, 12.0 ms) and the compute threads'
+#:   checks (3.1 ms): 99.0 ms for the active 71.3% of 433.5 MB of up and down_t rows, 3.12 GB/s;
 #: * split_overhead_s: the same run, 173.8 ms per token, less the sparse lane (117.4 ms) and llama.cpp's
-#:   own graph predicted at the dense rate (5.9 ms + 288.5 MB / 18.2 GB/s = 21.8 ms): 34.6 ms over 28
-#:   served layers, 1.24 ms per layer (it holds the 23 MB per token that run re-read of evicted mmapped
-#:   weights, 8 MiB read-ahead per fault);
+#:   own graph at the dense rate (6.1 ms + 288.5 MB / 18.1 GB/s = 22.1 ms): 34.3 ms over 28 served
+#:   layers, 1.22 ms per layer (it holds the 24 MB per token that run re-read of evicted mmapped weights,
+#:   8 MiB of read-ahead per fault on that disk);
 #: * check_bytes_per_s: that run's checks, 14.14 GB verified in 1.79 thread-seconds: 7.9 GB/s.
 DEFAULT_RATES = MachineRates(
-    token_overhead_s=5.9e-3,
-    dense_bytes_per_s=18.2e9,
-    sparse_bytes_per_s=3.1e9,
-    split_overhead_s=1.24e-3,
+    token_overhead_s=6.10e-3,
+    dense_bytes_per_s=18.05e9,
+    sparse_bytes_per_s=3.12e9,
+    split_overhead_s=1.22e-3,
     check_bytes_per_s=7.9e9,
     n_threads=2,
     source="Qwen2.5-Coder-1.5B Q4_K_M sweep, quiet machine, 2026-11-25 (built in)",

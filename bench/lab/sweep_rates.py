@@ -1,7 +1,8 @@
 """A sweep's measured runs against the planner's decode model (plugin/decode_speed.py), part by part,
 and the machine rates (decode_speed.MachineRates) the runs give.
 
-    python -m llamaflash.bench.sweep_rates SWEEP.json [--fit-budget MiB] [--rates RATES.json] [--json OUT.json]
+    python -m llamaflash.bench.sweep_rates SWEEP.json [--fit-budget MiB [--inmemory IN.json ...]]
+        [--rates RATES.json] [--json OUT.json]
 
 For every measured point it prints, from counters that do not depend on a quiet CPU, the plan's
 prediction beside the run's ``flash_stats``: hit rate, bytes read from flash per token (the cluster
@@ -15,8 +16,11 @@ placement; the disk rate the plan assumed), each with measured / predicted - 1.
 
 ``--fit-budget B`` derives the rates from this sweep (:func:`fit_rates`): the dense rate from a stock
 run at the largest budget where llamaflash runs stock, the sparse rate, per-layer split cost and check
-rate from the non-speculative offload run at B; the other budgets then test the model. Without it
-the rates are ``--rates`` (a JSON of MachineRates fields) or decode_speed.DEFAULT_RATES.
+rate from the non-speculative offload run at B; the other budgets then test the model. The token
+overhead (what a token costs beyond its weight bytes) is DEFAULT_RATES', or with ``--inmemory`` the
+intercept of the line through bench/bench_inmemory.py's stock runs of two or more models
+(:func:`fit_token_overhead`). Without ``--fit-budget`` the rates are ``--rates`` (a JSON of
+MachineRates fields) or decode_speed.DEFAULT_RATES.
 """
 
 from __future__ import annotations
@@ -148,18 +152,33 @@ def fit_rates(payload: dict[str, Any], fit_budget: int, base: MachineRates = DEF
     )
 
 
+def fit_token_overhead(inmemory: list[dict[str, Any]]) -> tuple[float, float]:
+    """(token overhead s, bytes/s): the least-squares line t = overhead + bytes / rate through the
+    stock runs of bench/bench_inmemory.py results (their ``bound.stock``: weight bytes per token and
+    the median ms per token), one point per model; at least two models."""
+    pts = [(float(p["bound"]["stock"]["bytes_per_token"]), p["bound"]["stock"]["ms_per_token"] / 1e3) for p in inmemory]
+    if len({b for b, _ in pts}) < 2:
+        raise ValueError("fitting the token overhead needs the in-memory stock runs of at least two models")
+    n = len(pts)
+    mb, mt = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
+    slope = sum((b - mb) * (t - mt) for b, t in pts) / sum((b - mb) ** 2 for b, _ in pts)
+    return mt - slope * mb, 1.0 / slope
+
+
 def compare(payload: dict[str, Any], rates: MachineRates) -> list[dict[str, Any]]:
     """Per ok non-speculative offload run and per stock-lane run: measured and predicted tok/s (the
     sweep's recorded prediction, the model's from the plan, the model's from the counters) and the
     counters (:func:`run_counters`)."""
     view = payload.get("predictions") or {}
     active_plan = view.get("active_fraction")
+    # where llamaflash ran stock, stock's own runs read the same weights
+    stock_lane = {r["limit_mb"]: stock_weight_bytes(r) for r in payload["runs"] if stock_weight_bytes(r)}
     rows = []
     for r in sorted(payload["runs"], key=lambda r: (r["limit_mb"], r["config"])):
         if not r.get("ok") or r.get("decode_tps") is None:
             continue
         recorded = (view.get("budgets") or {}).get(str(r["limit_mb"]), {})
-        weights = stock_weight_bytes(r)
+        weights = stock_lane.get(r["limit_mb"]) if r["config"] == "stock" else stock_weight_bytes(r)
         c = run_counters(r) if r["config"] == NOSPEC else None
         if c is None and weights is None:
             continue
@@ -228,12 +247,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("sweep", help="a sweep's JSON (llamaflash bench MODEL --sweep --json ...)")
     ap.add_argument("--fit-budget", type=int, default=None, help="derive the rates from this sweep (offload run at MiB)")
     ap.add_argument("--rates", default=None, help="a JSON of decode_speed.MachineRates fields (default: built in)")
+    ap.add_argument(
+        "--inmemory",
+        nargs="+",
+        default=None,
+        help="with --fit-budget: bench_inmemory.py results of two or more models, to fit the token overhead",
+    )
     ap.add_argument("--json", default=None, help="write the rates and the comparison here")
     args = ap.parse_args(argv)
     payload = json.loads(Path(args.sweep).read_text())
     try:
         if args.fit_budget is not None:
-            rates = fit_rates(payload, args.fit_budget)
+            base = DEFAULT_RATES
+            if args.inmemory:
+                overhead, rate = fit_token_overhead([json.loads(Path(p).read_text()) for p in args.inmemory])
+                print(f"in-memory stock: {overhead * 1e3:.2f} ms per token + weight bytes at {rate / 1e9:.1f} GB/s")
+                base = dataclasses.replace(base, token_overhead_s=overhead)
+            rates = fit_rates(payload, args.fit_budget, base)
         elif args.rates:
             rates = load_rates(args.rates)
         else:
