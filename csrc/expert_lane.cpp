@@ -251,11 +251,13 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         rounds_of.push_back(order);
         std::sort(rounds_of[0].begin(), rounds_of[0].end());
     }
+    // more than one round: half the capacity each, so that the next round is read while one computes
+    const int ways = draft || static_cast<int>(order.size()) <= cache.capacity(match.position, order) ? 1 : 2;
     for (size_t next = draft ? order.size() : 0; next < order.size();) {
         std::vector<int> round;
         while (next < order.size()) {
             round.push_back(order[next]);
-            if (static_cast<int>(round.size()) > cache.capacity(match.position, round)) {
+            if (static_cast<int>(round.size()) > std::max(1, cache.capacity(match.position, round) / ways)) {
                 round.pop_back();
                 break;
             }
@@ -347,6 +349,9 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
                     }
                 }
                 cache.finish(match.position);
+                if (static_cast<size_t>(rounds) + 1 < rounds_of.size()) {
+                    cache.read_ahead(match.position, rounds_of[static_cast<size_t>(rounds) + 1]);
+                }
             }
         } catch (const std::exception & e) {
             model.set_error(e.what());

@@ -11,10 +11,12 @@
 // MUL_MAT_ID computes (ggml-cpu's mul_mat_id_one_chunk), so the logits are bit-identical to stock
 // llama.cpp with plain (not repacked) weights, whichever slots the experts sit in.
 //
-// Rounds. The distinct experts of the batch E = set(ids) are served in rounds of at most
-// ExpertCache::capacity experts (decode and small batches: one round). Each round: begin() submits
-// the round's misses, the next layer's predicted experts are prefetched (one-token batches), finish()
-// waits and checks, then the whole private graph runs; the custom nodes compute only the pairs of
+// Rounds. The distinct experts of the batch E = set(ids) are served in one round when they fit
+// ExpertCache::capacity (decode and small batches), else in rounds of at most half the capacity, so
+// that the next round's experts are read (ExpertCache::read_ahead) into the other half while one
+// round computes. Each round: begin() submits the round's misses (none when read ahead), the next
+// layer's predicted experts are prefetched (one-token batches), finish() waits and checks, the next
+// round is read ahead, then the whole private graph runs; the custom nodes compute only the pairs of
 // the round's experts. With several rounds each MUL_MAT_ID's products go to a private staging buffer
 // that keeps every pair computed so far, and a copy node puts all of them into the node's memory
 // before the element-wise ops run: ggml-alloc lets ops such as ADD_ID write in place into their

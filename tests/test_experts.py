@@ -93,6 +93,7 @@ def test_logits_bit_identical_to_stock_whatever_the_cache_holds(arch, converted)
         assert s["tokens"] == 2 * len(TOKENS)
         if slots < moe.n_expert:
             assert s["misses"] > 0 and s["multi_round_splits"] > 0  # a 40-token prefill needs > slots experts
+            assert 0 < s["read_ahead"] <= s["misses"]  # later rounds read while earlier ones computed
         llm.close()
 
 
