@@ -2,13 +2,13 @@
 step below it) to past the model (the sweep's default top: the larger of 1.3 x the model file and 1.15
 x what stock keeps resident), in small steps:
 
-* the plan's predicted decode (the I/O bound; draft_plan's pass model without speculation; with its
-  best draft length, the delivered speed the draft-copy choice maximizes) is at least the one at every
+* the plan's predicted decode (the I/O bound; decode_speed's token without speculation; with
+  draft_plan's best draft length over that token, the delivered speed) is at least the one at every
   smaller budget, exactly (the predictions are deterministic floats: no tolerance);
 * its memory is accounted within the budget: the parts sum to it, none negative, the margin at least
   its formula, the compute buffers those of the plan's own n_ubatch;
 * across the step aside into stock (budget_decision), the curve llamaflash follows (the offload plan's
-  pass model, then stock's predicted in-memory rate) does not fall, and a larger budget never returns
+  decode_speed token, then stock's predicted in-memory rate) does not fall, and a larger budget never returns
   from stock to offload;
 * where prefill would take a larger n_ubatch than the plan's, the plan's notes say what it would pin
   and predict, and it predicts no faster.
@@ -28,7 +28,7 @@ from planner_cases import make_pair
 from llamaflash.errors import RamBudgetError
 from llamaflash.files.gguf_model import read_base_model
 from llamaflash.files.sidecar import validate_pair
-from llamaflash.planning import budget_decision, draft_plan
+from llamaflash.planning import budget_decision, decode_speed, draft_plan
 from llamaflash.planning.planner import MARGIN_FIXED_BYTES, MARGIN_FRACTION, MiB, llama_share, plan_offload
 
 #: The sweep's default top (bench/lab/sweep.py: TOP_MODEL_RATIO, TOP_STOCK_NEED_RATIO).
@@ -36,14 +36,18 @@ TOP_MODEL_RATIO, TOP_STOCK_NEED_RATIO = 1.3, 1.15
 METRICS = ("io_bound", "nospec", "spec")
 
 
-def predictions(plan, info) -> dict[str, float]:
-    """The plan's predicted decode tok/s (inf: nothing read from flash); ``spec`` without speculation
-    where the gate is streamed (a self-draft needs it resident), as the sweep predicts it."""
+def predictions(plan, info, active: float) -> dict[str, float]:
+    """The plan's predicted decode tok/s as the sweep predicts it: ``io_bound`` (inf: nothing read from
+    flash), ``nospec`` (decode_speed.plan_token_time), ``spec`` (draft_plan's best draft length over that
+    pass and decode_speed's draft step; without speculation where the gate is streamed, a self-draft needs it resident, or nothing is
+    read)."""
+    nospec = decode_speed.plan_token_time(plan, info, active=active).tok_s
     pred = draft_plan.predict_plan(plan, info)
     if pred is None:
-        return dict.fromkeys(METRICS, math.inf)
-    nospec = 1.0 / pred.pass_seconds
-    return {"io_bound": plan.io_bound_tok_s, "nospec": nospec, "spec": nospec if plan.stream_gate else pred.tok_s}
+        return {"io_bound": math.inf, "nospec": nospec, "spec": nospec}
+    step = decode_speed.draft_step_seconds(plan, info, active=active)
+    spec = nospec if plan.stream_gate else draft_plan.predict(1.0 / nospec, step, pred.acceptance).tok_s
+    return {"io_bound": plan.io_bound_tok_s, "nospec": nospec, "spec": spec}
 
 
 def check_accounting(plan, header, info, n_ctx: int) -> None:
@@ -72,6 +76,7 @@ def sweep_budgets(model: Path, sidecar: Path, step_mb: float, n_ctx: int = 512, 
     base = read_base_model(model)
     info = validate_pair(model, sidecar, model=base)
     kw = dict(n_ctx=n_ctx, info=info, header=base.header, **plan_kw)
+    active = decode_speed.active_fraction(info)
     least = plan_offload(model, sidecar, 1 << 20, **kw).least_budget_bytes / MiB
     with pytest.raises(RamBudgetError, match=f"minimum of {math.ceil(least)} MiB"):
         plan_offload(model, sidecar, least - 0.5, **kw)
@@ -84,7 +89,7 @@ def sweep_budgets(model: Path, sidecar: Path, step_mb: float, n_ctx: int = 512, 
         check_accounting(plan, base.header, info, n_ctx)
         check_ubatch_trade(plan)
         d = budget_decision.decide(base.header, info, budget, n_ctx)
-        pred = predictions(plan, info)
+        pred = predictions(plan, info, active)
         rows.append(
             {
                 "budget_mb": budget,

@@ -5,10 +5,13 @@ by default, and without speculation) each run in a fresh process inside a fresh 
 budget, the files evicted first (:func:`llamaflash.bench.memlimit.run_one`). Beside every measured
 point the planner's prediction for that budget (:func:`predict`): whether llamaflash runs stock or
 offload there (plugin/planning/budget_decision.py), and for offload the decode speed the plan predicts
-(draft_plan's pass model: the I/O bound plus the resident bytes at memory speed; with speculation its
-best draft length at the plan's predicted self-draft acceptance, prompt lookup left out); where the
-budget holds what stock keeps resident, stock's in-memory rate (budget_decision.stock_decode_tok_s)
-for stock and for llamaflash, which runs stock there.
+(decode_speed.plan_token_time: the longer of the plan's flash reads and its compute, llama.cpp's
+weights, the gate, the sparse kernel over the active neurons, the checks; with speculation
+draft_plan's best draft length over that pass and decode_speed's draft step at the plan's predicted
+self-draft acceptance, prompt lookup left out); where the budget holds what stock keeps resident, stock's in-memory rate
+(budget_decision.stock_decode_tok_s) for stock and for llamaflash, which runs stock there. Each
+offload point keeps its predicted token by part (``token_time``), which
+``python -m llamaflash.bench.sweep_rates`` sets beside the measured runs' counters.
 
 The ladder (:func:`ladder`): by default ``points`` budgets evenly from the planner's least budget to
 max(1.3 × the model file, 1.15 × what stock keeps resident), rounded to 10 MiB.
@@ -23,6 +26,7 @@ only, labelled as predictions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -109,22 +113,32 @@ def ladder(least_mb: float, top_mb: float, points: int, step_mb: int = LADDER_ST
 
 
 def predict(
-    model_path: Path, sidecar: Path, budgets_mb: Sequence[int], n_ctx: int, disk: Optional[dict] = None
+    model_path: Path,
+    sidecar: Path,
+    budgets_mb: Sequence[int],
+    n_ctx: int,
+    disk: Optional[dict] = None,
+    rates: Any = None,
 ) -> dict[str, Any]:
     """The planner's view of the ladder: ``least_mb`` (its least budget), ``stock_need_mb`` (what
-    stock keeps resident, at the largest budget's n_ubatch) and per budget a dict: ``lane`` (stock or
-    offload), ``refused`` (below the least budget), ``io_bound_tok_s`` (the offload plan's, None when
-    nothing is read from flash), ``nospec_tok_s`` and ``spec_tok_s`` (llamaflash's predicted decode:
-    the offload plan's, or stock's in-memory rate where the lane is stock) and ``stock_tok_s`` (stock's
-    in-memory rate where the budget holds what it keeps resident, else None: it would thrash)."""
+    stock keeps resident, at the largest budget's n_ubatch), ``rates`` (the decode_speed.MachineRates
+    used; None: its DEFAULT_RATES) and per budget a dict: ``lane`` (stock or offload), ``refused``
+    (below the least budget), ``io_bound_tok_s`` (the offload plan's, None when nothing is read from
+    flash), ``nospec_tok_s`` and ``spec_tok_s`` (llamaflash's predicted decode: the offload plan's, or
+    stock's in-memory rate where the lane is stock), ``stock_tok_s`` (stock's in-memory rate where the
+    budget holds what it keeps resident, else None: it would thrash) and, for an offload plan,
+    ``token_time`` (its predicted seconds per token by part, decode_speed.OffloadTokenTime) and
+    ``flash_bytes_per_token``."""
     from llamaflash.errors import RamBudgetError
     from llamaflash.files.gguf_model import read_base_model
     from llamaflash.files.sidecar import validate_pair
-    from llamaflash.planning import budget_decision, draft_plan
+    from llamaflash.planning import budget_decision, decode_speed, draft_plan
     from llamaflash.planning.planner import plan_offload
 
+    rates = rates or decode_speed.DEFAULT_RATES
     base = read_base_model(str(model_path))
     info = validate_pair(model_path, sidecar, model=base)
+    active = decode_speed.active_fraction(info)
     big = plan_offload(model_path, sidecar, 1 << 20, n_ctx=n_ctx, disk=disk, info=info, header=base.header)
     least_mb = big.least_budget_bytes / MiB
     top = max(budgets_mb) if budgets_mb else 1 << 20
@@ -132,7 +146,7 @@ def predict(
     points = {}
     for b in budgets_mb:
         d = budget_decision.decide(base.header, info, b, n_ctx)
-        stock_tok_s = budget_decision.stock_decode_tok_s(d.parts) if d.stock else None
+        stock_tok_s = budget_decision.stock_decode_tok_s(d.parts, rates) if d.stock else None
         row: dict[str, Any] = {
             "lane": d.lane,
             "stock_need_mb": d.stock_need_bytes / MiB,
@@ -150,12 +164,23 @@ def predict(
             continue
         row["io_bound_tok_s"] = plan.io_bound_tok_s
         row["neuron_hit_rate"] = plan.neuron_hit_rate
-        pred = draft_plan.predict_plan(plan, info)
-        if d.lane == budget_decision.OFFLOAD and pred is not None:
-            row["nospec_tok_s"] = 1.0 / pred.pass_seconds
-            row["spec_tok_s"] = pred.tok_s if not plan.stream_gate else row["nospec_tok_s"]
+        row["flash_bytes_per_token"] = plan.flash_bytes_per_token
+        token = decode_speed.plan_token_time(plan, info, rates, active)
+        row["token_time"] = token.as_dict()
+        if d.lane == budget_decision.OFFLOAD:
+            row["nospec_tok_s"] = token.tok_s
+            pred = draft_plan.predict_plan(plan, info)  # its self-draft acceptance
+            step = decode_speed.draft_step_seconds(plan, info, rates, active)
+            spec = draft_plan.predict(token.total, step, pred.acceptance) if pred else None
+            row["spec_tok_s"] = spec.tok_s if spec is not None and not plan.stream_gate else token.tok_s
         points[str(b)] = row
-    return {"least_mb": least_mb, "stock_need_mb": stock_need_mb, "budgets": points}
+    return {
+        "least_mb": least_mb,
+        "stock_need_mb": stock_need_mb,
+        "rates": dataclasses.asdict(rates),
+        "active_fraction": active,
+        "budgets": points,
+    }
 
 
 def monotone_violations(

@@ -137,10 +137,11 @@ def format_table(payload: dict[str, Any]) -> str:
     else:
         notes.append("PREDICTIONS ONLY: nothing was measured (" + payload.get("cgroup", {}).get("detail", "") + ")")
     notes.append(
-        "predicted: the planner's decode tok/s for flash offload (draft_plan's pass model: I/O bound plus "
-        "resident bytes at memory speed; spec: its best draft length at the plan's predicted self-draft "
-        "acceptance), and where llamaflash runs stock, stock's in-memory rate (every weight read once per "
-        "token, budget_decision.STOCK_BYTES_PER_S); (+x%) = measured / predicted - 1"
+        "predicted: the planner's decode tok/s for flash offload (decode_speed.plan_token_time: the longer "
+        "of the plan's flash reads and its compute; spec: draft_plan's best draft length over that pass at "
+        "the plan's predicted self-draft acceptance), and where llamaflash runs stock, stock's in-memory "
+        "rate (every weight read once per token at the machine's dense rate, decode_speed.MachineRates); "
+        "(+x%) = measured / predicted - 1; the counters behind a miss: python -m llamaflash.bench.sweep_rates"
         + (f"; ! = off by more than {PREDICTION_TOLERANCE:.0%}" if flagged else "")
     )
     return "\n".join(text + [""] + notes)

@@ -23,12 +23,13 @@ prefill does), or a smaller one where that one's need does not fit: the budget i
 holds the sum at one of them (:func:`decide`), so that a larger budget never runs offload where a
 smaller ran stock.
 
-Predicted decode (:func:`stock_decode_tok_s`): with everything resident, stock's decode is taken as
-memory-bound, every weight (``model_weights``) read once per token at STOCK_BYTES_PER_S. An offload
-plan's pass (draft_plan: its flash reads plus llama.cpp's weights and the gate at the slower
-draft_plan.MEMORY_BYTES_PER_S of the batch-invariant kernels) is then predicted slower than stock
-wherever a token reads more than about (up + down bytes) × disk rate / memory rate from flash, so the
-predicted curve does not fall where the budget crosses into stock (tests/test_plan_monotone.py).
+Predicted decode (:func:`stock_decode_tok_s`): with everything resident, stock reads every weight
+(``model_weights``) once per token: decode_speed.stock_token_seconds, a per-token overhead plus those
+bytes at this machine's measured dense rate (decode_speed.MachineRates). An offload plan's token
+(decode_speed.plan_token_time) computes llama.cpp's weights at the same rate, but its FFN on the
+sparse lane (a slower rate per byte, over the active neurons) with a cost per served layer, and waits
+for whichever of its reads and its compute is longer; where the budget crosses into stock the
+predicted curve therefore does not fall (tests/test_plan_monotone.py).
 """
 
 from __future__ import annotations
@@ -40,11 +41,7 @@ from ..files import sidecar_format as fmt
 from ..files.gguf_header import GGUFHeader
 from ..files.sidecar import SidecarInfo
 from . import planner
-
-#: Bytes of weights per second stock llama.cpp decodes with the model resident (repacked kernels, 2
-#: threads): Qwen2.5-Coder-1.5B Q4_K_M (980 MB of weights besides token_embd) measured 20.8-28.5 tok/s
-#: in memory or under a limit that holds it (docs/BENCHMARKS.md), 20-28 GB/s; the middle is taken.
-STOCK_BYTES_PER_S = 24e9
+from .decode_speed import DEFAULT_RATES, MachineRates, stock_token_seconds
 
 #: The lane names of a budget decision (flash_stats()["decision"]["lane"]).
 STOCK = "stock"
@@ -93,10 +90,10 @@ def stock_need(
     return parts
 
 
-def stock_decode_tok_s(parts: Dict[str, int]) -> float:
+def stock_decode_tok_s(parts: Dict[str, int], rates: MachineRates = DEFAULT_RATES) -> float:
     """Stock's predicted decode tok/s with the model resident (see the module docstring): ``parts`` as
     :func:`stock_need` gives them (every weight of the model file, ``model_weights``, read once per token)."""
-    return STOCK_BYTES_PER_S / parts["model_weights"]
+    return 1.0 / stock_token_seconds(parts["model_weights"], rates)
 
 
 def stock_ubatch(header: GGUFHeader, info: SidecarInfo, budget_bytes: int, n_ctx: int) -> int:
@@ -168,7 +165,6 @@ def decide(
 
 __all__ = (
     "BudgetDecision",
-    "STOCK_BYTES_PER_S",
     "decide",
     "stock_decode_tok_s",
     "stock_need",
