@@ -330,6 +330,14 @@ class Llama(llama_cpp.Llama):
         if self._flash_mode == OFFLOAD_MODE:
             from . import disk_probe, planner  # numpy-heavy; only offload needs them
 
+            # the draft copy serves self-drafts only: without them the plan is the one without speculation
+            self_drafts = spec_settings is not None and spec_settings.self_draft and user_draft is None
+            if flash_draft_copy and not self_drafts:
+                raise ValueError(
+                    "flash_draft_copy=True keeps the draft copy for speculative self-drafts, which are off here "
+                    "(flash_speculative=False, self_draft=False, or a draft_model given); leave flash_draft_copy "
+                    "unset or turn self-drafts on"
+                )
             plan = planner.plan_offload(
                 os.fspath(model_path),
                 str(sidecar),
@@ -340,7 +348,7 @@ class Llama(llama_cpp.Llama):
                 disk=disk_probe.resolve_profile(flash_disk_profile, sidecar),
                 info=info,
                 header=base.header,
-                draft_copy=flash_draft_copy,
+                draft_copy=flash_draft_copy if self_drafts else False,
             )
             kwargs.setdefault("n_batch", plan.n_batch)
             kwargs.setdefault("n_ubatch", plan.n_ubatch)
