@@ -85,6 +85,10 @@ BASELINE_TOLERANCE = 0.15
 BASELINE_MIN_REFRESH = 4
 
 
+#: The reason of a source no pass has asked about yet.
+NOT_CONSULTED = "off: not consulted yet (no draft of this source was possible so far)"
+
+
 class PassCost:
     """Seconds of a verify pass by its batch size n (see the module docstring): verify(1) is the
     measured 1-token mean only; n >= 2 the mean measured at n, else a least-squares line through the
@@ -183,7 +187,7 @@ class SourceControl:
         self.backoff = 1
         self.next_probe = 0  # pass index from which a probe is allowed
         self.disabled: Optional[str] = None
-        self.state, self.reason = "off", "not consulted yet"
+        self.state, self.reason = "off", NOT_CONSULTED
         self.last_k = 0
 
     @property
@@ -325,7 +329,8 @@ class DraftController:
             if self._forced_at != self.passes:  # one forced pass, however many sources are asked
                 self._forced_at = self.passes
                 self.baseline_passes += 1
-            if self.cost.samples(1) < BASELINE_SAMPLES:  # (a refresh leaves the source's state and reason)
+            # a refresh leaves the state and reason of a source consulted before
+            if self.cost.samples(1) < BASELINE_SAMPLES or src.reason == NOT_CONSULTED:
                 src.state, src.reason = "off", due
             src.last_k = 0
             return Decision(0)
