@@ -55,7 +55,8 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  width, `llamaflash convert --draft-type`) kept resident for the self-draft: None = the
                  planner's choice (the copy or the same memory as pinned clusters, whichever predicts
                  the faster delivered decode; plugin/draft_plan.py); True / False force it. Only drafts
-                 use it, so it never changes the tokens.
+                 use it, so it never changes the tokens; without self-drafts it is never kept (True is
+                 refused there), so speculation off gets the plan without speculation.
   flash_batch_invariant  None = on under ram_budget_mb, off in memory. On: flash attention
                  (flash_attn=True unless given) and llama.cpp's and llamaflash's weights in plain, not
                  repacked, CPU memory, so that each row of a batch of up to 7 tokens is computed with
