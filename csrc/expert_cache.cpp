@@ -39,6 +39,7 @@ struct ExpertCache::Slot {
     uint64_t last_use = 0;
     bool pinned = false;
     bool prefetched = false;  // filled by prefetch and not yet used
+    bool ahead = false;       // filled by read_ahead for the layer's next request: a demand read issued early
     bool unchecked = false;   // read, checksum not yet checked
 };
 
@@ -289,6 +290,14 @@ void ExpertCache::begin(int position, const std::vector<int> & experts) {
         int slot = layer.slot_of[static_cast<size_t>(e)];
         if (slot >= 0) {
             Slot & s = layer.slots[static_cast<size_t>(slot)];
+            if (s.ahead) {  // read early for this request: a miss whose read is already under way
+                s.ahead = false;
+                ++stats_.misses;
+                ++stats_.read_ahead;
+                stats_.demand_bytes += layer.slot_stride;
+                s.last_use = clock_;
+                continue;
+            }
             ++stats_.hits;
             stats_.pinned_hits += s.pinned ? 1 : 0;
             if (s.prefetched) {
@@ -396,11 +405,22 @@ void ExpertCache::abandon_demand(Layer & layer) {
     drop_demand_slots(layer);
 }
 
-void ExpertCache::prefetch(int position, const std::vector<int> & experts) {
+void ExpertCache::prefetch(int position, const std::vector<int> & experts) { submit_early(position, experts, false); }
+
+void ExpertCache::read_ahead(int position, const std::vector<int> & experts) { submit_early(position, experts, true); }
+
+void ExpertCache::submit_early(int position, const std::vector<int> & experts, bool ahead) {
     Layer & layer = *layers_[static_cast<size_t>(position)];
     std::vector<char> keep(layer.slot_of.size(), 0);
     for (int e : experts) {
         keep[static_cast<size_t>(e)] = 1;
+    }
+    if (ahead) {  // the current request's experts stay: it is computed while these are read
+        for (const Slot & s : layer.slots) {
+            if (s.expert >= 0 && s.last_use == clock_) {
+                keep[static_cast<size_t>(s.expert)] = 1;
+            }
+        }
     }
     std::vector<ReadRequest> requests;
     std::vector<int> slots;
@@ -416,7 +436,8 @@ void ExpertCache::prefetch(int position, const std::vector<int> & experts) {
         s.expert = e;
         s.state = Slot::State::loading;
         s.unchecked = true;
-        s.prefetched = true;
+        s.prefetched = !ahead;
+        s.ahead = ahead;
         s.last_use = clock_;
         layer.slot_of[static_cast<size_t>(e)] = slot;
         for (const ReadRequest & r : slot_requests(position, slot, e)) {
@@ -424,8 +445,10 @@ void ExpertCache::prefetch(int position, const std::vector<int> & experts) {
             stats_.bytes_read += r.length;
         }
         slots.push_back(slot);
-        ++stats_.prefetched;
-        ++lifetime_prefetched_;
+        if (!ahead) {
+            ++stats_.prefetched;
+            ++lifetime_prefetched_;
+        }
     }
     if (requests.empty()) {
         return;

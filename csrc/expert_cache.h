@@ -79,6 +79,7 @@ struct ExpertCacheStats {
     uint64_t prefetched = 0;       // experts read by prefetch
     uint64_t prefetch_used = 0;    // of those, needed before being evicted
     uint64_t prefetch_wasted = 0;  // of those, evicted unused
+    uint64_t read_ahead = 0;       // misses read early, while the batch's previous round computed
     uint64_t bytes_read = 0;       // by demand and prefetch
     uint64_t demand_bytes = 0;
     uint64_t verified_bytes = 0;
@@ -111,6 +112,12 @@ public:
     // next begin()).
     void prefetch(int position, const std::vector<int> & experts);
 
+    // Starts reading `experts` of layer `position` for that layer's next request (the next round of a
+    // batch), into LRU victims other than the current request's slots, which stay valid while it is
+    // computed. The next begin() counts them as misses (demand reads issued early) and finish() waits
+    // for them. Never blocks on the disk, never throws for I/O (errors surface at finish()).
+    void read_ahead(int position, const std::vector<int> & experts);
+
     // How many of a layer's predicted experts are worth prefetching: n_used while prefetches have
     // been used at least half the time (or fewer than kPrefetchWarmup were made), else the share of
     // n_used that the measured precision (used / prefetched, since open) justifies, possibly 0; every
@@ -134,6 +141,7 @@ public:
 private:
     struct Slot;
     struct Layer;
+    void submit_early(int position, const std::vector<int> & experts, bool ahead);  // prefetch / read_ahead
     void wait_prefetches(Layer & layer);
     void drop_demand_slots(Layer & layer);  // the request's demand slots emptied (failed or abandoned)
     void abandon_demand(Layer & layer);     // waits out the demand reads, then drops their slots

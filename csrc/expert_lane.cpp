@@ -14,57 +14,50 @@ namespace llamaflash {
 
 struct ExpertLane::Matmul {
     ExpertTensorKind kind = ExpertTensorKind::up;
-    int64_t ne0 = 0;       // input length (src1 row, weight row)
-    size_t row_bytes = 0;  // one weight row
-    ggml_vec_dot_t vec_dot = nullptr;
-    ggml_from_float_t from_float = nullptr;  // nullptr: src1 rows are used as they are (f32 vec_dot)
-    std::vector<const uint8_t *> weight;     // by expert: its slice in the cache this round, or nullptr
-    std::vector<int32_t> pairs;              // (expert, k, t) triples of the round, by expert then t
-    std::vector<std::vector<uint8_t>> qrow;  // per thread: src1's row in the vec_dot type
-    std::vector<float> staged;               // several rounds: every pair's output, kept across rounds
+    ggml_type type = GGML_TYPE_F32;  // the weight's
+    int64_t ne0 = 0;                 // input length (src1 row, weight row)
+    int64_t ne1 = 0;                 // output rows of one expert
+    size_t row_bytes = 0;            // one weight row
+    // The round's pairs (k, t) at pairs[2p], pairs[2p + 1], grouped by expert in the round's order
+    // and, within an expert, by token then slot: the order of ggml-cpu's MUL_MAT_ID row table.
+    std::vector<int32_t> pairs;
+    std::vector<int32_t> dropped;  // a draft's (k, t) without a resident expert: written as zeros
+    std::vector<int32_t> zeros;    // ids [1, n_e] of a per-expert MUL_MAT_ID: its one weight matrix
+    std::vector<float> gathered;   // [ne0, 1, P]: src1's row of each pair
+    std::vector<float> products;   // [ne1, 1, P]: each pair's product
+    std::vector<float> staged;     // several rounds: every pair's output, kept across rounds
 };
 
 namespace {
 
-// One custom MUL_MAT_ID node: dst [ne1 rows, n_used, T] f32, src[0] = src1 [ne0, ne11, T] f32.
-// Tasks are (pair, chunk of output rows), split over threads in contiguous blocks so that a
-// thread's pairs share their expert's weights while they sit in its cache.
-void expert_matmul(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    auto * mm = static_cast<ExpertLane::Matmul *>(userdata);
+// gathered [ne0, 1, P] = for each pair p = (k, t): src[0] [ne0, ne11, T] row (k mod ne11, t).
+void gather_pairs(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto * mm = static_cast<const ExpertLane::Matmul *>(userdata);
     const ggml_tensor * src1 = dst->src[0];
-    const int64_t n_pairs = static_cast<int64_t>(mm->pairs.size() / 3);
-    if (n_pairs == 0) {
-        return;
+    const int64_t n_pairs = dst->ne[2];
+    const size_t row = static_cast<size_t>(src1->ne[0]) * sizeof(float);
+    for (int64_t p = n_pairs * ith / nth; p < n_pairs * (ith + 1) / nth; ++p) {
+        const int32_t k = mm->pairs[static_cast<size_t>(2 * p)], t = mm->pairs[static_cast<size_t>(2 * p + 1)];
+        std::memcpy(static_cast<char *>(dst->data) + p * dst->nb[2],
+                    static_cast<const char *>(src1->data) + (k % src1->ne[1]) * src1->nb[1] + t * src1->nb[2], row);
     }
-    const int64_t n_rows = dst->ne[0];
-    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((nth + n_pairs - 1) / n_pairs, n_rows / 16));
-    const int64_t n_tasks = n_pairs * chunks;
-    const int64_t task0 = n_tasks * ith / nth, task1 = n_tasks * (ith + 1) / nth;
-    if (static_cast<size_t>(ith) >= mm->qrow.size()) {
-        GGML_ABORT("llamaflash: expert lane ran with more threads than it prepared for");
-    }
-    int64_t quantized_pair = -1;
-    for (int64_t task = task0; task < task1; ++task) {
-        const int64_t p = task / chunks, c = task % chunks;
-        const int32_t e = mm->pairs[3 * p], k = mm->pairs[3 * p + 1], t = mm->pairs[3 * p + 2];
-        float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + k * dst->nb[1] + t * dst->nb[2]);
-        const int64_t r0 = n_rows * c / chunks, r1 = n_rows * (c + 1) / chunks;
-        if (e < 0) {  // a draft pair without a resident expert: no contribution
-            std::fill(out + r0, out + r1, 0.0f);
-            continue;
-        }
-        const char * x = static_cast<const char *>(src1->data) + (k % src1->ne[1]) * src1->nb[1] + t * src1->nb[2];
-        const void * q = x;
-        if (mm->from_float != nullptr) {
-            if (quantized_pair != p) {
-                mm->from_float(reinterpret_cast<const float *>(x), mm->qrow[static_cast<size_t>(ith)].data(), mm->ne0);
-                quantized_pair = p;
-            }
-            q = mm->qrow[static_cast<size_t>(ith)].data();
-        }
-        const uint8_t * w = mm->weight[static_cast<size_t>(e)];
-        for (int64_t r = r0; r < r1; ++r) {
-            mm->vec_dot(static_cast<int>(mm->ne0), &out[r], 0, w + static_cast<size_t>(r) * mm->row_bytes, 0, q, 0, 1);
+}
+
+// dst [ne1, n_used, T] (the node's memory, or its staging) at each pair (k, t) = the pair's product
+// column; a dropped draft pair's = 0. The products were computed by the nodes before this one.
+void scatter_pairs(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto * mm = static_cast<const ExpertLane::Matmul *>(userdata);
+    const int64_t n_pairs = static_cast<int64_t>(mm->pairs.size() / 2);
+    const int64_t n_all = n_pairs + static_cast<int64_t>(mm->dropped.size() / 2);
+    const size_t row = static_cast<size_t>(dst->ne[0]) * sizeof(float);
+    for (int64_t p = n_all * ith / nth; p < n_all * (ith + 1) / nth; ++p) {
+        const int32_t * kt =
+            p < n_pairs ? &mm->pairs[static_cast<size_t>(2 * p)] : &mm->dropped[static_cast<size_t>(2 * (p - n_pairs))];
+        char * out = static_cast<char *>(dst->data) + kt[0] * dst->nb[1] + kt[1] * dst->nb[2];
+        if (p < n_pairs) {
+            std::memcpy(out, mm->products.data() + p * dst->ne[0], row);
+        } else {
+            std::memset(out, 0, row);
         }
     }
 }
@@ -175,8 +168,132 @@ ggml_tensor * ExpertLane::mirror(ggml_context * ctx, const ggml_tensor * t) {
     return m;
 }
 
-ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu,
-                                int n_threads) {
+ggml_context * ExpertLane::build_round(const ggml_cgraph * split, const ExpertModel & model, int position,
+                                       const std::vector<int> & round, const std::vector<int32_t> & expert_of,
+                                       int64_t n_used, int64_t n_tokens, bool with_dropped, bool staged,
+                                       ggml_cgraph ** graph) {
+    const ExpertLayerSpec & spec = model.layer_spec(position);
+    const ExpertCache & cache = model.cache();
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    const int n_nodes = ggml_graph_n_nodes(g);
+    int n_matmuls_in_split = 0;
+    for (int i = 0; i < n_nodes; ++i) {
+        n_matmuls_in_split += bound_expert(ggml_graph_node(g, i)) != nullptr ? 1 : 0;
+    }
+    // per MUL_MAT_ID: gather, scatter, staging copy, and per expert its weight, view, ids and product
+    const size_t max_tensors = static_cast<size_t>(n_nodes) * (GGML_MAX_SRC + 1) +
+                               static_cast<size_t>(n_matmuls_in_split) * (4 + 4 * round.size());
+    ggml_context * ctx = arena_.begin_tensors(max_tensors, graph);
+    mirror_.clear();
+    size_t n_matmuls = 0;
+    for (int i = 0; i < n_nodes; ++i) {
+        const ggml_tensor * node = ggml_graph_node(g, i);
+        ggml_tensor * m = nullptr;
+        if (const BoundWeight * b = bound_expert(node)) {
+            if (b->experts.get() != &model || b->layer != spec.layer) {
+                GGML_ABORT("llamaflash: expert split mixes layers or models");
+            }
+            const ExpertTensorSpec * t = model.tensor(position, b->expert_kind);
+            const ggml_tensor * src1 = node->src[1];
+            if (t == nullptr || t->type != node->src[0]->type || t->ne0 != node->src[0]->ne[0] ||
+                t->ne1 != node->src[0]->ne[1] || src1->type != GGML_TYPE_F32 || src1->nb[0] != sizeof(float) ||
+                node->type != GGML_TYPE_F32 || node->nb[0] != sizeof(float)) {
+                GGML_ABORT("llamaflash: expert weight '%s' differs from the sidecar's description", node->src[0]->name);
+            }
+            if (matmuls_.size() <= n_matmuls) {
+                matmuls_.push_back(std::make_unique<Matmul>());
+            }
+            Matmul & mm = *matmuls_[n_matmuls++];
+            mm.kind = t->kind;
+            mm.type = static_cast<ggml_type>(t->type);
+            mm.ne0 = t->ne0;
+            mm.ne1 = t->ne1;
+            mm.row_bytes = ggml_row_size(mm.type, t->ne0);
+            // the round's pairs, by expert, then token, then slot; each expert's column range
+            mm.pairs.clear();
+            mm.dropped.clear();
+            std::vector<int64_t> first(round.size() + 1, 0);
+            for (size_t r = 0; r < round.size(); ++r) {
+                first[r] = static_cast<int64_t>(mm.pairs.size() / 2);
+                for (int64_t tok = 0; tok < n_tokens; ++tok) {
+                    for (int64_t k = 0; k < n_used; ++k) {
+                        if (expert_of[static_cast<size_t>(tok * n_used + k)] == round[r]) {
+                            mm.pairs.insert(mm.pairs.end(), {static_cast<int32_t>(k), static_cast<int32_t>(tok)});
+                        }
+                    }
+                }
+            }
+            const int64_t n_pairs = static_cast<int64_t>(mm.pairs.size() / 2);
+            first[round.size()] = n_pairs;
+            for (int64_t p = 0; p < n_used * n_tokens && with_dropped; ++p) {  // draft pairs written as zero
+                if (expert_of[static_cast<size_t>(p)] < 0) {
+                    mm.dropped.insert(mm.dropped.end(),
+                                      {static_cast<int32_t>(p % n_used), static_cast<int32_t>(p / n_used)});
+                }
+            }
+            ggml_tensor * src1_m = mirror(ctx, src1);
+            ggml_tensor * after = src1_m;  // what the scatter follows
+            if (n_pairs > 0) {
+                mm.gathered.resize(static_cast<size_t>(mm.ne0 * n_pairs));
+                mm.products.resize(static_cast<size_t>(mm.ne1 * n_pairs));
+                mm.zeros.assign(static_cast<size_t>(n_pairs), 0);
+                ggml_tensor * gathered = ggml_custom_4d(ctx, GGML_TYPE_F32, mm.ne0, 1, n_pairs, 1, &src1_m, 1,
+                                                        gather_pairs, GGML_N_TASKS_MAX, &mm);
+                gathered->data = mm.gathered.data();
+                ggml_build_forward_expand(*graph, gathered);
+                // each expert: ggml's own MUL_MAT_ID over its slot, its pairs in ggml's row order, so
+                // that ggml-cpu picks the kernel it picks in stock for that expert's rows
+                for (size_t r = 0; r < round.size(); ++r) {
+                    const int64_t n_e = first[r + 1] - first[r];
+                    if (n_e == 0) {
+                        continue;
+                    }
+                    ggml_tensor * w = ggml_new_tensor_3d(ctx, mm.type, mm.ne0, mm.ne1, 1);
+                    w->nb[1] = mm.row_bytes;
+                    w->nb[2] = w->nb[3] = mm.row_bytes * static_cast<size_t>(mm.ne1);
+                    w->data = const_cast<uint8_t *>(cache.slot_data(position, round[r], mm.kind));
+                    if (w->data == nullptr) {
+                        GGML_ABORT("llamaflash: expert %d of layer %d is not resident in its round", round[r],
+                                   spec.layer);
+                    }
+                    ggml_tensor * cols = ggml_view_3d(ctx, gathered, mm.ne0, 1, n_e, gathered->nb[1], gathered->nb[2],
+                                                      static_cast<size_t>(first[r]) * gathered->nb[2]);
+                    ggml_tensor * ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n_e);
+                    ids->data = mm.zeros.data();
+                    ggml_tensor * product = ggml_mul_mat_id(ctx, w, cols, ids);
+                    product->data = mm.products.data() + first[r] * mm.ne1;
+                    ggml_build_forward_expand(*graph, product);
+                }
+                after = gathered;
+            }
+            m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], &after, 1,
+                               scatter_pairs, GGML_N_TASKS_MAX, &mm);
+            if (staged) {  // products land in a private buffer, copied into the node's memory each round
+                mm.staged.resize(static_cast<size_t>(ggml_nelements(node)));
+                m->data = mm.staged.data();
+                ggml_tensor * copy_args[1] = {m};
+                m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], copy_args, 1,
+                                   copy_staged, GGML_N_TASKS_MAX, nullptr);
+            }
+            std::memcpy(m->nb, node->nb, sizeof(m->nb));
+            m->data = node->data;
+            m->buffer = node->buffer;
+            std::memcpy(m->name, node->name, sizeof(m->name));
+        } else {
+            m = node_copy(ctx, node);
+            m->view_src = node->view_src != nullptr ? mirror(ctx, node->view_src) : nullptr;
+            m->view_offs = node->view_offs;
+            for (int j = 0; j < GGML_MAX_SRC; ++j) {
+                m->src[j] = node->src[j] != nullptr ? mirror(ctx, node->src[j]) : nullptr;
+            }
+        }
+        mirror_[node] = m;
+        ggml_build_forward_expand(*graph, m);
+    }
+    return ctx;
+}
+
+ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu) {
     ExpertModel & model = *match.model;
     const ExpertLayerSpec & spec = model.layer_spec(match.position);
     ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
@@ -251,11 +368,13 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         rounds_of.push_back(order);
         std::sort(rounds_of[0].begin(), rounds_of[0].end());
     }
+    // more than one round: half the capacity each, so that the next round is read while one computes
+    const int ways = draft || static_cast<int>(order.size()) <= cache.capacity(match.position, order) ? 1 : 2;
     for (size_t next = draft ? order.size() : 0; next < order.size();) {
         std::vector<int> round;
         while (next < order.size()) {
             round.push_back(order[next]);
-            if (static_cast<int>(round.size()) > cache.capacity(match.position, round)) {
+            if (static_cast<int>(round.size()) > std::max(1, cache.capacity(match.position, round) / ways)) {
                 round.pop_back();
                 break;
             }
@@ -265,69 +384,6 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         rounds_of.push_back(std::move(round));
     }
     const bool staged = rounds_of.size() > 1;
-
-    // the private graph: every node mirrored, MUL_MAT_IDs over the cache
-    ggml_cgraph * graph = nullptr;
-    ggml_context * ctx = arena_.begin(n_nodes, &graph);
-    mirror_.clear();
-    size_t n_matmuls = 0;
-    for (int i = 0; i < n_nodes; ++i) {
-        const ggml_tensor * node = ggml_graph_node(g, i);
-        ggml_tensor * m = nullptr;
-        if (const BoundWeight * b = bound_expert(node)) {
-            if (b->experts.get() != &model || b->layer != spec.layer) {
-                GGML_ABORT("llamaflash: expert split mixes layers or models");
-            }
-            const ExpertTensorSpec * t = model.tensor(match.position, b->expert_kind);
-            const ggml_tensor * src1 = node->src[1];
-            if (t == nullptr || t->type != node->src[0]->type || t->ne0 != node->src[0]->ne[0] ||
-                t->ne1 != node->src[0]->ne[1] || src1->type != GGML_TYPE_F32 || src1->nb[0] != sizeof(float) ||
-                node->type != GGML_TYPE_F32 || node->nb[0] != sizeof(float)) {
-                GGML_ABORT("llamaflash: expert weight '%s' differs from the sidecar's description", node->src[0]->name);
-            }
-            if (matmuls_.size() <= n_matmuls) {
-                matmuls_.push_back(std::make_unique<Matmul>());
-            }
-            Matmul & mm = *matmuls_[n_matmuls++];
-            const ggml_type type = static_cast<ggml_type>(t->type);
-            const ggml_type_traits_cpu * traits = ggml_get_type_traits_cpu(type);
-            mm.kind = t->kind;
-            mm.ne0 = t->ne0;
-            mm.row_bytes = ggml_row_size(type, t->ne0);
-            mm.vec_dot = traits->vec_dot;
-            mm.from_float = traits->vec_dot_type == GGML_TYPE_F32
-                                ? nullptr
-                                : ggml_get_type_traits_cpu(traits->vec_dot_type)->from_float;
-            mm.weight.assign(static_cast<size_t>(spec.n_expert), nullptr);
-            mm.qrow.resize(static_cast<size_t>(std::max(1, n_threads)));
-            for (auto & q : mm.qrow) {
-                q.resize(ggml_row_size(traits->vec_dot_type, t->ne0));
-            }
-            ggml_tensor * args[2] = {mirror(ctx, src1), mirror(ctx, node->src[2])};
-            m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], args, 2,
-                               expert_matmul, GGML_N_TASKS_MAX, &mm);
-            if (staged) {  // products land in a private buffer, copied into the node's memory each round
-                mm.staged.resize(static_cast<size_t>(ggml_nelements(node)));
-                m->data = mm.staged.data();
-                ggml_tensor * copy_args[1] = {m};
-                m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], copy_args, 1,
-                                   copy_staged, GGML_N_TASKS_MAX, nullptr);
-            }
-            std::memcpy(m->nb, node->nb, sizeof(m->nb));
-            m->data = node->data;
-            m->buffer = node->buffer;
-            std::memcpy(m->name, node->name, sizeof(m->name));
-        } else {
-            m = node_copy(ctx, node);
-            m->view_src = node->view_src != nullptr ? mirror(ctx, node->view_src) : nullptr;
-            m->view_offs = node->view_offs;
-            for (int j = 0; j < GGML_MAX_SRC; ++j) {
-                m->src[j] = node->src[j] != nullptr ? mirror(ctx, node->src[j]) : nullptr;
-            }
-        }
-        mirror_[node] = m;
-        ggml_build_forward_expand(graph, m);
-    }
 
     ggml_status status = GGML_STATUS_SUCCESS;
     int rounds = 0;
@@ -347,38 +403,22 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
                     }
                 }
                 cache.finish(match.position);
+                if (static_cast<size_t>(rounds) + 1 < rounds_of.size()) {
+                    cache.read_ahead(match.position, rounds_of[static_cast<size_t>(rounds) + 1]);
+                }
             }
         } catch (const std::exception & e) {
             model.set_error(e.what());
             status = GGML_STATUS_FAILED;
             break;
         }
-        for (size_t j = 0; j < n_matmuls; ++j) {
-            Matmul & mm = *matmuls_[j];
-            mm.pairs.clear();
-            for (int e : round) {
-                mm.weight[static_cast<size_t>(e)] = cache.slot_data(match.position, e, mm.kind);
-                for (int64_t t = 0; t < n_tokens; ++t) {
-                    for (int64_t k = 0; k < n_used; ++k) {
-                        if (expert_of[static_cast<size_t>(t * n_used + k)] == e) {
-                            mm.pairs.insert(mm.pairs.end(), {e, static_cast<int32_t>(k), static_cast<int32_t>(t)});
-                        }
-                    }
-                }
-            }
-            for (int64_t p = 0; p < n_used * n_tokens && dropped > 0; ++p) {  // draft pairs written as zero
-                if (expert_of[static_cast<size_t>(p)] < 0) {
-                    mm.pairs.insert(mm.pairs.end(),
-                                    {-1, static_cast<int32_t>(p % n_used), static_cast<int32_t>(p / n_used)});
-                }
-            }
-        }
+        ggml_cgraph * graph = nullptr;
+        ggml_context * ctx = build_round(g, model, match.position, round, expert_of, n_used, n_tokens,
+                                         draft && rounds == 0, staged, &graph);
         const auto t0 = std::chrono::steady_clock::now();
         status = ggml_backend_graph_compute(cpu, graph);
         compute_seconds += seconds_since(t0);
-        for (size_t j = 0; j < n_matmuls; ++j) {
-            std::fill(matmuls_[j]->weight.begin(), matmuls_[j]->weight.end(), nullptr);
-        }
+        ggml_free(ctx);
         ++rounds;
         if (status != GGML_STATUS_SUCCESS) {
             break;
@@ -390,7 +430,6 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         model.count_split(match.position, n_tokens, static_cast<int64_t>(order.size()), rounds, compute_seconds,
                           seconds_since(t_begin));
     }
-    ggml_free(ctx);
     return status;
 }
 

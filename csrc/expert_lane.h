@@ -3,18 +3,22 @@
 // The split (one per MoE layer, see expert_model.h) holds the layer's MUL_MAT_IDs over phantom
 // expert weights and the element-wise ops between them (GLU / activation, ADD_ID biases, views).
 // The lane mirrors every node into a private graph over the same memory, except each MUL_MAT_ID,
-// which becomes a custom node computing, for every (slot k, token t) whose expert e = ids[k, t] is in
-// the current round,
+// which computes, for every (slot k, token t) whose expert e = ids[k, t] is in the current round,
 //   out[:, k, t] = W_e · src1[:, k mod ne11, t]        W_e : [ne1 rows of ne0] from the cache slot
-// with ggml-cpu's own kernels and numerics: src1's row quantized by the vec_dot type's from_float,
-// each output element one vec_dot of a weight row with it (nrc = 1), exactly what ggml's
-// MUL_MAT_ID computes (ggml-cpu's mul_mat_id_one_chunk), so the logits are bit-identical to stock
-// llama.cpp with plain (not repacked) weights, whichever slots the experts sit in.
+// as three steps: a gather node copies each pair's src1 row into a column of G [ne0, 1, P] (pairs
+// grouped by expert, then by token and slot: the order of ggml-cpu's row table); per expert, ggml's
+// own MUL_MAT_ID over a one-matrix weight at the expert's slot and its columns of G; a scatter node
+// writes each product to (k, t). ggml-cpu sees, per expert, the same rows in the same order as in
+// stock and chooses the same kernel (for K-quants with 8 or more rows a tiled kernel that rounds
+// differently from one vec_dot per output), so the logits are bit-identical to stock llama.cpp with
+// plain (not repacked) weights, whichever slots the experts sit in.
 //
-// Rounds. The distinct experts of the batch E = set(ids) are served in rounds of at most
-// ExpertCache::capacity experts (decode and small batches: one round). Each round: begin() submits
-// the round's misses, the next layer's predicted experts are prefetched (one-token batches), finish()
-// waits and checks, then the whole private graph runs; the custom nodes compute only the pairs of
+// Rounds. The distinct experts of the batch E = set(ids) are served in one round when they fit
+// ExpertCache::capacity (decode and small batches), else in rounds of at most half the capacity, so
+// that the next round's experts are read (ExpertCache::read_ahead) into the other half while one
+// round computes. Each round: begin() submits the round's misses (none when read ahead), the next
+// layer's predicted experts are prefetched (one-token batches), finish() waits and checks, the next
+// round is read ahead, then the whole private graph runs; the custom nodes compute only the pairs of
 // the round's experts. With several rounds each MUL_MAT_ID's products go to a private staging buffer
 // that keeps every pair computed so far, and a copy node puts all of them into the node's memory
 // before the element-wise ops run: ggml-alloc lets ops such as ADD_ID write in place into their
@@ -55,15 +59,19 @@ public:
     ExpertLane(const ExpertLane &) = delete;
     ExpertLane & operator=(const ExpertLane &) = delete;
 
-    // Computes every node of `split` (a matched expert split) on `cpu` with `n_threads`. On an I/O or
+    // Computes every node of `split` (a matched expert split) on `cpu` (its threads). On an I/O or
     // checksum failure the model keeps the error and GGML_STATUS_FAILED is returned.
-    ggml_status compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu, int n_threads);
+    ggml_status compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu);
 
     // One custom MUL_MAT_ID node's work (public for the node function).
     struct Matmul;
 
 private:
     ggml_tensor * mirror(ggml_context * ctx, const ggml_tensor * t);
+    // The private graph of one round (in the lane's arena; the caller frees the context).
+    ggml_context * build_round(const ggml_cgraph * split, const ExpertModel & model, int position,
+                               const std::vector<int> & round, const std::vector<int32_t> & expert_of, int64_t n_used,
+                               int64_t n_tokens, bool with_dropped, bool staged, ggml_cgraph ** graph);
 
     GraphArena arena_;
     std::unordered_map<const ggml_tensor *, ggml_tensor *> mirror_;

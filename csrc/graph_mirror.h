@@ -45,7 +45,10 @@ inline ggml_tensor * node_copy(ggml_context * ctx, const ggml_tensor * node) {
 class GraphArena {
 public:
     ggml_context * begin(int n_nodes, ggml_cgraph ** graph) {
-        const size_t max_tensors = static_cast<size_t>(n_nodes) * (GGML_MAX_SRC + 1);
+        return begin_tensors(static_cast<size_t>(n_nodes) * (GGML_MAX_SRC + 1), graph);
+    }
+    // The same for a private graph of up to max_tensors tensors (nodes and leaves).
+    ggml_context * begin_tensors(size_t max_tensors, ggml_cgraph ** graph) {
         const size_t need = max_tensors * ggml_tensor_overhead() + ggml_graph_overhead_custom(max_tensors, false);
         if (memory_.size() < need) {
             memory_.resize(need);

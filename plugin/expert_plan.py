@@ -117,18 +117,21 @@ def lru_miss_rate(counts: np.ndarray, n_used: int, n_slots: int, n_pinned: int) 
     return float(np.sum(p[rest] * (1 - hit)))
 
 
-def moe_llama_share(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
+def moe_llama_share(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int, logits_all: bool = False) -> dict[str, int]:
     """llama.cpp's memory with the routed experts served by llamaflash (bytes), counted as the dense
     planner counts it (plan_llama_share.llama_memory): the vocabulary, every weight but the ``*_exps``
     tensors (file-backed, locked after load; token_embd by the rows used), the f16 KV cache, and the
-    compute buffers (CPU graph, the expert splits' activations n_ubatch x n_used x (3 n_ff_exp + n_embd)
-    f32, logits)."""
+    compute buffers: llama.cpp's CPU graph and logits, the expert splits' activations
+    n_ubatch x n_used x (3 n_ff_exp + n_embd) f32, and the expert lane's per-pair buffers, per expert
+    tensor (input ne0, output ne1) its gathered inputs, products and staged outputs
+    n_ubatch x n_used x (ne0 + 2 ne1) f32 (csrc/expert_lane.cpp, ExpertLane::Matmul)."""
     from .plan_llama_share import llama_memory
 
     experts = {t.name for layer in moe.layers for t in layer.tensors}
     n_ff = max(t.ne1 for layer in moe.layers for t in layer.tensors if t.kind != "down")
     split = n_ubatch * moe.n_used * (3 * n_ff + moe.n_embd) * 4
-    return llama_memory(header, n_ctx, n_ubatch, experts, split, embeddings_by_rows=True)
+    lane = max(sum(n_ubatch * moe.n_used * (t.ne0 + 2 * t.ne1) * 4 for t in layer.tensors) for layer in moe.layers)
+    return llama_memory(header, n_ctx, n_ubatch, experts, split + lane, True, logits_all)
 
 
 def router_copy_bytes(moe: MoeModelInfo) -> int:
@@ -137,7 +140,7 @@ def router_copy_bytes(moe: MoeModelInfo) -> int:
     return sum(layer.n_expert * moe.n_embd * 4 for layer in moe.layers if layer.router is not None)
 
 
-def stock_need(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dict[str, int]:
+def stock_need(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int, logits_all: bool = False) -> dict[str, int]:
     """What stock llama.cpp with plain weights keeps resident (bytes): the whole file in the page cache
     (``model_file``), its vocabulary, f16 KV cache and compute buffers at ``n_ubatch`` (no device), and
     the Python runtime. No margin: a slight overshoot reclaims a few clean file pages (re-read once),
@@ -145,14 +148,17 @@ def stock_need(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int) -> dict[str
     from .plan_llama_share import llama_memory
     from .planner import RUNTIME_RSS_BYTES
 
-    mem = llama_memory(header, n_ctx, n_ubatch, (), 0, embeddings_by_rows=True)
-    return {
+    mem = llama_memory(header, n_ctx, n_ubatch, (), 0, True, logits_all)
+    need = {
         "model_file": int(moe.file_size),
         "llama_vocab": mem["llama_vocab"],
         "kv_cache": mem["kv_cache"],
         "compute_buffers": mem["compute_buffers"],
         "python_runtime": RUNTIME_RSS_BYTES,
     }
+    if logits_all:
+        need["python_logits"] = mem["python_logits"]
+    return need
 
 
 def stock_reread_per_token(moe: MoeModelInfo, shortfall: int) -> float | None:
@@ -166,7 +172,9 @@ def stock_reread_per_token(moe: MoeModelInfo, shortfall: int) -> float | None:
     return STOCK_REREAD_AMPLIFICATION * share * moe.n_used * sum(layer.expert_bytes for layer in moe.layers)
 
 
-def stock_ubatch(header, moe: MoeModelInfo, budget: int, n_ctx: int, n_ubatch: int | None) -> int | None:
+def stock_ubatch(
+    header, moe: MoeModelInfo, budget: int, n_ctx: int, n_ubatch: int | None, logits_all: bool = False
+) -> int | None:
     """The n_ubatch at which stock fits ``budget`` bytes (:func:`stock_need`), or None: the user's
     ``n_ubatch`` when given, else the largest of llama-cpp-python's default (512) and the planner's
     smaller choices that fits (a smaller batch only slows prefill; decode runs as stock)."""
@@ -177,7 +185,7 @@ def stock_ubatch(header, moe: MoeModelInfo, budget: int, n_ctx: int, n_ubatch: i
     else:
         candidates = sorted({u for u in (512, *UBATCH_CHOICES) if u <= 512}, reverse=True)
     for u in candidates:
-        if sum(stock_need(header, moe, n_ctx, u).values()) <= budget:
+        if sum(stock_need(header, moe, n_ctx, u, logits_all).values()) <= budget:
             return u
     return None
 
@@ -193,10 +201,12 @@ def plan_experts(
     counts: dict[int, np.ndarray] | None = None,
     n_ubatch: int | None = None,
     n_slots: int | None = None,
+    logits_all: bool = False,
 ) -> ExpertPlan:
     """The plan for ``moe`` under ``ram_budget_mb``; raises RamBudgetError below the minimum.
     ``n_slots``: the expert slots per layer the user asked for (then the engine serves the experts even
-    when the whole model would fit; refused when those slots do not fit the budget)."""
+    when the whole model would fit; refused when those slots do not fit the budget); ``logits_all``: the
+    Llama keeps every token's logits (counted, plan_llama_share.llama_memory)."""
     from . import _native
     from .errors import RamBudgetError
     from .planner import (
@@ -216,7 +226,7 @@ def plan_experts(
     n_layers = len(moe.layers)
 
     def fixed_parts(u: int) -> dict[str, int]:
-        parts = moe_llama_share(header, moe, n_ctx, u)
+        parts = moe_llama_share(header, moe, n_ctx, u, logits_all)
         parts["router_copies"] = router_copy_bytes(moe)
         parts["python_runtime"] = RUNTIME_RSS_BYTES
         parts["margin"] = int(MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget)
@@ -239,7 +249,7 @@ def plan_experts(
     fixed = sum(share.values())
     min_slots = moe.n_used
     # the least budget: n_used slots per layer, the smallest prefill batch
-    least = moe_llama_share(header, moe, n_ctx, UBATCH_CHOICES[-1])
+    least = moe_llama_share(header, moe, n_ctx, UBATCH_CHOICES[-1], logits_all)
     # the margin is a share of the whole budget: budget = (everything else + fixed margin) / (1 - share)
     min_budget = math.ceil(
         (
@@ -252,7 +262,7 @@ def plan_experts(
         / (1 - MARGIN_FRACTION)
     )
     notes: list[str] = []
-    stock_u = stock_ubatch(header, moe, budget, n_ctx, user_ubatch) if n_slots is None else None
+    stock_u = stock_ubatch(header, moe, budget, n_ctx, user_ubatch, logits_all) if n_slots is None else None
     if n_slots is not None:
         if not moe.n_used <= n_slots <= moe.n_expert:
             raise ValueError(
@@ -265,7 +275,7 @@ def plan_experts(
             )
         min_slots = moe.n_used
     elif stock_u is not None:
-        need = stock_need(header, moe, n_ctx, stock_u)
+        need = stock_need(header, moe, n_ctx, stock_u, logits_all)
         return ExpertPlan(
             budget,
             True,
@@ -317,7 +327,7 @@ def plan_experts(
     if not forced:
         # just below stock's need: stock's few page-cache misses against the expert cache's misses
         u_min = int(user_ubatch or UBATCH_CHOICES[-1])  # the batch that leaves stock least short
-        need = stock_need(header, moe, n_ctx, u_min)
+        need = stock_need(header, moe, n_ctx, u_min, logits_all)
         reread = stock_reread_per_token(moe, sum(need.values()) - budget)
         if reread is not None and reread * STOCK_FAULT_SLOWDOWN <= read:
             return ExpertPlan(

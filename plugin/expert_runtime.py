@@ -48,6 +48,7 @@ def prepare(
     disk_profile: Any,
     verify: bool,
     n_slots: Optional[int] = None,
+    logits_all: bool = False,
 ) -> ExpertSetup:
     """Checks the pair and plans; opens the engine when there is something to serve."""
     from . import _native, disk_probe
@@ -80,6 +81,7 @@ def prepare(
         disk=disk_probe.resolve_profile(disk_profile, sidecar) or _default_disk(),
         counts=counts,
         n_slots=n_slots,
+        logits_all=logits_all,
     )
     if plan.fits:
         return ExpertSetup(

@@ -350,6 +350,7 @@ class Llama(llama_cpp.Llama):
                 info=info,
                 header=base.header,
                 draft_copy=flash_draft_copy if self_drafts else False,
+                logits_all=bool(kwargs.get("logits_all", False)),
             )
             kwargs.setdefault("n_batch", plan.n_batch)
             kwargs.setdefault("n_ubatch", plan.n_ubatch)
@@ -441,6 +442,7 @@ class Llama(llama_cpp.Llama):
             disk_profile=a["flash_disk_profile"],
             verify=a["flash_verify"],
             n_slots=a["flash_expert_slots"],
+            logits_all=bool(kwargs.get("logits_all", False)),
         )
         self._expert_setup = setup
         self._flash_decision = lane_decision.Decision(

@@ -73,6 +73,7 @@ class PlanRequest:
     stream_gate: bool | None
     disk: dict[str, Any] | None
     tables: tuple[ClusterTable, ...]
+    logits_all: bool = False  # Llama(logits_all=True): every token's logits kept (plan_llama_share)
 
     @property
     def gate_layer_bytes(self) -> tuple[int, ...]:
@@ -93,7 +94,10 @@ class Layout:
 def fixed_parts(req: PlanRequest, n_ubatch: int, stream_gate: bool, copy_bytes: int) -> dict[str, int]:
     """The parts besides the neuron cache: runtime, llama.cpp's share, the draft copy (when
     ``copy_bytes``), and the resident gate or the streamed gate's window."""
-    parts = {"runtime": int(req.runtime_bytes), **llama_share(req.header, req.info, req.n_ctx, n_ubatch)}
+    parts = {
+        "runtime": int(req.runtime_bytes),
+        **llama_share(req.header, req.info, req.n_ctx, n_ubatch, req.logits_all),
+    }
     if copy_bytes:
         parts["draft_copy"] = copy_bytes
     gate = req.gate_layer_bytes

@@ -38,10 +38,11 @@ def part_reasons(req: PlanRequest, layout: Layout, choice: "CacheChoice", spare:
         "llama_vocab": f"llama.cpp tokenizer tables, {VOCAB_BYTES_PER_ENTRY} B per token/merge + 2 MiB (measured)",
         "llama_weights": "non-FFN tensors (attention, norms, token_embd, output) + unserved FFNs, mmapped/repacked",
         "kv_cache": f"f16 K+V, every layer, n_ctx {req.n_ctx} rounded up to 256 cells",
-        "compute_buffers": f"llama.cpp CPU + LLAMAFLASH compute at n_ubatch {layout.n_ubatch}, logits output; "
-        "+5% (fit, measured)"
+        "compute_buffers": f"the pages a batch of n_ubatch {layout.n_ubatch} writes in llama.cpp's CPU and "
+        "LLAMAFLASH compute buffers and logits output; +5% (measured)"
         + ("" if req.n_ubatch is not None else "; n_ubatch chosen for the fastest predicted decode"),
         "prefill_window": "one layer's base up + down, mmapped page cache during dense prefill",
+        "python_logits": "logits_all=True: llama-cpp-python keeps every position's logits, n_ctx x n_vocab x 4",
         "draft_copy": (
             f"the sidecar's draft copy ({gguf.GGMLQuantizationType(lay0.draft_type).name}): every "
             "neuron's up and down_t rows at low bit width, resident, for speculative self-drafts"

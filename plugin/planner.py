@@ -82,6 +82,7 @@ def plan_offload(
     info: SidecarInfo | None = None,
     header: GGUFHeader | None = None,
     draft_copy: bool | None = None,
+    logits_all: bool = False,
 ) -> OffloadPlan:
     """Plan the RAM of the flash-offload engine for ``model_path`` + its format-2 sidecar under
     ``ram_budget_mb`` MiB (see the module docstring and :class:`OffloadPlan`).
@@ -99,6 +100,8 @@ def plan_offload(
     ``draft_copy``: keep the sidecar's draft copy resident for speculative self-drafts (True; the gate
     then stays resident, SidecarError without a copy), not (False), or None: plan both ways and keep
     the one with the higher predicted delivered decode speed (:mod:`llamaflash.draft_plan`).
+
+    ``logits_all``: the Llama keeps every token's logits (``Llama(logits_all=True)``): counted.
 
     ``info`` / ``header``: the pair's :func:`~llamaflash.sidecar.validate_pair` result and the base
     model's parsed header, when the caller has them (``llamaflash.Llama``), so that one load parses
@@ -152,6 +155,7 @@ def plan_offload(
         stream_gate=stream_gate,
         disk=disk,
         tables=tuple(cluster_tables(info, cluster_size)),
+        logits_all=bool(logits_all),
     )
     return with_ubatch_trade(req, _plan_draft_copy(req, info, draft_copy, copy_bytes))
 

@@ -93,6 +93,24 @@ def test_logits_bit_identical_to_stock_whatever_the_cache_holds(arch, converted)
         assert s["tokens"] == 2 * len(TOKENS)
         if slots < moe.n_expert:
             assert s["misses"] > 0 and s["multi_round_splits"] > 0  # a 40-token prefill needs > slots experts
+            assert 0 < s["read_ahead"] <= s["misses"]  # later rounds read while earlier ones computed
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_k_quant_experts_bit_identical_to_stock_batches(arch, converted):
+    """K-quant experts: stock's ggml-cpu computes an expert with 8 or more rows of a batch with a tiled
+    kernel whose rounding differs from one vec_dot per output; the lane runs ggml's own MUL_MAT_ID per
+    expert over its slot, so prefill batches match stock bit for bit too (40 tokens over 8 experts
+    of which 2 used: about 10 rows per expert)."""
+    path = converted(arch, n_embd=256, head_dim=64, n_ff_exp=256, n_ff_shexp=256, quant="Q4_K_M")
+    ref = stock(path)
+    ref_prefill = prefill_logits(ref)
+    ref.close()
+    moe = read_moe_model(read_gguf_header(path))
+    for slots in (moe.n_used, moe.n_expert):
+        llm = served(path, slots)
+        assert np.array_equal(prefill_logits(llm), ref_prefill), f"prefill, {slots} slots"
         llm.close()
 
 

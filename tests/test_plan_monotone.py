@@ -144,9 +144,10 @@ def test_smollm2_is_never_predicted_slower_with_more_memory(smollm2_sidecar):
     rows = sweep_budgets(model, sidecar, 4.0)
     assert_monotone_curve(rows)
     # n_ctx 1024, where the share rule for n_ubatch (64 -> 128 between 299 and 303 MiB) predicted
-    # 12.5 -> 9.25 tok/s: the larger budget now predicts faster, and says what n_ubatch 128 would give
+    # 12.5 -> 9.25 tok/s: the larger budget now predicts faster, and says what a larger batch would give
     at = {b: plan_offload(model, sidecar, b, n_ctx=1024) for b in (299, 303)}
     assert at[303].io_bound_tok_s >= at[299].io_bound_tok_s
-    assert at[303].n_ubatch < 128 and at[303].ubatch_choice["prefill_n_ubatch"] == 128
-    assert any("--n-ubatch 128" in n for n in at[303].notes)
+    prefill = at[303].ubatch_choice["prefill_n_ubatch"]
+    assert at[303].n_ubatch < prefill
+    assert any(f"--n-ubatch {prefill}" in n for n in at[303].notes)
     assert at[303].ubatch_choice["prefill_io_bound_tok_s"] < at[303].io_bound_tok_s

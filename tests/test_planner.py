@@ -19,6 +19,7 @@ from llamaflash.converters.pipeline import plan_sidecar
 from llamaflash.converters.writer import write_sidecar_atomically
 from llamaflash.errors import LlamaflashError, RamBudgetError, SidecarError
 from llamaflash.gguf_model import base_identity, read_base_model
+from llamaflash.plan_llama_share import compute_reserve_bytes, llama_memory
 from llamaflash.planner import CLUSTER_SIZES, MiB, default_disk, plan_offload
 from llamaflash.sidecar import read_sidecar
 
@@ -336,10 +337,55 @@ def test_real_smollm2_llama_buffers_match_llama_cpp_log(smollm2_sidecar):
         check=True,
     )
     logged = json.loads(out.stdout.strip().splitlines()[-1])["buffers_mib"]
-    share = llama_share(read_gguf_header(SMOL[0]), validate_pair(*SMOL), 512, 128)
+    header, info = read_gguf_header(SMOL[0]), validate_pair(*SMOL)
+    share = llama_share(header, info, 512, 128)
     assert share["kv_cache"] / MiB == pytest.approx(logged["CPU KV"], abs=0.01)
     compute = logged["CPU compute"] + logged["LLAMAFLASH compute"] + logged["CPU output"]
-    assert compute <= share["compute_buffers"] / MiB <= 1.1 * compute
+    n_ff = max(lay.n_ff for lay in info.layers)
+    reserved = compute_reserve_bytes(header, 512, 128, 128 * 3 * n_ff * 4) / MiB
+    assert compute <= reserved <= 1.1 * compute
+    assert share["compute_buffers"] / MiB <= reserved  # what a batch touches, never more than reserved
+
+
+_TOUCHED_CHILD = """
+import re, sys
+from llama_cpp import Llama
+def anon():
+    return int(re.search(r"RssAnon:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_batch=int(sys.argv[3]), n_ubatch=int(sys.argv[3]),
+            n_threads=2, verbose=False)
+before = anon()
+llm.eval([(i * 7919) % 20000 + 100 for i in range(int(sys.argv[3]))])
+print(anon() - before)
+"""
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("n_ubatch", [64, 512])
+def test_real_compute_buffers_cover_the_pages_a_batch_touches(smollm2_sidecar, n_ubatch):
+    """llama.cpp reserves its compute buffers for n_ubatch tokens that all return logits, but a batch
+    writes only its real tensors: the anonymous memory stock SmolLM2 gains over one full batch (the
+    compute pages it touches and the batch's KV rows) stays within the planner's count, and far below
+    the reserve at n_ubatch 512 (whose logits rows alone are 512 x n_vocab x 4 bytes)."""
+    import subprocess
+    import sys
+
+    from llamaflash.gguf_header import read_gguf_header
+
+    model = smollm2_sidecar[0]
+    header = read_gguf_header(model)
+    n_ctx = 1024
+    out = subprocess.run(
+        [sys.executable, "-c", _TOUCHED_CHILD, str(model), str(n_ctx), str(n_ubatch)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    grown = int(out.stdout.strip().splitlines()[-1])
+    mem = llama_memory(header, n_ctx, n_ubatch, (), 0, embeddings_by_rows=True)
+    assert grown <= mem["compute_buffers"] + mem["kv_cache"], (grown / MiB, mem["compute_buffers"] / MiB)
+    if n_ubatch == 512:
+        assert mem["compute_buffers"] < 0.5 * compute_reserve_bytes(header, n_ctx, n_ubatch, 0)
 
 
 def test_cli_probe_disk_measures_beside_the_sidecar_and_saves_it(pair, monkeypatch, tmp_path):
@@ -396,3 +442,17 @@ def test_saved_disk_profiles_are_per_filesystem(pair, tmp_path):
         disk_probe.resolve_profile(tmp_path / "nothing.json", sidecar, cache)
     # the planner names a saved profile as such
     assert f"saved {saved['saved_at']}" in plan(pair, 10_000, disk=saved).disk_source
+
+
+def test_logits_all_counts_every_row_of_logits(pair):
+    """Llama(logits_all=True) keeps every token's logits: a batch writes n_ubatch rows of them, and
+    llama-cpp-python holds n_ctx rows; the plan counts both, and leaves the cache that much less."""
+    from llamaflash.gguf_header import read_gguf_header
+    from llamaflash.plan_llama_share import vocabulary_size
+
+    n_vocab = vocabulary_size(read_gguf_header(pair[0]))
+    base = plan(pair, 10_000, n_ubatch=64, n_ctx=512)
+    every = plan(pair, 10_000, n_ubatch=64, n_ctx=512, logits_all=True)
+    assert "python_logits" not in base.parts and every.parts["python_logits"] == 512 * n_vocab * 4
+    assert every.parts["compute_buffers"] >= base.parts["compute_buffers"]  # (both at the reserve here)
+    assert sum(every.parts.values()) == every.budget_bytes

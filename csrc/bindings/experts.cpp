@@ -42,6 +42,7 @@ py::dict stats_dict(const ExpertModel & model) {
     d["prefetched"] = c.prefetched;
     d["prefetch_used"] = c.prefetch_used;
     d["prefetch_wasted"] = c.prefetch_wasted;
+    d["read_ahead"] = c.read_ahead;
     d["bytes_read"] = c.bytes_read;
     d["demand_bytes"] = c.demand_bytes;
     d["verified_bytes"] = c.verified_bytes;
