@@ -237,3 +237,53 @@ def test_a_draft_takes_every_cluster_from_the_copy_when_x_serves_one_type(tiny_m
     off = np.linalg.norm(draft - exact) / np.linalg.norm(exact)
     assert 0 < off < 0.15, off
     assert np.array_equal(_last_logits(model, sidecar, forced_plan, True, False, hot=6), exact)  # exact passes exact
+
+
+@pytest.mark.parametrize("spec", [False, {"self_draft": False}], ids=["speculation-off", "no-self-draft"])
+def test_without_self_drafts_the_plan_is_the_one_without_speculation(pair, forced_plan, spec):
+    """The draft copy serves self-drafts only: where there are none, the planner is asked for the plan
+    without it (the same request as flash_draft_copy=False), and forcing the copy is refused."""
+    model, sidecar = pair
+    asked = []
+    forced_plan(make_plan(sidecar, 3), asked)
+    for kw in ({"flash_speculative": spec}, {"flash_speculative": True, "flash_draft_copy": False}):
+        llamaflash.Llama(model_path=str(model), ram_budget_mb=64, **kw, **KW).close()
+    llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_speculative=True, **KW).close()
+    off, copy_refused, default = asked
+
+    def settings(request):  # the request's settings (the parsed files it also gets are the same objects' kin)
+        return {k: v for k, v in request.items() if v is None or isinstance(v, (bool, int, float, str))}
+
+    assert off["draft_copy"] is False and off.keys() == copy_refused.keys()
+    assert settings(off) == settings(copy_refused) and "n_ctx" in settings(off)
+    assert default["draft_copy"] is None  # with self-drafts: the planner weighs the copy
+    with pytest.raises(ValueError, match="flash_draft_copy=True keeps the draft copy for speculative self-drafts"):
+        llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_speculative=spec, flash_draft_copy=True, **KW)
+
+
+def test_a_verify_row_costs_a_tokens_compute_in_the_prediction():
+    """Measured on Qwen2.5-Coder-1.5B under a budget (one verify row +59..66 ms, about its weights'
+    compute): at 1200 MiB (165 ms pass, 120 ms self-draft step) no draft pays even at acceptance 0.9;
+    at 900 MiB (427 ms I/O-bound pass) free drafts at acceptance 0.7 do."""
+    assert draft_plan.predict(pass_s=0.165, step_s=0.120, acceptance=0.9, row_s=0.0625).draft == 0
+    io_bound = draft_plan.predict(pass_s=0.427, step_s=0.0, acceptance=0.7, row_s=0.0625)
+    assert io_bound.draft > 0 and io_bound.tok_s > 1.3 / 0.427
+
+
+@pytest.mark.parametrize("copy_tok_s,chosen", [(10.5, False), (11.5, True)])
+def test_the_copy_needs_a_margin_over_the_plan_without_it(pair, monkeypatch, copy_tok_s, chosen):
+    """Predicted 10 tok/s without the copy (its best of drafting and not drafting): the copy must
+    predict more than COPY_MARGIN above it to take the memory from the pinned clusters."""
+    model, sidecar = pair
+    info = validate_pair(model, sidecar)
+    without = planner.plan_offload(model, sidecar, 200, draft_copy=False)
+    with_copy = planner.plan_offload(model, sidecar, 200, draft_copy=True)
+    predictions = {
+        False: draft_plan.Prediction(0.2, 0.1, 0.01, 0, 10.0),
+        True: draft_plan.Prediction(0.5, 0.1, 0.02, 2, copy_tok_s),
+    }
+    monkeypatch.setattr(draft_plan, "predict_plan", lambda plan, _info: predictions[bool(plan.draft_copy)])
+    assert draft_plan.COPY_MARGIN == pytest.approx(0.10)
+    plan = draft_plan.choose_draft_copy(info, without, with_copy)
+    assert bool(plan.draft_copy) is chosen
+    assert plan.draft_choice["chosen"] == ("draft_copy" if chosen else "resident_only")

@@ -371,11 +371,13 @@ def _measure(
     echo: Callable[[str], None],
 ) -> None:
     done = {run_key(r) for r in payload["runs"]}
+    # the configs alternate their order between budgets and repetitions: a run right after another
+    # config's (e.g. stock thrashing the page cache and the disk) is not always the same config's
     todo = [
         (limit, config, rep)
         for rep in range(opts.reps)
-        for limit in sorted(opts.budgets_mb, reverse=True)
-        for config in opts.configs
+        for b, limit in enumerate(sorted(opts.budgets_mb, reverse=True))
+        for config in (opts.configs if (rep + b) % 2 == 0 else opts.configs[::-1])
         if (limit, config, rep) not in done
     ]
     if done:

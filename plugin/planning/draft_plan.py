@@ -10,16 +10,19 @@ Model of one speculative step (docs/SPECULATIVE.md, "Draft length"), per plan:
 
     pass_s   = 1 / io_bound_tok_s + resident_bytes / MEMORY_BYTES_PER_S        one verify pass
     step_s   = (resident_bytes + draft_bytes) / MEMORY_BYTES_PER_S             one draft token
-    T(k)     = pass_s · (1 + VERIFY_EXTRA_PER_TOKEN · k) + k · step_s
+    row_s    = (resident_bytes + ffn_row_bytes) / MEMORY_BYTES_PER_S           one more verify row
+    T(k)     = pass_s + k · row_s + k · step_s
     E(k)     = (1 − a^(k+1)) / (1 − a)                                          tokens per pass
-    tok/s    = max over k in 0..MAX_DRAFT of E(k) / T(k)
+    tok/s    = max over k in 0..MAX_DRAFT of E(k) / T(k)       (k = 0: the plan without speculation)
 
 with acceptance a = COPY_ACCEPTANCE[type] for the draft copy, and for the resident-only self-draft the
 share of active neurons the hot slots hold (``neuron_hit_rate``) to the power RESIDENT_ACCEPTANCE_EXPONENT
 (both measured, below).
 ``resident_bytes`` = llama.cpp's weights + the gate (what every token reads from memory; a streamed gate
 is computed from the page cache, its reads from flash are in the I/O bound),
-``draft_bytes`` = what the self-draft computes from the FFN rows (the copy, or the hot slots).
+``draft_bytes`` = what the self-draft computes from the FFN rows (the copy, or the hot slots),
+``ffn_row_bytes`` = every neuron's up and down_t rows: a verify row is computed like a token of its own
+(only the flash reads are shared by the batch), so it costs about a token's compute.
 Prompt-lookup drafts are the same for both plans and left out.
 """
 
@@ -51,9 +54,11 @@ RESIDENT_ACCEPTANCE_EXPONENT = 2.3
 #: weights (plain, not repacked): a draft step from the Q2_K copy measured 58 ms for ~0.87 GB of
 #: resident weights and copy.
 MEMORY_BYTES_PER_S = 15e9
-#: A verify pass of 1 + k tokens costs (1 + this · k) passes of one token (measured at 900 MiB on
-#: Qwen2.5-1.5B: 270 ms for 1 token, 300 ms for 7).
-VERIFY_EXTRA_PER_TOKEN = 0.02
+#: A verify pass of 1 + k tokens where no row cost is given: (1 + this · k) passes of one token.
+VERIFY_EXTRA_PER_TOKEN = 0.25
+#: The draft copy is kept only when it predicts at least this much more than the plan without it (the
+#: prediction's constants are measured on one machine; a wrong choice costs every pass's cache).
+COPY_MARGIN = 0.10
 #: The longest draft the engine verifies: a verify batch is the draft and the token before it.
 MAX_DRAFT = BATCH_INVARIANT_MAX - 1
 
@@ -69,13 +74,15 @@ class Prediction:
     tok_s: float
 
 
-def predict(pass_s: float, step_s: float, acceptance: float) -> Prediction:
-    """The best draft length and its delivered tok/s under the model in the module docstring."""
+def predict(pass_s: float, step_s: float, acceptance: float, row_s: float | None = None) -> Prediction:
+    """The best draft length and its delivered tok/s under the model in the module docstring
+    (``row_s`` None: VERIFY_EXTRA_PER_TOKEN · pass_s)."""
     a = min(max(acceptance, 0.0), 0.999)
+    row = VERIFY_EXTRA_PER_TOKEN * pass_s if row_s is None else row_s
     best = Prediction(a, pass_s, step_s, 0, 1.0 / pass_s)
     for k in range(1, MAX_DRAFT + 1):
         tokens = (1 - a ** (k + 1)) / (1 - a)
-        tok_s = tokens / (pass_s * (1 + VERIFY_EXTRA_PER_TOKEN * k) + k * step_s)
+        tok_s = tokens / (pass_s + k * row + k * step_s)
         if tok_s > best.tok_s:
             best = Prediction(a, pass_s, step_s, k, tok_s)
     return best
@@ -95,7 +102,10 @@ def predict_plan(plan: "OffloadPlan", info: "SidecarInfo") -> Prediction | None:
     else:
         draft = plan.parts.get("hot_slots", 0)
         acceptance = plan.neuron_hit_rate**RESIDENT_ACCEPTANCE_EXPONENT
-    return predict(pass_s, (resident + draft) / MEMORY_BYTES_PER_S, acceptance)
+    ffn_rows = sum(lay.n_ff * (lay.up_row_bytes + lay.down_t_row_bytes) for lay in info.layers)
+    return predict(
+        pass_s, (resident + draft) / MEMORY_BYTES_PER_S, acceptance, (resident + ffn_rows) / MEMORY_BYTES_PER_S
+    )
 
 
 def copy_unused(without: "OffloadPlan", why: str) -> "OffloadPlan":
@@ -114,7 +124,8 @@ def copy_does_not_fit(without: "OffloadPlan", copy_bytes: int) -> "OffloadPlan":
 
 def choose_draft_copy(info: "SidecarInfo", without: "OffloadPlan", with_copy: "OffloadPlan") -> "OffloadPlan":
     """``with_copy`` (the same budget and n_ubatch, the draft copy resident) when its predicted delivered
-    tok/s is higher than ``without``'s, else ``without``. The returned plan's ``draft_choice`` holds
+    tok/s is more than COPY_MARGIN above ``without``'s (whose prediction includes decoding without
+    drafts), else ``without``. The returned plan's ``draft_choice`` holds
     both predictions and its ``least_budget_bytes`` is the one without the copy (the least budget the
     model runs in)."""
     p0, p1 = predict_plan(without, info), predict_plan(with_copy, info)
@@ -125,9 +136,9 @@ def choose_draft_copy(info: "SidecarInfo", without: "OffloadPlan", with_copy: "O
     choice: dict[str, Any] = {
         "resident_only": dataclasses.asdict(p0),
         "draft_copy": dataclasses.asdict(p1),
-        "chosen": "draft_copy" if p1.tok_s > p0.tok_s else "resident_only",
+        "chosen": "draft_copy" if p1.tok_s > p0.tok_s * (1 + COPY_MARGIN) else "resident_only",
     }
-    chosen = with_copy if p1.tok_s > p0.tok_s else without
+    chosen = with_copy if choice["chosen"] == "draft_copy" else without
     copy_bytes = with_copy.parts["draft_copy"]
     note = (
         f"draft copy ({copy_bytes / MiB:.0f} MiB) vs the same memory as pinned clusters: predicted "

@@ -2,15 +2,27 @@
 measured acceptance, so that speculative decoding does not deliver slower than decoding without it.
 
 Measured, in seconds of the caller's clock:
-  verify(n)   one pass over n tokens (the pending token and n - 1 drafts): :class:`PassCost`, a line
-              v0 + v1·n through recency-weighted mean times per batch size;
+  verify(1)   one pass over the pending token alone, as decoding without drafts runs it: the
+              recency-weighted mean of the 1-token passes measured (:class:`PassCost`), never a value
+              extrapolated from larger batches (a verify row costs up to a token's compute: on a
+              compute-bound pass verify(2) is close to 2·verify(1), so a line through sizes 1..7 puts
+              its intercept far above the real 1-token pass and every draft would look like a saving);
+  verify(n)   a pass over n >= 2 tokens (the pending token and n - 1 drafts): the mean measured at n,
+              else a line through the sizes >= 2 measured, else verify(1)·(1 + PRIOR_VERIFY_SLOPE·(n - 1));
+              never less than verify(1);
   step        one drafted token of a source (a self-draft evaluates the model; prompt lookup ≈ 0);
   a           the source's acceptance: drafted tokens accepted / drafted, recency-weighted, from a prior.
+Only steady decode passes are measured: a pass that does not continue the previous one (the first
+after a prompt's prefill, a new generate call) is counted as decode time but not as a cost.
 
 A pass that drafts k tokens delivers E(k) = (1 − a^(k+1)) / (1 − a) tokens in
 T(k) = verify(1 + k) + k·step; without a draft a token costs verify(1). Per source and pass
 (:meth:`DraftController.choose`):
 
+  off    until BASELINE_SAMPLES 1-token passes are measured (the baseline every saving is booked
+         against), and for one pass whenever BASELINE_REFRESH_PASSES passes went by without a 1-token
+         pass (the baseline stays current while a source drafts every pass: at most one pass in
+         BASELINE_REFRESH_PASSES forgoes its draft);
   on     the best k in 1..k_max predicts E(k)/T(k) ≥ (1 + ON_MARGIN) / verify(1), the source's recent
          passes did not lose time (below), and the loss ledger is not in deficit: draft that k;
   off    otherwise no draft, except a one-token *probe* once the source's probe interval has passed
@@ -53,45 +65,89 @@ PRIOR_TOKENS = 2.0
 #: passes it needs before a loss switches the source off.
 RECENT_DECAY = 0.95
 RECENT_PASSES = 8
-#: With a single batch size measured, verify(1 + k) is taken as verify(1) · (1 + this · k).
-PRIOR_VERIFY_SLOPE = 0.1
-#: Recency of the mean time per batch size (per observation of that size).
+#: verify(n) for a size >= 2 not measured and no other size >= 2 measured: verify(1) · (1 + this · (n - 1)).
+#: (Measured on Qwen2.5-Coder-1.5B under a budget: +59 ms per verify row on a 427 ms I/O-bound pass,
+#: +66 ms on a ~165 ms compute-bound one, i.e. 0.14 .. 0.4 of a pass.)
+PRIOR_VERIFY_SLOPE = 0.25
+#: Recency of the mean time per batch size (per observation of that size); the 1-token pass, measured
+#: rarely while sources draft (every BASELINE_REFRESH_PASSES passes), follows faster.
 COST_DECAY = 0.95
+BASELINE_DECAY = 0.75
+#: 1-token passes measured before any source drafts, and the most passes between two of them while
+#: sources draft (a pass without drafts is forced then, so the baseline stays current).
+BASELINE_SAMPLES = 2
+BASELINE_REFRESH_PASSES = 32
+#: A 1-token pass that differs from the baseline by more than this share (the costs drift: the cache
+#: warms, the context grows, the machine's load changes), or a batch measured faster than the baseline,
+#: brings the next re-measurement forward to BASELINE_MIN_REFRESH passes; the interval then doubles back
+#: to BASELINE_REFRESH_PASSES while the samples agree.
+BASELINE_TOLERANCE = 0.15
+BASELINE_MIN_REFRESH = 4
+
+
+#: The reason of a source no pass has asked about yet.
+NOT_CONSULTED = "off: not consulted yet (no draft of this source was possible so far)"
 
 
 class PassCost:
-    """verify(n) = v0 + v1·n: a least-squares line through the recency-weighted mean time of each
-    batch size n seen (v1 clamped at >= 0); with one size seen, verify(1) · (1 + PRIOR_VERIFY_SLOPE · (n - 1))
-    scaled from it."""
+    """Seconds of a verify pass by its batch size n (see the module docstring): verify(1) is the
+    measured 1-token mean only; n >= 2 the mean measured at n, else a least-squares line through the
+    means of the sizes >= 2 measured (slope clamped at >= 0), else verify(1)'s prior slope; never below
+    verify(1)."""
 
     def __init__(self) -> None:
-        self._by_size: Dict[int, list] = {}  # n -> [weighted sum of seconds, weight]
-        self._line: Optional[tuple] = None  # (v0, v1) of the current points, fitted on demand
+        self._by_size: Dict[int, list] = {}  # n -> [weighted sum of seconds, weight, count]
+        self._line: Optional[tuple] = None  # (v0, v1) through the sizes >= 2, fitted on demand
 
     def record(self, n: int, seconds: float) -> None:
-        s = self._by_size.setdefault(int(n), [0.0, 0.0])
-        s[0] = s[0] * COST_DECAY + float(seconds)
-        s[1] = s[1] * COST_DECAY + 1.0
+        s = self._by_size.setdefault(int(n), [0.0, 0.0, 0])
+        decay = BASELINE_DECAY if int(n) == 1 else COST_DECAY
+        s[0] = s[0] * decay + float(seconds)
+        s[1] = s[1] * decay + 1.0
+        s[2] += 1
         self._line = None
 
+    def samples(self, n: int) -> int:
+        """How many passes of ``n`` tokens were measured."""
+        return self._by_size.get(int(n), [0.0, 0.0, 0])[2]
+
     def known(self) -> bool:
-        """Whether a pass has been measured at all."""
-        return bool(self._by_size)
+        """Whether the 1-token pass (the baseline) has been measured."""
+        return self.samples(1) > 0
+
+    def mean(self, n: int) -> Optional[float]:
+        """The recency-weighted mean seconds of the passes of ``n`` tokens, None if none was measured."""
+        s = self._by_size.get(int(n))
+        return s[0] / s[1] if s else None
 
     def seconds(self, n: int) -> float:
-        if not self._by_size:
+        """verify(n); 0.0 while no 1-token pass is measured."""
+        base = self.mean(1)
+        if base is None:
             return 0.0
-        if self._line is None:
-            self._line = self._fit()
-        v0, v1 = self._line
-        return float(max(v0 + v1 * n, 1e-6))
+        n = int(n)
+        if n <= 1:
+            return float(max(base, 1e-6))
+        measured = self.mean(n)
+        if measured is None:
+            if self._line is None:
+                self._line = self._fit()
+            if self._line is not None:
+                v0, v1 = self._line
+                measured = v0 + v1 * n
+            else:
+                measured = base * (1 + PRIOR_VERIFY_SLOPE * (n - 1))
+        return float(max(measured, base, 1e-6))
 
-    def _fit(self) -> tuple:
-        points = [(size, total / weight) for size, (total, weight) in self._by_size.items()]
-        if len(points) == 1:
+    def _fit(self) -> Optional[tuple]:
+        points = [(size, s[0] / s[1]) for size, s in self._by_size.items() if size >= 2]
+        base = self.mean(1)
+        if not points or base is None:
+            return None
+        if len(points) == 1:  # one batch size measured: the prior slope from it
             size, t = points[0]
-            per_unit = t / (1 + PRIOR_VERIFY_SLOPE * (size - 1))
-            return per_unit * (1 - PRIOR_VERIFY_SLOPE), per_unit * PRIOR_VERIFY_SLOPE
+            v1 = base * PRIOR_VERIFY_SLOPE
+            return t - v1 * size, v1
         xs = np.array([p[0] for p in points], dtype=float)
         ys = np.array([p[1] for p in points], dtype=float)
         v1, v0 = np.polyfit(xs, ys, 1)
@@ -131,7 +187,7 @@ class SourceControl:
         self.backoff = 1
         self.next_probe = 0  # pass index from which a probe is allowed
         self.disabled: Optional[str] = None
-        self.state, self.reason = "off", "not consulted yet"
+        self.state, self.reason = "off", NOT_CONSULTED
         self.last_k = 0
 
     @property
@@ -205,6 +261,11 @@ class DraftController:
         self.passes = 0
         self.elapsed_seconds = 0.0  # every verify pass and every draft
         self.ledger_seconds = 0.0  # realized saving of all drafts against no drafts
+        self.last_plain_pass = 0  # self.passes at the latest measured 1-token pass
+        self.baseline_passes = 0  # passes without drafts forced to measure verify(1)
+        self.unsteady_passes = 0  # passes counted as time but not as costs (see record_pass)
+        self.refresh_interval = BASELINE_REFRESH_PASSES  # passes from one forced 1-token pass to the next
+        self._forced_at = -1  # self.passes when the coming pass was last forced to go without drafts
 
     def add_source(
         self, name: str, prior_acceptance: float, prior_step_seconds: float = 0.0, note: str = ""
@@ -218,11 +279,40 @@ class DraftController:
         src = self.sources[name]
         src.disabled, src.state, src.reason = reason, "disabled", reason
 
-    def record_pass(self, n_tokens: int, seconds: float) -> None:
-        """A verify pass of ``n_tokens`` tokens took ``seconds``."""
+    def record_pass(self, n_tokens: int, seconds: float, steady: bool = True) -> None:
+        """A verify pass of ``n_tokens`` tokens took ``seconds``. ``steady``: it continued the previous
+        pass (a decode step); otherwise (the first pass after a prefill or a new prompt) it counts as
+        decode time but not as a measured cost."""
         self.passes += 1
         self.elapsed_seconds += seconds
+        if not steady:
+            self.unsteady_passes += 1
+            return
+        base = self.cost.mean(1)
         self.cost.record(n_tokens, seconds)
+        if n_tokens == 1:
+            self.last_plain_pass = self.passes
+            drifted = base is not None and abs(seconds - base) > BASELINE_TOLERANCE * base
+            self.refresh_interval = (
+                BASELINE_MIN_REFRESH if drifted else min(2 * self.refresh_interval, BASELINE_REFRESH_PASSES)
+            )
+        elif base is not None and seconds < base:  # a batch cannot cost less than its first token alone
+            self.refresh_interval = min(self.refresh_interval, max(0, self.passes - self.last_plain_pass))
+
+    def baseline_due(self) -> Optional[str]:
+        """Why the coming pass must go without drafts to measure verify(1), or None."""
+        have = self.cost.samples(1)
+        if have < BASELINE_SAMPLES:
+            return (
+                f"off: measuring the pass without drafts first ({have} of {BASELINE_SAMPLES} "
+                f"1-token passes; every saving is booked against it)"
+            )
+        if self.passes - self.last_plain_pass >= self.refresh_interval:
+            return (
+                f"off for one pass: re-measuring the pass without drafts ({self.passes - self.last_plain_pass} "
+                f"passes since the last one)"
+            )
+        return None
 
     def allowance(self) -> float:
         """Seconds speculation may still lose: explore_share of the decode time plus what it saved."""
@@ -234,8 +324,15 @@ class DraftController:
         if src.disabled is not None:
             src.last_k = 0
             return Decision(0)
-        if not self.cost.known():
-            src.state, src.reason, src.last_k = "off", "off: no pass measured yet (the first decides the baseline)", 0
+        due = self.baseline_due()
+        if due is not None:
+            if self._forced_at != self.passes:  # one forced pass, however many sources are asked
+                self._forced_at = self.passes
+                self.baseline_passes += 1
+            # a refresh leaves the state and reason of a source consulted before
+            if self.cost.samples(1) < BASELINE_SAMPLES or src.reason == NOT_CONSULTED:
+                src.state, src.reason = "off", due
+            src.last_k = 0
             return Decision(0)
         k, gain = src.best(self.cost)
         deficit = self.allowance() < 0
@@ -298,9 +395,13 @@ class DraftController:
 
     def _costs_text(self, src: SourceControl) -> str:
         v1 = self.cost.seconds(1)
-        slope = self.cost.seconds(2) - v1
+        k = max(src.last_k, 1)
+        extra = self.cost.seconds(1 + k) - v1
         step = f", draft step {src.step_seconds * 1e3:.1f} ms" if src.step_seconds else ""
-        return f"pass {v1 * 1e3:.0f} ms, +{slope * 1e3:.1f} ms per drafted token{step}"
+        return (
+            f"pass {v1 * 1e3:.0f} ms without drafts (measured {self.cost.samples(1)}x), "
+            f"+{extra * 1e3:.1f} ms to verify {k} drafted{step}"
+        )
 
     def summary(self) -> Dict[str, Any]:
         return {
@@ -309,6 +410,10 @@ class DraftController:
             "net_saving_seconds": self.ledger_seconds,
             "passes": self.passes,
             "verify_1_seconds": self.cost.seconds(1) if self.cost.known() else None,
+            "verify_seconds_by_size": {n: self.cost.mean(n) for n in sorted(self.cost._by_size)},
+            "passes_by_size": {n: self.cost.samples(n) for n in sorted(self.cost._by_size)},
+            "baseline_passes": self.baseline_passes,
+            "unsteady_passes": self.unsteady_passes,
             "sources": {name: src.status() for name, src in self.sources.items()},
         }
 

@@ -57,7 +57,8 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  width, `llamaflash convert --draft-type`) kept resident for the self-draft: None = the
                  planner's choice (the copy or the same memory as pinned clusters, whichever predicts
                  the faster delivered decode; plugin/planning/draft_plan.py); True / False force it. Only drafts
-                 use it, so it never changes the tokens.
+                 use it, so it never changes the tokens; without self-drafts it is never kept (True is
+                 refused there), so speculation off gets the plan without speculation.
   flash_batch_invariant  None = on under ram_budget_mb, off in memory. On: flash attention
                  (flash_attn=True unless given) and llama.cpp's and llamaflash's weights in plain, not
                  repacked, CPU memory, so that each row of a batch of up to 7 tokens is computed with
@@ -285,6 +286,14 @@ class Llama(llama_cpp.Llama):
         if self._flash_mode in ("sparse", OFFLOAD_MODE):
             thresholds = sparsity_thresholds(info, flash_sparsity)
         if self._flash_mode == OFFLOAD_MODE:
+            # the draft copy serves self-drafts only: without them the plan is the one without speculation
+            self_drafts = spec_settings is not None and spec_settings.self_draft and user_draft is None
+            if flash_draft_copy and not self_drafts:
+                raise ValueError(
+                    "flash_draft_copy=True keeps the draft copy for speculative self-drafts, which are off here "
+                    "(flash_speculative=False, self_draft=False, or a draft_model given); leave flash_draft_copy "
+                    "unset or turn self-drafts on"
+                )
             plan, config = offload.configure(
                 model_path,
                 sidecar,
@@ -297,7 +306,7 @@ class Llama(llama_cpp.Llama):
                 max_sparse_tokens=flash_max_sparse_tokens,
                 stream_gate=flash_stream_gate,
                 disk_profile=flash_disk_profile,
-                draft_copy=flash_draft_copy,
+                draft_copy=flash_draft_copy if self_drafts else False,
                 io_engine=flash_io_engine,
                 verify=flash_verify,
             )

@@ -182,6 +182,7 @@ class Speculator:
             self.attach_self_draft(self_draft)
         self._pending: Optional[tuple] = None  # (control name, stats source, n_past, drafted, seconds, probe, pass)
         self._last_verify: tuple = (0, 0, 0.0)  # (pass number, tokens, seconds) of the latest verify pass
+        self._last_span: Optional[tuple] = None  # (n_past, tokens) of the latest verify pass with a position
         self._n_tokens: Callable[[], int] = lambda: 0
         self.reset_stats()
 
@@ -216,7 +217,7 @@ class Speculator:
         t0 = self._clock()
         llama._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
         llama._ctx.decode(llama._batch)
-        self.record_verify(len(tokens), self._clock() - t0)
+        self.record_verify(len(tokens), self._clock() - t0, n_past)
         llama.input_ids[n_past : n_past + len(tokens)] = tokens
         llama.n_tokens += len(tokens)
         llama._requires_eval = False
@@ -224,9 +225,10 @@ class Speculator:
     @contextlib.contextmanager
     def timed_verify(self, n_tokens: int):
         """Times a verify pass that the caller evaluates itself (e.g. llama_cpp.Llama.eval with logits_all)."""
+        n_past = self._n_tokens()
         t0 = self._clock()
         yield
-        self.record_verify(n_tokens, self._clock() - t0)
+        self.record_verify(n_tokens, self._clock() - t0, n_past)
 
     def bind(self, n_tokens: Callable[[], int]) -> None:
         """n_tokens: the context's evaluated token count (Llama.n_tokens), read at each call."""
@@ -314,11 +316,21 @@ class Speculator:
 
     # -- the verify side (Llama.eval) -----------------------------------------------------------
 
-    def record_verify(self, n_tokens: int, seconds: float) -> None:
+    def record_verify(self, n_tokens: int, seconds: float, n_past: Optional[int] = None) -> None:
+        """A verify pass of ``n_tokens`` tokens from position ``n_past`` took ``seconds``. It is a
+        steady decode pass (a cost the controller learns from) when it continues the previous one:
+        generate evaluates [t, d_1..d_k] at p, keeps the accepted drafts, and evaluates the next pass
+        at p + 1 .. p + 1 + k. Any other pass (the first after a prompt's prefill, a new prompt) is
+        decode time only. ``n_past`` None: steady."""
         self.verify_passes += 1
         self.verify_tokens += n_tokens
         self.verify_seconds += seconds
-        self.control.record_pass(n_tokens, seconds)
+        steady = True
+        if n_past is not None:
+            prev = self._last_span
+            steady = prev is not None and prev[0] + 1 <= n_past <= prev[0] + prev[1]
+            self._last_span = (int(n_past), int(n_tokens))
+        self.control.record_pass(n_tokens, seconds, steady)
         self._last_verify = (self.control.passes, n_tokens, seconds)
 
     def summary(self, flash_bytes: Optional[int] = None) -> Dict[str, Any]:
