@@ -112,7 +112,7 @@ def cli_server(smollm2_sidecar, tmp_path_factory):
 @pytest.fixture(scope="module")
 def config_server(smollm2_sidecar, tmp_path_factory):
     """Two llamaflash models from a config file: flash offload within a RAM budget (the default, loaded
-    first; 300 MiB at the server's n_ubatch 512: above the planner's minimum (288), below what stock keeps
+    first; 490 MiB at the server's n_ubatch 512 and logits_all: above the planner's minimum (475), below what stock keeps (501)
     resident) and the in-memory sparse lane."""
     model, sidecar = smollm2_sidecar
     directory = tmp_path_factory.mktemp("serve-config")
@@ -124,7 +124,7 @@ def config_server(smollm2_sidecar, tmp_path_factory):
                 "host": "localhost",
                 "port": 1,
                 "models": [
-                    {**common, "model_alias": "smollm2-budget", "ram_budget_mb": 300, "flash_io_engine": "pool"},
+                    {**common, "model_alias": "smollm2-budget", "ram_budget_mb": 490, "flash_io_engine": "pool"},
                     {**common, "model_alias": "smollm2-sparse", "flash_mode": "sparse"},
                 ],
             }
@@ -198,7 +198,7 @@ def test_budgeted_model_from_config_file(config_server):
     client = config_server.client()
     assert sorted(m.id for m in client.models.list()) == ["smollm2-budget", "smollm2-sparse"]
     output = config_server.output()
-    assert "flash offload within 300 MiB" in output, output
+    assert "flash offload within 490 MiB" in output, output
     reply = client.chat.completions.create(
         model="smollm2-budget", messages=PROMPT_MESSAGES, max_tokens=12, temperature=0
     )

@@ -69,10 +69,16 @@ class BudgetDecision:
 
 
 def stock_need(
-    header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int, runtime_rss_bytes: Optional[int] = None
+    header: GGUFHeader,
+    info: SidecarInfo,
+    n_ctx: int,
+    n_ubatch: int,
+    runtime_rss_bytes: Optional[int] = None,
+    logits_all: bool = False,
 ) -> Dict[str, int]:
-    """The parts (bytes) of what stock llama.cpp keeps resident (see the module docstring)."""
-    share = planner.llama_share(header, info, n_ctx, n_ubatch)
+    """The parts (bytes) of what stock llama.cpp keeps resident (see the module docstring); with
+    ``logits_all`` also every token's logits (plan_llama_share.llama_memory)."""
+    share = planner.llama_share(header, info, n_ctx, n_ubatch, logits_all)
     size = {t.name: t.nbytes for t in header.tensors}
     ffn = sum(
         size.get(name(lay.layer), 0)
@@ -86,6 +92,8 @@ def stock_need(
         "kv_cache": share["kv_cache"],
         "compute_buffers": share["compute_buffers"],
     }
+    if logits_all:
+        parts["python_logits"] = share["python_logits"]
     parts["margin"] = planner.MARGIN_FIXED_BYTES + int(planner.MARGIN_FRACTION * sum(parts.values()))
     return parts
 
@@ -113,6 +121,7 @@ def decide(
     n_ctx: int,
     n_ubatch: Optional[int] = None,
     runtime_rss_bytes: Optional[int] = None,
+    logits_all: bool = False,
 ) -> BudgetDecision:
     """STOCK when ``ram_budget_mb`` MiB hold what stock keeps resident at ``n_ctx`` (and ``n_ubatch``, or
     stock's choice for the budget, :func:`stock_ubatch`), else OFFLOAD; the reason names both numbers."""
@@ -125,13 +134,13 @@ def decide(
         candidates = [u for u in (planner.UBATCH_CHOICES + (n_ctx,)) if u <= first] or [first]
         candidates = sorted(set(candidates), reverse=True)
     for u in candidates:
-        parts = stock_need(header, info, n_ctx, u, runtime_rss_bytes)
+        parts = stock_need(header, info, n_ctx, u, runtime_rss_bytes, logits_all)
         need = sum(parts.values())
         if budget >= need:
             break
     if budget < need:  # report the need at the planner's own choice
         u = candidates[0]
-        parts = stock_need(header, info, n_ctx, u, runtime_rss_bytes)
+        parts = stock_need(header, info, n_ctx, u, runtime_rss_bytes, logits_all)
         need = sum(parts.values())
     detail = (
         f"model {parts['model_weights'] / MiB:.0f} + llama.cpp {(parts['llama_vocab'] + parts['kv_cache'] + parts['compute_buffers']) / MiB:.0f} "

@@ -236,7 +236,12 @@ class Llama(llama_cpp.Llama):
         if self._flash_mode == OFFLOAD_MODE and requested_mode == "auto":
             # stock-equivalent where the budget holds what stock keeps resident
             choice = budget_decision.decide(
-                base.header, info, ram_budget_mb, int(kwargs.get("n_ctx", 512)), kwargs.get("n_ubatch")
+                base.header,
+                info,
+                ram_budget_mb,
+                int(kwargs.get("n_ctx", 512)),
+                kwargs.get("n_ubatch"),
+                logits_all=bool(kwargs.get("logits_all", False)),
             )
             self._flash_decision = lane_decision.Decision(choice.lane, False, choice.reason, detail=choice.as_dict())
             if choice.stock:
