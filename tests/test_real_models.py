@@ -72,7 +72,7 @@ def test_real_offload_matches_the_in_memory_sparse_lane(stream_gate, smollm2_sid
         import llamaflash
         from llamaflash.planning.planner import MiB, plan_offload
         from llama_helpers import run_model
-        low = plan_offload({str(model)!r}, {str(sidecar)!r}, 10_000, n_ctx=256, stream_gate={stream_gate}).least_budget_bytes
+        low = plan_offload({str(model)!r}, {str(sidecar)!r}, 10_000, n_ctx=256, stream_gate={stream_gate}, logits_all=True).least_budget_bytes
         # flash_mode="sparse": offload even where the budget would hold all of stock's model (SmolLM2 is small)
         llm = llamaflash.Llama(model_path={str(model)!r}, sidecar_path={str(sidecar)!r}, ram_budget_mb=low / MiB + 32,
                                flash_stream_gate={stream_gate}, flash_mode="sparse", **{kwargs!r})
