@@ -139,7 +139,10 @@ def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
             if ref and ref.get("decode_tps") and row.get("decode_tps"):
                 row["x_stock_norepack"] = row["decode_tps"] / ref["decode_tps"]
             if ref and ref.get("tokens") and row.get("tokens") and config != "stock-norepack":
-                row["tokens_equal_stock_norepack"] = row["tokens"] == ref["tokens"]
+                # over the tokens both decoded (a run stopped by --max-decode-s decodes fewer)
+                n = min(len(row["tokens"]), len(ref["tokens"]))
+                row["tokens_equal_stock_norepack"] = row["tokens"][:n] == ref["tokens"][:n]
+                row["tokens_compared"] = n
     payload["moe"] = {
         "label": payload.get("label"),
         "disk_mb_s": mb_s,
