@@ -420,8 +420,9 @@ def make_self_draft(llama_ref: "weakref.ReferenceType", n_vocab: int) -> Callabl
 
 #: The largest batch whose every row ggml-cpu computes with the bits of a one-token decode, in the
 #: batch-invariant configuration below (measured on Qwen2.5-1.5B Q4_K_M with this llama-cpp-python:
-#: rows of batches of 2..7 tokens equal one-token decoding bit for bit; from 8 rows on, flash
-#: attention takes a tiled path that rounds differently). Verify batches stay within it.
+#: rows of batches of 2..7 tokens equal one-token decoding bit for bit; from 8 rows on, ggml-cpu's
+#: K-quant matmuls take its tiled kernel, ggml-cpu/tiled, which rounds differently). Verify batches
+#: stay within it.
 BATCH_INVARIANT_MAX = 7
 
 
