@@ -12,20 +12,57 @@
 
 namespace llamaflash {
 
-struct ExpertLane::Matmul {
-    ExpertTensorKind kind = ExpertTensorKind::up;
-    ggml_type type = GGML_TYPE_F32;  // the weight's
-    int64_t ne0 = 0;                 // input length (src1 row, weight row)
-    int64_t ne1 = 0;                 // output rows of one expert
-    size_t row_bytes = 0;            // one weight row
-    // The round's pairs (k, t) at pairs[2p], pairs[2p + 1], grouped by expert in the round's order
-    // and, within an expert, by token then slot: the order of ggml-cpu's MUL_MAT_ID row table.
+// The pairs (k, t) of one round at pairs[2p], pairs[2p + 1], grouped by expert in the round's order
+// and, within an expert, by token then slot: the order of ggml-cpu's MUL_MAT_ID row table.
+struct ExpertLane::RoundPairs {
     std::vector<int32_t> pairs;
+    std::vector<int64_t> first;    // per round expert: its first pair; first[size] = the pair count
     std::vector<int32_t> dropped;  // a draft's (k, t) without a resident expert: written as zeros
     std::vector<int32_t> zeros;    // ids [1, n_e] of a per-expert MUL_MAT_ID: its one weight matrix
-    std::vector<float> gathered;   // [ne0, 1, P]: src1's row of each pair
-    std::vector<float> products;   // [ne1, 1, P]: each pair's product
-    std::vector<float> staged;     // several rounds: every pair's output, kept across rounds
+
+    void build(const std::vector<int> & round, const std::vector<int32_t> & expert_of, int64_t n_used, int64_t n_tokens,
+               int n_expert, bool with_dropped) {
+        std::vector<int> at(static_cast<size_t>(n_expert), -1);  // expert -> its place in the round
+        for (size_t r = 0; r < round.size(); ++r) {
+            at[static_cast<size_t>(round[r])] = static_cast<int>(r);
+        }
+        first.assign(round.size() + 1, 0);
+        for (int32_t e : expert_of) {
+            if (e >= 0 && at[static_cast<size_t>(e)] >= 0) {
+                ++first[static_cast<size_t>(at[static_cast<size_t>(e)]) + 1];
+            }
+        }
+        for (size_t r = 0; r < round.size(); ++r) {
+            first[r + 1] += first[r];
+        }
+        pairs.assign(static_cast<size_t>(2 * first[round.size()]), 0);
+        std::vector<int64_t> next(first.begin(), first.end() - 1);
+        dropped.clear();
+        for (int64_t p = 0; p < n_used * n_tokens; ++p) {  // by token, then slot
+            const int32_t e = expert_of[static_cast<size_t>(p)];
+            const int32_t k = static_cast<int32_t>(p % n_used), t = static_cast<int32_t>(p / n_used);
+            if (e >= 0 && at[static_cast<size_t>(e)] >= 0) {
+                const int64_t q = next[static_cast<size_t>(at[static_cast<size_t>(e)])]++;
+                pairs[static_cast<size_t>(2 * q)] = k;
+                pairs[static_cast<size_t>(2 * q + 1)] = t;
+            } else if (e < 0 && with_dropped) {
+                dropped.insert(dropped.end(), {k, t});
+            }
+        }
+        zeros.assign(static_cast<size_t>(first[round.size()]), 0);
+    }
+};
+
+struct ExpertLane::Matmul {
+    ExpertTensorKind kind = ExpertTensorKind::up;
+    ggml_type type = GGML_TYPE_F32;      // the weight's
+    int64_t ne0 = 0;                     // input length (src1 row, weight row)
+    int64_t ne1 = 0;                     // output rows of one expert
+    size_t row_bytes = 0;                // one weight row
+    const RoundPairs * round = nullptr;  // the round's pairs, shared by the split's MUL_MAT_IDs
+    std::vector<float> gathered;         // [ne0, 1, P]: src1's row of each pair
+    std::vector<float> products;         // [ne1, 1, P]: each pair's product
+    std::vector<float> staged;           // several rounds: every pair's output, kept across rounds
 };
 
 namespace {
@@ -37,7 +74,8 @@ void gather_pairs(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t n_pairs = dst->ne[2];
     const size_t row = static_cast<size_t>(src1->ne[0]) * sizeof(float);
     for (int64_t p = n_pairs * ith / nth; p < n_pairs * (ith + 1) / nth; ++p) {
-        const int32_t k = mm->pairs[static_cast<size_t>(2 * p)], t = mm->pairs[static_cast<size_t>(2 * p + 1)];
+        const int32_t k = mm->round->pairs[static_cast<size_t>(2 * p)];
+        const int32_t t = mm->round->pairs[static_cast<size_t>(2 * p + 1)];
         std::memcpy(static_cast<char *>(dst->data) + p * dst->nb[2],
                     static_cast<const char *>(src1->data) + (k % src1->ne[1]) * src1->nb[1] + t * src1->nb[2], row);
     }
@@ -47,12 +85,13 @@ void gather_pairs(ggml_tensor * dst, int ith, int nth, void * userdata) {
 // column; a dropped draft pair's = 0. The products were computed by the nodes before this one.
 void scatter_pairs(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const auto * mm = static_cast<const ExpertLane::Matmul *>(userdata);
-    const int64_t n_pairs = static_cast<int64_t>(mm->pairs.size() / 2);
-    const int64_t n_all = n_pairs + static_cast<int64_t>(mm->dropped.size() / 2);
+    const std::vector<int32_t> &pairs = mm->round->pairs, &dropped = mm->round->dropped;
+    const int64_t n_pairs = static_cast<int64_t>(pairs.size() / 2);
+    const int64_t n_all = n_pairs + static_cast<int64_t>(dropped.size() / 2);
     const size_t row = static_cast<size_t>(dst->ne[0]) * sizeof(float);
     for (int64_t p = n_all * ith / nth; p < n_all * (ith + 1) / nth; ++p) {
         const int32_t * kt =
-            p < n_pairs ? &mm->pairs[static_cast<size_t>(2 * p)] : &mm->dropped[static_cast<size_t>(2 * (p - n_pairs))];
+            p < n_pairs ? &pairs[static_cast<size_t>(2 * p)] : &dropped[static_cast<size_t>(2 * (p - n_pairs))];
         char * out = static_cast<char *>(dst->data) + kt[0] * dst->nb[1] + kt[1] * dst->nb[2];
         if (p < n_pairs) {
             std::memcpy(out, mm->products.data() + p * dst->ne[0], row);
@@ -185,6 +224,12 @@ ggml_context * ExpertLane::build_round(const ggml_cgraph * split, const ExpertMo
                                static_cast<size_t>(n_matmuls_in_split) * (4 + 4 * round.size());
     ggml_context * ctx = arena_.begin_tensors(max_tensors, graph);
     mirror_.clear();
+    if (!round_) {
+        round_ = std::make_unique<RoundPairs>();
+    }
+    round_->build(round, expert_of, n_used, n_tokens, spec.n_expert, with_dropped);
+    const std::vector<int64_t> & first = round_->first;
+    const int64_t n_pairs = first.back();
     size_t n_matmuls = 0;
     for (int i = 0; i < n_nodes; ++i) {
         const ggml_tensor * node = ggml_graph_node(g, i);
@@ -209,34 +254,12 @@ ggml_context * ExpertLane::build_round(const ggml_cgraph * split, const ExpertMo
             mm.ne0 = t->ne0;
             mm.ne1 = t->ne1;
             mm.row_bytes = ggml_row_size(mm.type, t->ne0);
-            // the round's pairs, by expert, then token, then slot; each expert's column range
-            mm.pairs.clear();
-            mm.dropped.clear();
-            std::vector<int64_t> first(round.size() + 1, 0);
-            for (size_t r = 0; r < round.size(); ++r) {
-                first[r] = static_cast<int64_t>(mm.pairs.size() / 2);
-                for (int64_t tok = 0; tok < n_tokens; ++tok) {
-                    for (int64_t k = 0; k < n_used; ++k) {
-                        if (expert_of[static_cast<size_t>(tok * n_used + k)] == round[r]) {
-                            mm.pairs.insert(mm.pairs.end(), {static_cast<int32_t>(k), static_cast<int32_t>(tok)});
-                        }
-                    }
-                }
-            }
-            const int64_t n_pairs = static_cast<int64_t>(mm.pairs.size() / 2);
-            first[round.size()] = n_pairs;
-            for (int64_t p = 0; p < n_used * n_tokens && with_dropped; ++p) {  // draft pairs written as zero
-                if (expert_of[static_cast<size_t>(p)] < 0) {
-                    mm.dropped.insert(mm.dropped.end(),
-                                      {static_cast<int32_t>(p % n_used), static_cast<int32_t>(p / n_used)});
-                }
-            }
+            mm.round = round_.get();
             ggml_tensor * src1_m = mirror(ctx, src1);
             ggml_tensor * after = src1_m;  // what the scatter follows
             if (n_pairs > 0) {
                 mm.gathered.resize(static_cast<size_t>(mm.ne0 * n_pairs));
                 mm.products.resize(static_cast<size_t>(mm.ne1 * n_pairs));
-                mm.zeros.assign(static_cast<size_t>(n_pairs), 0);
                 ggml_tensor * gathered = ggml_custom_4d(ctx, GGML_TYPE_F32, mm.ne0, 1, n_pairs, 1, &src1_m, 1,
                                                         gather_pairs, GGML_N_TASKS_MAX, &mm);
                 gathered->data = mm.gathered.data();
@@ -259,7 +282,7 @@ ggml_context * ExpertLane::build_round(const ggml_cgraph * split, const ExpertMo
                     ggml_tensor * cols = ggml_view_3d(ctx, gathered, mm.ne0, 1, n_e, gathered->nb[1], gathered->nb[2],
                                                       static_cast<size_t>(first[r]) * gathered->nb[2]);
                     ggml_tensor * ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n_e);
-                    ids->data = mm.zeros.data();
+                    ids->data = round_->zeros.data();
                     ggml_tensor * product = ggml_mul_mat_id(ctx, w, cols, ids);
                     product->data = mm.products.data() + first[r] * mm.ne1;
                     ggml_build_forward_expand(*graph, product);

@@ -63,8 +63,9 @@ public:
     // checksum failure the model keeps the error and GGML_STATUS_FAILED is returned.
     ggml_status compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu);
 
-    // One custom MUL_MAT_ID node's work (public for the node function).
+    // One MUL_MAT_ID node's work, and the pairs of a round (public for the node functions).
     struct Matmul;
+    struct RoundPairs;
 
 private:
     ggml_tensor * mirror(ggml_context * ctx, const ggml_tensor * t);
@@ -76,6 +77,7 @@ private:
     GraphArena arena_;
     std::unordered_map<const ggml_tensor *, ggml_tensor *> mirror_;
     std::vector<std::unique_ptr<Matmul>> matmuls_;
+    std::unique_ptr<RoundPairs> round_;
 };
 
 }  // namespace llamaflash
