@@ -178,7 +178,8 @@ def test_default_speculation_says_why_each_source_drafts_or_not(offload, referen
     assert greedy(llm) == reference
     s = llm.flash_stats()["speculative"]
     assert set(s["why"]) == {"user", "prompt_lookup:3", "prompt_lookup:2", "prompt_lookup:1", "self_draft"}
-    assert all(why.startswith(("on:", "off:")) for why in s["why"].values()), s["why"]
+    # "off for one pass:": the pass that re-measures the rate without drafts (one in 32)
+    assert all(why.startswith(("on:", "off:", "off for one pass:")) for why in s["why"].values()), s["why"]
     assert s["why"]["user"] == "off: no draft_model given"
     sources = s["control"]["sources"]
     assert sources["self_draft"]["state"] in ("on", "off")  # attached: the gate is resident in this plan

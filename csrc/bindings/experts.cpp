@@ -89,8 +89,7 @@ void bind_experts(py::module_ & m) {
         .def_readwrite("queue_depth", &ExpertConfig::queue_depth)
         .def_readwrite("direct", &ExpertConfig::direct)
         .def_readwrite("verify", &ExpertConfig::verify)
-        .def_readwrite("prefetch", &ExpertConfig::prefetch)
-        .def_readwrite("prefetch_extra", &ExpertConfig::prefetch_extra);
+        .def_readwrite("prefetch", &ExpertConfig::prefetch);
 
     py::class_<ExpertModel, std::shared_ptr<ExpertModel>>(m, "ExpertModel")
         .def_static(

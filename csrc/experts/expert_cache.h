@@ -66,7 +66,6 @@ struct ExpertConfig {
     bool direct = true;      // O_DIRECT reads (falls back to buffered where refused)
     bool verify = true;      // check every read slice against its checksum
     bool prefetch = true;    // predict the next layer's experts and read them early
-    int prefetch_extra = 0;  // experts predicted beyond n_used
 };
 
 // Counters since open or the last reset.

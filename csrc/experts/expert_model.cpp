@@ -110,7 +110,7 @@ std::vector<int> ExpertModel::predict_next(int position, const float * x) const 
         return {};
     }
     // the k largest (ties: lower expert first)
-    const int k = std::min(next.n_expert, next.n_used + std::max(0, config_.prefetch_extra));
+    const int k = std::min(next.n_expert, next.n_used);
     std::vector<int> order(static_cast<size_t>(next.n_expert));
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {

@@ -47,7 +47,8 @@ public:
     const ExpertCache & cache() const { return *cache_; }
 
     // Experts predicted for the served layer after `position` from this layer's FFN input x
-    // ([n_embd] f32): the n_used (+ config.prefetch_extra) largest logits of the next layer's router.
+    // ([n_embd] f32): the n_used largest logits of the next layer's router
+    // (more would cost more reads than they find: docs/MOE.md, "Predicting the next layer's experts").
     // Empty when there is no next layer, no router or prefetch is off.
     std::vector<int> predict_next(int position, const float * x) const;
 
