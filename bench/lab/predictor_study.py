@@ -208,38 +208,54 @@ class RidgeFit:
         return x @ self.W + self.b
 
 
+class RidgeBasis:
+    """The eigendecomposition XcᵀXc = V diag(s) Vᵀ of centred inputs X [n, n_embd] (f64), shared by
+    every target, prior and penalty fitted on them."""
+
+    def __init__(self, X: np.ndarray) -> None:
+        X = X.astype(np.float64)
+        self.x_mean = X.mean(axis=0)
+        self.Xc = X - self.x_mean
+        s, self.V = np.linalg.eigh(self.Xc.T @ self.Xc)
+        self.s = np.clip(s, 0.0, None)
+        self.mean_eig = max(float(self.s.mean()), 1e-30)  # trace(XcᵀXc) / n_embd
+
+    def fits(self, Y: np.ndarray, scales=RIDGE_SCALES, prior: np.ndarray | None = None) -> list[RidgeFit]:
+        """Minimisers of |Xc·W - Yc|² + λ|W - prior|² (Yc centred; b = ȳ - x̄·W), one per λ =
+        scale · mean_eig; Y [n, n_out], prior [n_embd, n_out] or None (0). Closed form:
+        W = prior + V diag(1 / (s + λ)) Vᵀ Xcᵀ (Yc - Xc·prior)."""
+        Y = Y.astype(np.float64)
+        y_mean = Y.mean(axis=0)
+        target = Y - y_mean if prior is None else Y - y_mean - self.Xc @ prior
+        VtXtY = self.V.T @ (self.Xc.T @ target)
+        out = []
+        for scale in scales:
+            lam = scale * self.mean_eig
+            W = self.V @ (VtXtY / (self.s + lam)[:, None])
+            if prior is not None:
+                W = W + prior
+            out.append(RidgeFit(W, y_mean - self.x_mean @ W, lam))
+        return out
+
+
 def ridge_fits(X: np.ndarray, Y: np.ndarray, scales=RIDGE_SCALES, prior: np.ndarray | None = None) -> list[RidgeFit]:
-    """Minimisers of |Xc·W - Yc|² + λ|W - prior|² (Xc, Yc centred; b = ȳ - x̄·W), one per λ =
-    scale · trace(XcᵀXc) / n_embd. X [n, n_embd], Y [n, n_out], prior [n_embd, n_out] or None (0)."""
-    X = X.astype(np.float64)
-    Y = Y.astype(np.float64)
-    x_mean, y_mean = X.mean(axis=0), Y.mean(axis=0)
-    Xc = X - x_mean
-    # W - prior = (XcᵀXc + λI)⁻¹ Xcᵀ (Yc - Xc·prior), via XcᵀXc = V diag(s) Vᵀ
-    s, V = np.linalg.eigh(Xc.T @ Xc)
-    s = np.clip(s, 0.0, None)
-    target = Y - y_mean if prior is None else Y - y_mean - Xc @ prior
-    VtXtY = V.T @ (Xc.T @ target)
-    mean_eig = max(float(s.mean()), 1e-30)
-    out = []
-    for scale in scales:
-        lam = scale * mean_eig
-        W = V @ (VtXtY / (s + lam)[:, None])
-        if prior is not None:
-            W = W + prior
-        out.append(RidgeFit(W, y_mean - x_mean @ W, lam))
-    return out
+    """:meth:`RidgeBasis.fits` of X [n, n_embd] → Y [n, n_out], one per penalty scale."""
+    return RidgeBasis(X).fits(Y, scales, prior)
 
 
-def fit_predictor(X: np.ndarray, Y: np.ndarray, routed: np.ndarray, prior: np.ndarray | None = None) -> RidgeFit:
-    """The ridge map X → Y whose λ gives the best recall at k = n_used on the last fifth of the
-    rows (fitted on the rest), refitted with that λ on all rows."""
+def fit_predictors(
+    X: np.ndarray, Y: np.ndarray, routed: np.ndarray, priors: dict[str, np.ndarray | None]
+) -> dict[str, RidgeFit]:
+    """Per named prior, the ridge map X → Y whose λ gives the best recall at k = n_used on the last
+    fifth of the rows (fitted on the rest), refitted with that λ on all rows."""
     n_used = routed.shape[1]
     cut = X.shape[0] - max(1, X.shape[0] // 5)
-    trials = ridge_fits(X[:cut], Y[:cut], prior=prior)
-    scores = [recall_curve(f(X[cut:]), routed[cut:])[n_used - 1] for f in trials]
-    best = RIDGE_SCALES[int(np.argmax(scores))]
-    return ridge_fits(X, Y, scales=(best,), prior=prior)[0]
+    trial, full = RidgeBasis(X[:cut]), RidgeBasis(X)
+    out = {}
+    for name, prior in priors.items():
+        scores = [recall_curve(f(X[cut:]), routed[cut:])[n_used - 1] for f in trial.fits(Y[:cut], prior=prior)]
+        out[name] = full.fits(Y, scales=(RIDGE_SCALES[int(np.argmax(scores))],), prior=prior)[0]
+    return out
 
 
 def layer_scores(
@@ -251,13 +267,14 @@ def layer_scores(
     x = held.x[layer][keep]
     routed = held.routed[nxt][keep]
     R = routers[nxt].astype(np.float32)
-    direct = fit_predictor(fit.x[layer], fit.logits[nxt], fit.routed[nxt])
-    residual = fit_predictor(fit.x[layer], fit.logits[nxt], fit.routed[nxt], prior=R.T.astype(np.float64))
+    fitted = fit_predictors(
+        fit.x[layer], fit.logits[nxt], fit.routed[nxt], {"fitted": None, "fitted-residual": R.T.astype(np.float64)}
+    )
     previous = np.roll(held.logits[nxt], 1, axis=0)[keep]
     return {
         "lookahead": (x @ R.T, routed),
-        "fitted": (direct(x), routed),
-        "fitted-residual": (residual(x), routed),
+        "fitted": (fitted["fitted"](x), routed),
+        "fitted-residual": (fitted["fitted-residual"](x), routed),
         "reuse": (previous, routed),
     }
 
@@ -277,6 +294,12 @@ def study(fit: Capture, held: Capture, routers: dict[int, np.ndarray]) -> dict:
     return {"n_used": n_used, "n_expert": len(mean["lookahead"]), "mean_recall": mean, "pairs": per_pair}
 
 
+def selection_agreement(cap: Capture, n_used: int) -> float:
+    """Share of (token, layer) whose llama.cpp selection is the top n_used of the captured logits."""
+    same = [(np.sort(top_k(cap.logits[il], n_used), 1) == np.sort(cap.routed[il], 1)).all(1) for il in cap.layers]
+    return float(np.mean(same))
+
+
 def reads_to_match(curve: list[float], target: float) -> int | None:
     """The smallest k whose recall reaches ``target`` (None: none does)."""
     for k, r in enumerate(curve, start=1):
@@ -290,7 +313,9 @@ def table(result: dict) -> str:
     n_used = result["n_used"]
     ks = [n_used + e for e in EXTRA_K if n_used + e <= result["n_expert"]]
     target = result["mean_recall"]["lookahead"][n_used - 1]
-    head = f"{'predictor':<16}" + "".join(f"  recall@{k:<3} per-read@{k:<3}" for k in ks) + f"  k for lookahead@{n_used}"
+    head = (
+        f"{'predictor':<16}" + "".join(f"  recall@{k:<3} per-read@{k:<3}" for k in ks) + f"  k for lookahead@{n_used}"
+    )
     lines = [head]
     for m in METHODS:
         curve = result["mean_recall"][m]
@@ -315,8 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--label", default="", help="what the model is, recorded in the JSON (e.g. SYNTHETIC ...)")
     p.add_argument("--json", type=Path, default=None, help="write the result here")
-    p.add_argument("--captures", type=Path, default=None,
-                   help="folder for the captured tensors (fit.npz, held.npz): reused when present, else written")
+    p.add_argument(
+        "--captures",
+        type=Path,
+        default=None,
+        help="folder for the captured tensors (fit.npz, held.npz): reused when present, else written",
+    )
     a = p.parse_args(argv)
     if a.fit_tokens < 10 or a.eval_tokens < 2 or a.seq_len < 2:
         p.error("--fit-tokens must be >= 10, --eval-tokens and --seq-len >= 2")
@@ -344,8 +373,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"predictor_study: {e}", file=sys.stderr)
         return 1
     first = fit.layers[0]
-    agree = float(np.mean([np.mean(np.sort(top_k(fit.logits[il], result["n_used"]), 1) == np.sort(fit.routed[il], 1))
-                           for il in fit.layers]))
     result.update(
         model=os.fspath(a.model),
         label=a.label,
@@ -355,11 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         eval_text=f"registry:{texts.DEFAULT_CALIBRATION_TEXT} held-out document tails",
         seq_len=a.seq_len,
         ridge_scales=list(RIDGE_SCALES),
-        routed_equals_top_logits=agree,
+        routed_equals_top_logits=selection_agreement(fit, result["n_used"]),
         seconds=round(time.perf_counter() - t0, 1),
     )
-    print(f"{a.model} ({a.label or 'unlabelled'}): {result['fit_tokens']} fit tokens, "
-          f"{result['eval_tokens']} held-out tokens, {len(result['pairs'])} layer pairs")
+    print(
+        f"{a.model} ({a.label or 'unlabelled'}): {result['fit_tokens']} fit tokens, "
+        f"{result['eval_tokens']} held-out tokens, {len(result['pairs'])} layer pairs"
+    )
     print(table(result))
     if a.json:
         a.json.write_text(json.dumps(result, indent=1) + "\n")
