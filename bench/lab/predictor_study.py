@@ -209,29 +209,29 @@ class RidgeFit:
 
 
 class RidgeBasis:
-    """The eigendecomposition XcᵀXc = V diag(s) Vᵀ of centred inputs X [n, n_embd] (f64), shared by
+    """The Gram matrix G = XcᵀXc (f64 [n_embd, n_embd]) of centred inputs X [n, n_embd], shared by
     every target, prior and penalty fitted on them."""
 
     def __init__(self, X: np.ndarray) -> None:
         X = X.astype(np.float64)
         self.x_mean = X.mean(axis=0)
         self.Xc = X - self.x_mean
-        s, self.V = np.linalg.eigh(self.Xc.T @ self.Xc)
-        self.s = np.clip(s, 0.0, None)
-        self.mean_eig = max(float(self.s.mean()), 1e-30)  # trace(XcᵀXc) / n_embd
+        self.G = self.Xc.T @ self.Xc
+        self.mean_eig = max(float(np.trace(self.G)) / self.G.shape[0], 1e-30)  # mean eigenvalue of G
 
     def fits(self, Y: np.ndarray, scales=RIDGE_SCALES, prior: np.ndarray | None = None) -> list[RidgeFit]:
         """Minimisers of |Xc·W - Yc|² + λ|W - prior|² (Yc centred; b = ȳ - x̄·W), one per λ =
         scale · mean_eig; Y [n, n_out], prior [n_embd, n_out] or None (0). Closed form:
-        W = prior + V diag(1 / (s + λ)) Vᵀ Xcᵀ (Yc - Xc·prior)."""
+        W = prior + (G + λI)⁻¹ Xcᵀ (Yc - Xc·prior)."""
         Y = Y.astype(np.float64)
         y_mean = Y.mean(axis=0)
         target = Y - y_mean if prior is None else Y - y_mean - self.Xc @ prior
-        VtXtY = self.V.T @ (self.Xc.T @ target)
+        XtY = self.Xc.T @ target
+        eye = np.eye(self.G.shape[0])
         out = []
         for scale in scales:
             lam = scale * self.mean_eig
-            W = self.V @ (VtXtY / (self.s + lam)[:, None])
+            W = np.linalg.solve(self.G + lam * eye, XtY)
             if prior is not None:
                 W = W + prior
             out.append(RidgeFit(W, y_mean - self.x_mean @ W, lam))
@@ -363,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             if saved is not None and saved.is_file():
                 captured.append(load_capture(saved))
                 continue
+            t1 = time.perf_counter()
             captured.append(capture_text(a.model, text, n, a.seq_len, a.threads))
+            print(f"captured {captured[-1].follows.size} {name} tokens in {time.perf_counter() - t1:.0f} s", flush=True)
             if saved is not None:
                 saved.parent.mkdir(parents=True, exist_ok=True)
                 save_capture(captured[-1], saved)
