@@ -88,7 +88,8 @@ def test_lookahead_recall_equals_a_numpy_router(tiny_capture):
                 logits = [float(np.dot(row, xt)) for row in routers[b]]  # predict_next: router_e · x
                 best = sorted(range(len(logits)), key=lambda e: (-logits[e], e))[:k]
                 ref.append(len(set(best) & set(rt.tolist())) / n_used)
-            assert result["pairs"][f"{a}->{b}"]["lookahead"][k - 1] == pytest.approx(np.mean(ref), abs=1e-12)
+            # the result holds recalls rounded to 6 decimals
+            assert result["pairs"][f"{a}->{b}"]["lookahead"][k - 1] == pytest.approx(np.mean(ref), abs=5e-7)
     # every method reaches recall 1 when it reads every expert
     for m in ps.METHODS:
         assert result["mean_recall"][m][-1] == pytest.approx(1.0)

@@ -288,10 +288,25 @@ def study(fit: Capture, held: Capture, routers: dict[int, np.ndarray]) -> dict:
     per_pair = {}
     for a, b in pairs:
         scored = layer_scores(fit, held, routers, a, b)
-        per_pair[f"{a}->{b}"] = {m: recall_curve(s, r).tolist() for m, (s, r) in scored.items()}
-    mean = {m: np.mean([c[m] for c in per_pair.values()], axis=0).tolist() for m in METHODS}
+        per_pair[f"{a}->{b}"] = {m: recall_curve(s, r) for m, (s, r) in scored.items()}
+    mean = {m: np.mean([c[m] for c in per_pair.values()], axis=0).round(6).tolist() for m in METHODS}
+    per_pair = {p: {m: c.round(6).tolist() for m, c in curves.items()} for p, curves in per_pair.items()}
     n_used = int(fit.routed[layers[0]].shape[1])
     return {"n_used": n_used, "n_expert": len(mean["lookahead"]), "mean_recall": mean, "pairs": per_pair}
+
+
+def head(cap: Capture, n: int) -> Capture:
+    """The first ``n`` tokens of ``cap``."""
+    return Capture(*({il: a[:n] for il, a in d.items()} for d in (cap.x, cap.logits, cap.routed)), cap.follows[:n])
+
+
+def fit_size_sweep(fit: Capture, held: Capture, routers: dict[int, np.ndarray], sizes: list[int]) -> dict:
+    """Per number of fit tokens (the first n of ``fit``), each method's mean recall at k = n_used."""
+    out = {}
+    for n in sizes:
+        r = study(head(fit, n), held, routers)
+        out[str(n)] = {m: r["mean_recall"][m][r["n_used"] - 1] for m in METHODS}
+    return out
 
 
 def selection_agreement(cap: Capture, n_used: int) -> float:
@@ -352,7 +367,6 @@ def main(argv: list[str] | None = None) -> int:
     if not a.model.is_file():
         print(f"predictor_study: {a.model}: no such file", file=sys.stderr)
         return 1
-    t0 = time.perf_counter()
     try:
         routers = router_matrices(a.model)
         fit_text = texts.default_calibration().text
@@ -371,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                 save_capture(captured[-1], saved)
         fit, held = captured
         result = study(fit, held, routers)
+        n_fit = fit.follows.size
+        result["fit_size_recall"] = fit_size_sweep(fit, held, routers, [n_fit // 4, n_fit // 2])
     except (ValueError, RuntimeError, OSError) as e:
         print(f"predictor_study: {e}", file=sys.stderr)
         return 1
@@ -385,13 +401,17 @@ def main(argv: list[str] | None = None) -> int:
         seq_len=a.seq_len,
         ridge_scales=list(RIDGE_SCALES),
         routed_equals_top_logits=selection_agreement(fit, result["n_used"]),
-        seconds=round(time.perf_counter() - t0, 1),
     )
     print(
         f"{a.model} ({a.label or 'unlabelled'}): {result['fit_tokens']} fit tokens, "
         f"{result['eval_tokens']} held-out tokens, {len(result['pairs'])} layer pairs"
     )
     print(table(result))
+    for n, recalls in result["fit_size_recall"].items():
+        print(
+            f"fitted on the first {n} tokens: recall@{result['n_used']} "
+            + ", ".join(f"{m} {v:.3f}" for m, v in recalls.items() if m.startswith("fitted"))
+        )
     if a.json:
         a.json.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {a.json}")
