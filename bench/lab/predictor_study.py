@@ -96,6 +96,7 @@ def _plain_weights() -> Iterator[None]:
 
 
 def _recorder_class():
+    """:class:`ActivationRecorder` (defined on first use: it imports llama_cpp and the converters)."""
     from llamaflash.converters import moe_routing
     from llamaflash.converters.llama_runner import _P_TENSOR, _parse_name, _read_f32
 
@@ -114,6 +115,11 @@ def _recorder_class():
             trace = self.record(sequences)
             cat = {k: {il: np.concatenate(rows) for il, rows in d.items()} for k, d in self._f32.items()}
             layers = [il for il in trace.layers if il in cat["ffn_norm"] and il in cat["ffn_moe_logits"]]
+            if trace.layers and not layers:
+                raise RuntimeError(
+                    f"llama.cpp computed no {' / '.join(self.KINDS)} tensors for the MoE layers: this architecture "
+                    "names its FFN input or router logits differently (the study reads qwen3moe-style graphs)"
+                )
             for il in layers:
                 for k in self.KINDS:
                     if cat[k][il].shape[0] != trace.n_tokens:
