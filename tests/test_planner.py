@@ -456,3 +456,55 @@ def test_logits_all_counts_every_row_of_logits(pair):
     assert "python_logits" not in base.parts and every.parts["python_logits"] == 512 * n_vocab * 4
     assert every.parts["compute_buffers"] >= base.parts["compute_buffers"]  # (both at the reserve here)
     assert sum(every.parts.values()) == every.budget_bytes
+
+
+@pytest.fixture(scope="module")
+def wide_pair(tiny_model_factory, tmp_path_factory) -> tuple[Path, Path]:
+    """3 layers of 2048 neurons, n_embd 256: with one layer of cold slots, a few MiB of budget where
+    clusters are read, wider than what a larger n_ubatch's compute buffers take."""
+    wide = tiny_model_factory(n_layer=N_LAYER, n_embd=256, n_ff=2048, weight_type="Q8_0")
+    return wide, write_v2_sidecar(wide, tmp_path_factory.mktemp("wide") / "w.flash.gguf", random_freqs(N_LAYER, 2048))
+
+
+@pytest.mark.parametrize("share", [None, 0.97])
+def test_n_ubatch_is_the_largest_whose_decode_is_near_the_best(wide_pair, share, monkeypatch):
+    """Prefill breaks the tie (plan_search.prefill_tie_break): the plan's predicted decode (decode_speed's
+    token without speculation) is at least DECODE_TIE_SHARE of the best over every n_ubatch and gate
+    placement, and the next larger n_ubatch of its placement predicts less than that share of the
+    smallest's; a caller's n_ubatch is taken as given. With a share of 0.97 (each 0.5 MiB that n_ubatch
+    64 takes costs this model 2% at the default 0.99) the share, not an exact tie of every cluster
+    resident, admits the larger n_ubatch somewhere in the scan."""
+    from llamaflash.files.sidecar import validate_pair
+    from llamaflash.planning import decode_speed, plan_search
+
+    if share is not None:
+        monkeypatch.setattr(plan_search, "DECODE_TIE_SHARE", share)
+    share = plan_search.DECODE_TIE_SHARE
+    info = validate_pair(*wide_pair)
+    tok_s = lambda p: decode_speed.plan_token_time(p, info).tok_s  # noqa: E731
+    # a fast disk: reads cost the compute side more than the disk, so the predicted decode moves little
+    # with each pinned slot; one layer of cold slots (no read-ahead): clusters are read
+    fast = default_disk()
+    for point in fast["points"]:
+        point["iops"] *= 1000
+    kw = dict(cluster_size=8, n_ctx=512, prefetch_layers=0, disk=fast)
+    low = minimum_mb(wide_pair, n_ubatch=32, **kw)
+    by_share = 0
+    for extra in np.linspace(0.25, 6.0, 24):
+        chosen = plan(wide_pair, low + extra, **kw)
+        each = {}
+        for s in (False, True):
+            for u in (32, 64, 128, 256, 512):
+                try:
+                    each[(s, u)] = plan(wide_pair, low + extra, n_ubatch=u, stream_gate=s, **kw)
+                except RamBudgetError:
+                    pass
+        assert tok_s(chosen) >= share * max(tok_s(p) for p in each.values())
+        smallest = tok_s(each[(chosen.stream_gate, 32)])
+        larger = [u for s, u in each if s == chosen.stream_gate and u > chosen.n_ubatch]
+        if larger:
+            assert tok_s(each[(chosen.stream_gate, min(larger))]) < share * smallest
+        by_share += chosen.n_ubatch > 32 and tok_s(chosen) < smallest
+        given = plan(wide_pair, low + extra, n_ubatch=32, **kw)
+        assert given.n_ubatch == 32 and given.ubatch_choice.get("given")
+    assert by_share > 0 or share == 0.99
