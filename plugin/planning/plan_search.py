@@ -230,29 +230,44 @@ def near_best(req: PlanRequest, candidate: OffloadPlan, best: OffloadPlan) -> bo
     return decode_key(req, candidate)[0] >= DECODE_TIE_SHARE * decode_key(req, best)[0]
 
 
-def prefill_tie_break(req: PlanRequest, best: OffloadPlan, fitting: list[Layout], least_budget: int) -> OffloadPlan:
+def prefill_tie_break(
+    req: PlanRequest, best: OffloadPlan, fitting: list[Layout], least_budget: int, copy_bytes: int = 0
+) -> OffloadPlan:
     """``best``, or the plan of the largest n_ubatch of its gate placement that is :func:`near_best` it.
     The larger n_ubatch are tried smallest first with ``best``'s cluster size alone (each leaves less
     to pinned clusters than the one before), until one is not near; the last near one is planned with
-    every cluster size."""
+    every cluster size. ``copy_bytes`` (a draft copy that may be kept, gate resident): the plan with the
+    copy, which takes the same n_ubatch, must be near its own at ``best``'s n_ubatch too (where it fits
+    there)."""
     one_size = dataclasses.replace(req, tables=tuple(t for t in req.tables if t.size == best.cluster_size))
     larger = sorted(
         (lay for lay in fitting if lay.stream_gate == best.stream_gate and lay.n_ubatch > best.n_ubatch),
         key=lambda lay: lay.n_ubatch,
     )
+    with_copy = None
+    if copy_bytes and not best.stream_gate:
+        base = make_layout(req, best.n_ubatch, False, copy_bytes)
+        if least_minimum(req, base) <= req.budget_bytes:
+            with_copy = plan_layout(req, base, least_budget)
     taken = None
     for lay in larger:
         if least_minimum(one_size, lay) > req.budget_bytes:
             break
         if not near_best(req, plan_layout(one_size, lay, least_budget), best):
             break
+        if with_copy is not None:
+            copy_lay = make_layout(req, lay.n_ubatch, False, copy_bytes)
+            if least_minimum(req, copy_lay) > req.budget_bytes:
+                break
+            if not near_best(req, plan_layout(req, copy_lay, least_budget), with_copy):
+                break
         taken = lay
     return best if taken is None else plan_layout(req, taken, least_budget)
 
 
-def best_plan(req: PlanRequest, fitting: list[Layout], least_budget: int) -> OffloadPlan:
+def best_plan(req: PlanRequest, fitting: list[Layout], least_budget: int, copy_bytes: int = 0) -> OffloadPlan:
     """The plan of the fastest predicted decode among the ``fitting`` layouts, then the largest n_ubatch
-    near it (see the module docstring)."""
+    near it (see the module docstring; ``copy_bytes``: :func:`prefill_tie_break`)."""
     disk = DiskModel(req.disk if req.disk is not None else default_disk())
     plans: list[OffloadPlan] = []
     for stream in (False, True):
@@ -263,7 +278,7 @@ def best_plan(req: PlanRequest, fitting: list[Layout], least_budget: int) -> Off
             continue  # the gate's reads alone take longer than the resident gate's whole token
         plans.append(plan_layout(req, mine[-1], least_budget))  # the smallest n_ubatch of this placement
     best = max(plans, key=lambda p: (decode_key(req, p), not p.stream_gate))  # max keeps the first of equals
-    best = prefill_tie_break(req, best, fitting, least_budget)
+    best = prefill_tie_break(req, best, fitting, least_budget, copy_bytes)
     if best.stream_gate and req.stream_gate is None:
         resident = plans[0] if not plans[0].stream_gate else None
         best = dataclasses.replace(best, notes=best.notes + [gate_note(req, best, resident)])
@@ -308,10 +323,12 @@ def with_ubatch_trade(req: PlanRequest, plan: OffloadPlan) -> OffloadPlan:
     return dataclasses.replace(plan, ubatch_choice=choice, notes=plan.notes + [ubatch_note(choice)])
 
 
-def plan_without_copy(req: PlanRequest) -> OffloadPlan:
-    """The plan with the draft copy left on disk."""
+def plan_without_copy(req: PlanRequest, copy_bytes: int = 0) -> OffloadPlan:
+    """The plan with the draft copy left on disk; ``copy_bytes``: a draft copy the caller may keep
+    instead at the same n_ubatch (prefill's tie-breaker then keeps that plan near its best too)."""
     layouts = layout_options(req, stream_options(req.stream_gate), ubatch_options(req, req.n_ubatch), 0)
-    return best_plan(req, fitting_layouts(req, layouts), min(least_minimum(req, lay) for lay in layouts))
+    least = min(least_minimum(req, lay) for lay in layouts)
+    return best_plan(req, fitting_layouts(req, layouts), least, copy_bytes)
 
 
 def copy_layout(req: PlanRequest, n_ubatch: int, copy_bytes: int) -> Layout:
@@ -326,6 +343,6 @@ def plan_with_copy(req: PlanRequest, copy_bytes: int) -> OffloadPlan:
     must not change a token)."""
     n_ubatch = req.n_ubatch
     if n_ubatch is None:
-        n_ubatch = plan_without_copy(dataclasses.replace(req, stream_gate=None)).n_ubatch
+        n_ubatch = plan_without_copy(dataclasses.replace(req, stream_gate=None), copy_bytes).n_ubatch
     layout = copy_layout(req, n_ubatch, copy_bytes)
     return plan_layout(req, layout, least_minimum(req, layout))
