@@ -9,7 +9,10 @@ generated fresh per session; their expert sidecars are converted fresh per test 
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 
 import llama_cpp
 import numpy as np
@@ -391,3 +394,25 @@ def test_just_below_stock_need_runs_stock_while_its_rereads_cost_less(tiny_moe_f
     monkeypatch.setattr(expert_plan, "stock_need", short_of(int(0.2 * routed)))
     far = expert_plan.plan_experts(moe, header, budget / MiB, n_ctx=256, disk=default_disk())
     assert not far.fits
+
+
+#: Modules that loading a model must not import: gguf-py (yaml, numpy.ma, ...) and stdlib modules
+#: only tuning and the command line need. They are anonymous memory the process keeps, and where a
+#: budget lies at the edge of stock's resident need that memory costs page-cache re-reads.
+LOAD_PATH_FORBIDDEN = ("gguf", "yaml", "numpy.ma", "importlib.metadata", "statistics")
+
+
+def test_loading_under_a_budget_imports_neither_gguf_py_nor_tuning_modules(converted):
+    path = converted("qwen3moe")
+    code = (
+        "import sys, json\n"
+        "import llama_cpp\n"
+        "from llamaflash import Llama\n"
+        f"llm = Llama({str(path)!r}, n_ctx=128, ram_budget_mb={BUDGET_MB}, verbose=False)\n"
+        "assert llm.flash_mode == 'stock', llm.flash_mode\n"
+        "llm.close()\n"
+        f"print(json.dumps([m for m in {LOAD_PATH_FORBIDDEN!r} if m in sys.modules]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

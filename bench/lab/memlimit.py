@@ -236,8 +236,10 @@ def _sigterm_as_interrupt() -> Callable[[], None]:
 def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every (rep, limit, config) and return the payload (args, environment, runs, summary).
 
-    Order: reps outermost, then limits from the largest down, configs alternating innermost, so slow
-    drifts of the machine hit every cell."""
+    Order: reps outermost, then limits from the largest down, configs innermost in an order that
+    reverses from one (rep, limit) cell to the next, so that no config always runs right after the
+    same other one (a stock run that thrashes leaves the disk and page cache busy for the next run)
+    and slow drifts of the machine hit every config."""
     opts.validate()
     from llamaflash.files import assets
 
@@ -321,8 +323,9 @@ def _run_all(
 
     runs = []
     for rep in range(opts.reps):
-        for limit in limits:
-            for config in opts.configs:
+        for i, limit in enumerate(limits):
+            order = opts.configs if (rep + i) % 2 == 0 else opts.configs[::-1]
+            for config in order:
                 spec = {
                     "model": str(model_path), "config": config, "rep": rep,
                     "sidecar_path": str(sidecar) if config in flash_configs else None,

@@ -17,6 +17,7 @@ import click
 
 from llamaflash import __version__
 from llamaflash.errors import LlamaflashError
+from llamaflash.files import ggml_types
 from llamaflash.files import sidecar_format as fmt
 
 #: Exit status of a command that failed with a LlamaflashError.
@@ -348,7 +349,6 @@ def verify(sidecar: Path, model: Path | None, max_mismatches: int) -> None:
 @click.argument("sidecar", type=click.Path(path_type=Path))
 def inspect(sidecar: Path) -> None:
     """Describe the llamaflash sidecar SIDECAR (.flash.gguf)."""
-    import gguf
     import numpy as np
 
     from llamaflash.files.sidecar import read_layer_vectors, read_sidecar
@@ -372,7 +372,7 @@ def inspect(sidecar: Path) -> None:
         click.echo(f"default lane:     {stored_decision(sidecar).reason}")
 
     def type_name(type_id: int) -> str:
-        return gguf.GGMLQuantizationType(type_id).name
+        return ggml_types.type_name(type_id)
 
     header = (
         f"{'layer':>5} {'n_embd':>6} {'n_ff':>6} {'gate':>6} {'up':>6} {'down':>6} "

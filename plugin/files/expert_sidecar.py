@@ -35,7 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SidecarFormatError, SidecarMismatchError, SidecarVersionError
+from . import ggml_types
 from .experts import EXPERT_KINDS, MoeModelInfo
+from .gguf_header import GGUFHeaderError, TensorInfo, ValueType, read_gguf_header
 
 ARCHITECTURE = "llamaflash-experts"
 EXPERT_FORMAT_VERSION = 1
@@ -154,29 +156,27 @@ def write_expert_sidecar(
 
 def read_expert_sidecar(path: str | os.PathLike) -> ExpertSidecarInfo:
     """Parses an expert sidecar. Raises SidecarFormatError / SidecarVersionError naming the problem."""
-    import gguf
-
     path = Path(path)
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:
+        header = read_gguf_header(path)
+    except GGUFHeaderError as e:
         raise SidecarFormatError(
             f"'{path}' is not a readable GGUF file ({e}); re-create it with `llamaflash convert MODEL --force`"
         ) from None
 
     def field(key: str, required: bool = True):
-        f = reader.fields.get(key)
+        f = header.metadata.get(key)
         if f is None:
             if required:
                 raise SidecarFormatError(
                     f"expert sidecar '{path}' lacks '{key}'; re-create it with `llamaflash convert MODEL --force`"
                 )
             return None
-        if f.types and f.types[0] == gguf.GGUFValueType.STRING:
-            return bytes(f.parts[-1]).decode("utf-8")
-        if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
-            return [int(f.parts[i][0]) for i in f.data]
-        return f.parts[-1][0].item()
+        if f.type == ValueType.ARRAY:
+            if f.value is None:
+                raise SidecarFormatError(f"expert sidecar '{path}': '{key}' is not a numeric array; re-create it")
+            return [int(v) for v in f.value]
+        return f.value
 
     arch = field("general.architecture")
     if arch != ARCHITECTURE:
@@ -187,7 +187,7 @@ def read_expert_sidecar(path: str | os.PathLike) -> ExpertSidecarInfo:
             f"expert sidecar '{path}' is format {version}; this llamaflash reads format "
             f"{EXPERT_FORMAT_VERSION}: re-create it with `llamaflash convert MODEL --force`"
         )
-    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    tensors = {t.name: _tensor_data(path, t) for t in header.tensors}
     layers = []
     for il in field(KEY_LAYERS):
         crc = {
@@ -216,6 +216,19 @@ def read_expert_sidecar(path: str | os.PathLike) -> ExpertSidecarInfo:
         str(field(KEY_ROUTING_SOURCE, required=False) or ""),
         tuple(layers),
     )
+
+
+def _tensor_data(path: Path, t: TensorInfo) -> np.ndarray:
+    """A 1-D i32/f32 tensor's values, read from the file (the only types an expert sidecar holds)."""
+    dtype = _DTYPES.get(t.ggml_type)
+    if dtype is None or len(t.shape) != 1:
+        raise SidecarFormatError(
+            f"expert sidecar '{path}': tensor '{t.name}' is not a 1-D i32/f32 vector; re-create it"
+        )
+    return np.fromfile(path, dtype=dtype, count=int(t.shape[0]), offset=t.offset)
+
+
+_DTYPES = {ggml_types.I32: np.int32, ggml_types.F32: np.float32}
 
 
 def validate_expert_pair(moe: MoeModelInfo, identity: str, info: ExpertSidecarInfo) -> None:

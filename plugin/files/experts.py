@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import ggml_types
 from .gguf_header import GGUFHeader, TensorInfo
 
 #: Expert tensor kinds, in the native enum's order (``_native.ExpertTensorKind``).
@@ -31,22 +32,9 @@ SERVED_MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "gpt-oss", "olmoe")
 
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 
-_GGML_TYPE_SIZE: dict[int, tuple[int, int]] = {}
-
-
-def _type_size(ggml_type: int) -> tuple[int, int]:
-    """(block size, bytes per block) of a ggml type."""
-    if not _GGML_TYPE_SIZE:
-        import gguf
-
-        for t, (block, nbytes) in gguf.GGML_QUANT_SIZES.items():
-            _GGML_TYPE_SIZE[int(t)] = (block, nbytes)
-    return _GGML_TYPE_SIZE[ggml_type]
-
 
 def row_bytes(ggml_type: int, n: int) -> int:
-    block, nbytes = _type_size(ggml_type)
-    return n // block * nbytes
+    return ggml_types.row_bytes(ggml_type, n)
 
 
 @dataclass(frozen=True)
@@ -170,15 +158,14 @@ def check_layout(moe: MoeModelInfo) -> str | None:
 
 def router_matrix(path: str | Path, router: TensorInfo) -> np.ndarray:
     """The router ``[n_expert, n_embd]`` as float32 (dequantized when stored quantized)."""
-    import gguf
-
     n_embd, n_expert = int(router.shape[0]), int(router.shape[1])
     raw = np.fromfile(path, dtype=np.uint8, count=router.nbytes, offset=router.offset)
-    qtype = gguf.GGMLQuantizationType(router.ggml_type)
-    if qtype == gguf.GGMLQuantizationType.F32:
+    if router.ggml_type == ggml_types.F32:
         out = raw.view(np.float32)
-    elif qtype == gguf.GGMLQuantizationType.F16:
+    elif router.ggml_type == ggml_types.F16:
         out = raw.view(np.float16).astype(np.float32)
     else:
-        out = gguf.quants.dequantize(raw.reshape(n_expert, -1), qtype)
+        import gguf  # quantized routers only: gguf-py's dequantizer
+
+        out = gguf.quants.dequantize(raw.reshape(n_expert, -1), gguf.GGMLQuantizationType(router.ggml_type))
     return np.ascontiguousarray(out.reshape(n_expert, n_embd), dtype=np.float32)

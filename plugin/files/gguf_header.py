@@ -34,9 +34,9 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 
+from llamaflash.files import ggml_types
 from llamaflash.files import sidecar_format as fmt
 
 GGUF_MAGIC = b"GGUF"
@@ -329,13 +329,9 @@ class _Parser:
 
 
 def _tensor_nbytes(name: str, ggml_type: int, shape: tuple[int, ...]) -> int:
-    try:
-        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
-    except (ValueError, KeyError):
-        raise GGUFHeaderError(f"tensor '{name}' has unknown ggml type {ggml_type}") from None
-    if shape[0] % block_size:
-        raise GGUFHeaderError(
-            f"tensor '{name}': row of {shape[0]} elements is not a whole number of "
-            f"{gguf.GGMLQuantizationType(ggml_type).name} blocks"
-        )
-    return math.prod(shape) // block_size * type_size  # Python ints: no wrap-around
+    t = ggml_types.GGML_TYPES.get(ggml_type)
+    if t is None:
+        raise GGUFHeaderError(f"tensor '{name}' has unknown ggml type {ggml_type}")
+    if shape[0] % t.block:
+        raise GGUFHeaderError(f"tensor '{name}': row of {shape[0]} elements is not a whole number of {t.name} blocks")
+    return math.prod(shape) // t.block * t.block_bytes  # Python ints: no wrap-around

@@ -16,10 +16,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import gguf
 import numpy as np
 
 from llamaflash.errors import BaseModelError, BaseModelNotFoundError
+from llamaflash.files import ggml_types
 from llamaflash.files import sidecar_format as fmt
 from llamaflash.files.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, ValueType, read_gguf_header
 
@@ -230,13 +230,7 @@ def ggml_row_bytes(ggml_type: int, n_elements: int) -> int:
 
     Raises ValueError if ``n_elements`` is not a whole number of the type's blocks.
     """
-    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
-    if n_elements % block_size:
-        raise ValueError(
-            f"{n_elements} elements is not a multiple of the block size {block_size} "
-            f"of ggml type {gguf.GGMLQuantizationType(ggml_type).name}"
-        )
-    return n_elements // block_size * type_size
+    return ggml_types.row_bytes(ggml_type, n_elements)
 
 
 # --------------------------------------------------------------------------------------

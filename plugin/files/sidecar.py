@@ -17,7 +17,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import gguf
 import numpy as np
 
 from llamaflash.errors import (
@@ -26,6 +25,7 @@ from llamaflash.errors import (
     SidecarNotFoundError,
     SidecarVersionError,
 )
+from llamaflash.files import ggml_types
 from llamaflash.files import sidecar_format as fmt
 from llamaflash.files.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, read_gguf_header
 from llamaflash.files.gguf_model import (
@@ -45,8 +45,8 @@ from llamaflash.files.sidecar_checks import (
     tensor,
 )
 
-_I8 = int(gguf.GGMLQuantizationType.I8)
-_I32 = int(gguf.GGMLQuantizationType.I32)
+_I8 = ggml_types.I8
+_I32 = ggml_types.I32
 
 
 @dataclass(frozen=True)
@@ -429,7 +429,7 @@ def _layer_layout(
     )
 
 
-_F32 = int(gguf.GGMLQuantizationType.F32)
+_F32 = ggml_types.F32
 
 
 def _quality_record(fields: Fields) -> dict:

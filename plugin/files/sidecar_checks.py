@@ -30,10 +30,10 @@ import math
 from pathlib import Path
 from typing import NoReturn
 
-import gguf
 import numpy as np
 
 from llamaflash.errors import SidecarFormatError
+from llamaflash.files import ggml_types
 from llamaflash.files import sidecar_format as fmt
 from llamaflash.files.gguf_header import UNSIGNED_TYPES, MetadataValue, TensorInfo, ValueType
 
@@ -107,7 +107,7 @@ class Fields:
 
 def block_bytes(ggml_type: int) -> int:
     """Bytes of one block of ``ggml_type``."""
-    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)][1]
+    return ggml_types.ggml_type(ggml_type).block_bytes
 
 
 def tensor(

@@ -31,8 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-import gguf
-
+from ..files import ggml_types
 from ..runtime.speculative import BATCH_INVARIANT_MAX
 from .plan_llama_share import MiB
 
@@ -40,13 +39,12 @@ if TYPE_CHECKING:
     from ..files.sidecar import SidecarInfo
     from .plan_result import OffloadPlan
 
-_Q = gguf.GGMLQuantizationType
 
 #: Greedy acceptance of a self-draft from the draft copy, by its type (fraction of drafted tokens the
 #: model kept, 4-token drafts). Measured on Qwen2.5-Coder-1.5B Q4_K_M with a Q2_K copy, chat prompts
 #: (bench/bench_draft.py, bench/results/draft-acceptance-qwen2.5-chat.json): 0.565 at 1100 MiB and 0.511 at
 #: 1200 MiB. Other types are not measured and taken as Q2_K's.
-COPY_ACCEPTANCE: dict[int, float] = {int(_Q.Q2_K): 0.54}
+COPY_ACCEPTANCE: dict[int, float] = {ggml_types.Q2_K: 0.54}
 #: Resident-only self-draft: acceptance ≈ (neuron-weighted resident share) ** this. Measured on the same
 #: runs: share 0.55 -> 0.229 accepted, share 0.80 -> 0.622 (exponents 2.5 and 2.1).
 RESIDENT_ACCEPTANCE_EXPONENT = 2.3
@@ -98,7 +96,7 @@ def predict_plan(plan: "OffloadPlan", info: "SidecarInfo") -> Prediction | None:
     pass_s = 1.0 / plan.io_bound_tok_s + resident / MEMORY_BYTES_PER_S
     if plan.draft_copy:
         draft = plan.parts["draft_copy"]
-        acceptance = COPY_ACCEPTANCE.get(int(info.layers[0].draft_type), COPY_ACCEPTANCE[int(_Q.Q2_K)])
+        acceptance = COPY_ACCEPTANCE.get(int(info.layers[0].draft_type), COPY_ACCEPTANCE[ggml_types.Q2_K])
     else:
         draft = plan.parts.get("hot_slots", 0)
         acceptance = plan.neuron_hit_rate**RESIDENT_ACCEPTANCE_EXPONENT

@@ -99,8 +99,7 @@ def lru_miss_rate(counts: np.ndarray, n_used: int, n_slots: int, n_pinned: int) 
         p = np.ones_like(p)
     p = p / p.sum()
     order = np.argsort(-p, kind="stable")
-    pinned = order[:n_pinned]
-    rest = np.setdiff1d(np.arange(len(p)), pinned)
+    rest = np.sort(order[n_pinned:])  # the unpinned experts, in index order
     lru = n_slots - n_pinned
     q = p[rest] * n_used  # expected selections per token of each unpinned expert
     if lru <= 0 or len(rest) == 0:

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -80,6 +78,8 @@ def machine_key() -> str:
     except OSError:
         pass
     isa = ",".join(f for f in _ISA_FLAGS if f in flags)
+    import importlib.metadata  # here, not at import: loading a model never needs it
+
     llama_cpp_version = importlib.metadata.version("llama_cpp_python")
     text = f"{cpu}|{isa}|{os.cpu_count()}|llama-cpp-python {llama_cpp_version}|llamaflash {__version__}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -184,6 +184,8 @@ def decide(stock: Dict[str, List[float]], sparse: Dict[str, List[float]], machin
     """The rule, on per-run speeds {"decode": [...], "prefill": [...]} (tok/s) of both engines."""
     if min(stock["decode"] + stock["prefill"] + sparse["decode"] + sparse["prefill"], default=0) <= 0:
         raise ValueError(f"a measurement has no speed (stock {stock}, sparse {sparse}): nothing to decide on")
+    import statistics
+
     d = statistics.median(sparse["decode"]) / statistics.median(stock["decode"])
     p = statistics.median(sparse["prefill"]) / statistics.median(stock["prefill"])
     detail = {"stock": stock, "sparse": sparse, "decode_margin": DECODE_MARGIN, "prefill_margin": PREFILL_MARGIN}

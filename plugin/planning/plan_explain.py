@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import gguf
-
+from ..files import ggml_types
 from ..files import sidecar_format as fmt
 from .plan_budget import (
     GATE_WINDOW_LAYERS,
@@ -44,7 +43,7 @@ def part_reasons(req: PlanRequest, layout: Layout, choice: "CacheChoice", spare:
         "prefill_window": "one layer's base up + down, mmapped page cache during dense prefill",
         "python_logits": "logits_all=True: llama-cpp-python keeps every position's logits, n_ctx x n_vocab x 4",
         "draft_copy": (
-            f"the sidecar's draft copy ({gguf.GGMLQuantizationType(lay0.draft_type).name}): every "
+            f"the sidecar's draft copy ({ggml_types.type_name(lay0.draft_type)}): every "
             "neuron's up and down_t rows at low bit width, resident, for speculative self-drafts"
         )
         if layout.draft_copy
