@@ -60,7 +60,7 @@ from .plan_budget import (
 from .plan_clusters import GATE_READ_DEPTH, StreamedGate, choose_cache
 from .plan_disk import DiskModel, default_disk, disk_source
 from .plan_explain import gate_note, part_reasons, plan_notes, ubatch_note
-from . import decode_speed
+from . import decode_speed, draft_plan
 from .plan_llama_share import MiB
 from .plan_result import OffloadPlan
 
@@ -236,9 +236,9 @@ def prefill_tie_break(
     """``best``, or the plan of the largest n_ubatch of its gate placement that is :func:`near_best` it.
     The larger n_ubatch are tried smallest first with ``best``'s cluster size alone (each leaves less
     to pinned clusters than the one before), until one is not near; the last near one is planned with
-    every cluster size. ``copy_bytes`` (a draft copy that may be kept, gate resident): the plan with the
-    copy, which takes the same n_ubatch, must be near its own at ``best``'s n_ubatch too (where it fits
-    there)."""
+    every cluster size. ``copy_bytes`` (a draft copy that may be kept, gate resident): where the plan
+    with the copy wins draft_plan's choice at ``best``'s n_ubatch, it takes the same n_ubatch and must
+    be near its own there too."""
     one_size = dataclasses.replace(req, tables=tuple(t for t in req.tables if t.size == best.cluster_size))
     larger = sorted(
         (lay for lay in fitting if lay.stream_gate == best.stream_gate and lay.n_ubatch > best.n_ubatch),
@@ -249,6 +249,8 @@ def prefill_tie_break(
         base = make_layout(req, best.n_ubatch, False, copy_bytes)
         if least_minimum(req, base) <= req.budget_bytes:
             with_copy = plan_layout(req, base, least_budget)
+            if not draft_plan.choose_draft_copy(req.info, best, with_copy).draft_copy:
+                with_copy = None  # the copy loses at best's n_ubatch, and a larger one leaves it less
     taken = None
     for lay in larger:
         if least_minimum(one_size, lay) > req.budget_bytes:
