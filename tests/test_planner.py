@@ -107,7 +107,9 @@ def test_budget_at_the_minimum_pins_nothing_and_below_it_is_refused(pair):
 
 
 def test_more_budget_pins_more_and_hits_more(pair):
-    kw = dict(cluster_size=8, n_ubatch=32, stream_gate=False)
+    # no read-ahead: one layer of cold slots (32); with read-ahead's three layers the cold region holds
+    # all 96 clusters and every cluster stays resident from the minimum on (plan_clusters.all_resident)
+    kw = dict(cluster_size=8, n_ubatch=32, stream_gate=False, prefetch_layers=0)
     low = minimum_mb(pair, **kw)
     # slots of 8 KiB (the cache's formula), 96 clusters: every step pins more, 3 MiB pins all
     plans = [plan(pair, low + extra, **kw) for extra in (0, 0.05, 0.2, 0.5, 0.7, 3)]
@@ -116,10 +118,8 @@ def test_more_budget_pins_more_and_hits_more(pair):
     assert hot == sorted(hot) and hot[0] == 0 and hot[-1] == N_LAYER * N_FF // 8  # everything pinned at the end
     assert len(set(hot)) == len(hot)
     assert hit == sorted(hit) and hit[0] == 0 and hit[-1] == pytest.approx(1.0)
-    # without read-ahead (whose speculative bytes may buy speed) fewer bytes come from flash
-    flash = [
-        plan(pair, low + extra, prefetch_layers=0, **kw).flash_bytes_per_token for extra in (0, 0.05, 0.2, 0.5, 1, 3)
-    ]
+    # fewer bytes come from flash, none once the unpinned clusters fit the cold slots
+    flash = [plan(pair, low + extra, **kw).flash_bytes_per_token for extra in (0, 0.05, 0.2, 0.5, 1, 3)]
     assert flash == sorted(flash, reverse=True) and flash[-1] == 0
     assert plans[-1].io_bound_tok_s is None and plans[-1].flash_bytes_per_token == 0
     assert all(sum(p.parts.values()) == p.budget_bytes for p in plans)
@@ -456,3 +456,55 @@ def test_logits_all_counts_every_row_of_logits(pair):
     assert "python_logits" not in base.parts and every.parts["python_logits"] == 512 * n_vocab * 4
     assert every.parts["compute_buffers"] >= base.parts["compute_buffers"]  # (both at the reserve here)
     assert sum(every.parts.values()) == every.budget_bytes
+
+
+@pytest.fixture(scope="module")
+def wide_pair(tiny_model_factory, tmp_path_factory) -> tuple[Path, Path]:
+    """3 layers of 2048 neurons, n_embd 256: with one layer of cold slots, a few MiB of budget where
+    clusters are read, wider than what a larger n_ubatch's compute buffers take."""
+    wide = tiny_model_factory(n_layer=N_LAYER, n_embd=256, n_ff=2048, weight_type="Q8_0")
+    return wide, write_v2_sidecar(wide, tmp_path_factory.mktemp("wide") / "w.flash.gguf", random_freqs(N_LAYER, 2048))
+
+
+@pytest.mark.parametrize("share", [None, 0.97])
+def test_n_ubatch_is_the_largest_whose_decode_is_near_the_best(wide_pair, share, monkeypatch):
+    """Prefill breaks the tie (plan_search.prefill_tie_break): the plan's predicted decode (decode_speed's
+    token without speculation) is at least DECODE_TIE_SHARE of the best over every n_ubatch and gate
+    placement, and the next larger n_ubatch of its placement predicts less than that share of the
+    smallest's; a caller's n_ubatch is taken as given. With a share of 0.97 (each 0.5 MiB that n_ubatch
+    64 takes costs this model 2% at the default 0.99) the share, not an exact tie of every cluster
+    resident, admits the larger n_ubatch somewhere in the scan."""
+    from llamaflash.files.sidecar import validate_pair
+    from llamaflash.planning import decode_speed, plan_search
+
+    if share is not None:
+        monkeypatch.setattr(plan_search, "DECODE_TIE_SHARE", share)
+    share = plan_search.DECODE_TIE_SHARE
+    info = validate_pair(*wide_pair)
+    tok_s = lambda p: decode_speed.plan_token_time(p, info).tok_s  # noqa: E731
+    # a fast disk: reads cost the compute side more than the disk, so the predicted decode moves little
+    # with each pinned slot; one layer of cold slots (no read-ahead): clusters are read
+    fast = default_disk()
+    for point in fast["points"]:
+        point["iops"] *= 1000
+    kw = dict(cluster_size=8, n_ctx=512, prefetch_layers=0, disk=fast)
+    low = minimum_mb(wide_pair, n_ubatch=32, **kw)
+    by_share = 0
+    for extra in np.linspace(0.25, 6.0, 24):
+        chosen = plan(wide_pair, low + extra, **kw)
+        each = {}
+        for s in (False, True):
+            for u in (32, 64, 128, 256, 512):
+                try:
+                    each[(s, u)] = plan(wide_pair, low + extra, n_ubatch=u, stream_gate=s, **kw)
+                except RamBudgetError:
+                    pass
+        assert tok_s(chosen) >= share * max(tok_s(p) for p in each.values())
+        smallest = tok_s(each[(chosen.stream_gate, 32)])
+        larger = [u for s, u in each if s == chosen.stream_gate and u > chosen.n_ubatch]
+        if larger:
+            assert tok_s(each[(chosen.stream_gate, min(larger))]) < share * smallest
+        by_share += chosen.n_ubatch > 32 and tok_s(chosen) < smallest
+        given = plan(wide_pair, low + extra, n_ubatch=32, **kw)
+        assert given.n_ubatch == 32 and given.ubatch_choice.get("given")
+    assert by_share > 0 or share == 0.99

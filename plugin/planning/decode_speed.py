@@ -16,13 +16,17 @@ offload (one token of a plan, no speculation)::
               + active * updown_bytes / sparse_bytes_per_s                the sparse kernel: up and
                                                                           down_t rows of active neurons
               + flash_bytes / (check_bytes_per_s * n_threads)             CRC-32C of every read
+              + read_layers * read_layer_s + cluster_bytes / read_bytes_per_s   the reads' CPU side
     t         = max(t_io, t_compute)
 
 The reads overlap the compute (read-ahead of the next layers; the clusters already resident are
 accumulated while a layer's reads run), so a token takes the longer of the two, not their sum.
 ``active``: the share of neurons active per token (the sidecar's frequencies, mean over every neuron),
 ``llama_bytes``: the plan's ``llama_weights`` part (attention, norms, output, token_embd rows),
-``updown_bytes``: every neuron's up and down_t rows, ``gate_bytes``: every gate row.
+``updown_bytes``: every neuron's up and down_t rows, ``gate_bytes``: every gate row, ``read_layers``:
+the expected number of served layers that read a cluster per token (the plan's ``read_layers_per_token``:
+0 where every cluster stays resident), ``cluster_bytes``: the cluster bytes read per token (a streamed
+gate's reads are the kernel's read-ahead, outside the engine's read path).
 
 The rates (:data:`DEFAULT_RATES`) are measured on a quiet machine; ``bench/lab/sweep_rates.py`` derives
 them from a sweep's recorded runs (each constant's source is beside it) and prints the planner's
@@ -58,37 +62,51 @@ class MachineRates:
     #: bytes per second one thread checks (CRC-32C) of what the neuron cache reads
     check_bytes_per_s: float
     n_threads: int = 2
+    #: seconds per served layer per token that reads clusters from flash, on the compute side beyond the
+    #: checks: the read round's submission and completion, the read-ahead plan, the slot hand-over
+    read_layer_s: float = 0.0
+    #: cluster bytes per second the compute side handles beyond the checks (per-byte part of the same)
+    read_bytes_per_s: float = float("inf")
     #: where the numbers come from
     source: str = ""
 
 
-#: Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, quiet machine, 2026-11-25; derived by
-#: ``python -m llamaflash.bench.sweep_rates bench/results/sweep-qwen2.5-chat-quick.json --fit-budget 1200
-#: --inmemory bench/results/inmemory-default-*.json`` (that sweep is docs/BENCHMARKS.md "The speed–memory
-#: curve"):
+#: Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, 2026-11-25/26; derived by ``python -m llamaflash.bench.sweep_rates
+#: bench/results/speculation-check-qwen2.5-chat-quick.json --fit-budget 1200 --inmemory
+#: bench/results/inmemory-default-*.json --read-fit bench/results/sweep-qwen2.5-chat-quick.json:1200
+#: bench/results/speculation-check-qwen2.5-chat-quick.json:900 bench/results/sweep-qwen2.5-chat-quick.json:900``
+#: (the two sweeps ran the same dense engine; their plans differ):
 #:
 #: * token_overhead_s: in-memory stock decode of three models on one day (the inmemory-default results:
 #:   8.9, 13.9 and 36.2 ms per token for 97, 247 and 980 MB of weights): the least-squares line
 #:   t = 6.1 ms + bytes / 32.5 GB/s, its intercept the cost that does not scale with bytes;
-#: * dense_bytes_per_s: the sweep at 2000 MiB, where every config ran stock: median 60.9 ms per token
-#:   for 988.5 MB of weights, 988.5 MB / (60.9 - 6.1) ms = 18.1 GB/s (that day; the in-memory runs
-#:   above gave 32.5 GB/s on another: the rate is the machine's, remeasure where it is predicted);
-#: * sparse_bytes_per_s: the 1200 MiB run without speculation, sparse lane 117.4 ms per token, less its
-#:   I/O wait (3.4 ms), the gate GEMV (216.8 MB at the dense rate, 12.0 ms) and the compute threads'
-#:   checks (3.1 ms): 99.0 ms for the active 71.3% of 433.5 MB of up and down_t rows, 3.12 GB/s;
-#: * split_overhead_s: the same run, 173.8 ms per token, less the sparse lane (117.4 ms) and llama.cpp's
-#:   own graph at the dense rate (6.1 ms + 288.5 MB / 18.1 GB/s = 22.1 ms): 34.3 ms over 28 served
-#:   layers, 1.22 ms per layer (it holds the 24 MB per token that run re-read of evicted mmapped weights,
-#:   8 MiB of read-ahead per fault on that disk);
-#: * check_bytes_per_s: that run's checks, 14.14 GB verified in 1.79 thread-seconds: 7.9 GB/s.
+#: * dense_bytes_per_s: the sweep-qwen2.5 run at 2000 MiB, where every config ran stock: median 60.9 ms
+#:   per token for 988.5 MB of weights, 988.5 MB / (60.9 - 6.1) ms = 18.1 GB/s;
+#: * sparse_bytes_per_s: the speculation-check run at 1200 MiB without speculation, which read nothing
+#:   (910 pinned + 105 cold slots hold all 980 clusters: hit rate 0.9998), sparse lane 84.6 ms per token
+#:   less the gate GEMV (216.8 MB at the dense rate, 12.0 ms): 72.4 ms for the active 71.3% of 433.5 MB
+#:   of up and down_t rows, 4.27 GB/s;
+#: * split_overhead_s: the same run, 114.0 ms per token, less the sparse lane and llama.cpp's graph at the
+#:   dense rate (22.1 ms): 7.3 ms over 28 served layers, 0.26 ms per layer (with the 5.2 MB per token it
+#:   re-read of evicted mmapped weights);
+#: * read_layer_s, read_bytes_per_s: three runs that read (sweep-qwen2.5 at 1200 and 900 MiB, 49 and 363
+#:   MB per token; speculation-check at 900, 345 MB), their sparse lanes beyond the I/O wait, the gate,
+#:   the kernel above and the checks (26.7, 38.7, 42.0 ms): least squares 0.88 ms per layer that reads +
+#:   1 byte per 22.6 GB/s; the streamed-gate run at 700 MiB, not in the fit, had 33.9 ms (40.8 predicted);
+#: * check_bytes_per_s: the sweep-qwen2.5 run at 1200 MiB, 14.14 GB verified in 1.79 thread-seconds: 7.9 GB/s.
+#:
+#: Left out: the time of re-reading evicted mmapped weights beyond the fit run's (sweep-qwen2.5 at 1200
+#: MiB re-read 24.3 MB per token, 27 ms more than the fit run: predicted 6.96 tok/s, measured 5.75).
 DEFAULT_RATES = MachineRates(
     token_overhead_s=6.10e-3,
     dense_bytes_per_s=18.05e9,
-    sparse_bytes_per_s=3.12e9,
-    split_overhead_s=1.22e-3,
+    sparse_bytes_per_s=4.27e9,
+    split_overhead_s=0.26e-3,
     check_bytes_per_s=7.9e9,
     n_threads=2,
-    source="Qwen2.5-Coder-1.5B Q4_K_M sweep, quiet machine, 2026-11-25 (built in)",
+    read_layer_s=0.88e-3,
+    read_bytes_per_s=22.6e9,
+    source="Qwen2.5-Coder-1.5B Q4_K_M sweeps, 2026-11-25/26 (built in)",
 )
 
 
@@ -102,10 +120,11 @@ class OffloadTokenTime:
     gate: float
     sparse: float
     checks: float
+    reads: float = 0.0
 
     @property
     def compute(self) -> float:
-        return self.llama + self.splits + self.gate + self.sparse + self.checks
+        return self.llama + self.splits + self.gate + self.sparse + self.checks + self.reads
 
     @property
     def total(self) -> float:
@@ -133,10 +152,14 @@ def offload_token_time(
     updown_bytes: float,
     active_fraction: float,
     flash_bytes: float,
+    read_layers: float = 0.0,
+    cluster_bytes: Optional[float] = None,
     rates: MachineRates = DEFAULT_RATES,
 ) -> OffloadTokenTime:
     """The parts of one offloaded token (see the module docstring), from plain per-token numbers: a
-    plan's predictions, or the counters of a measured run."""
+    plan's predictions, or the counters of a measured run. ``cluster_bytes`` None: ``flash_bytes``
+    (no streamed gate)."""
+    clusters = flash_bytes if cluster_bytes is None else cluster_bytes
     return OffloadTokenTime(
         io=io_seconds,
         llama=rates.token_overhead_s + llama_bytes / rates.dense_bytes_per_s,
@@ -144,6 +167,7 @@ def offload_token_time(
         gate=gate_bytes / rates.dense_bytes_per_s,
         sparse=active_fraction * updown_bytes / rates.sparse_bytes_per_s,
         checks=flash_bytes / (rates.check_bytes_per_s * max(rates.n_threads, 1)),
+        reads=read_layers * rates.read_layer_s + clusters / rates.read_bytes_per_s,
     )
 
 
@@ -177,6 +201,7 @@ def plan_token_time(
     term is 0 and the compute alone counts). ``active``: :func:`active_fraction` of ``info`` when the
     caller has it."""
     gate, updown = ffn_row_bytes(info)
+    flash = plan.flash_bytes_per_token if plan.io_bound_tok_s is not None else 0.0
     return offload_token_time(
         io_seconds=0.0 if plan.io_bound_tok_s is None else 1.0 / plan.io_bound_tok_s,
         llama_bytes=plan.parts.get("llama_weights", 0),
@@ -184,7 +209,9 @@ def plan_token_time(
         gate_bytes=gate,
         updown_bytes=updown,
         active_fraction=active_fraction(info) if active is None else active,
-        flash_bytes=plan.flash_bytes_per_token if plan.io_bound_tok_s is not None else 0.0,
+        flash_bytes=flash,
+        read_layers=plan.read_layers_per_token,
+        cluster_bytes=max(flash - (gate if plan.stream_gate else 0.0), 0.0),
         rates=rates,
     )
 

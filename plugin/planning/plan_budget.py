@@ -20,7 +20,8 @@ from ..runtime.speculative import BATCH_INVARIANT_MAX
 from .plan_clusters import ClusterTable
 from .plan_llama_share import MiB, llama_share, vocabulary_size
 
-#: n_ubatch candidates, largest first (plan_search takes the one whose plan predicts the fastest decode).
+#: n_ubatch candidates, largest first (plan_search: the largest whose plan predicts within
+#: DECODE_TIE_SHARE of the fastest decode).
 #: UBATCH_BUDGET_SHARE: prefill's choice, the largest whose compute buffers take at most this share of
 #: the budget (dense prefill streams the offloaded FFN weights once per ubatch, so larger is faster);
 #: a plan with a smaller one says what that one would pin and predict. Stock's n_ubatch follows it.

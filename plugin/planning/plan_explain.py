@@ -83,7 +83,7 @@ def plan_notes(req: PlanRequest) -> list[str]:
         )
     notes.append(
         "cluster probabilities assume independent neurons at the sidecar's operating point "
-        f"(sparsity target {req.info.sparsity.target:g}); the I/O bound ignores compute and cross-token reuse"
+        f"(sparsity target {req.info.sparsity.target:g}); the I/O bound ignores compute, and reuse across tokens but where the cold slots hold every unpinned cluster"
     )
     return notes
 
@@ -195,7 +195,7 @@ def _speculation_lines(plan: "OffloadPlan") -> list[str]:
     draft = (
         "off: the gate is streamed from flash, a draft would wait for it"
         if plan.stream_gate
-        else f"the same model over the resident clusters only: the hot slots hold "
+        else f"the same model over the resident clusters only: they hold "
         f"{plan.neuron_hit_rate:.0%} of the active neurons (frequency-weighted); no memory of its own "
         f"(same context, KV cache rolled back)"
     )

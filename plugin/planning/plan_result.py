@@ -63,6 +63,9 @@ class OffloadPlan:
     #: buffers take at most UBATCH_BUDGET_SHARE of the budget) and, where larger than the plan's, what it
     #: would pin and predict (``prefill_hot_slots`` None: it does not fit) and its ``prefill_extra_bytes``
     ubatch_choice: dict[str, Any] = field(default_factory=dict)
+    #: expected served layers per token that read a cluster from flash (plan_clusters.layers_reading;
+    #: 0 where every cluster stays resident): decode_speed charges each the read round's CPU cost
+    read_layers_per_token: float = 0.0
 
     def to_dict(self, arrays: bool = True) -> dict[str, Any]:
         """Plain JSON-able dict; ``arrays=False`` replaces the per-layer arrays by per-layer pin counts."""

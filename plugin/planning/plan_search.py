@@ -6,22 +6,29 @@ whose plan predicts the fastest decode.
      leaves the most memory to pinned clusters, so its plan predicts that placement's fastest decode;
      it is planned (:func:`plan_layout`: the neuron cache sized for every cluster size, the best
      kept). A streamed gate is planned too unless its gate reads alone take longer than the whole
-     token of the resident gate's plan.
-  2. The plan with the highest predicted I/O-bound decode wins (ties: the resident gate). A larger
-     n_ubatch (faster prefill) is taken only where it predicts the same decode, where every cluster
-     is still pinned beside its larger compute buffers: the largest such.
+     predicted token of the resident gate's plan.
+  2. The plan with the highest predicted decode wins (decode_speed's token without speculation: the
+     longer of its reads and its compute, the reads' CPU side included; then the I/O bound; ties: the
+     resident gate; in step 1 the cluster size is chosen the same way). Then prefill
+     breaks the tie: of the larger n_ubatch of its gate placement (prefill streams the offloaded FFN
+     once per n_ubatch prompt tokens), the largest whose plan predicts, without speculation, at least
+     DECODE_TIE_SHARE of the winner's decode (decode_speed's token) and of its I/O bound (inf ties
+     only inf) is taken instead. A caller's ``n_ubatch`` is the only candidate.
   3. The draft copy is one more layout: the chosen one's n_ubatch with the copy resident and the gate
      resident; draft_plan chooses between the two plans by predicted delivered decode speed.
 
-More memory is never predicted slower: for one layout a larger budget only pins more clusters (fewer
-reads), and every layout that fits a smaller budget fits a larger one and is a candidate there, so
-the best prediction at a budget is at least the best at any smaller budget. The prediction maximized
-is the decode without speculation; the draft copy is weighed after it (planner, draft_plan). (A rule
-that grows n_ubatch with the budget, as prefill would like, makes the budget where it doubles pin
-fewer clusters.) Where a larger n_ubatch would have been taken for prefill (the largest whose compute
-buffers take at most UBATCH_BUDGET_SHARE of the budget) the plan's notes and ``ubatch_choice`` say
-what it would pin and predict: the trade, decode for prefill, is the caller's to reverse with
-``n_ubatch``.
+More memory is never predicted slower, up to the tie-breaker's share: for one layout a larger budget
+only pins more clusters (fewer reads), and every layout that fits a smaller budget fits a larger one
+and is a candidate there, so the best prediction at a budget (step 2's winner) is at least the best at
+any smaller budget, exactly; the plan taken predicts at least DECODE_TIE_SHARE of it, so at least
+DECODE_TIE_SHARE of what any smaller budget plans. (Exactly non-decreasing predictions would allow a
+larger n_ubatch only where the prediction does not move with memory, every cluster resident: where it
+rises with each pinned slot, the budget where a larger n_ubatch is first taken predicts less than the
+one just below.) The prediction maximized is the decode without speculation; the draft copy is
+weighed after it (planner, draft_plan). Where a larger n_ubatch would have been taken for prefill
+(the largest whose compute buffers take at most UBATCH_BUDGET_SHARE of the budget) the plan's notes
+and ``ubatch_choice`` say what it would pin and predict: the trade, decode for prefill, is the
+caller's to reverse with ``n_ubatch``.
 
 Another kind of offloaded weight is one more part: its sizes in plan_budget's parts, its choice
 beside plan_clusters.choose_cache in :func:`plan_layout`.
@@ -53,8 +60,13 @@ from .plan_budget import (
 from .plan_clusters import GATE_READ_DEPTH, StreamedGate, choose_cache
 from .plan_disk import DiskModel, default_disk, disk_source
 from .plan_explain import gate_note, part_reasons, plan_notes, ubatch_note
+from . import decode_speed, draft_plan
 from .plan_llama_share import MiB
 from .plan_result import OffloadPlan
+
+#: The tie-breaker's share: a larger n_ubatch is taken where its plan predicts at least this share of
+#: the best plan's decode (and I/O bound): prefill speed for at most 1% of predicted decode.
+DECODE_TIE_SHARE = 0.99
 
 
 def layout_options(
@@ -102,19 +114,43 @@ def prefill_ubatch(req: PlanRequest, ubatches: tuple[int, ...]) -> int:
     return ubatches[-1]
 
 
-def decode_key(plan: OffloadPlan) -> float:
-    """The predicted I/O-bound decode the search maximizes (inf: nothing is read from flash)."""
+def io_key(plan: OffloadPlan) -> float:
+    """The plan's I/O-bound decode (inf: nothing is read from flash)."""
     return math.inf if plan.io_bound_tok_s is None else plan.io_bound_tok_s
+
+
+def mean_active(req: PlanRequest) -> float:
+    """decode_speed.active_fraction of the pair, from the cluster table's sums of frequencies."""
+    return sum(float(s.sum()) for s in req.tables[0].sumf) / sum(lay.n_ff for lay in req.info.layers)
+
+
+def decode_key(req: PlanRequest, plan: OffloadPlan) -> tuple[float, float]:
+    """What the search maximizes: the predicted decode without speculation (decode_speed's token,
+    compute and reads), then the I/O bound."""
+    return decode_speed.plan_token_time(plan, req.info, active=mean_active(req)).tok_s, io_key(plan)
+
+
+def choice_decode(req: PlanRequest, layout: Layout, choice: Any) -> float:
+    """decode_speed's tok/s of the cache ``choice`` (plan_clusters.CacheChoice) beside ``layout``."""
+    gate, updown = decode_speed.ffn_row_bytes(req.info)
+    io = choice.io_bound_tok_s
+    flash = choice.flash_bytes_per_token if io is not None else 0.0
+    return decode_speed.offload_token_time(
+        io_seconds=0.0 if io is None else 1.0 / io,
+        llama_bytes=layout.fixed.get("llama_weights", 0),
+        n_layers=len(req.info.layers),
+        gate_bytes=gate,
+        updown_bytes=updown,
+        active_fraction=mean_active(req),
+        flash_bytes=flash,
+        read_layers=choice.read_layers,
+        cluster_bytes=max(flash - (gate if layout.stream_gate else 0.0), 0.0),
+    ).tok_s
 
 
 def gate_read_seconds(req: PlanRequest, disk: DiskModel) -> float:
     """Device seconds per token of a streamed gate's reads alone (one large read per layer)."""
     return float(disk.seconds(np.array(req.gate_layer_bytes, dtype=float), GATE_READ_DEPTH).sum())
-
-
-def all_pinned_fits(req: PlanRequest, layout: Layout) -> bool:
-    """Whether every cluster of some cluster size fits beside ``layout``'s minimum."""
-    return any(minimum_bytes(req, layout, t) + t.total_clusters * t.slot_bytes <= req.budget_bytes for t in req.tables)
 
 
 def plan_layout(req: PlanRequest, layout: Layout, least_budget: int) -> OffloadPlan:
@@ -142,8 +178,8 @@ def plan_layout(req: PlanRequest, layout: Layout, least_budget: int) -> OffloadP
             prefetch_min_prob=choice.prefetch_min_prob,
             queue_depth=choice.queue_depth,
         )
-        choices.append((choice, low))
-    best, low = max(choices, key=lambda c: (c[0].rank, -c[1]))
+        choices.append((choice_decode(req, layout, choice), choice, low))
+    _, best, low = max(choices, key=lambda c: (c[0], c[1].rank, -c[2]))
     table = best.table
     parts = {
         **layout.fixed,
@@ -180,6 +216,7 @@ def plan_layout(req: PlanRequest, layout: Layout, least_budget: int) -> OffloadP
         neuron_hit_rate=best.neuron_hit_rate,
         flash_bytes_per_token=best.flash_bytes_per_token,
         io_bound_tok_s=best.io_bound_tok_s,
+        read_layers_per_token=best.read_layers,
         disk_source=disk_source(req.disk),
         candidates=rows,
         notes=plan_notes(req),
@@ -188,29 +225,65 @@ def plan_layout(req: PlanRequest, layout: Layout, least_budget: int) -> OffloadP
     )
 
 
-def best_plan(req: PlanRequest, fitting: list[Layout], least_budget: int) -> OffloadPlan:
-    """The plan of the fastest predicted decode among the ``fitting`` layouts (see the module docstring)."""
+def near_best(req: PlanRequest, candidate: OffloadPlan, best: OffloadPlan) -> bool:
+    """Whether ``candidate`` predicts at least DECODE_TIE_SHARE of ``best``'s decode (:func:`decode_key`)."""
+    return decode_key(req, candidate)[0] >= DECODE_TIE_SHARE * decode_key(req, best)[0]
+
+
+def prefill_tie_break(
+    req: PlanRequest, best: OffloadPlan, fitting: list[Layout], least_budget: int, copy_bytes: int = 0
+) -> OffloadPlan:
+    """``best``, or the plan of the largest n_ubatch of its gate placement that is :func:`near_best` it.
+    The larger n_ubatch are tried smallest first with ``best``'s cluster size alone (each leaves less
+    to pinned clusters than the one before), until one is not near; the last near one is planned with
+    every cluster size. ``copy_bytes`` (a draft copy that may be kept, gate resident): where the plan
+    with the copy wins draft_plan's choice at ``best``'s n_ubatch, it takes the same n_ubatch and must
+    be near its own there too."""
+    one_size = dataclasses.replace(req, tables=tuple(t for t in req.tables if t.size == best.cluster_size))
+    larger = sorted(
+        (lay for lay in fitting if lay.stream_gate == best.stream_gate and lay.n_ubatch > best.n_ubatch),
+        key=lambda lay: lay.n_ubatch,
+    )
+    with_copy = None
+    if copy_bytes and not best.stream_gate:
+        base = make_layout(req, best.n_ubatch, False, copy_bytes)
+        if least_minimum(req, base) <= req.budget_bytes:
+            with_copy = plan_layout(req, base, least_budget)
+            if not draft_plan.choose_draft_copy(req.info, best, with_copy).draft_copy:
+                with_copy = None  # the copy loses at best's n_ubatch, and a larger one leaves it less
+    taken = None
+    for lay in larger:
+        if least_minimum(one_size, lay) > req.budget_bytes:
+            break
+        if not near_best(req, plan_layout(one_size, lay, least_budget), best):
+            break
+        if with_copy is not None:
+            copy_lay = make_layout(req, lay.n_ubatch, False, copy_bytes)
+            if least_minimum(req, copy_lay) > req.budget_bytes:
+                break
+            if not near_best(req, plan_layout(req, copy_lay, least_budget), with_copy):
+                break
+        taken = lay
+    return best if taken is None else plan_layout(req, taken, least_budget)
+
+
+def best_plan(req: PlanRequest, fitting: list[Layout], least_budget: int, copy_bytes: int = 0) -> OffloadPlan:
+    """The plan of the fastest predicted decode among the ``fitting`` layouts, then the largest n_ubatch
+    near it (see the module docstring; ``copy_bytes``: :func:`prefill_tie_break`)."""
     disk = DiskModel(req.disk if req.disk is not None else default_disk())
     plans: list[OffloadPlan] = []
     for stream in (False, True):
         mine = [lay for lay in fitting if lay.stream_gate == stream]
         if not mine:
             continue
-        if stream and plans and 1.0 / decode_key(plans[0]) <= gate_read_seconds(req, disk):
+        if stream and plans and 1.0 / decode_key(req, plans[0])[0] <= gate_read_seconds(req, disk):
             continue  # the gate's reads alone take longer than the resident gate's whole token
         plans.append(plan_layout(req, mine[-1], least_budget))  # the smallest n_ubatch of this placement
-    best = max(plans, key=lambda p: (decode_key(p), not p.stream_gate))  # max keeps the first of equals
+    best = max(plans, key=lambda p: (decode_key(req, p), not p.stream_gate))  # max keeps the first of equals
+    best = prefill_tie_break(req, best, fitting, least_budget, copy_bytes)
     if best.stream_gate and req.stream_gate is None:
         resident = plans[0] if not plans[0].stream_gate else None
         best = dataclasses.replace(best, notes=best.notes + [gate_note(req, best, resident)])
-    if best.hot_slots == best.total_clusters:  # every cluster pinned: a larger n_ubatch may predict the same
-        for lay in fitting:
-            if lay.stream_gate != best.stream_gate or lay.n_ubatch <= best.n_ubatch or not all_pinned_fits(req, lay):
-                continue
-            larger = plan_layout(req, lay, least_budget)
-            if decode_key(larger) >= decode_key(best):
-                best = larger
-                break
     return best
 
 
@@ -252,10 +325,12 @@ def with_ubatch_trade(req: PlanRequest, plan: OffloadPlan) -> OffloadPlan:
     return dataclasses.replace(plan, ubatch_choice=choice, notes=plan.notes + [ubatch_note(choice)])
 
 
-def plan_without_copy(req: PlanRequest) -> OffloadPlan:
-    """The plan with the draft copy left on disk."""
+def plan_without_copy(req: PlanRequest, copy_bytes: int = 0) -> OffloadPlan:
+    """The plan with the draft copy left on disk; ``copy_bytes``: a draft copy the caller may keep
+    instead at the same n_ubatch (prefill's tie-breaker then keeps that plan near its best too)."""
     layouts = layout_options(req, stream_options(req.stream_gate), ubatch_options(req, req.n_ubatch), 0)
-    return best_plan(req, fitting_layouts(req, layouts), min(least_minimum(req, lay) for lay in layouts))
+    least = min(least_minimum(req, lay) for lay in layouts)
+    return best_plan(req, fitting_layouts(req, layouts), least, copy_bytes)
 
 
 def copy_layout(req: PlanRequest, n_ubatch: int, copy_bytes: int) -> Layout:
@@ -270,6 +345,6 @@ def plan_with_copy(req: PlanRequest, copy_bytes: int) -> OffloadPlan:
     must not change a token)."""
     n_ubatch = req.n_ubatch
     if n_ubatch is None:
-        n_ubatch = plan_without_copy(dataclasses.replace(req, stream_gate=None)).n_ubatch
+        n_ubatch = plan_without_copy(dataclasses.replace(req, stream_gate=None), copy_bytes).n_ubatch
     layout = copy_layout(req, n_ubatch, copy_bytes)
     return plan_layout(req, layout, least_minimum(req, layout))

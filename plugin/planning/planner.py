@@ -87,9 +87,9 @@ def plan_offload(
     """Plan the RAM of the flash-offload engine for ``model_path`` + its format-2 sidecar under
     ``ram_budget_mb`` MiB (see the module docstring and :class:`OffloadPlan`).
 
-    ``n_ubatch`` None: of UBATCH_CHOICES, the one whose plan predicts the fastest decode (the smallest,
-    unless every cluster is pinned with a larger one too: the largest such), so that more memory is
-    never predicted slower; the plan's notes say what a larger one would cost (:mod:`plan_search`);
+    ``n_ubatch`` None: of UBATCH_CHOICES, the largest whose plan predicts at least DECODE_TIE_SHARE
+    of the fastest decode (the smallest n_ubatch's), so that more memory is never predicted slower
+    beyond that share; the plan's notes say what a larger one would cost (:mod:`plan_search`);
     ``disk`` None: :func:`default_disk`; ``runtime_rss_bytes`` None: RUNTIME_RSS_BYTES;
     ``cluster_size`` None: the CLUSTER_SIZES entry with the best predicted tok/s; ``stream_gate`` None:
     the gate matrices stay resident when that fits the budget, else they are streamed from flash
@@ -169,8 +169,11 @@ def _plan_draft_copy(
 
     if draft_copy:
         return plan_with_copy(req, copy_bytes)
-    without = plan_without_copy(req)
-    if draft_copy is False or copy_bytes is None:
+    if copy_bytes is None:
+        return plan_without_copy(req)
+    # n_ubatch as if the copy may be kept, whether or not it is: the same tokens every way (prefill)
+    without = plan_without_copy(req, copy_bytes)
+    if draft_copy is False:
         return without
     if without.stream_gate:
         return draft_plan.copy_unused(
