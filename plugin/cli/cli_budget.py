@@ -227,8 +227,8 @@ def bench(
     "--n-ubatch",
     type=click.IntRange(min=1),
     default=None,
-    help="llama.cpp's physical batch (default: of 512..32 the one that predicts the fastest decode: the "
-    "smallest unless every cluster is pinned with a larger one; a larger one speeds up prefill).",
+    help="llama.cpp's physical batch (default: of 512..32 the largest whose plan predicts at least 0.99x "
+    "the fastest decode; a larger batch speeds up prefill, its buffers take memory from the cache).",
 )
 @click.option(
     "--cluster-size",
