@@ -42,6 +42,9 @@ def make_plan(sidecar, hot_per_layer: int, prefetch_layers: int = 1, extra_cold:
         n_ubatch=64,
         budget_bytes=64 << 20,
         stream_gate=stream_gate,
+        draft_copy=False,
+        # nothing read per token only where every cluster is pinned (a marker otherwise, not a prediction)
+        flash_bytes_per_token=0.0 if all(len(h) == len(p) for h, p in zip(hot, probs)) else 1.0,
     )
     plan.to_dict = lambda: {"cluster_size": C, "hot": [len(h) for h in hot]}
     return plan

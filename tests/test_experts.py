@@ -391,6 +391,10 @@ def test_just_below_stock_need_runs_stock_while_its_rereads_cost_less(tiny_moe_f
     monkeypatch.setattr(expert_plan, "stock_need", short_of(int(share * routed)))
     near = expert_plan.plan_experts(moe, header, budget / MiB, n_ctx=256, disk=default_disk())
     assert near.fits and "short of the file" in near.notes[0]
+    # stock there runs as llama-cpp-python would: its default prefill batch, or the user's
+    assert near.n_ubatch == expert_plan.STOCK_DEFAULT_UBATCH
+    mine = expert_plan.plan_experts(moe, header, budget / MiB, n_ctx=256, n_ubatch=32, disk=default_disk())
+    assert mine.fits and mine.n_ubatch == 32
     monkeypatch.setattr(expert_plan, "stock_need", short_of(int(0.2 * routed)))
     far = expert_plan.plan_experts(moe, header, budget / MiB, n_ctx=256, disk=default_disk())
     assert not far.fits

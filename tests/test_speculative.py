@@ -219,3 +219,19 @@ def test_real_model_greedy_speculation_is_exact(smollm2_sidecar):
     s = runs["self"][1]["speculative"]
     assert s["accepted"] > 0 and s["drafted"] > s["accepted"]
     assert runs["self"][1]["offload"]["bytes_read"] > 0
+
+
+def test_self_draft_is_off_where_every_cluster_is_resident(converted, forced_plan):  # noqa: F811
+    """With every cluster pinned a self-draft computes what a plain pass computes (nothing to skip), so
+    a draft token would cost a whole pass: the source is off from the start, and says why."""
+    model, sidecar = converted
+    forced_plan(make_plan(sidecar, 1 << 20))  # every cluster of every layer pinned
+    llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_speculative=True, **KW)
+    try:
+        s = llm.flash_stats()["speculative"]
+        assert s["why"]["self_draft"] == (
+            "off: self-draft off: every cluster is resident under this budget (a draft would cost a full pass)"
+        )
+        assert s["why"]["prompt_lookup:1"].startswith(("on:", "off:"))  # prompt lookup still decides itself
+    finally:
+        llm.close()

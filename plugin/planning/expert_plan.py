@@ -27,6 +27,8 @@ import numpy as np
 from ..files.experts import MoeModelInfo
 
 MiB = 1024 * 1024
+#: llama-cpp-python's default n_ubatch (llama.cpp clamps it to n_batch).
+STOCK_DEFAULT_UBATCH = 512
 
 #: Expert reads: the planner's disk profile is read at this queue depth (the reader keeps several
 #: experts' tensors in flight).
@@ -184,7 +186,7 @@ def stock_ubatch(
     if n_ubatch:
         candidates = [int(n_ubatch)]
     else:
-        candidates = sorted({u for u in (512, *UBATCH_CHOICES) if u <= 512}, reverse=True)
+        candidates = sorted({u for u in (STOCK_DEFAULT_UBATCH, *UBATCH_CHOICES) if u <= STOCK_DEFAULT_UBATCH}, reverse=True)
     for u in candidates:
         if sum(stock_need(header, moe, n_ctx, u, logits_all).values()) <= budget:
             return u
@@ -326,8 +328,13 @@ def plan_experts(
     if not counts:
         notes.append("no routing statistics in the sidecar: hit rate predicted for uniform routing, nothing pinned")
     if not forced:
-        # just below stock's need: stock's few page-cache misses against the expert cache's misses
-        u_min = int(user_ubatch or UBATCH_CHOICES[-1])  # the batch that leaves stock least short
+        # just below stock's need: stock's few page-cache misses against the expert cache's misses,
+        # its need counted at the batch that leaves it least short. Stock then runs exactly as
+        # llama-cpp-python would (the user's n_ubatch, else its default): at 1.03x the file, prefill
+        # batches of 32 made stock re-read 2-4x the bytes per decoded token that its own batch (256)
+        # did, for the same anonymous memory (bench/results/moe-qwen3moe-uniform-2450-c.json).
+        u_min = int(user_ubatch or UBATCH_CHOICES[-1])
+        u_stock = int(user_ubatch or STOCK_DEFAULT_UBATCH)
         need = stock_need(header, moe, n_ctx, u_min, logits_all)
         reread = stock_reread_per_token(moe, sum(need.values()) - budget)
         if reread is not None and reread * STOCK_FAULT_SLOWDOWN <= read:
@@ -340,7 +347,7 @@ def plan_experts(
                 0,
                 need,
                 min_budget,
-                u_min,
+                u_stock,
                 0.0,
                 0.0,
                 0.0,

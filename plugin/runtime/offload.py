@@ -89,6 +89,12 @@ def attach_self_draft(
         reason = "self-draft off: the gate is streamed from flash under this budget"
         speculator.disable_source("self_draft", "off: " + reason)
         return reason
+    if spec_settings.self_draft and plan.flash_bytes_per_token <= 0 and not plan.draft_copy:
+        # a self-draft skips the clusters that are not resident; with every cluster resident it computes
+        # what a plain pass computes, so a draft token costs a whole pass and can never pay
+        reason = "self-draft off: every cluster is resident under this budget (a draft would cost a full pass)"
+        speculator.disable_source("self_draft", "off: " + reason)
+        return reason
     if spec_settings.self_draft:
         from ..planning import draft_plan
 
