@@ -235,3 +235,17 @@ def test_self_draft_is_off_where_every_cluster_is_resident(converted, forced_pla
         assert s["why"]["prompt_lookup:1"].startswith(("on:", "off:"))  # prompt lookup still decides itself
     finally:
         llm.close()
+
+
+def test_default_speculation_is_off_where_every_cluster_is_resident(converted, forced_plan):  # noqa: F811
+    """On by default under a budget, speculation is off where the plan reads nothing per token (the pass
+    is compute-bound, as in memory): the default is then the non-speculative configuration, and says why."""
+    model, sidecar = converted
+    forced_plan(make_plan(sidecar, 1 << 20))
+    llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, **KW)
+    try:
+        s = llm.flash_stats()["speculative"]
+        assert s["enabled"] is False and s["reason"].startswith("off by default: every cluster is resident")
+        assert llm.draft_model is None
+    finally:
+        llm.close()

@@ -299,7 +299,7 @@ class Llama(llama_cpp.Llama):
                     "(flash_speculative=False, self_draft=False, or a draft_model given); leave flash_draft_copy "
                     "unset or turn self-drafts on"
                 )
-            plan, config = offload.configure(
+            plan, config, spec_settings, self._speculation_off_reason = offload.configure(
                 model_path,
                 sidecar,
                 info,
@@ -314,6 +314,7 @@ class Llama(llama_cpp.Llama):
                 draft_copy=flash_draft_copy if self_drafts else False,
                 io_engine=flash_io_engine,
                 verify=flash_verify,
+                speculation_by_default=flash_speculative is None and user_draft is None,
             )
             self._flash_plan = plan
         else:

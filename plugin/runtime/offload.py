@@ -44,9 +44,12 @@ def configure(
     draft_copy: Optional[bool],
     io_engine: str,
     verify: bool,
-) -> Tuple["OffloadPlan", "_native.EngineConfig"]:
+    speculation_by_default: bool = False,
+) -> Tuple["OffloadPlan", "_native.EngineConfig", Optional[speculative.SpeculativeSettings], Optional[str]]:
     """Steps 1 and 2: the plan for the budget and the engine configuration from it. Sets llama.cpp's
-    n_batch and n_ubatch in ``kwargs`` to the plan's where the caller did not give them."""
+    n_batch and n_ubatch in ``kwargs`` to the plan's where the caller did not give them. Returns the
+    plan, the engine configuration, the speculative settings to use and, where speculation that was
+    on only by default is turned off (:func:`default_speculation_off`), the reason."""
     from ..planning import disk_probe, planner  # numpy-heavy; only offload needs them
 
     plan = planner.plan_offload(
@@ -64,6 +67,9 @@ def configure(
     )
     kwargs.setdefault("n_batch", plan.n_batch)
     kwargs.setdefault("n_ubatch", plan.n_ubatch)
+    off_reason = default_speculation_off(plan) if speculation_by_default and spec_settings is not None else None
+    if off_reason is not None:
+        spec_settings = None
     # every decode split of a layer with a threshold runs on the sparse lane (the dense lane
     # would stream the whole layer from flash), and so do verify batches (1 + k drafted
     # tokens, reading the union of their clusters once); prefill streams on the dense lane
@@ -76,7 +82,23 @@ def configure(
         engine.offload_config(plan, engine=io_engine),
         verify=verify,
     )
-    return plan, config
+    return plan, config, spec_settings, off_reason
+
+
+def default_speculation_off(plan: "OffloadPlan") -> Optional[str]:
+    """Why speculation, on by default under a budget, is off for ``plan`` (None: it stays on).
+
+    Where the plan keeps every cluster resident (nothing read per token) and has no draft copy, a pass
+    waits on no flash read: it is compute-bound, as in memory (where speculation is off by default).
+    There the sparse lane's cost grows with the verify batch (a 2-token pass measured 1.9-3.5x a
+    1-token pass on Qwen2.5-1.5B), so a draft token pays only at acceptances near 1, and a self-draft
+    computes a whole pass. ``flash_speculative=True`` still turns it on."""
+    if plan.flash_bytes_per_token <= 0 and not plan.draft_copy:
+        return (
+            "off by default: every cluster is resident under this budget, so a pass reads nothing from "
+            "flash and is compute-bound, where drafts do not pay; flash_speculative=True turns it on"
+        )
+    return None
 
 
 def attach_self_draft(
