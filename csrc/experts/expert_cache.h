@@ -63,9 +63,9 @@ struct ExpertConfig {
     std::vector<ExpertLayerSpec> layers;  // served layers, in layer order
     std::string io_engine = "auto";       // FlashReader engine: auto | io_uring | pool
     unsigned queue_depth = 32;
-    bool direct = true;      // O_DIRECT reads (falls back to buffered where refused)
-    bool verify = true;      // check every read slice against its checksum
-    bool prefetch = true;    // predict the next layer's experts and read them early
+    bool direct = true;    // O_DIRECT reads (falls back to buffered where refused)
+    bool verify = true;    // check every read slice against its checksum
+    bool prefetch = true;  // predict the next layer's experts and read them early
 };
 
 // Counters since open or the last reset.

@@ -186,7 +186,9 @@ def stock_ubatch(
     if n_ubatch:
         candidates = [int(n_ubatch)]
     else:
-        candidates = sorted({u for u in (STOCK_DEFAULT_UBATCH, *UBATCH_CHOICES) if u <= STOCK_DEFAULT_UBATCH}, reverse=True)
+        candidates = sorted(
+            {u for u in (STOCK_DEFAULT_UBATCH, *UBATCH_CHOICES) if u <= STOCK_DEFAULT_UBATCH}, reverse=True
+        )
     for u in candidates:
         if sum(stock_need(header, moe, n_ctx, u, logits_all).values()) <= budget:
             return u

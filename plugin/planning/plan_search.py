@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RamBudgetError
+from . import decode_speed, draft_plan
 from .plan_budget import (
     UBATCH_BUDGET_SHARE,
     UBATCH_CHOICES,
@@ -60,7 +61,6 @@ from .plan_budget import (
 from .plan_clusters import GATE_READ_DEPTH, StreamedGate, choose_cache
 from .plan_disk import DiskModel, default_disk, disk_source
 from .plan_explain import gate_note, part_reasons, plan_notes, ubatch_note
-from . import decode_speed, draft_plan
 from .plan_llama_share import MiB
 from .plan_result import OffloadPlan
 
