@@ -218,6 +218,10 @@ def read_expert_sidecar(path: str | os.PathLike) -> ExpertSidecarInfo:
     )
 
 
+#: numpy dtype of each ggml type an expert sidecar's tensors have
+_DTYPES = {ggml_types.I32: np.int32, ggml_types.F32: np.float32}
+
+
 def _tensor_data(path: Path, t: TensorInfo) -> np.ndarray:
     """A 1-D i32/f32 tensor's values, read from the file (the only types an expert sidecar holds)."""
     dtype = _DTYPES.get(t.ggml_type)
@@ -226,9 +230,6 @@ def _tensor_data(path: Path, t: TensorInfo) -> np.ndarray:
             f"expert sidecar '{path}': tensor '{t.name}' is not a 1-D i32/f32 vector; re-create it"
         )
     return np.fromfile(path, dtype=dtype, count=int(t.shape[0]), offset=t.offset)
-
-
-_DTYPES = {ggml_types.I32: np.int32, ggml_types.F32: np.float32}
 
 
 def validate_expert_pair(moe: MoeModelInfo, identity: str, info: ExpertSidecarInfo) -> None:

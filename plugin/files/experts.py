@@ -33,10 +33,6 @@ SERVED_MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "gpt-oss", "olmoe")
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 
 
-def row_bytes(ggml_type: int, n: int) -> int:
-    return ggml_types.row_bytes(ggml_type, n)
-
-
 @dataclass(frozen=True)
 class ExpertTensor:
     """One expert tensor of a layer: ``kind`` in EXPERT_KINDS; ``offset`` absolute in the base file."""
@@ -108,7 +104,7 @@ def read_moe_model(header: GGUFHeader) -> MoeModelInfo | None:
         if m is None or len(t.shape) != 3:
             continue
         ne0, ne1, n_expert = (int(x) for x in t.shape)
-        eb = row_bytes(t.ggml_type, ne0) * ne1
+        eb = ggml_types.row_bytes(t.ggml_type, ne0) * ne1
         by_layer.setdefault(int(m.group(1)), []).append(
             ExpertTensor(t.name, m.group(2), t.ggml_type, ne0, ne1, n_expert, t.offset, eb)
         )

@@ -195,6 +195,14 @@ def stock_ubatch(
     return None
 
 
+def _stock_plan(
+    budget: int, moe: MoeModelInfo, slot: int, need: dict[str, int], min_budget: int, n_ubatch: int, note: str
+) -> ExpertPlan:
+    """A plan that runs the model as stock llama.cpp (``fits``): no slots, nothing read; ``need`` is
+    stock's memory as counted, ``note`` why stock runs."""
+    return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, need, min_budget, n_ubatch, 0.0, 0.0, 0.0, None, [note])
+
+
 def plan_experts(
     moe: MoeModelInfo,
     header,
@@ -281,25 +289,11 @@ def plan_experts(
         min_slots = moe.n_used
     elif stock_u is not None:
         need = stock_need(header, moe, n_ctx, stock_u, logits_all)
-        return ExpertPlan(
-            budget,
-            True,
-            moe.n_expert,
-            {},
-            slot,
-            0,
-            need,
-            min_budget,
-            stock_u,
-            0.0,
-            0.0,
-            0.0,
-            None,
-            [
-                f"stock fits: the model file and llama.cpp's buffers at n_ubatch {stock_u} "
-                f"({sum(need.values()) / MiB:.0f} MiB) fit the budget"
-            ],
-        )
+        return _stock_plan(
+            budget, moe, slot, need, min_budget, stock_u,
+            f"stock fits: the model file and llama.cpp's buffers at n_ubatch {stock_u} "
+            f"({sum(need.values()) / MiB:.0f} MiB) fit the budget",
+        )  # fmt: skip
     if n_slots is None:
         n_slots = min(moe.n_expert, (budget - fixed) // (slot * n_layers)) if budget > fixed else 0
     if n_slots < min_slots:
@@ -340,26 +334,12 @@ def plan_experts(
         need = stock_need(header, moe, n_ctx, u_min, logits_all)
         reread = stock_reread_per_token(moe, sum(need.values()) - budget)
         if reread is not None and reread * STOCK_FAULT_SLOWDOWN <= read:
-            return ExpertPlan(
-                budget,
-                True,
-                moe.n_expert,
-                {},
-                slot,
-                0,
-                need,
-                min_budget,
-                u_stock,
-                0.0,
-                0.0,
-                0.0,
-                None,
-                [
-                    f"stock llama.cpp is {(sum(need.values()) - budget) / MiB:.0f} MiB short of the file "
-                    f"and its buffers here: it re-reads ~{reread / 1e6:.0f} MB per token, the expert cache "
-                    f"would read ~{read / 1e6:.0f} MB"
-                ],
-            )
+            return _stock_plan(
+                budget, moe, slot, need, min_budget, u_stock,
+                f"stock llama.cpp is {(sum(need.values()) - budget) / MiB:.0f} MiB short of the file "
+                f"and its buffers here: it re-reads ~{reread / 1e6:.0f} MB per token, the expert cache "
+                f"would read ~{read / 1e6:.0f} MB",
+            )  # fmt: skip
     return ExpertPlan(
         budget,
         False,

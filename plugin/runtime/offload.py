@@ -85,6 +85,11 @@ def configure(
     return plan, config, spec_settings, off_reason
 
 
+def _reads_nothing(plan: "OffloadPlan") -> bool:
+    """Every cluster resident (nothing read per token) and no draft copy to draft from."""
+    return plan.flash_bytes_per_token <= 0 and not plan.draft_copy
+
+
 def default_speculation_off(plan: "OffloadPlan") -> Optional[str]:
     """Why speculation, on by default under a budget, is off for ``plan`` (None: it stays on).
 
@@ -93,7 +98,7 @@ def default_speculation_off(plan: "OffloadPlan") -> Optional[str]:
     There the sparse lane's cost grows with the verify batch (a 2-token pass measured 1.9-3.5x a
     1-token pass on Qwen2.5-1.5B), so a draft token pays only at acceptances near 1, and a self-draft
     computes a whole pass. ``flash_speculative=True`` still turns it on."""
-    if plan.flash_bytes_per_token <= 0 and not plan.draft_copy:
+    if _reads_nothing(plan):
         return (
             "off by default: every cluster is resident under this budget, so a pass reads nothing from "
             "flash and is compute-bound, where drafts do not pay; flash_speculative=True turns it on"
@@ -111,7 +116,7 @@ def attach_self_draft(
         reason = "self-draft off: the gate is streamed from flash under this budget"
         speculator.disable_source("self_draft", "off: " + reason)
         return reason
-    if spec_settings.self_draft and plan.flash_bytes_per_token <= 0 and not plan.draft_copy:
+    if spec_settings.self_draft and _reads_nothing(plan):
         # a self-draft skips the clusters that are not resident; with every cluster resident it computes
         # what a plain pass computes, so a draft token costs a whole pass and can never pay
         reason = "self-draft off: every cluster is resident under this budget (a draft would cost a full pass)"
