@@ -400,6 +400,108 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q6_k_pass_avx512(float
     }
 }
 
+// AVX2 versions of the two K-quant passes above: the same per-value summation order (acc, then each
+// row's FMA in row order, then Q4_K's summed mins), so they round exactly as the AVX-512 passes.
+// 16 ymm registers do not hold a 256-value super-block: acc is walked in 32/64-value pieces.
+
+// R rows (1..4) of Q4_K: per 64-value chunk c (sub-blocks 2c, 2c + 1), 8 ymm of acc.
+template <int R>
+__attribute__((target("avx2,f16c,fma"))) void q4_k_pass_avx2(float * acc, const uint8_t * const * rows,
+                                                             const float * h, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        float * a = acc + b * kQK;
+        alignas(32) float scale[R][8];  // d·h·sc[k] per row and sub-block
+        __m256 min_sum = _mm256_setzero_ps();  // Σ_r dmin_r·h_r·m_r[k]
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ4_KBytes;
+            uint8_t sm[16];
+            q4_k_scales_mins(blk + 4, sm);
+            const __m128i sm8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(sm));
+            _mm256_store_ps(scale[r], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8)),
+                                                    _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r])));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
+            min_sum = _mm256_fmadd_ps(mn, _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)) * h[r]), min_sum);
+        }
+        alignas(32) float mins[8];
+        _mm256_store_ps(mins, min_sum);
+        for (int c = 0; c < 4; ++c) {
+            float * ac = a + 64 * c;
+            __m256 y[8];
+            for (int k = 0; k < 8; ++k) {
+                y[k] = _mm256_loadu_ps(ac + 8 * k);
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(rows[r] + b * kQ4_KBytes + 16 + 32 * c));
+                const __m256i lo = _mm256_and_si256(q, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                          _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+                for (int p = 0; p < 4; ++p) {
+                    const __m256 s = _mm256_set1_ps(scale[r][2 * c + p / 2]);
+                    const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
+                    const __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(parts[p], 8)));
+                    y[2 * p] = _mm256_fmadd_ps(v0, s, y[2 * p]);
+                    y[2 * p + 1] = _mm256_fmadd_ps(v1, s, y[2 * p + 1]);
+                }
+            }
+            for (int k = 0; k < 8; ++k) {
+                _mm256_storeu_ps(ac + 8 * k, _mm256_sub_ps(y[k], _mm256_set1_ps(mins[2 * c + k / 4])));
+            }
+        }
+    }
+}
+
+// R rows (1..4) of Q6_K: per 32 values l + 32j of half n (scales 8n + 2j, 8n + 2j + 1), 4 ymm of acc.
+template <int R>
+__attribute__((target("avx2,f16c,fma"))) void q6_k_pass_avx2(float * acc, const uint8_t * const * rows,
+                                                             const float * h, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    for (int64_t b = 0; b < nb; ++b) {
+        float * a = acc + b * kQK;
+        alignas(32) float scale[R][16];  // d·h·scales[k] per row
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ6_KBytes;
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 208)) * h[r]);
+            const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + 192));
+            _mm256_store_ps(scale[r], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), d));
+            _mm256_store_ps(scale[r] + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), d));
+        }
+        for (int half = 0; half < 2; ++half) {
+            for (int j = 0; j < 4; ++j) {
+                float * aj = a + 128 * half + 32 * j;
+                __m256 y[4];
+                for (int k = 0; k < 4; ++k) {
+                    y[k] = _mm256_loadu_ps(aj + 8 * k);
+                }
+                for (int r = 0; r < R; ++r) {
+                    const uint8_t * blk = rows[r] + b * kQ6_KBytes;
+                    // ql bytes: l (j even) or l + 32 (j odd), low nibble for j < 2, high for j >= 2;
+                    // qh bits 2j..2j+1 become bits 4..5
+                    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * half + 32 * (j & 1)));
+                    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 128 + 32 * half));
+                    const __m256i nib = j < 2 ? _mm256_and_si256(ql, low) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), low);
+                    const __m256i top = _mm256_and_si256(
+                        j == 0 ? _mm256_slli_epi16(qh, 4)
+                               : j == 1 ? _mm256_slli_epi16(qh, 2) : j == 2 ? qh : _mm256_srli_epi16(qh, 2),
+                        two_bits);
+                    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, top), bias);
+                    const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+                    const __m256 s0 = _mm256_set1_ps(scale[r][8 * half + 2 * j]);
+                    const __m256 s1 = _mm256_set1_ps(scale[r][8 * half + 2 * j + 1]);
+                    y[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), s0, y[0]);
+                    y[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), s0, y[1]);
+                    y[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), s1, y[2]);
+                    y[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), s1, y[3]);
+                }
+                for (int k = 0; k < 4; ++k) {
+                    _mm256_storeu_ps(aj + 8 * k, y[k]);
+                }
+            }
+        }
+    }
+}
+
 template <int R>
 void q4_0_pass_avx512(float * a, const uint8_t * const * rw, const float * h, int64_t nb) {
     q4_pass_avx512<false, R>(a, rw, h, nb);
@@ -478,6 +580,8 @@ LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx2, q4_0_pass_avx2, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx2, q4_1_pass_avx2, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_q4_k_avx512, q4_k_pass_avx512, n_embd / kQK)
 LLAMAFLASH_DEFINE_AXPY(axpy_q6_k_avx512, q6_k_pass_avx512, n_embd / kQK)
+LLAMAFLASH_DEFINE_AXPY(axpy_q4_k_avx2, q4_k_pass_avx2, n_embd / kQK)
+LLAMAFLASH_DEFINE_AXPY(axpy_q6_k_avx2, q6_k_pass_avx2, n_embd / kQK)
 #undef LLAMAFLASH_DEFINE_AXPY
 
 #pragma GCC diagnostic pop
@@ -504,9 +608,16 @@ AxpyFn pick_axpy(ggml_type type, SparseIsa isa) {
                : isa == SparseIsa::avx2 ? axpy_q4_1_avx2
                                         : axpy_q4_scalar<true>;
     }
-    // K-quants: AVX-512 or the fused scalar loop (no AVX2 pass)
-    if (type == GGML_TYPE_Q4_K) return isa == SparseIsa::avx512 ? axpy_q4_k_avx512 : axpy_q4_k_scalar;
-    if (type == GGML_TYPE_Q6_K) return isa == SparseIsa::avx512 ? axpy_q6_k_avx512 : axpy_q6_k_scalar;
+    if (type == GGML_TYPE_Q4_K) {
+        return isa == SparseIsa::avx512 ? axpy_q4_k_avx512
+               : isa == SparseIsa::avx2 ? axpy_q4_k_avx2
+                                        : axpy_q4_k_scalar;
+    }
+    if (type == GGML_TYPE_Q6_K) {
+        return isa == SparseIsa::avx512 ? axpy_q6_k_avx512
+               : isa == SparseIsa::avx2 ? axpy_q6_k_avx2
+                                        : axpy_q6_k_scalar;
+    }
     if (type == GGML_TYPE_Q2_K) return isa == SparseIsa::scalar ? axpy_q2_k_scalar : axpy_q2_k_avx2;
 #else
     if (type == GGML_TYPE_Q2_K) return axpy_q2_k_scalar;

@@ -23,8 +23,8 @@ const char * sparse_isa_name(SparseIsa isa);
 using AxpyFn = void (*)(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd);
 
 // The fused accumulation for `type` on `isa` (not auto_): Q8_0, Q4_0, Q4_1, F16, Q4_K / Q6_K
-// (AVX-512, else a fused scalar loop; n_embd a multiple of 256), Q2_K (AVX2 on AVX2 and AVX-512,
-// else a fused scalar loop; the draft copy's type), and F32 (plain loop); nullptr for
+// (n_embd a multiple of 256; AVX2 and AVX-512 round alike), Q2_K (AVX2 on AVX2 and AVX-512; the
+// draft copy's type), each with a fused scalar loop, and F32 (plain loop); nullptr for
 // any other type (the caller dequantizes with ggml's to_float, then adds).
 AxpyFn pick_axpy(ggml_type type, SparseIsa isa);
 
