@@ -53,14 +53,38 @@ def test_the_boundary(pair):
     at = budget_decision.decide(header, info, first, 256)
     below = budget_decision.decide(header, info, first - 1, 256)
     assert first - 1 < at.stock_need_bytes / MiB <= first
-    assert sum(budget_decision.stock_need(header, info, 256, at.n_ubatch).values()) == at.stock_need_bytes
+    need = budget_decision.stock_need(header, info, 256, at.n_ubatch, use_mmap=at.use_mmap)
+    assert sum(need.values()) == at.stock_need_bytes
     assert at.reason.startswith("running as stock") and f"{at.stock_need_bytes / MiB:.0f} MiB" in at.reason
     assert below.lane == budget_decision.OFFLOAD and below.reason.startswith("flash offload")
 
 
+def test_the_two_ways_stock_holds_its_weights(pair):
+    """Read into memory (use_mmap=False): every tensor of the file and a margin without page-cache
+    headroom; mapped: the planner's llama.cpp share and the full margin. In memory is taken where it
+    fits, unless the caller fixed use_mmap."""
+    _, _, header, info = pair
+    in_memory = budget_decision.stock_need(header, info, 256, 64, use_mmap=False)
+    assert in_memory["model_weights"] == sum(t.nbytes for t in header.tensors)
+    rest = sum(v for k, v in in_memory.items() if k != "margin")
+    assert in_memory["margin"] == planner.IN_MEMORY_MARGIN_FIXED_BYTES + int(planner.MARGIN_FRACTION * rest)
+    mapped_need = sum(budget_decision.stock_need(header, info, 256, 64).values())
+    in_memory_need = sum(in_memory.values())
+    assert in_memory_need < mapped_need  # this model's token_embd is small: the margin decides
+    between = (in_memory_need + mapped_need) / 2 / MiB
+    d = budget_decision.decide(header, info, between, 256, n_ubatch=64)
+    assert d.stock and not d.use_mmap and d.stock_need_bytes == in_memory_need
+    assert "read into memory" in d.reason and "use_mmap=False" in d.reason
+    # the caller's use_mmap is honoured: mapped does not fit there, in memory is the only way with False
+    assert not budget_decision.decide(header, info, between, 256, n_ubatch=64, use_mmap=True).stock
+    assert budget_decision.decide(header, info, between, 256, n_ubatch=64, use_mmap=False).stock
+    big = budget_decision.decide(header, info, 4096, 256, n_ubatch=64, use_mmap=True)
+    assert big.stock and big.use_mmap and "mapped from the file" in big.reason
+
+
 def test_more_memory_never_turns_stock_into_offload(pair):
     _, _, header, info = pair
-    lanes = [budget_decision.decide(header, info, b, 1024).lane for b in range(100, 600, 2)]
+    lanes = [budget_decision.decide(header, info, b, 1024).lane for b in range(50, 600, 2)]
     first_stock = lanes.index("stock")
     assert set(lanes[first_stock:]) == {"stock"} and set(lanes[:first_stock]) == {"offload"}
 
@@ -74,6 +98,7 @@ def test_a_budget_that_holds_the_model_runs_stock(pair):
     decision = llm.flash_stats()["decision"]
     assert decision["lane"] == "stock" and decision["reason"] == d.reason
     assert decision["detail"]["stock_need_bytes"] == d.stock_need_bytes
+    assert not d.use_mmap and llm.model_params.load_mode == llama_cpp.LLAMA_LOAD_MODE_NONE  # read into memory
     ref = llama_cpp.Llama(model_path=str(model), n_ubatch=d.n_ubatch, **KW)
     prompt = llm.tokenize(b"Once upon a time")
     take = lambda m: [t for _, t in zip(range(16), m.generate(prompt, temp=0, top_k=1))]  # noqa: E731

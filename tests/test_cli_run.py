@@ -138,13 +138,16 @@ def test_run_streams_reply_to_stdout(smollm2_sidecar):
 
 def test_run_raw_prompt_from_stdin_with_budget(smollm2_sidecar):
     model, sidecar = smollm2_sidecar
-    # 280 MiB: above the planner's least budget, below what stock keeps resident (about 300 MiB)
+    # 280 MiB: above the planner's least budget; --flash-mode sparse because read into memory stock
+    # SmolLM2 would fit there
     result = llamaflash_cli(
         "run",
         model,
         "--raw",
         "--sidecar",
         sidecar,
+        "--flash-mode",
+        "sparse",
         "--ram-budget-mb",
         "280",
         "--n-ctx",

@@ -83,7 +83,9 @@ def sweep_budgets(model: Path, sidecar: Path, step_mb: float, n_ctx: int = 512, 
     least = plan_offload(model, sidecar, 1 << 20, **kw).least_budget_bytes / MiB
     with pytest.raises(RamBudgetError, match=f"minimum of {math.ceil(least)} MiB"):
         plan_offload(model, sidecar, least - 0.5, **kw)
-    stock_mb = budget_decision.decide(base.header, info, 1 << 20, n_ctx).stock_need_bytes / MiB
+    # the mapped need: read into memory, this small synthetic model runs stock at every budget an
+    # offload plan allows (no crossing to test), as test_small_models_run_stock_read_into_memory shows
+    stock_mb = budget_decision.decide(base.header, info, 1 << 20, n_ctx, use_mmap=True).stock_need_bytes / MiB
     top = max(TOP_MODEL_RATIO * model.stat().st_size / MiB, TOP_STOCK_NEED_RATIO * stock_mb)
     rows = []
     for i in range(int((top - least) / step_mb) + 2):
@@ -91,7 +93,7 @@ def sweep_budgets(model: Path, sidecar: Path, step_mb: float, n_ctx: int = 512, 
         plan = plan_offload(model, sidecar, budget, **kw)
         check_accounting(plan, base.header, info, n_ctx)
         check_ubatch_trade(plan)
-        d = budget_decision.decide(base.header, info, budget, n_ctx)
+        d = budget_decision.decide(base.header, info, budget, n_ctx, use_mmap=True)
         pred = predictions(plan, info, active)
         rows.append(
             {
@@ -159,3 +161,14 @@ def test_smollm2_is_never_predicted_slower_with_more_memory(smollm2_sidecar):
     assert at[303].n_ubatch < prefill
     assert any(f"--n-ubatch {prefill}" in n for n in at[303].notes)
     assert at[303].ubatch_choice["prefill_io_bound_tok_s"] < at[303].io_bound_tok_s
+
+
+def test_small_models_run_stock_read_into_memory(tiny_model_factory, tmp_path):
+    """Read into memory, a model of a few MiB needs less than any offload plan: every budget an
+    offload plan allows runs stock, with use_mmap=False."""
+    model, sidecar = make_pair("base-order", tiny_model_factory, tmp_path)
+    base = read_base_model(model)
+    info = validate_pair(model, sidecar, model=base)
+    least = plan_offload(model, sidecar, 1 << 20, n_ctx=512, info=info, header=base.header).least_budget_bytes / MiB
+    d = budget_decision.decide(base.header, info, least, 512)
+    assert d.stock and not d.use_mmap and d.stock_need_bytes / MiB <= least

@@ -111,9 +111,9 @@ def cli_server(smollm2_sidecar, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def config_server(smollm2_sidecar, tmp_path_factory):
-    """Two llamaflash models from a config file: flash offload within a RAM budget (the default, loaded
-    first; 490 MiB at the server's n_ubatch 512 and logits_all: above the planner's minimum (475), below what stock keeps (501)
-    resident) and the in-memory sparse lane."""
+    """Two llamaflash models from a config file: flash offload within a RAM budget (loaded first; 490 MiB
+    at the server's n_ubatch 512 and logits_all: above the planner's minimum (475); flash_mode "sparse"
+    because read into memory stock SmolLM2 would fit there) and the in-memory sparse lane."""
     model, sidecar = smollm2_sidecar
     directory = tmp_path_factory.mktemp("serve-config")
     config = directory / "config.json"
@@ -124,7 +124,7 @@ def config_server(smollm2_sidecar, tmp_path_factory):
                 "host": "localhost",
                 "port": 1,
                 "models": [
-                    {**common, "model_alias": "smollm2-budget", "ram_budget_mb": 490, "flash_io_engine": "pool"},
+                    {**common, "model_alias": "smollm2-budget", "ram_budget_mb": 490, "flash_io_engine": "pool", "flash_mode": "sparse"},
                     {**common, "model_alias": "smollm2-sparse", "flash_mode": "sparse"},
                 ],
             }

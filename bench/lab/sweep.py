@@ -142,7 +142,8 @@ def predict(
     big = plan_offload(model_path, sidecar, 1 << 20, n_ctx=n_ctx, disk=disk, info=info, header=base.header)
     least_mb = big.least_budget_bytes / MiB
     top = max(budgets_mb) if budgets_mb else 1 << 20
-    stock_need_mb = budget_decision.decide(base.header, info, top, n_ctx).stock_need_bytes / MiB
+    # what stock as measured (llama.cpp's default: weights mapped) keeps resident: the ladder goes past it
+    stock_need_mb = budget_decision.decide(base.header, info, top, n_ctx, use_mmap=True).stock_need_bytes / MiB
     points = {}
     for b in budgets_mb:
         d = budget_decision.decide(base.header, info, b, n_ctx)

@@ -39,6 +39,11 @@ RUNTIME_RSS_BYTES = 46 * MiB
 #: I/O bound (2.01 tok/s).
 MARGIN_FIXED_BYTES = 112 * MiB
 MARGIN_FRACTION = 0.03
+#: The fixed part of the margin where stock runs with its weights read into memory (use_mmap=False):
+#: nothing it computes from is page cache, so no headroom keeps mapped pages resident; what is left is
+#: allocator slack and the libraries' code pages. Measured (Qwen2.5-1.5B Q4_K_M, n_ubatch 512, a
+#: 400-token prompt): peak 1192 MiB anonymous + 22 MiB file-backed against 1262 MiB of planned parts.
+IN_MEMORY_MARGIN_FIXED_BYTES = 16 * MiB
 #: A streamed gate (``stream_gate``) keeps this many layers' gate matrices in the page cache: the layer
 #: computing and the next one, read ahead while it computes (each is dropped after its split).
 GATE_WINDOW_LAYERS = 2

@@ -27,6 +27,7 @@ from ..files.sidecar import SidecarInfo, default_sidecar_path, validate_pair
 from .plan_budget import (
     GATE_WINDOW_LAYERS,
     MARGIN_FIXED_BYTES,
+    IN_MEMORY_MARGIN_FIXED_BYTES,
     MARGIN_FRACTION,
     RUNTIME_RSS_BYTES,
     UBATCH_BUDGET_SHARE,
@@ -48,6 +49,7 @@ __all__ = [
     "GATE_READ_DEPTH",
     "GATE_WINDOW_LAYERS",
     "MARGIN_FIXED_BYTES",
+    "IN_MEMORY_MARGIN_FIXED_BYTES",
     "MARGIN_FRACTION",
     "MiB",
     "OffloadPlan",

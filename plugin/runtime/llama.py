@@ -36,8 +36,10 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  RamBudgetError naming the minimum; n_batch/n_ubatch default to the plan's. With
                  flash_mode unset, a budget that holds everything stock llama.cpp keeps resident (the
                  model file, llama.cpp's share and a margin: plugin/planning/budget_decision.py) runs stock
-                 llama.cpp untouched instead, which is faster there; flash_stats()["decision"] says
-                 which and why (flash_mode="sparse" forces offload).
+                 llama.cpp untouched instead, which is faster there: with its weights read into memory
+                 (use_mmap=False, so the page cache cannot thrash under the limit) where that need fits
+                 and use_mmap is not given, else mapped; flash_stats()["decision"] says which and why
+                 (flash_mode="sparse" forces offload).
   flash_io_engine  offload only: "auto" (io_uring when the kernel allows it, else a pread pool),
                  "io_uring" or "pool".
   flash_disk_profile  offload only: what the planner assumes of the disk. None = the profile saved
@@ -242,6 +244,7 @@ class Llama(llama_cpp.Llama):
                 int(kwargs.get("n_ctx", 512)),
                 kwargs.get("n_ubatch"),
                 logits_all=bool(kwargs.get("logits_all", False)),
+                use_mmap=kwargs.get("use_mmap"),
             )
             self._flash_decision = lane_decision.Decision(choice.lane, False, choice.reason, detail=choice.as_dict())
             if choice.stock:
@@ -260,6 +263,7 @@ class Llama(llama_cpp.Llama):
                 if not self._batch_invariant and not flash_attn_given:
                     kwargs.pop("flash_attn", None)
                 kwargs.setdefault("n_ubatch", choice.n_ubatch)
+                kwargs["use_mmap"] = choice.use_mmap  # the way its need was counted
                 if kwargs.get("verbose", True):
                     say_once(f"llamaflash: {choice.reason}")
                 self._init_llama(model_path, args, kwargs, stock_spec)
