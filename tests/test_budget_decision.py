@@ -80,6 +80,10 @@ def test_the_two_ways_stock_holds_its_weights(pair):
     assert budget_decision.decide(header, info, between, 256, n_ubatch=64, use_mmap=False).stock
     big = budget_decision.decide(header, info, 4096, 256, n_ubatch=64, use_mmap=True)
     assert big.stock and big.use_mmap and "mapped from the file" in big.reason
+    # either way a decoded token reads the same weights: the mapped accounting's model_weights
+    mapped_weights = budget_decision.stock_need(header, info, 256, 64)["model_weights"]
+    assert d.weights_read_bytes == big.weights_read_bytes == mapped_weights
+    assert budget_decision.stock_decode_tok_s(d) == budget_decision.stock_decode_tok_s(big)
 
 
 def test_more_memory_never_turns_stock_into_offload(pair):

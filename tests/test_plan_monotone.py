@@ -101,7 +101,7 @@ def sweep_budgets(model: Path, sidecar: Path, step_mb: float, n_ctx: int = 512, 
                 "plan": plan,
                 "lane": d.lane,
                 **pred,
-                "curve": budget_decision.stock_decode_tok_s(d.parts) if d.stock else pred["nospec"],
+                "curve": budget_decision.stock_decode_tok_s(d) if d.stock else pred["nospec"],
             }
         )
     assert rows[-1]["budget_mb"] >= top

@@ -147,7 +147,7 @@ def predict(
     points = {}
     for b in budgets_mb:
         d = budget_decision.decide(base.header, info, b, n_ctx)
-        stock_tok_s = budget_decision.stock_decode_tok_s(d.parts, rates) if d.stock else None
+        stock_tok_s = budget_decision.stock_decode_tok_s(d, rates) if d.stock else None
         row: dict[str, Any] = {
             "lane": d.lane,
             "stock_need_mb": d.stock_need_bytes / MiB,
@@ -292,6 +292,7 @@ def run_sweep(
         }
     view = predict(model_path, sidecar, opts.budgets_mb, opts.n_ctx, disk)
     payload.update(predictions=view, disk_profile=(disk or {}).get("saved_at") or "built-in default")
+    payload["machine"] = benchkit.machine_info()  # (the CPU's SIMD sets decide the kernels' speed)
     cg_ok, cg_why = memlimit.memory_cgroup_support() if opts.use_cgroup else (False, "switched off (--no-cgroup)")
     payload["cgroup"] = {"available": cg_ok, "detail": cg_why}
     for v in monotone_violations(view):

@@ -108,6 +108,11 @@ def disk_bytes_per_s(c: dict[str, float]) -> Optional[float]:
 def predicted_from_counters(c: dict[str, float], rates: MachineRates, active: Optional[float] = None) -> float:
     """decode_speed's tok/s fed with a run's counters: its measured flash bytes (at the plan's disk
     rate), active share, gate placement; ``active`` overrides the measured share."""
+    return counters_token_time(c, rates, active).tok_s
+
+
+def counters_token_time(c: dict[str, float], rates: MachineRates, active: Optional[float] = None):
+    """decode_speed.OffloadTokenTime of a run's counters (see :func:`predicted_from_counters`)."""
     rate = disk_bytes_per_s(c)
     return offload_token_time(
         io_seconds=c["flash_bytes"] / rate if rate else 0.0,
@@ -120,7 +125,7 @@ def predicted_from_counters(c: dict[str, float], rates: MachineRates, active: Op
         read_layers=c["read_layers"],
         cluster_bytes=c["cluster_bytes"],
         rates=rates,
-    ).tok_s
+    )
 
 
 def predicted_from_plan(c: dict[str, float], rates: MachineRates, active: float) -> float:
@@ -142,18 +147,45 @@ def predicted_from_plan(c: dict[str, float], rates: MachineRates, active: float)
 
 
 def stock_weight_bytes(run: dict[str, Any]) -> Optional[float]:
-    """The weights a run reads per token where llamaflash ran stock (its decision's ``model_weights``)."""
+    """The weights a run reads per token where llamaflash ran stock (its decision's
+    ``weights_read_bytes``; from decisions that predate it, ``model_weights``)."""
     d = ((run.get("flash_stats") or {}).get("decision") or {}).get("detail") or {}
-    return float(d["parts"]["model_weights"]) if d.get("lane") == "stock" else None
+    if d.get("lane") != "stock":
+        return None
+    return float(d.get("weights_read_bytes") or d["parts"]["model_weights"])
+
+
+def non_speculative(run: dict[str, Any]) -> bool:
+    """The run decoded without speculation: the non-speculative config, or another whose speculation
+    was off (``flash_stats()["speculative"]["enabled"]`` false, e.g. off by default where every
+    cluster is resident)."""
+    spec = (run.get("flash_stats") or {}).get("speculative") or {}
+    return run["config"] == NOSPEC or spec.get("enabled") is False
 
 
 def offload_run(payload: dict[str, Any], budget: int) -> dict[str, float]:
     """The counters of the sweep's non-speculative offload run at ``budget`` (ValueError: none)."""
-    runs = [run_counters(r) for r in payload["runs"] if r["limit_mb"] == budget and r["config"] == NOSPEC]
+    runs = [run_counters(r) for r in payload["runs"] if r["limit_mb"] == budget and non_speculative(r)]
     c = next((x for x in runs if x is not None), None)
     if c is None:
         raise ValueError(f"the sweep has no non-speculative offload run at {budget} MiB to fit")
     return c
+
+
+def fit_overlap_loss(reading: list[dict[str, float]], rates: MachineRates) -> float:
+    """decode_speed.MachineRates.overlap_loss from runs that read: least squares of measured seconds per
+    token - max(t_io, t_compute) = loss x min(t_io, t_compute) over them (t_io at the disk rate each
+    plan assumed, t_compute from the run's counters at ``rates``), clipped to [0, 1]."""
+    num = den = 0.0
+    for c in reading:
+        rate = disk_bytes_per_s(c)
+        if not rate:
+            continue
+        t = counters_token_time(c, dataclasses.replace(rates, overlap_loss=0.0))
+        short = min(t.io, t.compute)
+        num += (c["decode_s"] - max(t.io, t.compute)) * short
+        den += short * short
+    return min(max(num / den, 0.0), 1.0) if den > 0 else rates.overlap_loss
 
 
 def lane_beyond_kernel(c: dict[str, float], rates: MachineRates) -> float:
@@ -190,7 +222,8 @@ def fit_rates(
     there; ``base``'s where none ran stock), the sparse rate, split cost and check rate from the
     non-speculative offload run at ``fit_budget``, and with ``reading`` (:func:`run_counters` of runs
     that read) the reads' CPU side (:func:`fit_read_cost`; else ``base``'s), fitted in turn with the
-    sparse rate until both settle (the fit run's own reads are charged at the read cost)."""
+    sparse rate until both settle (the fit run's own reads are charged at the read cost), and then how
+    much of the shorter of reads and compute does not overlap (:func:`fit_overlap_loss`)."""
     runs = [r for r in payload["runs"] if r.get("ok")]
     stock_budgets = [r["limit_mb"] for r in runs if stock_weight_bytes(r)]
     dense, source = base.dense_bytes_per_s, f"dense rate {base.dense_bytes_per_s / 1e9:.1f} GB/s given"
@@ -211,7 +244,7 @@ def fit_rates(
             layer_s, bytes_per_s = fit_read_cost(reading, rates)
             rates = dataclasses.replace(rates, read_layer_s=layer_s, read_bytes_per_s=bytes_per_s)
     llama = base.token_overhead_s + c["llama_bytes"] / dense
-    return dataclasses.replace(
+    rates = dataclasses.replace(
         rates,
         split_overhead_s=max(c["decode_s"] - c["sparse_s"] - llama, 0.0) / c["n_layers"],
         # the check rate from a run that checked enough to time (MIN_CHECKED_BYTES), else base's
@@ -221,6 +254,9 @@ def fit_rates(
         source=f"fitted to {payload.get('model', {}).get('name', '?')} sweep: {source}, offload at {fit_budget} MiB"
         + (f", reads from {len(reading)} runs" if reading else ""),
     )
+    if reading:
+        rates = dataclasses.replace(rates, overlap_loss=fit_overlap_loss(reading, rates))
+    return rates
 
 
 def fit_token_overhead(inmemory: list[dict[str, Any]]) -> tuple[float, float]:
@@ -250,7 +286,7 @@ def compare(payload: dict[str, Any], rates: MachineRates) -> list[dict[str, Any]
             continue
         recorded = (view.get("budgets") or {}).get(str(r["limit_mb"]), {})
         weights = stock_lane.get(r["limit_mb"]) if r["config"] == "stock" else stock_weight_bytes(r)
-        c = run_counters(r) if r["config"] == NOSPEC else None
+        c = run_counters(r) if non_speculative(r) else None
         if c is None and weights is None:
             continue
         row = {"budget_mb": r["limit_mb"], "config": r["config"], "measured_tok_s": r["decode_tps"]}
@@ -280,7 +316,8 @@ def format_rows(rows: list[dict[str, Any]], rates: MachineRates) -> str:
         f"rates: {rates.source or 'given'}: overhead {rates.token_overhead_s * 1e3:.1f} ms/token, dense "
         f"{rates.dense_bytes_per_s / 1e9:.1f} GB/s, sparse {rates.sparse_bytes_per_s / 1e9:.2f} GB/s, split "
         f"{rates.split_overhead_s * 1e3:.2f} ms/layer, check {rates.check_bytes_per_s / 1e9:.1f} GB/s/thread, reads "
-        f"{rates.read_layer_s * 1e3:.2f} ms/layer + {rates.read_bytes_per_s / 1e9:.1f} GB/s",
+        f"{rates.read_layer_s * 1e3:.2f} ms/layer + {rates.read_bytes_per_s / 1e9:.1f} GB/s, overlap loss "
+        f"{rates.overlap_loss:.2f}",
         "",
         "budget  config             measured  recorded (meas/pred-1)  model from plan   model from counters",
     ]

@@ -39,7 +39,7 @@ holds the sum at one of them (:func:`decide`), so that a larger budget never run
 smaller ran stock.
 
 Predicted decode (:func:`stock_decode_tok_s`): with everything resident, stock reads every weight
-(``model_weights``) once per token: decode_speed.stock_token_seconds, a per-token overhead plus those
+a token uses (``BudgetDecision.weights_read_bytes``: the mapped accounting's ``model_weights``) once per token: decode_speed.stock_token_seconds, a per-token overhead plus those
 bytes at this machine's measured dense rate (decode_speed.MachineRates). An offload plan's token
 (decode_speed.plan_token_time) computes llama.cpp's weights at the same rate, but its FFN on the
 sparse lane (a slower rate per byte, over the active neurons) with a cost per served layer, and waits
@@ -76,6 +76,9 @@ class BudgetDecision:
     parts: Dict[str, int]
     reason: str
     use_mmap: bool = True
+    #: weight bytes a decoded token reads (every tensor, token_embd by the rows of n_ctx tokens where
+    #: the model has its own output matrix): the mapped accounting's model_weights, in either way
+    weights_read_bytes: int = 0
 
     @property
     def stock(self) -> bool:
@@ -122,10 +125,10 @@ def stock_need(
     return parts
 
 
-def stock_decode_tok_s(parts: Dict[str, int], rates: MachineRates = DEFAULT_RATES) -> float:
-    """Stock's predicted decode tok/s with the model resident (see the module docstring): ``parts`` as
-    :func:`stock_need` gives them (every weight of the model file, ``model_weights``, read once per token)."""
-    return 1.0 / stock_token_seconds(parts["model_weights"], rates)
+def stock_decode_tok_s(decision: BudgetDecision, rates: MachineRates = DEFAULT_RATES) -> float:
+    """Stock's predicted decode tok/s with the model resident (see the module docstring): every weight a
+    token reads (``decision.weights_read_bytes``) read once per token."""
+    return 1.0 / stock_token_seconds(decision.weights_read_bytes, rates)
 
 
 def stock_ubatch(header: GGUFHeader, info: SidecarInfo, budget_bytes: int, n_ctx: int) -> int:
@@ -169,6 +172,7 @@ def decide(
     u, mapped = fits if fits is not None else (candidates[0], ways[-1])
     parts = need_at(u, mapped)
     need = sum(parts.values())
+    read = need_at(u, True)["model_weights"]
     detail = (
         f"model {parts['model_weights'] / MiB:.0f} + llama.cpp {(parts['llama_vocab'] + parts['kv_cache'] + parts['compute_buffers']) / MiB:.0f} "
         f"+ runtime {parts['runtime'] / MiB:.0f} + margin {parts['margin'] / MiB:.0f} MiB at n_ctx {n_ctx}, "
@@ -187,6 +191,7 @@ def decide(
                 f"keeps resident {how} ({detail}), so nothing is offloaded to flash"
             ),
             use_mmap=mapped,
+            weights_read_bytes=read,
         )
     return BudgetDecision(
         OFFLOAD,
@@ -199,6 +204,7 @@ def decide(
             f"keeps resident ({detail})"
         ),
         use_mmap=mapped,
+        weights_read_bytes=read,
     )
 
 
