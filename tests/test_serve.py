@@ -124,7 +124,13 @@ def config_server(smollm2_sidecar, tmp_path_factory):
                 "host": "localhost",
                 "port": 1,
                 "models": [
-                    {**common, "model_alias": "smollm2-budget", "ram_budget_mb": 490, "flash_io_engine": "pool", "flash_mode": "sparse"},
+                    {
+                        **common,
+                        "model_alias": "smollm2-budget",
+                        "ram_budget_mb": 490,
+                        "flash_io_engine": "pool",
+                        "flash_mode": "sparse",
+                    },
                     {**common, "model_alias": "smollm2-sparse", "flash_mode": "sparse"},
                 ],
             }

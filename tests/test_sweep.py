@@ -223,7 +223,9 @@ def test_smoke_sweep_on_smollm2(smollm2_sidecar, tmp_path):
     rows = sweep_report.curve(payload)
     # read into memory (use_mmap=False), SmolLM2-135M needs less than the least offload plan: both
     # budgets run stock, and the run at the least one (a real cgroup) shows that need holds
-    lanes = [view_b["lane"] for view_b in (sweep.predict(model, sidecar, budgets, 256)["budgets"][str(b)] for b in budgets)]
+    lanes = [
+        view_b["lane"] for view_b in (sweep.predict(model, sidecar, budgets, 256)["budgets"][str(b)] for b in budgets)
+    ]
     assert [c["lane"] for c in rows] == lanes == ["stock", "stock"]
     assert all(c["same_tokens"] for c in rows)
     assert rows[0]["predicted"]["llamaflash-nospec"] is not None

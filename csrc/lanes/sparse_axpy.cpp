@@ -406,12 +406,12 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q6_k_pass_avx512(float
 
 // R rows (1..4) of Q4_K: per 64-value chunk c (sub-blocks 2c, 2c + 1), 8 ymm of acc.
 template <int R>
-__attribute__((target("avx2,f16c,fma"))) void q4_k_pass_avx2(float * acc, const uint8_t * const * rows,
-                                                             const float * h, int64_t nb) {
+__attribute__((target("avx2,f16c,fma"))) void q4_k_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                             int64_t nb) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < nb; ++b) {
         float * a = acc + b * kQK;
-        alignas(32) float scale[R][8];  // d·h·sc[k] per row and sub-block
+        alignas(32) float scale[R][8];         // d·h·sc[k] per row and sub-block
         __m256 min_sum = _mm256_setzero_ps();  // Σ_r dmin_r·h_r·m_r[k]
         for (int r = 0; r < R; ++r) {
             const uint8_t * blk = rows[r] + b * kQ4_KBytes;
@@ -432,7 +432,8 @@ __attribute__((target("avx2,f16c,fma"))) void q4_k_pass_avx2(float * acc, const 
                 y[k] = _mm256_loadu_ps(ac + 8 * k);
             }
             for (int r = 0; r < R; ++r) {
-                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(rows[r] + b * kQ4_KBytes + 16 + 32 * c));
+                const __m256i q =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i *>(rows[r] + b * kQ4_KBytes + 16 + 32 * c));
                 const __m256i lo = _mm256_and_si256(q, low);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
                 const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
@@ -454,8 +455,8 @@ __attribute__((target("avx2,f16c,fma"))) void q4_k_pass_avx2(float * acc, const 
 
 // R rows (1..4) of Q6_K: per 32 values l + 32j of half n (scales 8n + 2j, 8n + 2j + 1), 4 ymm of acc.
 template <int R>
-__attribute__((target("avx2,f16c,fma"))) void q6_k_pass_avx2(float * acc, const uint8_t * const * rows,
-                                                             const float * h, int64_t nb) {
+__attribute__((target("avx2,f16c,fma"))) void q6_k_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                             int64_t nb) {
     const __m256i low = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
     for (int64_t b = 0; b < nb; ++b) {
         float * a = acc + b * kQK;
@@ -465,7 +466,8 @@ __attribute__((target("avx2,f16c,fma"))) void q6_k_pass_avx2(float * acc, const 
             const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 208)) * h[r]);
             const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + 192));
             _mm256_store_ps(scale[r], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), d));
-            _mm256_store_ps(scale[r] + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), d));
+            _mm256_store_ps(scale[r] + 8,
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), d));
         }
         for (int half = 0; half < 2; ++half) {
             for (int j = 0; j < 4; ++j) {
@@ -478,13 +480,16 @@ __attribute__((target("avx2,f16c,fma"))) void q6_k_pass_avx2(float * acc, const 
                     const uint8_t * blk = rows[r] + b * kQ6_KBytes;
                     // ql bytes: l (j even) or l + 32 (j odd), low nibble for j < 2, high for j >= 2;
                     // qh bits 2j..2j+1 become bits 4..5
-                    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * half + 32 * (j & 1)));
+                    const __m256i ql =
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * half + 32 * (j & 1)));
                     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 128 + 32 * half));
-                    const __m256i nib = j < 2 ? _mm256_and_si256(ql, low) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), low);
-                    const __m256i top = _mm256_and_si256(
-                        j == 0 ? _mm256_slli_epi16(qh, 4)
-                               : j == 1 ? _mm256_slli_epi16(qh, 2) : j == 2 ? qh : _mm256_srli_epi16(qh, 2),
-                        two_bits);
+                    const __m256i nib =
+                        j < 2 ? _mm256_and_si256(ql, low) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), low);
+                    const __m256i top = _mm256_and_si256(j == 0   ? _mm256_slli_epi16(qh, 4)
+                                                         : j == 1 ? _mm256_slli_epi16(qh, 2)
+                                                         : j == 2 ? qh
+                                                                  : _mm256_srli_epi16(qh, 2),
+                                                         two_bits);
                     const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, top), bias);
                     const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
                     const __m256 s0 = _mm256_set1_ps(scale[r][8 * half + 2 * j]);
@@ -609,14 +614,10 @@ AxpyFn pick_axpy(ggml_type type, SparseIsa isa) {
                                         : axpy_q4_scalar<true>;
     }
     if (type == GGML_TYPE_Q4_K) {
-        return isa == SparseIsa::avx512 ? axpy_q4_k_avx512
-               : isa == SparseIsa::avx2 ? axpy_q4_k_avx2
-                                        : axpy_q4_k_scalar;
+        return isa == SparseIsa::avx512 ? axpy_q4_k_avx512 : isa == SparseIsa::avx2 ? axpy_q4_k_avx2 : axpy_q4_k_scalar;
     }
     if (type == GGML_TYPE_Q6_K) {
-        return isa == SparseIsa::avx512 ? axpy_q6_k_avx512
-               : isa == SparseIsa::avx2 ? axpy_q6_k_avx2
-                                        : axpy_q6_k_scalar;
+        return isa == SparseIsa::avx512 ? axpy_q6_k_avx512 : isa == SparseIsa::avx2 ? axpy_q6_k_avx2 : axpy_q6_k_scalar;
     }
     if (type == GGML_TYPE_Q2_K) return isa == SparseIsa::scalar ? axpy_q2_k_scalar : axpy_q2_k_avx2;
 #else

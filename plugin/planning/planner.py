@@ -26,8 +26,8 @@ from ..files.gguf_model import read_base_model
 from ..files.sidecar import SidecarInfo, default_sidecar_path, validate_pair
 from .plan_budget import (
     GATE_WINDOW_LAYERS,
-    MARGIN_FIXED_BYTES,
     IN_MEMORY_MARGIN_FIXED_BYTES,
+    MARGIN_FIXED_BYTES,
     MARGIN_FRACTION,
     RUNTIME_RSS_BYTES,
     UBATCH_BUDGET_SHARE,
