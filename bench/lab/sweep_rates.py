@@ -177,10 +177,7 @@ def fit_overlap_loss(reading: list[dict[str, float]], rates: MachineRates) -> fl
     token - max(t_io, t_compute) = loss x min(t_io, t_compute) over them (t_io at the disk rate each
     plan assumed, t_compute from the run's counters at ``rates``), clipped to [0, 1]."""
     num = den = 0.0
-    for c in reading:
-        rate = disk_bytes_per_s(c)
-        if not rate:
-            continue
+    for c in reading:  # (a run without the plan's disk rate has t_io 0: it adds nothing)
         t = counters_token_time(c, dataclasses.replace(rates, overlap_loss=0.0))
         short = min(t.io, t.compute)
         num += (c["decode_s"] - max(t.io, t.compute)) * short

@@ -172,7 +172,7 @@ def decide(
     u, mapped = fits if fits is not None else (candidates[0], ways[-1])
     parts = need_at(u, mapped)
     need = sum(parts.values())
-    read = need_at(u, True)["model_weights"]
+    read = (parts if mapped else need_at(u, True))["model_weights"]
     detail = (
         f"model {parts['model_weights'] / MiB:.0f} + llama.cpp {(parts['llama_vocab'] + parts['kv_cache'] + parts['compute_buffers']) / MiB:.0f} "
         f"+ runtime {parts['runtime'] / MiB:.0f} + margin {parts['margin'] / MiB:.0f} MiB at n_ctx {n_ctx}, "
