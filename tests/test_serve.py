@@ -171,16 +171,40 @@ def test_chat_completion_streamed_equals_plain(cli_server):
 def test_completion_plain_and_streamed(cli_server):
     client = cli_server.client()
     kwargs = dict(model="smollm2-135m", prompt="The planets of the solar system are", max_tokens=12, temperature=0)
-    # llama-cpp-python reuses the cached prompt on a repeated request and evaluates its last token
-    # alone, and stock's logits depend on the batch (here too: the dense lane reproduces stock's bits),
-    # so a repeated request can answer differently from the first. Compared: the streamed answer and a
-    # plain answer from the same cache state (both repeats of the prompt).
+    # repeat-stable: a repeated request (plain or streamed) answers as the first one did
     first = client.completions.create(**kwargs)
     assert first.choices[0].text.strip()
     plain = client.completions.create(**kwargs)
     streamed = [c.choices[0].text for c in client.completions.create(**kwargs, stream=True)]
     assert len(streamed) > 1
-    assert "".join(streamed) == plain.choices[0].text
+    assert plain.choices[0].text == first.choices[0].text
+    assert "".join(streamed) == first.choices[0].text
+
+
+def test_same_request_interleaved_with_another_client_gets_the_same_answer(cli_server):
+    """Two clients at once, each repeating its own request: every answer equals that client's first
+    (the server evaluates one request at a time; each takes the cache from the other)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    requests = {
+        "a": [{"role": "user", "content": "Name three rivers of Europe and say where each one flows."}],
+        "b": [{"role": "user", "content": "Write a haiku about autumn leaves."}],
+    }
+
+    def ask(name):
+        client = cli_server.client()
+        out = []
+        for _ in range(3):
+            r = client.chat.completions.create(
+                model="smollm2-135m", messages=requests[name], max_tokens=32, temperature=0
+            )
+            out.append(r.choices[0].message.content)
+        return out
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, ["a", "b"]))
+    for name, got in zip("ab", answers):
+        assert got[0].strip() and got == [got[0]] * 3, name
 
 
 def test_embeddings_equal_stock(cli_server, smollm2_sidecar):

@@ -499,13 +499,19 @@ def _generation_options(command):
             help="Sampling temperature, 0 for greedy (default: llama-cpp-python's).",
         ),
         click.option("--seed", type=int, default=None, help="Sampling seed (default: random)."),
+        click.option(
+            "--deterministic",
+            is_flag=True,
+            help="Batch-invariant evaluation: replies independent of the conversation's cache history "
+            "and of batching (slower prefill). Default: repeat-stable.",
+        ),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def _load(model: str, sidecar, flash_mode, ram_budget_mb, n_ctx, threads):
+def _load(model: str, sidecar, flash_mode, ram_budget_mb, n_ctx, threads, deterministic=False):
     from llamaflash.cli import run_chat
 
     options = run_chat.LoadOptions(
@@ -514,6 +520,7 @@ def _load(model: str, sidecar, flash_mode, ram_budget_mb, n_ctx, threads):
         ram_budget_mb=ram_budget_mb,
         n_ctx=n_ctx,
         threads=threads,
+        deterministic=deterministic,
     )
     try:
         return run_chat.load_model(model, options)
@@ -546,6 +553,7 @@ def run(
     max_tokens,
     temperature,
     seed,
+    deterministic,
 ) -> None:
     """Answer PROMPT with MODEL (a .gguf file or a registry name), the reply streamed to stdout.
 
@@ -558,7 +566,7 @@ def run(
             raise click.UsageError("give a PROMPT (or pipe one on stdin)")
         prompt = sys.stdin.read()
     try:
-        llm = _load(model, sidecar, flash_mode, ram_budget_mb, n_ctx, threads)
+        llm = _load(model, sidecar, flash_mode, ram_budget_mb, n_ctx, threads, deterministic)
         finished = run_chat.run_prompt(
             llm, prompt, raw=raw, sampling=run_chat.sampling_kwargs(max_tokens, temperature, seed)
         )
@@ -590,6 +598,7 @@ def chat(
     max_tokens,
     temperature,
     seed,
+    deterministic,
 ) -> None:
     """Chat with MODEL (a .gguf file or a registry name) through its chat template, replies streamed.
 
@@ -598,7 +607,7 @@ def chat(
     from llamaflash.cli import run_chat
 
     try:
-        llm = _load(model, sidecar, flash_mode, ram_budget_mb, n_ctx, threads)
+        llm = _load(model, sidecar, flash_mode, ram_budget_mb, n_ctx, threads, deterministic)
     except KeyboardInterrupt:
         click.echo("\ninterrupted", err=True)
         ctx.exit(EXIT_INTERRUPTED)

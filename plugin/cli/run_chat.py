@@ -32,6 +32,7 @@ class LoadOptions:
     ram_budget_mb: Optional[float] = None
     n_ctx: int = 2048
     threads: Optional[int] = None
+    deterministic: bool = False
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def llama_kwargs(self) -> Dict[str, Any]:
@@ -42,6 +43,8 @@ class LoadOptions:
         kwargs: Dict[str, Any] = {"n_ctx": n_ctx, "verbose": False, **self.extra}
         if self.threads is not None:
             kwargs["n_threads"] = self.threads
+        if self.deterministic:
+            kwargs["deterministic"] = True
         for key, value in (
             ("sidecar_path", self.sidecar),
             ("flash_mode", self.flash_mode),

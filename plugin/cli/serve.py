@@ -93,6 +93,11 @@ class FlashModelSettings(ModelSettings):
         description="Flash offload: keep the sidecar's draft copy resident for speculative "
         "self-drafts (true/false); default: the planner's choice.",
     )
+    deterministic: bool = Field(
+        default=False,
+        description="Answers independent of the cache's history and of batching (batch-invariant "
+        "evaluation; slower prefill). Default: repeat-stable, the same request gets the same answer.",
+    )
 
 
 #: The settings llamaflash adds to llama-cpp-python's ModelSettings (passed to llamaflash.Llama).
@@ -127,10 +132,19 @@ class _FlashLlamaClass:
         self.extra = extra
 
     def __call__(self, **kwargs: Any) -> Llama:
-        return Llama(**kwargs, **self.extra)
+        return Llama(**_loader_keywords(kwargs), **self.extra)
 
     def from_pretrained(self, **kwargs: Any) -> Llama:
-        return Llama.from_pretrained(**kwargs, **self.extra)
+        return Llama.from_pretrained(**_loader_keywords(kwargs), **self.extra)
+
+
+def _loader_keywords(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """llama-cpp-python's loader passes settings this llama_cpp.Llama takes no parameter for (e.g.
+    rpc_servers) and so ignores; llamaflash.Llama refuses unknown keywords, so they are dropped here."""
+    from ..runtime.llama_settings import known_keywords
+
+    known = known_keywords()
+    return {k: v for k, v in kwargs.items() if k in known}
 
 
 class _LlamaCppWithFlashLlama:

@@ -55,7 +55,42 @@ def collect(llm: "Llama") -> Dict[str, Any]:
         stats["layers_served"] = len(setup.moe.layers)
     stats["integrity"] = integrity_stats(llm, stats.get("offload"))
     stats["speculative"] = speculation_stats(llm, stats)
+    stats["numerics"] = numerics(llm)
     return stats
+
+
+#: The stock configuration llamaflash's batch-invariant numerics equal, bit for bit.
+BATCH_INVARIANT_STOCK = (
+    "stock llama.cpp with weights not repacked (llama_cpp.Llama(..., flash_attn=True) loaded with "
+    "use_extra_bufts=False; llama-cli/llama-server --no-repack -fa on) while the context holds at most "
+    "256 tokens; beyond that stock decodes a lone token with flash attention's KV split by thread count, "
+    "which llamaflash avoids by evaluating each lone token together with the one before it"
+)
+
+
+def numerics(llm: "Llama") -> Dict[str, Any]:
+    """Which answers are reproducible, and the stock configuration the lossless lanes equal."""
+    deterministic = bool(llm._deterministic)
+    lossy = llm._flash_mode in ("sparse", "offload") and llm._experts is None
+    if deterministic:
+        equals = (
+            "no stock default: stock llama.cpp with weights not repacked and flash attention on, every "
+            "batch evaluated in 2..7 rows (llama.cpp's tools cannot be told to)"
+        )
+    elif llm._batch_invariant:
+        equals = BATCH_INVARIANT_STOCK
+    else:
+        equals = "stock llama-cpp-python with the same arguments (llama_cpp.Llama(model, ...))"
+    return {
+        "answers": "deterministic" if deterministic else "repeat-stable",
+        "batch_invariant": bool(llm._batch_invariant),
+        "lossless": not lossy,
+        "equals_stock": None if lossy else equals,
+        "lossy_note": "the sparse lane skips neurons under the sidecar's thresholds (its measured quality cost)"
+        if lossy
+        else None,
+        "prompt_records": len(llm._prompt_records),
+    }
 
 
 def integrity_stats(llm: "Llama", off: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:

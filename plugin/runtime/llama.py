@@ -66,6 +66,14 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  repacked, CPU memory, so that each row of a batch of up to 7 tokens is computed with
                  the bits of decoding it alone (speculative.BATCH_INVARIANT_MAX): verify batches then
                  give exactly the non-speculative tokens. Off: stock llama.cpp's numerics.
+  deterministic  False (default): repeat-stable, the same request gives the same tokens and logits as
+                 the first time it was evaluated, whatever ran in between (plugin/runtime/eval_shapes.py:
+                 a prompt evaluated before is brought back with the batch shapes it had then, and a prompt
+                 the cache holds whole samples from its recorded logits). True: batch-invariant, every
+                 evaluation in batches of 2..7 rows over plain weights with flash attention, so an answer
+                 no longer depends on the cache's history or on n_batch / n_ubatch: a conversation
+                 replayed from scratch gives the answer it got continued in the KV cache. Costs prefill
+                 speed (docs/BENCHMARKS.md, "Identical answers").
   flash_expert_slots  mixture-of-experts models under ram_budget_mb: expert cache slots per MoE layer
                  (None: the planner's choice from the budget; given: the engine serves the experts from
                  flash even when the whole model would fit).
@@ -82,12 +90,15 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
 
 from __future__ import annotations
 
+import inspect
 import os
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import llama_cpp
+import numpy as np
 from llama_cpp._logger import set_verbose
 
 from .. import _native
@@ -96,11 +107,14 @@ from ..files import experts, gguf_model
 from ..files.gguf_model import BaseModelInfo
 from ..files.sidecar import SidecarInfo, default_sidecar_path, validate_pair
 from ..planning import budget_decision, lane_decision
-from . import engine, expert_runtime, flash_stats, moe_init, offload, speculative
+from . import engine, eval_shapes, expert_runtime, flash_stats, moe_init, offload, speculative
+from .eval_shapes import KvHistory, PromptRecords, Segment
 from .llama_settings import (  # noqa: F401
     DENSE_UP_MAX_SPARSITY,
     FLASH_MODES,
     _check_argument_types,
+    _check_deterministic,
+    _check_known_keywords,
     _has_sparsity,
     _level_sparsity,
     _resolve_mode,
@@ -109,6 +123,16 @@ from .llama_settings import (  # noqa: F401
 from .notices import LlamaflashWarning, say_once, warn_no_sidecar, warn_unchecked  # noqa: F401
 
 OFFLOAD_MODE = "offload"  # flash_mode reported when ram_budget_mb is set
+
+_GENERATE_PARAMETERS = list(inspect.signature(llama_cpp.Llama.generate).parameters)[2:]  # after self, tokens
+
+
+def _generate_reset(args, kwargs) -> bool:
+    """The `reset` argument of a llama_cpp.Llama.generate call (positional or keyword)."""
+    if "reset" in kwargs:
+        return bool(kwargs["reset"])
+    i = _GENERATE_PARAMETERS.index("reset")
+    return bool(args[i]) if len(args) > i else True
 
 
 def _default_decision(info: SidecarInfo, sidecar: Path, kwargs: Dict[str, Any]) -> lane_decision.Decision:
@@ -146,8 +170,10 @@ class Llama(llama_cpp.Llama):
         flash_draft_copy: Optional[bool] = None,
         flash_verify: bool = True,
         flash_expert_slots: Optional[int] = None,
+        deterministic: bool = False,
         **kwargs: Any,
     ) -> None:
+        _check_known_keywords(kwargs)  # llama_cpp.Llama ignores unknown ones: a misspelt setting would be lost
         self._flash: Optional[_native.FlashModel] = None
         self._flash_info: Optional[SidecarInfo] = None
         self._flash_sidecar: Optional[Path] = None
@@ -158,7 +184,13 @@ class Llama(llama_cpp.Llama):
         self._speculation_off_reason: Optional[str] = None
         self._experts = None  # _native.ExpertModel: an MoE model's experts served from flash
         self._expert_setup: Optional[expert_runtime.ExpertSetup] = None
+        self._kv_history = KvHistory()  # the batch shapes that computed the KV cache (eval_shapes)
+        self._prompt_records = PromptRecords()
+        self._pending_prompt: Optional[Any] = None
         self._flash_mode = _resolve_mode(flash_mode)
+        _check_deterministic(deterministic, flash_batch_invariant, flash_max_sparse_tokens, kwargs)
+        self._deterministic = deterministic
+        max_sparse_given = flash_max_sparse_tokens is not None
         if flash_max_sparse_tokens is None:
             flash_max_sparse_tokens = 1
         self._flash_args = {
@@ -176,6 +208,7 @@ class Llama(llama_cpp.Llama):
             "flash_draft_copy": flash_draft_copy,
             "flash_verify": flash_verify,
             "flash_expert_slots": flash_expert_slots,
+            "deterministic": deterministic,
         }
         _check_argument_types(
             sidecar_path,
@@ -209,7 +242,14 @@ class Llama(llama_cpp.Llama):
         user_draft = kwargs.get("draft_model")
         if flash_batch_invariant is not None and not isinstance(flash_batch_invariant, bool):
             raise ValueError(f"flash_batch_invariant={flash_batch_invariant!r} must be True, False or None")
-        self._batch_invariant = ram_budget_mb is not None if flash_batch_invariant is None else flash_batch_invariant
+        self._batch_invariant = (
+            (ram_budget_mb is not None or deterministic) if flash_batch_invariant is None else flash_batch_invariant
+        )
+        if self._batch_invariant and not max_sparse_given:
+            # every row of a batch-invariant chunk (up to MAX_ROWS, a lone decode row evaluated with the
+            # one before it) goes to the lane a token decoded alone goes to
+            flash_max_sparse_tokens = eval_shapes.MAX_ROWS
+            self._flash_args["flash_max_sparse_tokens"] = flash_max_sparse_tokens
         flash_attn_given = "flash_attn" in kwargs
         if self._batch_invariant:
             kwargs.setdefault("flash_attn", True)
@@ -258,7 +298,9 @@ class Llama(llama_cpp.Llama):
                 # numerics that make it exact; otherwise stock's numerics
                 stock_spec = speculative.SpeculativeSettings.from_argument(flash_speculative)
                 self._batch_invariant = (
-                    stock_spec is not None if flash_batch_invariant is None else flash_batch_invariant
+                    (stock_spec is not None or deterministic)
+                    if flash_batch_invariant is None
+                    else flash_batch_invariant
                 )
                 if not self._batch_invariant and not flash_attn_given:
                     kwargs.pop("flash_attn", None)
@@ -376,26 +418,167 @@ class Llama(llama_cpp.Llama):
         self._user_draft = user_draft
 
     def eval(self, tokens) -> None:
-        """`llama_cpp.Llama.eval`; a verify batch (speculation on, up to 1 + max_draft tokens) gets the
-        logits of every row and only those (generate samples each position from them). An I/O error
-        inside the offload lane (which fails llama_decode) is raised as FlashIoError naming the file
-        and the cause (a failed checksum as SidecarIntegrityError), instead of a bare RuntimeError; the
-        context keeps its earlier tokens. First, the sidecar and the model file are checked for having
-        changed since load (FlashIoError, or SidecarIntegrityError for a rewritten row), before any of
-        their pages is computed with."""
+        """`llama_cpp.Llama.eval`, in the batch shapes of eval_shapes: batch-invariant chunks of 2..7
+        rows (deterministic=True: every evaluation; otherwise under batch-invariant numerics:
+        evaluations of up to 7 tokens, i.e. decode steps and verify batches), else llama-cpp-python's
+        own n_batch chunks; each call is recorded in the KV history. A verify batch (speculation on)
+        gets the logits of every row and only those (generate samples each position from them). An
+        I/O error inside the offload lane (which fails llama_decode) is raised as FlashIoError naming
+        the file and the cause (a failed checksum as SidecarIntegrityError), instead of a bare
+        RuntimeError; the context keeps its earlier tokens. First, the sidecar and the model file are
+        checked for having changed since load (FlashIoError, or SidecarIntegrityError for a rewritten
+        row), before any of their pages is computed with."""
         if self._flash is not None:
             self._flash.check_files()
+        tokens = list(tokens)
+        n_past = self.n_tokens
+        self._kv_history.cut(n_past)
+        verify = self._speculator is not None and 1 <= len(tokens) <= min(self.n_batch, self._speculator.max_batch)
         try:
-            if self._speculator is not None and 1 <= len(tokens) <= min(self.n_batch, self._speculator.max_batch):
-                if not self._logits_all:
-                    self._speculator.eval_rows(self, tokens)
-                else:
+            if self._batch_invariant and tokens and (self._deterministic or len(tokens) <= eval_shapes.MAX_ROWS):
+                self._eval_invariant(tokens, all_logits=self._logits_all or verify)
+            elif verify and not self._logits_all:
+                self._speculator.eval_rows(self, tokens)
+                self._kv_history.add(Segment(n_past, len(tokens), True))
+            else:
+                if verify:
                     with self._speculator.timed_verify(len(tokens)):
                         super().eval(tokens)
-            else:
-                super().eval(tokens)
+                else:
+                    super().eval(tokens)
+                for i in range(0, len(tokens), self.n_batch):
+                    self._kv_history.add(Segment(n_past + i, min(self.n_batch, len(tokens) - i), self._logits_all))
         except RuntimeError as e:
+            self._kv_history.forget()
             raise self._decode_failure(e) from e
+        except BaseException:
+            self._kv_history.forget()
+            raise
+        self._record_prompt(evaluated=bool(tokens))
+
+    def _eval_invariant(self, tokens, all_logits: bool) -> None:
+        """Evaluates `tokens` at n_tokens in batch-invariant chunks (eval_shapes.invariant_chunks): a
+        lone token past position 0 is decoded together with the token before it again."""
+        import llama_cpp.llama_cpp as raw
+
+        n_past = self.n_tokens
+        t0 = time.perf_counter()
+        for first, rows in eval_shapes.invariant_chunks(n_past, len(tokens)):
+            chunk = [int(self.input_ids[p]) if p < n_past else tokens[p - n_past] for p in range(first, first + rows)]
+            self._ctx.kv_cache_seq_rm(-1, first, -1)
+            self._kv_history.cut(first)
+            self._batch.set_batch(batch=chunk, n_past=first, logits_all=all_logits)
+            self._ctx.decode(self._batch)
+            self.input_ids[first : first + rows] = chunk
+            if self._logits_all:
+                logits = np.ctypeslib.as_array(raw.llama_get_logits(self._ctx.ctx), shape=(rows, self._n_vocab))
+                self.scores[first : first + rows, :] = logits
+            self.n_tokens = first + rows
+            self._kv_history.add(Segment(first, rows, all_logits))
+        self._requires_eval = False
+        if self._speculator is not None and all_logits and not self._logits_all:
+            self._speculator.record_verify(len(tokens), time.perf_counter() - t0, n_past)
+
+    def generate(self, tokens, *args, **kwargs):
+        """`llama_cpp.Llama.generate`, repeat-stable: a prompt evaluated before (and still in the
+        prompt records) is brought back to the KV state and logits its first evaluation gave
+        (eval_shapes.plan_replay) before llama-cpp-python's loop samples from it. With
+        deterministic=True every row is batch-invariant, so llama-cpp-python's own prefix reuse is
+        already exact."""
+        tokens = list(tokens)
+        reset = _generate_reset(args, kwargs)
+        if reset and tokens and not self._deterministic:
+            self._replay_prompt(tokens)
+            self._pending_prompt = np.asarray(tokens, dtype=np.intc)
+        try:
+            return (yield from super().generate(tokens, *args, **kwargs))
+        finally:
+            self._pending_prompt = None
+
+    def _replay_prompt(self, tokens) -> None:
+        """Brings the context to the recorded state of prompt `tokens` (see eval_shapes), leaving
+        n_tokens == len(tokens) and its last position's logits ready to sample; nothing when the
+        prompt has no record (its first evaluation is llama-cpp-python's own)."""
+        import llama_cpp.llama_cpp as raw
+
+        record = self._prompt_records.get(tokens)
+        if record is None:
+            return
+        n = len(tokens)
+        held = self._input_ids
+        shared = 0
+        for a, b in zip(held, tokens):
+            if a != b:
+                break
+            shared += 1
+        plan = eval_shapes.plan_replay(record, self._kv_history, shared, n)
+        if self._flash is not None:
+            self._flash.check_files()
+        self._ctx.kv_cache_seq_rm(-1, plan.keep, -1)
+        self.n_tokens = plan.keep
+        self._kv_history.cut(plan.keep)
+        try:
+            for i, seg in enumerate(plan.segments):
+                end = eval_shapes.segment_end(plan.segments, i, n)
+                real = [int(t) for t in tokens[seg.start : end]]
+                # rows cut since (a verify batch behind a rejected draft) are filled in again: the rows
+                # before them get the bits of the recorded shape, then the filler is removed
+                batch = real + [real[-1]] * (seg.size - len(real))
+                self._batch.set_batch(batch=batch, n_past=seg.start, logits_all=seg.all_logits)
+                self._ctx.decode(self._batch)
+                if len(batch) > len(real):
+                    self._ctx.kv_cache_seq_rm(-1, end, -1)
+                self.input_ids[seg.start : end] = real
+                if self._logits_all:
+                    logits = np.ctypeslib.as_array(
+                        raw.llama_get_logits(self._ctx.ctx), shape=(len(batch), self._n_vocab)
+                    )
+                    self.scores[seg.start : end, :] = logits[: len(real)]
+                self.n_tokens = end
+                self._kv_history.add(seg)
+        except RuntimeError as e:
+            self._kv_history.forget()
+            raise self._decode_failure(e) from e
+        if not plan.segments:
+            # the cache holds the prompt as it was evaluated: its recorded logits are the ones to sample
+            row = raw.llama_get_logits_ith(self._ctx.ctx, -1)
+            if not row:
+                self._kv_history.forget()
+                return self._replay_prompt(tokens)
+            np.ctypeslib.as_array(row, shape=(self._n_vocab,))[:] = record.logits
+            if self._logits_all:
+                self.scores[n - 1, :] = record.logits
+            self.input_ids[:n] = tokens
+            self.n_tokens = n
+        self._requires_eval = False
+
+    def _record_prompt(self, evaluated: bool) -> None:
+        """After an evaluation inside generate: once the prompt is evaluated, its segments and last
+        logits go to the prompt records."""
+        import llama_cpp.llama_cpp as raw
+
+        pending = self._pending_prompt
+        if pending is None or self.n_tokens < len(pending):
+            return
+        self._pending_prompt = None
+        n = len(pending)
+        if self.n_tokens != n or not np.array_equal(self.input_ids[:n], pending):
+            return
+        if not evaluated and self._prompt_records.get(pending) is not None:
+            return  # sampled from the cache as recorded
+        if not self._kv_history.known:
+            return
+        row = raw.llama_get_logits_ith(self._ctx.ctx, -1)
+        logits = np.ctypeslib.as_array(row, shape=(self._n_vocab,)).copy() if row else None
+        self._prompt_records.put(pending, self._kv_history.covering(n), logits)
+
+    def reset(self) -> None:
+        super().reset()
+        self._kv_history.cut(0)
+
+    def load_state(self, state) -> None:
+        super().load_state(state)
+        self._kv_history.forget()  # a KV cache computed elsewhere: no prompt can be matched in it
 
     def _decode_failure(self, e: RuntimeError) -> Exception:
         """What a failed llama_decode means: a served FFN's NaN/inf (NonFiniteOutputError, naming the

@@ -3,9 +3,13 @@ flash mode, and the sparsity levels a sidecar was calibrated for (used by plugin
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Dict, Optional
+
+import llama_cpp
 
 from ..files.sidecar import SidecarInfo
 from .flash_io import ENGINES
@@ -61,6 +65,82 @@ def _check_argument_types(
         )
     if flash_io_engine not in ENGINES:
         raise ValueError(f"flash_io_engine={flash_io_engine!r} must be one of {', '.join(ENGINES)}")
+
+
+#: llamaflash.Llama's own keyword arguments (beside llama_cpp.Llama's).
+LLAMAFLASH_KEYWORDS = (
+    "sidecar_path",
+    "flash_mode",
+    "flash_sparsity",
+    "flash_max_sparse_tokens",
+    "flash_dense_up",
+    "ram_budget_mb",
+    "flash_io_engine",
+    "flash_stream_gate",
+    "flash_disk_profile",
+    "flash_speculative",
+    "flash_batch_invariant",
+    "flash_draft_copy",
+    "flash_verify",
+    "flash_expert_slots",
+    "deterministic",
+)
+
+
+def _llama_cpp_keywords() -> tuple:
+    params = inspect.signature(llama_cpp.Llama.__init__).parameters
+    return tuple(n for n, p in params.items() if n != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD)
+
+
+def known_keywords() -> frozenset:
+    """Every keyword argument llamaflash.Llama takes: llama_cpp.Llama's and its own."""
+    return frozenset(_llama_cpp_keywords()) | frozenset(LLAMAFLASH_KEYWORDS)
+
+
+def _check_known_keywords(kwargs: Dict[str, Any]) -> None:
+    """llama_cpp.Llama accepts and ignores unknown keyword arguments, so a misspelt setting
+    (ram_budget=900) would silently run without it: a TypeError naming the closest valid one."""
+    known = known_keywords()
+    for name in kwargs:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else " (see help(llamaflash.Llama) for the accepted ones)"
+        raise TypeError(f"Llama() got an unexpected keyword argument '{name}'{hint}")
+
+
+def _check_deterministic(deterministic, flash_batch_invariant, flash_max_sparse_tokens, kwargs) -> None:
+    """deterministic=True needs the batch-invariant numerics (plain weights, flash attention) and
+    batches of up to MAX_ROWS tokens on one lane: a ValueError for settings that contradict them."""
+    from .eval_shapes import MAX_ROWS
+
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic={deterministic!r} must be True or False")
+    if not deterministic:
+        return
+    if flash_batch_invariant is False:
+        raise ValueError(
+            "deterministic=True computes every row with batch-invariant numerics; "
+            "leave flash_batch_invariant unset (or True)"
+        )
+    if kwargs.get("flash_attn") is False:
+        raise ValueError(
+            "deterministic=True needs flash attention (its rows are batch-invariant up to 7 rows); "
+            "leave flash_attn unset or pass flash_attn=True"
+        )
+    if flash_max_sparse_tokens is not None and flash_max_sparse_tokens < MAX_ROWS:
+        raise ValueError(
+            f"deterministic=True evaluates batches of up to {MAX_ROWS} tokens, all on one lane: "
+            f"flash_max_sparse_tokens={flash_max_sparse_tokens} would send some rows to another; "
+            f"leave it unset or give >= {MAX_ROWS}"
+        )
+    for name in ("n_batch", "n_ubatch"):
+        value = kwargs.get(name)
+        if value is not None and value < MAX_ROWS:
+            raise ValueError(
+                f"deterministic=True evaluates batches of up to {MAX_ROWS} tokens: {name}={value} would "
+                f"split them; leave it unset or give >= {MAX_ROWS}"
+            )
 
 
 def _resolve_mode(flash_mode: Optional[str]) -> str:

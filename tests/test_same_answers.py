@@ -1,0 +1,232 @@
+"""The same request gets the same answer (plugin/runtime/eval_shapes.py).
+
+Repeat-stable (the default): a request repeated, right away or after other requests took the cache,
+gives the tokens and logprobs (log-softmax of the logits, compared exactly) of its first evaluation,
+in memory (stock lane, sparse lane), under a budget with speculation on, and on the MoE expert lane.
+Deterministic (deterministic=True): a conversation replayed from scratch gives the answer it got
+continued in the KV cache, and a prompt gives the same answer at any n_batch / n_ubatch.
+Reference: the same Llama's (or a fresh one's) first answer; llama-cpp-python itself re-evaluates a
+cached prompt's last token alone and can answer differently (shown on a K-quant model where it does).
+Models: tiny synthetic GGUFs (tests/synth.py, llamaflash.bench.moe_synth), contexts past 256 tokens
+so that flash attention's split-KV path for lone rows is exercised.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import llama_cpp
+import pytest
+from offload_helpers import make_plan
+from synth import synthetic_text
+
+import llamaflash
+from llamaflash.runtime import eval_shapes
+from llamaflash.runtime.eval_shapes import KvHistory, PromptRecord, PromptRecords, Segment
+
+KW = dict(n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False, logits_all=True, seed=0)
+N_GEN = 24
+
+
+def long_prompt(n_words: int = 260) -> str:
+    """Over 256 tokens: past them a lone decode row takes flash attention's split-KV path."""
+    return " ".join(synthetic_text(n_words, seed=3).split()[:n_words])
+
+
+OTHER = "the other request shares nothing with the first one but a few words of the synthetic vocabulary"
+
+
+def answer(llm, prompt: str, n: int = N_GEN):
+    r = llm.create_completion(prompt, max_tokens=n, temperature=0.0, logprobs=1)
+    c = r["choices"][0]
+    return c["text"], list(c["logprobs"]["token_logprobs"])
+
+
+def assert_repeat_stable(llm, prompt: str):
+    first = answer(llm, prompt)
+    assert len(first[1]) == N_GEN
+    assert answer(llm, prompt) == first, "repeated right away"
+    answer(llm, OTHER)
+    assert answer(llm, prompt) == first, "repeated after another request"
+    llm.reset()
+    assert answer(llm, prompt) == first, "repeated after reset()"
+    return first
+
+
+# -- shapes (no model) ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_past", [0, 1, 100, 255, 256, 600])
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 15, 100])
+def test_invariant_chunks_cover_the_tokens_in_2_to_7_rows(n_past, n):
+    chunks = eval_shapes.invariant_chunks(n_past, n)
+    pos = chunks[0][0]
+    for first, rows in chunks:
+        assert first == pos and 1 <= rows <= eval_shapes.MAX_ROWS
+        pos += rows
+    assert pos == n_past + n
+    lone = [first for first, rows in chunks if rows == 1]
+    # a lone row only where flash attention would not split its KV
+    assert all(eval_shapes.kv_cells(p + 1) < eval_shapes.SPLIT_KV_MIN_CELLS for p in lone)
+    assert chunks[0][0] in (n_past, n_past - 1)
+
+
+def test_replay_keeps_matching_segments_and_redoes_the_rest():
+    rec = PromptRecord((Segment(0, 10, False), Segment(10, 7, True), Segment(13, 5, False)), logits=None)
+    hist = KvHistory()
+    for s in rec.segments:
+        hist.add(s)
+    # the cache holds the prompt as recorded, but without logits: the last segment is decoded again
+    plan = eval_shapes.plan_replay(rec, hist, shared=18, n_prompt=18)
+    assert plan.keep == 13 and plan.segments == (Segment(13, 5, False),)
+    rec.logits = object()
+    assert eval_shapes.plan_replay(rec, hist, 18, 18).segments == ()
+    # another request kept only the first 12 positions: the cut verify batch is redone in its shape
+    plan = eval_shapes.plan_replay(rec, hist, shared=12, n_prompt=18)
+    assert plan.keep == 10 and plan.segments == rec.segments[1:]
+    # a cache built in other shapes keeps nothing
+    other = KvHistory()
+    other.add(Segment(0, 18, False))
+    assert eval_shapes.plan_replay(rec, other, 18, 18).keep == 0
+    other.forget()
+    assert eval_shapes.plan_replay(rec, other, 18, 18).keep == 0
+
+
+def test_records_keep_logits_for_the_most_recent_prompts_only():
+    records = PromptRecords(max_records=3, max_logits=2)
+    for i in range(4):
+        records.put([i, i + 1], (Segment(0, 2, False),), logits=[float(i)])
+    assert len(records) == 3 and records.get([0, 1]) is None
+    assert records.get([1, 2]).logits is None and records.get([3, 4]).logits == [3.0]
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_the_closest(tmp_path):
+    with pytest.raises(TypeError, match="ram_budget.*did you mean 'ram_budget_mb'"):
+        llamaflash.Llama(str(tmp_path / "absent.gguf"), ram_budget=300)
+    with pytest.raises(TypeError, match="'determinstic'.*'deterministic'"):
+        llamaflash.Llama(str(tmp_path / "absent.gguf"), determinstic=True)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"flash_attn": False}, "flash attention"),
+        ({"n_ubatch": 4}, "n_ubatch=4"),
+        ({"flash_max_sparse_tokens": 2}, "flash_max_sparse_tokens=2"),
+        ({"flash_batch_invariant": False}, "flash_batch_invariant"),
+        ({}, None),
+    ],
+)
+def test_deterministic_settings_that_contradict_it_are_refused(tmp_path, kw, match):
+    if match is None:
+        with pytest.raises(ValueError, match="deterministic='yes' must be True or False"):
+            llamaflash.Llama(str(tmp_path / "absent.gguf"), deterministic="yes")
+        return
+    with pytest.raises(ValueError, match=match):
+        llamaflash.Llama(str(tmp_path / "absent.gguf"), deterministic=True, **kw)
+
+
+# -- repeat-stable ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kquant_model(tiny_model_factory, tmp_path_factory):
+    """A Q4_K_M model without a sidecar (runs as stock): repacked Q4_K gemm and the tiled matmul."""
+    d = tmp_path_factory.mktemp("kquant")
+    path = d / "m.gguf"
+    shutil.copy(tiny_model_factory(weight_type="Q4_K_M", n_embd=256, n_ff=512), path)
+    return path
+
+
+def test_repeated_request_in_memory_stock_lane(kquant_model):
+    llm = llamaflash.Llama(str(kquant_model), **KW)
+    assert llm.flash_mode == "stock"
+    assert_repeat_stable(llm, long_prompt())
+    numerics = llm.flash_stats()["numerics"]
+    assert numerics["answers"] == "repeat-stable" and numerics["lossless"]
+    assert "stock llama-cpp-python" in numerics["equals_stock"]
+    llm.close()
+
+
+def test_repeated_request_sparse_lane(converted):
+    model, sidecar = converted
+    llm = llamaflash.Llama(str(model), sidecar_path=str(sidecar), flash_mode="sparse", **KW)
+    assert_repeat_stable(llm, long_prompt())
+    assert llm.flash_stats()["numerics"]["lossless"] is False
+    llm.close()
+
+
+def test_repeated_request_under_a_budget_with_speculation(converted, forced_plan):
+    model, sidecar = converted
+    forced_plan(make_plan(sidecar, 3, prefetch_layers=1))
+    llm = llamaflash.Llama(str(model), sidecar_path=str(sidecar), ram_budget_mb=64, flash_speculative=True, **KW)
+    assert llm.flash_mode == "offload"
+    first = assert_repeat_stable(llm, long_prompt())
+    assert llm.flash_stats()["speculative"]["passes"] > 0
+    # exact speculation past 256 tokens: the tokens and logprobs of decoding without it
+    plain = llamaflash.Llama(str(model), sidecar_path=str(sidecar), ram_budget_mb=64, flash_speculative=False, **KW)
+    assert answer(plain, long_prompt()) == first
+    plain.close()
+    llm.close()
+
+
+def test_repeated_request_expert_lane(tiny_moe_factory, tmp_path):
+    from llamaflash.converters.pipeline import convert
+
+    path = tmp_path / "moe.gguf"
+    shutil.copyfile(tiny_moe_factory("qwen3moe"), path)
+    convert(path, force=True, progress=False, profile=False)
+    llm = llamaflash.Llama(str(path), ram_budget_mb=4000, flash_expert_slots=3, **KW)
+    assert llm.flash_mode == "experts"
+    prompt = " ".join(f"w{i}" for i in range(150))
+    assert_repeat_stable(llm, prompt)
+    llm.close()
+
+
+def test_stock_itself_answers_a_repeat_differently(kquant_model):
+    """Why the default matters: llama-cpp-python re-evaluates the cached prompt's last token alone."""
+    llm = llama_cpp.Llama(str(kquant_model), **KW)
+    first = answer(llm, long_prompt())
+    again = answer(llm, long_prompt())
+    llm.close()
+    if first == again:
+        pytest.skip("this build computed the lone row with the batch's bits on this model")
+    assert first[1] != again[1]
+
+
+# -- deterministic ---------------------------------------------------------------------------------
+
+
+def _conversation(llm, turns: int = 2):
+    """A conversation continued in the KV cache: each prompt extends the last prompt and answer."""
+    text = long_prompt(200)
+    answers = []
+    for i in range(turns):
+        reply = answer(llm, text)
+        answers.append(reply)
+        text = text + reply[0] + f" and then question {i} was asked"
+    return text, answers
+
+
+@pytest.mark.parametrize("lane", ["stock", "offload"])
+def test_deterministic_replay_from_scratch_equals_the_continued_conversation(
+    lane, kquant_model, converted, forced_plan
+):
+    if lane == "stock":
+        model, kw = kquant_model, {}
+    else:
+        model, sidecar = converted
+        forced_plan(make_plan(sidecar, 3, prefetch_layers=1))
+        kw = dict(sidecar_path=str(sidecar), ram_budget_mb=64)
+    llm = llamaflash.Llama(str(model), deterministic=True, **KW, **kw)
+    assert llm.flash_stats()["numerics"]["answers"] == "deterministic"
+    last_prompt, _ = _conversation(llm)
+    continued = answer(llm, last_prompt)
+    llm.close()
+    for batch in ({}, {"n_batch": 16, "n_ubatch": 16}):
+        fresh = llamaflash.Llama(str(model), deterministic=True, **{**KW, **kw, **batch})
+        assert answer(fresh, last_prompt) == continued, f"replayed from scratch with {batch or 'defaults'}"
+        fresh.close()
