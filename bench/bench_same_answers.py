@@ -124,9 +124,17 @@ def main() -> None:
                     for k in ("prefill_tok_s", "decode_tok_s"):
                         rows[cfg][f"{k}_x_{base}"] = rows[cfg][k] / rows[base][k]
         summary.append({"budget_mb": budget, "configs": rows})
-    payload = {"bench": "same_answers", "model": a.model, "sidecar": a.sidecar, "reps": a.reps,
-               "prompt_tokens": a.prompt_tokens, "gen": a.gen, "machine": machine_info(), "runs": runs,
-               "summary": summary}
+    payload = {
+        "bench": "same_answers",
+        "model": a.model,
+        "sidecar": a.sidecar,
+        "reps": a.reps,
+        "prompt_tokens": a.prompt_tokens,
+        "gen": a.gen,
+        "machine": machine_info(),
+        "runs": runs,
+        "summary": summary,
+    }
     out = Path(a.out) if a.out else RESULTS_DIR / f"same-answers-{Path(a.model).stem}-{timestamp()}.json"
     write_json(out, payload)
     print(json.dumps(summary, indent=1))

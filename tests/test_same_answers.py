@@ -56,13 +56,15 @@ def assert_repeat_stable(llm, prompt: str):
 # -- shapes (no model) ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("max_rows", [3, 4, 7])
 @pytest.mark.parametrize("n_past", [0, 1, 100, 255, 256, 600])
-@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 15, 100])
-def test_invariant_chunks_cover_the_tokens_in_2_to_7_rows(n_past, n):
-    chunks = eval_shapes.invariant_chunks(n_past, n)
+@pytest.mark.parametrize("n", [1, 2, 4, 7, 8, 9, 15, 100])
+def test_invariant_chunks_cover_the_tokens_in_batches_of_at_most_7(n_past, n, max_rows):
+    chunks = eval_shapes.invariant_chunks(n_past, n, max_rows)
     pos = chunks[0][0]
     for first, rows in chunks:
-        assert first == pos and 1 <= rows <= eval_shapes.MAX_ROWS
+        assert first == pos and 1 <= rows <= max_rows
+        assert rows > 1 or n == 1
         pos += rows
     assert pos == n_past + n
     lone = [first for first, rows in chunks if rows == 1]

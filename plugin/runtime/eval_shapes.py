@@ -176,6 +176,8 @@ def invariant_chunks(n_past: int, n_tokens: int, max_rows: int = MAX_ROWS) -> Li
     attention would not split its KV (fewer than SPLIT_KV_MIN_CELLS cells); past that, a lone token
     is evaluated together with the token before it (first position n_past - 1), whose KV entry is
     then computed again with the same bits."""
+    if max_rows < 3:
+        raise ValueError(f"max_rows={max_rows}: batch-invariant chunks need at least 3 rows")
     if n_tokens <= 0:
         return []
     if n_tokens == 1:

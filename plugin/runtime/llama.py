@@ -92,7 +92,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
 import weakref
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -107,7 +106,7 @@ from ..files import experts, gguf_model
 from ..files.gguf_model import BaseModelInfo
 from ..files.sidecar import SidecarInfo, default_sidecar_path, validate_pair
 from ..planning import budget_decision, lane_decision
-from . import engine, eval_shapes, expert_runtime, flash_stats, moe_init, offload, speculative
+from . import engine, eval_shapes, expert_runtime, flash_stats, moe_init, offload, shaped_eval, speculative
 from .eval_shapes import KvHistory, PromptRecords, Segment
 from .llama_settings import (  # noqa: F401
     DENSE_UP_MAX_SPARSITY,
@@ -456,29 +455,6 @@ class Llama(llama_cpp.Llama):
             raise
         self._record_prompt(evaluated=bool(tokens))
 
-    def _eval_invariant(self, tokens, all_logits: bool) -> None:
-        """Evaluates `tokens` at n_tokens in batch-invariant chunks (eval_shapes.invariant_chunks): a
-        lone token past position 0 is decoded together with the token before it again."""
-        import llama_cpp.llama_cpp as raw
-
-        n_past = self.n_tokens
-        t0 = time.perf_counter()
-        for first, rows in eval_shapes.invariant_chunks(n_past, len(tokens)):
-            chunk = [int(self.input_ids[p]) if p < n_past else tokens[p - n_past] for p in range(first, first + rows)]
-            self._ctx.kv_cache_seq_rm(-1, first, -1)
-            self._kv_history.cut(first)
-            self._batch.set_batch(batch=chunk, n_past=first, logits_all=all_logits)
-            self._ctx.decode(self._batch)
-            self.input_ids[first : first + rows] = chunk
-            if self._logits_all:
-                logits = np.ctypeslib.as_array(raw.llama_get_logits(self._ctx.ctx), shape=(rows, self._n_vocab))
-                self.scores[first : first + rows, :] = logits
-            self.n_tokens = first + rows
-            self._kv_history.add(Segment(first, rows, all_logits))
-        self._requires_eval = False
-        if self._speculator is not None and all_logits and not self._logits_all:
-            self._speculator.record_verify(len(tokens), time.perf_counter() - t0, n_past)
-
     def generate(self, tokens, *args, **kwargs):
         """`llama_cpp.Llama.generate`, repeat-stable: a prompt evaluated before (and still in the
         prompt records) is brought back to the KV state and logits its first evaluation gave
@@ -495,82 +471,14 @@ class Llama(llama_cpp.Llama):
         finally:
             self._pending_prompt = None
 
-    def _replay_prompt(self, tokens) -> None:
-        """Brings the context to the recorded state of prompt `tokens` (see eval_shapes), leaving
-        n_tokens == len(tokens) and its last position's logits ready to sample; nothing when the
-        prompt has no record (its first evaluation is llama-cpp-python's own)."""
-        import llama_cpp.llama_cpp as raw
+    def _eval_invariant(self, tokens, all_logits: bool) -> None:
+        shaped_eval.eval_invariant(self, tokens, all_logits)
 
-        record = self._prompt_records.get(tokens)
-        if record is None:
-            return
-        n = len(tokens)
-        held = self._input_ids
-        shared = 0
-        for a, b in zip(held, tokens):
-            if a != b:
-                break
-            shared += 1
-        plan = eval_shapes.plan_replay(record, self._kv_history, shared, n)
-        if self._flash is not None:
-            self._flash.check_files()
-        self._ctx.kv_cache_seq_rm(-1, plan.keep, -1)
-        self.n_tokens = plan.keep
-        self._kv_history.cut(plan.keep)
-        try:
-            for i, seg in enumerate(plan.segments):
-                end = eval_shapes.segment_end(plan.segments, i, n)
-                real = [int(t) for t in tokens[seg.start : end]]
-                # rows cut since (a verify batch behind a rejected draft) are filled in again: the rows
-                # before them get the bits of the recorded shape, then the filler is removed
-                batch = real + [real[-1]] * (seg.size - len(real))
-                self._batch.set_batch(batch=batch, n_past=seg.start, logits_all=seg.all_logits)
-                self._ctx.decode(self._batch)
-                if len(batch) > len(real):
-                    self._ctx.kv_cache_seq_rm(-1, end, -1)
-                self.input_ids[seg.start : end] = real
-                if self._logits_all:
-                    logits = np.ctypeslib.as_array(
-                        raw.llama_get_logits(self._ctx.ctx), shape=(len(batch), self._n_vocab)
-                    )
-                    self.scores[seg.start : end, :] = logits[: len(real)]
-                self.n_tokens = end
-                self._kv_history.add(seg)
-        except RuntimeError as e:
-            self._kv_history.forget()
-            raise self._decode_failure(e) from e
-        if not plan.segments:
-            # the cache holds the prompt as it was evaluated: its recorded logits are the ones to sample
-            row = raw.llama_get_logits_ith(self._ctx.ctx, -1)
-            if not row:
-                self._kv_history.forget()
-                return self._replay_prompt(tokens)
-            np.ctypeslib.as_array(row, shape=(self._n_vocab,))[:] = record.logits
-            if self._logits_all:
-                self.scores[n - 1, :] = record.logits
-            self.input_ids[:n] = tokens
-            self.n_tokens = n
-        self._requires_eval = False
+    def _replay_prompt(self, tokens) -> None:
+        shaped_eval.replay_prompt(self, tokens)
 
     def _record_prompt(self, evaluated: bool) -> None:
-        """After an evaluation inside generate: once the prompt is evaluated, its segments and last
-        logits go to the prompt records."""
-        import llama_cpp.llama_cpp as raw
-
-        pending = self._pending_prompt
-        if pending is None or self.n_tokens < len(pending):
-            return
-        self._pending_prompt = None
-        n = len(pending)
-        if self.n_tokens != n or not np.array_equal(self.input_ids[:n], pending):
-            return
-        if not evaluated and self._prompt_records.get(pending) is not None:
-            return  # sampled from the cache as recorded
-        if not self._kv_history.known:
-            return
-        row = raw.llama_get_logits_ith(self._ctx.ctx, -1)
-        logits = np.ctypeslib.as_array(row, shape=(self._n_vocab,)).copy() if row else None
-        self._prompt_records.put(pending, self._kv_history.covering(n), logits)
+        shaped_eval.record_prompt(self, evaluated)
 
     def reset(self) -> None:
         super().reset()

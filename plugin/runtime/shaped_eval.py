@@ -1,0 +1,114 @@
+"""How `llamaflash.Llama` evaluates tokens in the shapes of plugin/runtime/eval_shapes.py: batch-invariant
+chunks, the replay of a recorded prompt, and recording a prompt once evaluated. Functions of the
+`Llama` (its context, batch, token and logits buffers, KV history and prompt records)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import llama_cpp.llama_cpp as raw
+import numpy as np
+
+from . import eval_shapes
+from .eval_shapes import Segment
+
+if TYPE_CHECKING:
+    from .llama import Llama
+
+
+def eval_invariant(llm: "Llama", tokens, all_logits: bool) -> None:
+    """Evaluates `tokens` at n_tokens in batch-invariant chunks (eval_shapes.invariant_chunks): a
+    lone token past position 0 is decoded together with the token before it again."""
+    n_past = llm.n_tokens
+    t0 = time.perf_counter()
+    # any 1..MAX_ROWS rows are invariant: chunks also fit a smaller n_batch / n_ubatch (an MoE plan's)
+    max_rows = max(3, min(eval_shapes.MAX_ROWS, llm.n_batch, llm.context_params.n_ubatch))
+    for first, rows in eval_shapes.invariant_chunks(n_past, len(tokens), max_rows):
+        chunk = [int(llm.input_ids[p]) if p < n_past else tokens[p - n_past] for p in range(first, first + rows)]
+        llm._ctx.kv_cache_seq_rm(-1, first, -1)
+        llm._kv_history.cut(first)
+        llm._batch.set_batch(batch=chunk, n_past=first, logits_all=all_logits)
+        llm._ctx.decode(llm._batch)
+        llm.input_ids[first : first + rows] = chunk
+        if llm._logits_all:
+            logits = np.ctypeslib.as_array(raw.llama_get_logits(llm._ctx.ctx), shape=(rows, llm._n_vocab))
+            llm.scores[first : first + rows, :] = logits
+        llm.n_tokens = first + rows
+        llm._kv_history.add(Segment(first, rows, all_logits))
+    llm._requires_eval = False
+    if llm._speculator is not None and all_logits and not llm._logits_all:
+        llm._speculator.record_verify(len(tokens), time.perf_counter() - t0, n_past)
+
+
+def replay_prompt(llm: "Llama", tokens) -> None:
+    """Brings the context to the recorded state of prompt `tokens` (see eval_shapes), leaving
+    n_tokens == len(tokens) and its last position's logits ready to sample; nothing when the
+    prompt has no record (its first evaluation is llama-cpp-python's own)."""
+    record = llm._prompt_records.get(tokens)
+    if record is None:
+        return
+    n = len(tokens)
+    held = llm._input_ids
+    shared = 0
+    for a, b in zip(held, tokens):
+        if a != b:
+            break
+        shared += 1
+    plan = eval_shapes.plan_replay(record, llm._kv_history, shared, n)
+    if llm._flash is not None:
+        llm._flash.check_files()
+    llm._ctx.kv_cache_seq_rm(-1, plan.keep, -1)
+    llm.n_tokens = plan.keep
+    llm._kv_history.cut(plan.keep)
+    try:
+        for i, seg in enumerate(plan.segments):
+            end = eval_shapes.segment_end(plan.segments, i, n)
+            real = [int(t) for t in tokens[seg.start : end]]
+            # rows cut since (a verify batch behind a rejected draft) are filled in again: the rows
+            # before them get the bits of the recorded shape, then the filler is removed
+            batch = real + [real[-1]] * (seg.size - len(real))
+            llm._batch.set_batch(batch=batch, n_past=seg.start, logits_all=seg.all_logits)
+            llm._ctx.decode(llm._batch)
+            if len(batch) > len(real):
+                llm._ctx.kv_cache_seq_rm(-1, end, -1)
+            llm.input_ids[seg.start : end] = real
+            if llm._logits_all:
+                logits = np.ctypeslib.as_array(raw.llama_get_logits(llm._ctx.ctx), shape=(len(batch), llm._n_vocab))
+                llm.scores[seg.start : end, :] = logits[: len(real)]
+            llm.n_tokens = end
+            llm._kv_history.add(seg)
+    except RuntimeError as e:
+        llm._kv_history.forget()
+        raise llm._decode_failure(e) from e
+    if not plan.segments:
+        # the cache holds the prompt as it was evaluated: its recorded logits are the ones to sample
+        row = raw.llama_get_logits_ith(llm._ctx.ctx, -1)
+        if not row:
+            llm._kv_history.forget()
+            return replay_prompt(llm, tokens)
+        np.ctypeslib.as_array(row, shape=(llm._n_vocab,))[:] = record.logits
+        if llm._logits_all:
+            llm.scores[n - 1, :] = record.logits
+        llm.input_ids[:n] = tokens
+        llm.n_tokens = n
+    llm._requires_eval = False
+
+
+def record_prompt(llm: "Llama", evaluated: bool) -> None:
+    """After an evaluation inside generate: once the prompt is evaluated, its segments and last
+    logits go to the prompt records."""
+    pending = llm._pending_prompt
+    if pending is None or llm.n_tokens < len(pending):
+        return
+    llm._pending_prompt = None
+    n = len(pending)
+    if llm.n_tokens != n or not np.array_equal(llm.input_ids[:n], pending):
+        return
+    if not evaluated and llm._prompt_records.get(pending) is not None:
+        return  # sampled from the cache as recorded
+    if not llm._kv_history.known:
+        return
+    row = raw.llama_get_logits_ith(llm._ctx.ctx, -1)
+    logits = np.ctypeslib.as_array(row, shape=(llm._n_vocab,)).copy() if row else None
+    llm._prompt_records.put(pending, llm._kv_history.covering(n), logits)
