@@ -21,8 +21,9 @@ from offload_helpers import make_plan
 from synth import synthetic_text
 
 import llamaflash
-from llamaflash.runtime import eval_shapes
+from llamaflash.runtime import eval_shapes, flash_stats
 from llamaflash.runtime.eval_shapes import KvHistory, PromptRecord, PromptRecords, Segment
+from llamaflash.runtime.speculative import batch_invariant_weights
 
 KW = dict(n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False, logits_all=True, seed=0)
 N_GEN = 24
@@ -183,9 +184,15 @@ def test_repeated_request_expert_lane(tiny_moe_factory, tmp_path):
     convert(path, force=True, progress=False, profile=False)
     llm = llamaflash.Llama(str(path), ram_budget_mb=4000, flash_expert_slots=3, **KW)
     assert llm.flash_mode == "experts"
-    prompt = " ".join(f"w{i}" for i in range(150))
-    assert_repeat_stable(llm, prompt)
+    prompt = " ".join(f"w{i}" for i in range(300))
+    first = assert_repeat_stable(llm, prompt)
+    assert llm.flash_stats()["numerics"]["equals_stock"] == flash_stats.BATCH_INVARIANT_STOCK
     llm.close()
+    # without speculation the expert lane equals stock with plain weights and flash attention at any length
+    with batch_invariant_weights():
+        stock = llama_cpp.Llama(str(path), flash_attn=True, **KW)
+    assert answer(stock, prompt) == first
+    stock.close()
 
 
 def test_stock_itself_answers_a_repeat_differently(kquant_model):

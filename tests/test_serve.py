@@ -132,6 +132,7 @@ def config_server(smollm2_sidecar, tmp_path_factory):
                         "flash_mode": "sparse",
                     },
                     {**common, "model_alias": "smollm2-sparse", "flash_mode": "sparse"},
+                    {**common, "model_alias": "smollm2-deterministic", "deterministic": True},
                 ],
             }
         )
@@ -254,3 +255,22 @@ def test_config_file_model_switch_to_sparse_lane(config_server):
     output = config_server.output()
     assert "llamaflash sparse lane" in output, output
     assert "Traceback" not in output
+
+
+def test_deterministic_answer_does_not_depend_on_the_conversation_history(config_server):
+    """--deterministic (here from the config file): turn 2 of a conversation gets the same answer
+    continued in the cache (turn 1 answered just before) and replayed after another request."""
+    client = config_server.client()
+    model = "smollm2-deterministic"
+
+    def ask(messages):
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+        return r.choices[0].message.content
+
+    turn1 = [{"role": "user", "content": "Tell me one fact about the Moon."}]
+    reply1 = ask(turn1)
+    turn2 = turn1 + [{"role": "assistant", "content": reply1}, {"role": "user", "content": "And one about Mars?"}]
+    continued = ask(turn2)  # the cache holds turn 1 with its decoded answer
+    ask([{"role": "user", "content": "Write a haiku about autumn leaves."}])
+    replayed = ask(turn2)  # turn 1 and its answer evaluated again, as a prompt
+    assert continued.strip() and replayed == continued

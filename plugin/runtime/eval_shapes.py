@@ -26,9 +26,10 @@ weights in plain (not repacked) memory and flash attention, ggml-cpu computes ev
 `SPLIT_KV_MIN_CELLS` cells; a single row over more cells takes flash attention's split-KV path, which
 sums in another order (and by thread count). `invariant_chunks` cuts every evaluation into batches of
 up to MAX_ROWS rows, never a lone row once the KV is that long (the token before it is evaluated
-again with it), so a position's bits no longer depend on batching or cache history. Under a RAM
-budget this also keeps speculative decoding exact: a token verified in a batch gets the bits it gets
-decoded alone.
+again with it), so a position's bits no longer depend on batching or cache history. With
+speculative decoding (on by default under a RAM budget where tokens read from flash) lone rows are
+padded the same way, which keeps it exact past 256 positions: a token verified in a batch gets the
+bits it gets decoded alone. Without speculation a lone decode row stays alone, as stock computes it.
 """
 
 from __future__ import annotations
@@ -170,18 +171,21 @@ def plan_replay(record: PromptRecord, history: KvHistory, shared: int, n_prompt:
     return Replay(keep, tuple(segments[kept:]))
 
 
-def invariant_chunks(n_past: int, n_tokens: int, max_rows: int = MAX_ROWS) -> List[Tuple[int, int]]:
+def invariant_chunks(
+    n_past: int, n_tokens: int, max_rows: int = MAX_ROWS, pad_lone: bool = True
+) -> List[Tuple[int, int]]:
     """Batch-invariant evaluation of n_tokens tokens at positions n_past..: (first position, rows)
     per llama_decode call, every call 1..max_rows rows. A call of one row happens only while flash
     attention would not split its KV (fewer than SPLIT_KV_MIN_CELLS cells); past that, a lone token
     is evaluated together with the token before it (first position n_past - 1), whose KV entry is
-    then computed again with the same bits."""
+    then computed again with the same bits. pad_lone=False: a lone token is always decoded alone (as
+    stock decodes it; consistent only where no other batch ever computes that position)."""
     if max_rows < 3:
         raise ValueError(f"max_rows={max_rows}: batch-invariant chunks need at least 3 rows")
     if n_tokens <= 0:
         return []
     if n_tokens == 1:
-        if n_past == 0 or kv_cells(n_past + 1) < SPLIT_KV_MIN_CELLS:
+        if not pad_lone or n_past == 0 or kv_cells(n_past + 1) < SPLIT_KV_MIN_CELLS:
             return [(n_past, 1)]  # no split-KV path yet: one row has the bits of any other batch
         return [(n_past - 1, 2)]
     sizes = [max_rows] * (n_tokens // max_rows)

@@ -61,10 +61,13 @@ def collect(llm: "Llama") -> Dict[str, Any]:
 
 #: The stock configuration llamaflash's batch-invariant numerics equal, bit for bit.
 BATCH_INVARIANT_STOCK = (
-    "stock llama.cpp with weights not repacked (llama_cpp.Llama(..., flash_attn=True) loaded with "
-    "use_extra_bufts=False; llama-cli/llama-server --no-repack -fa on) while the context holds at most "
-    "256 tokens; beyond that stock decodes a lone token with flash attention's KV split by thread count, "
-    "which llamaflash avoids by evaluating each lone token together with the one before it"
+    "stock llama.cpp with weights not repacked and flash attention on (llama_cpp.Llama(..., "
+    "flash_attn=True) loaded with use_extra_bufts=False; llama-cli/llama-server --no-repack -fa on)"
+)
+BATCH_INVARIANT_SPECULATIVE = (
+    BATCH_INVARIANT_STOCK + " while the context holds at most 256 tokens; beyond that stock decodes a lone token "
+    "with flash attention's KV split by thread count, which llamaflash, verifying drafts in batches, avoids by "
+    "evaluating each lone token together with the one before it"
 )
 
 
@@ -78,7 +81,7 @@ def numerics(llm: "Llama") -> Dict[str, Any]:
             "batch evaluated in 2..7 rows (llama.cpp's tools cannot be told to)"
         )
     elif llm._batch_invariant:
-        equals = BATCH_INVARIANT_STOCK
+        equals = BATCH_INVARIANT_SPECULATIVE if llm._speculator is not None else BATCH_INVARIANT_STOCK
     else:
         equals = "stock llama-cpp-python with the same arguments (llama_cpp.Llama(model, ...))"
     return {

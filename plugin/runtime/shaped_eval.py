@@ -24,7 +24,10 @@ def eval_invariant(llm: "Llama", tokens, all_logits: bool) -> None:
     t0 = time.perf_counter()
     # any 1..MAX_ROWS rows are invariant: chunks also fit a smaller n_batch / n_ubatch (an MoE plan's)
     max_rows = max(3, min(eval_shapes.MAX_ROWS, llm.n_batch, llm.context_params.n_ubatch))
-    for first, rows in eval_shapes.invariant_chunks(n_past, len(tokens), max_rows):
+    # a lone row past 256 positions is padded where another batch may compute the same position:
+    # always in deterministic mode, and where speculation verifies drafts in batches
+    pad_lone = llm._deterministic or llm._speculator is not None
+    for first, rows in eval_shapes.invariant_chunks(n_past, len(tokens), max_rows, pad_lone):
         chunk = [int(llm.input_ids[p]) if p < n_past else tokens[p - n_past] for p in range(first, first + rows)]
         llm._ctx.kv_cache_seq_rm(-1, first, -1)
         llm._kv_history.cut(first)
