@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 
 import llama_cpp
+import numpy as np
 import pytest
 from offload_helpers import make_plan
 from synth import synthetic_text
@@ -32,6 +33,13 @@ N_GEN = 24
 def long_prompt(n_words: int = 260) -> str:
     """Over 256 tokens: past them a lone decode row takes flash attention's split-KV path."""
     return " ".join(synthetic_text(n_words, seed=3).split()[:n_words])
+
+
+class NoDrafts:
+    """A draft model (llama-cpp-python's LlamaDraftModel interface) that never proposes a token."""
+
+    def __call__(self, input_ids, **kwargs):
+        return np.empty(0, dtype=np.intc)
 
 
 OTHER = "the other request shares nothing with the first one but a few words of the synthetic vocabulary"
@@ -169,8 +177,9 @@ def test_repeated_request_under_a_budget_with_speculation(converted, forced_plan
     assert llm.flash_mode == "offload"
     first = assert_repeat_stable(llm, long_prompt())
     assert llm.flash_stats()["speculative"]["passes"] > 0
-    # exact speculation past 256 tokens: the tokens and logprobs of decoding without it
-    plain = llamaflash.Llama(str(model), sidecar_path=str(sidecar), ram_budget_mb=64, flash_speculative=False, **KW)
+    # exact speculation past 256 tokens: the tokens and logprobs of decoding without drafts (a draft
+    # model that proposes nothing: every pass one token, lone rows evaluated as with speculation)
+    plain = llamaflash.Llama(str(model), sidecar_path=str(sidecar), ram_budget_mb=64, draft_model=NoDrafts(), **KW)
     assert answer(plain, long_prompt()) == first
     plain.close()
     llm.close()
@@ -184,13 +193,15 @@ def test_repeated_request_expert_lane(tiny_moe_factory, tmp_path):
     convert(path, force=True, progress=False, profile=False)
     llm = llamaflash.Llama(str(path), ram_budget_mb=4000, flash_expert_slots=3, **KW)
     assert llm.flash_mode == "experts"
-    prompt = " ".join(f"w{i}" for i in range(300))
+    prompt = " ".join(f"w{i}" for i in range(100))  # ~360 tokens
     first = assert_repeat_stable(llm, prompt)
     assert llm.flash_stats()["numerics"]["equals_stock"] == flash_stats.BATCH_INVARIANT_STOCK
+    batches = dict(n_batch=llm.n_batch, n_ubatch=llm.context_params.n_ubatch)  # the plan's prefill batch
     llm.close()
-    # without speculation the expert lane equals stock with plain weights and flash attention at any length
+    # without speculation the expert lane equals stock with plain weights and flash attention (and the
+    # same prompt batches) at any length
     with batch_invariant_weights():
-        stock = llama_cpp.Llama(str(path), flash_attn=True, **KW)
+        stock = llama_cpp.Llama(str(path), flash_attn=True, **KW, **batches)
     assert answer(stock, prompt) == first
     stock.close()
 
