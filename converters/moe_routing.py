@@ -5,7 +5,10 @@ llama-cpp-python 0.3.36) names the selected experts of layer L ``ffn_moe_topk-L`
 [n_expert_used, n_tokens] (ggml order; numpy [n_tokens, n_expert_used]) of the router's argsort,
 rows n_expert * 4 bytes apart. :class:`RoutingRecorder` runs the model through llama-cpp-python's
 llama.cpp (no llamaflash) with the scheduler's eval callback asking for exactly those tensors, and
-copies them out batch by batch. Every batch requests the logits of all its tokens, so that the last
+copies them out batch by batch. Weights stay plain and file-backed (``use_extra_bufts=False``): the
+numerics llamaflash reproduces, and no anonymous copy of the experts (stock's default repacks every
+Q4_K expert into anonymous memory, which for a 17 GB model needs 17 GB of RAM; file-backed pages are
+reclaimable, so the recorder runs under a memory limit smaller than the model, re-reading from disk). Every batch requests the logits of all its tokens, so that the last
 layer routes every token (otherwise llama.cpp computes only the output rows there); once the last
 layer's experts are read, the callback ends the graph's computation (returning false, which the
 scheduler takes as "stop"): what is left is that layer's expert FFN, the output norm and the
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +114,7 @@ class RoutingRecorder:
         n_threads = n_threads or max(1, min(os.cpu_count() or 1, 8))
         set_verbose(False)
         mparams = llama_cpp.llama_model_default_params()
+        mparams.use_extra_bufts = False
         self.model = _internals.LlamaModel(path_model=os.fspath(path), params=mparams, verbose=False)
         meta = self.model.metadata()
         arch = meta.get("general.architecture", "")
@@ -148,10 +152,13 @@ class RoutingRecorder:
             raise RuntimeError(f"tokenization failed ({n})")
         return np.frombuffer(buf, dtype=np.int32, count=n).copy()
 
-    def record(self, sequences: Sequence[Sequence[int]] | np.ndarray) -> RoutingTrace:
+    def record(
+        self, sequences: Sequence[Sequence[int]] | np.ndarray, progress: Callable[[int, int], None] | None = None
+    ) -> RoutingTrace:
         """Evaluates each sequence of token ids from an empty context (one 1-D array is one
         sequence); a sequence longer than the context is cut into context-sized pieces, each
-        evaluated from an empty context. Returns the routing of every token."""
+        evaluated from an empty context. Returns the routing of every token. ``progress(done,
+        total)`` is called after each batch with the tokens evaluated so far."""
         if isinstance(sequences, np.ndarray) and sequences.ndim == 1:
             sequences = [sequences]
         pieces: list[np.ndarray] = []
@@ -165,9 +172,10 @@ class RoutingRecorder:
             pieces += [seq[i : i + self.n_ctx] for i in range(0, seq.size, self.n_ctx)]
         self._rows = {}
         starts, offset = [], 0
+        total = int(sum(p.size for p in pieces))
         for piece in pieces:
             starts.append(offset)
-            self._evaluate(piece)
+            self._evaluate(piece, offset, total, progress)
             offset += piece.size
         experts = {layer: np.concatenate(rows).astype(np.int32) for layer, rows in self._rows.items()}
         tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
@@ -177,7 +185,9 @@ class RoutingRecorder:
             )
         return RoutingTrace(experts, self.n_expert, tokens, np.asarray(starts, dtype=np.int64))
 
-    def _evaluate(self, tokens: np.ndarray) -> None:
+    def _evaluate(
+        self, tokens: np.ndarray, offset: int, total: int, progress: Callable[[int, int], None] | None
+    ) -> None:
         self.ctx.kv_cache_clear()
         for begin in range(0, tokens.size, self.n_batch):
             chunk = tokens[begin : begin + self.n_batch]
@@ -191,6 +201,8 @@ class RoutingRecorder:
                 got = sum(r.shape[0] for r in rows) - before.get(layer, 0)
                 if got != chunk.size:
                     raise RuntimeError(f"layer {layer}: llama.cpp routed {got} tokens of a batch of {chunk.size}")
+            if progress is not None:
+                progress(offset + begin + chunk.size, total)
 
     def _eval_callback(self, t_ptr: int, ask: bool, user_data: int) -> bool:
         try:
@@ -250,10 +262,11 @@ def record_text_routing(
     cache_dir: Path | None = None,
     text: str | None = None,
     n_threads: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> RoutingTrace:
     """The routing of ``model_path`` on about ``n_tokens`` tokens of real text (:func:`text_sequences`)."""
     with RoutingRecorder(model_path, n_ctx=seq_len, n_batch=seq_len, n_threads=n_threads) as rec:
-        return rec.record(text_sequences(rec, n_tokens, seq_len, cache_dir, text))
+        return rec.record(text_sequences(rec, n_tokens, seq_len, cache_dir, text), progress)
 
 
 def main(argv: list[str] | None = None) -> int:

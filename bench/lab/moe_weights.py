@@ -175,6 +175,27 @@ class WeightMaker:
 
     # -- tensors -------------------------------------------------------------------------------
 
+    def rng(self, name: str) -> np.random.Generator:
+        """The random stream of tensor ``name`` (a function of the seed and the name only)."""
+        return _rng(self.seed, name)
+
+    def expert_law(self, name: str, shape: Tuple[int, ...]) -> Tuple[float, np.ndarray | None]:
+        """(standard deviation, zero rows) of a routed expert matrix ``ffn_{gate,up,down}_exps``
+        as :meth:`make` draws it: zero rows is bool [n_embd] broadcast over [..., n_embd] rows of
+        ``ffn_down_exps`` in the shaped regime (only T is written), else None. For writers that make
+        the values themselves (random quantized blocks)."""
+        kind = name.split(".")[-2]
+        if kind in ("ffn_gate_exps", "ffn_up_exps"):
+            return 1.0 / float(np.sqrt(self.dims.n_embd)), None
+        if kind == "ffn_down_exps":
+            std = EXPERT_GAIN / float(np.sqrt(shape[-1]))
+            if not self.shape.structured:
+                return std, None
+            zero = np.ones(self.dims.n_embd, bool)
+            zero[self._t] = False
+            return std, zero
+        raise ValueError(f"{name} is not a routed expert matrix")
+
     def make(self, name: str, shape: Tuple[int, ...]) -> np.ndarray:
         rng = _rng(self.seed, name)
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
