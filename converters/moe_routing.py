@@ -17,6 +17,10 @@ every token would cost more than the rest of the model.
 
 Each sequence is evaluated from an empty context, in batches of ``n_batch`` tokens, with the
 KV cache kept between batches: the trace is exactly what stock llama.cpp selects on that text.
+With ``n_seq`` > 1 (and ``n_batch`` equal to the context), up to ``n_seq`` sequences are evaluated
+side by side in one batch (their own sequence ids in a unified KV cache, flash attention on): each
+MoE layer then reads each expert's weights once for all of them, where a memory limit below the
+model's size makes every batch re-read the experts from disk.
 Statistics of a trace: :mod:`.moe_routing_stats`.
 """
 
@@ -104,10 +108,15 @@ class RoutingRecorder:
     """One stock llama.cpp model + context that records the experts of every MoE layer."""
 
     def __init__(
-        self, model_path: str | os.PathLike[str], n_ctx: int = 2048, n_batch: int = 512, n_threads: int | None = None
+        self,
+        model_path: str | os.PathLike[str],
+        n_ctx: int = 2048,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        n_seq: int = 1,
     ) -> None:
-        if n_batch <= 0 or n_ctx <= 0:
-            raise ValueError("n_ctx and n_batch must be positive")
+        if n_batch <= 0 or n_ctx <= 0 or n_seq <= 0:
+            raise ValueError("n_ctx, n_batch and n_seq must be positive")
         path = Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such model file")
@@ -126,21 +135,27 @@ class RoutingRecorder:
         self._last_layer = int(meta.get(f"{arch}.block_count", 0)) - 1
         self.n_ctx = int(min(n_ctx, self.model.n_ctx_train() or n_ctx))
         self.n_batch = min(n_batch, self.n_ctx)
+        if n_seq > 1 and self.n_batch != self.n_ctx:
+            raise ValueError("several sequences per batch need n_batch == n_ctx (one batch per sequence)")
+        self.n_seq = n_seq
         self._rows: dict[int, list[np.ndarray]] = {}
         self._error: BaseException | None = None
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval_callback)
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = self.n_ctx
-        cparams.n_batch = self.n_batch
-        cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = 1
+        cparams.n_ctx = self.n_ctx * n_seq
+        cparams.n_batch = self.n_batch * n_seq
+        cparams.n_ubatch = self.n_batch * n_seq
+        cparams.n_seq_max = n_seq
+        if n_seq > 1:
+            cparams.kv_unified = True  # one ubatch in batch order (per-sequence streams would split it)
+            cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED  # no [n_kv, n_tokens] scores
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
         cparams.cb_eval = self._callback
         cparams.cb_eval_user_data = None
         self.ctx = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
-        self.batch = _internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
+        self.batch = _internals.LlamaBatch(n_tokens=self.n_batch * n_seq, embd=0, n_seq_max=n_seq, verbose=False)
 
     def tokenize(self, text: str) -> np.ndarray:
         """Token ids of ``text`` (no BOS, special tokens not parsed) as int32."""
@@ -173,10 +188,15 @@ class RoutingRecorder:
         self._rows = {}
         starts, offset = [], 0
         total = int(sum(p.size for p in pieces))
-        for piece in pieces:
-            starts.append(offset)
-            self._evaluate(piece, offset, total, progress)
-            offset += piece.size
+        for i in range(0, len(pieces), self.n_seq):
+            group = pieces[i : i + self.n_seq]
+            for piece in group:
+                starts.append(offset)
+                offset += piece.size
+            if len(group) == 1:
+                self._evaluate(group[0], offset - group[0].size, total, progress)
+            else:
+                self._evaluate_side_by_side(group, offset, total, progress)
         experts = {layer: np.concatenate(rows).astype(np.int32) for layer, rows in self._rows.items()}
         tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
         if not experts and tokens.size:
@@ -203,6 +223,28 @@ class RoutingRecorder:
                     raise RuntimeError(f"layer {layer}: llama.cpp routed {got} tokens of a batch of {chunk.size}")
             if progress is not None:
                 progress(offset + begin + chunk.size, total)
+
+    def _evaluate_side_by_side(
+        self, group: list[np.ndarray], done: int, total: int, progress: Callable[[int, int], None] | None
+    ) -> None:
+        """Sequences of at most one batch each, evaluated in one batch (sequence j as sequence id j);
+        the routed rows come out in batch order, i.e. the sequences one after another."""
+        self.ctx.kv_cache_clear()
+        before = {layer: sum(r.shape[0] for r in rows) for layer, rows in self._rows.items()}
+        self.batch.reset()
+        for j, piece in enumerate(group):
+            self.batch.add_sequence(piece.tolist(), j, True)
+        n = int(sum(p.size for p in group))
+        self._error = None
+        self.ctx.decode(self.batch)
+        if self._error is not None:
+            raise self._error
+        for layer, rows in self._rows.items():
+            got = sum(r.shape[0] for r in rows) - before.get(layer, 0)
+            if got != n:
+                raise RuntimeError(f"layer {layer}: llama.cpp routed {got} tokens of a batch of {n}")
+        if progress is not None:
+            progress(done, total)
 
     def _eval_callback(self, t_ptr: int, ask: bool, user_data: int) -> bool:
         try:
@@ -263,9 +305,11 @@ def record_text_routing(
     text: str | None = None,
     n_threads: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    n_seq: int = 1,
 ) -> RoutingTrace:
-    """The routing of ``model_path`` on about ``n_tokens`` tokens of real text (:func:`text_sequences`)."""
-    with RoutingRecorder(model_path, n_ctx=seq_len, n_batch=seq_len, n_threads=n_threads) as rec:
+    """The routing of ``model_path`` on about ``n_tokens`` tokens of real text (:func:`text_sequences`),
+    ``n_seq`` sequences of ``seq_len`` side by side per batch."""
+    with RoutingRecorder(model_path, n_ctx=seq_len, n_batch=seq_len, n_threads=n_threads, n_seq=n_seq) as rec:
         return rec.record(text_sequences(rec, n_tokens, seq_len, cache_dir, text), progress)
 
 

@@ -77,3 +77,22 @@ def test_refuses_to_overwrite_then_converts(tmp_path, tiny_moe_factory):
     assert out.is_file()
     with pytest.raises(OutputExistsError):
         convert(model, progress=False, calib_tokens=128)
+
+
+def test_sequences_side_by_side_route_as_one_by_one(tiny_moe_factory):
+    """n_seq sequences in one batch (unified KV cache, flash attention) select the experts the
+    sequences select evaluated alone: the same set per token, up to float ties (none here)."""
+    path = tiny_moe_factory("qwen3moe", "shaped")
+    seqs = [np.arange(100 + 50 * i, 164 + 50 * i) for i in range(5)]
+    with moe_routing.RoutingRecorder(path, n_ctx=64, n_batch=64, n_threads=2) as rec:
+        alone = rec.record(seqs)
+    seen = []
+    with moe_routing.RoutingRecorder(path, n_ctx=64, n_batch=64, n_threads=2, n_seq=2) as rec:
+        together = rec.record(seqs, progress=lambda d, t: seen.append(d))
+    assert seen == [128, 256, 320]
+    assert together.sequence_starts.tolist() == alone.sequence_starts.tolist() == [0, 64, 128, 192, 256]
+    for layer in alone.layers:
+        same = np.sort(alone.experts[layer], axis=1) == np.sort(together.experts[layer], axis=1)
+        assert same.all(), f"layer {layer}: {int((~same.all(axis=1)).sum())} tokens routed differently"
+    with pytest.raises(ValueError, match="n_batch == n_ctx"):
+        moe_routing.RoutingRecorder(path, n_ctx=64, n_batch=32, n_seq=2)
