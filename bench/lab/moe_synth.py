@@ -232,8 +232,8 @@ PRESETS = {
 #: and top-8 of 128 experts carrying 44.5% of a layer's selections; gpt-oss previous-token reuse
 #: about 0.18 (top-k share unpublished). The measured values are in docs/MOE.md.
 PRESET_SHAPED = {
-    "qwen3-30b-a3b": RoutingShape(structured=True, popularity=0.88, context=0.3, offsets=(1, 2, 3, 4)),
-    "gpt-oss-20b": RoutingShape(structured=True, popularity=0.2, context=0.1, offsets=(1, 2, 3, 4)),
+    "qwen3-30b-a3b": RoutingShape(structured=True, popularity=0.88, context=0.3, offsets=(1, 2, 3, 4), expert_rms=0.18),
+    "gpt-oss-20b": RoutingShape(structured=True, popularity=0.2, context=0.1, offsets=(1, 2, 3, 4), expert_rms=0.18),
 }
 
 
@@ -423,6 +423,7 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--context", type=float, help="override the regime's context gain")
     p.add_argument("--offsets", type=str, help="override the positional heads' offsets, e.g. 1,2,3,4")
     p.add_argument("--sharpness", type=float, help="override the positional heads' peak score")
+    p.add_argument("--expert-rms", type=float, help="override the regime's assumed expert output rms per layer")
     p.add_argument(
         "--quant",
         choices=sorted(set(FTYPES) | set(moe_direct.MIXES)),
@@ -450,7 +451,9 @@ def main(argv: Optional[list] = None) -> int:
     a = p.parse_args(argv)
     try:
         regime = PRESET_SHAPED.get(a.preset, REGIMES["shaped"]) if a.routing == "shaped" else REGIMES[a.routing]
-        changes = {k: getattr(a, k) for k in ("popularity", "context", "sharpness") if getattr(a, k) is not None}
+        changes = {
+            k: getattr(a, k) for k in ("popularity", "context", "sharpness", "expert_rms") if getattr(a, k) is not None
+        }
         if a.offsets:
             changes["offsets"] = tuple(int(x) for x in a.offsets.split(","))
         if changes:

@@ -61,17 +61,22 @@ MIN_POSITIONAL_FREQ = 0.2
 @dataclass(frozen=True)
 class RoutingShape:
     """How routing is shaped; see the module docstring. ``offsets``: how many tokens back the
-    heads of each KV group look (cycled over the group's heads)."""
+    heads of each KV group look (cycled over the group's heads). ``expert_rms``: the rms per T
+    coordinate that one layer's experts are assumed to add to the residual; the router's token part
+    is divided by the resulting growth sqrt(1 + layer * expert_rms^2), so too large a value makes
+    routing more skewed and more persistent with depth (measured: 48 layers at 0.3 drifted from
+    reuse 0.39 / top-8 0.42 at layer 0 to 0.51 / 0.54 at layer 47)."""
 
     structured: bool = False
     popularity: float = 0.0
     context: float = 0.0
     offsets: Tuple[int, ...] = (1, 2, 3, 4)
     sharpness: float = 12.0
+    expert_rms: float = 0.3
 
     def __post_init__(self) -> None:
-        if self.popularity < 0 or self.context < 0 or self.sharpness <= 0:
-            raise ValueError("popularity and context must be >= 0, sharpness > 0")
+        if self.popularity < 0 or self.context < 0 or self.sharpness <= 0 or self.expert_rms < 0:
+            raise ValueError("popularity, context and expert_rms must be >= 0, sharpness > 0")
         if not self.offsets or any(int(k) < 0 for k in self.offsets):
             raise ValueError("offsets must be a non-empty list of non-negative token distances")
 
@@ -133,7 +138,7 @@ class WeightMaker:
 
     def _moe_rms(self) -> float:
         """Approximate rms per T coordinate that one layer's experts add to the residual."""
-        return 0.3 * EXPERT_GAIN
+        return self.shape.expert_rms * EXPERT_GAIN
 
     def _t_rms(self, layer: int) -> float:
         return float(np.sqrt(1.0 + layer * self._moe_rms() ** 2))
