@@ -12,7 +12,7 @@ default repacks Q4_K experts (another summation order for 4+ rows) and is not th
 expert slots; else ``flash_expert_slots=SLOTS``, e.g. every expert resident) in a cgroup of BUDGET.
 
 The text: ``--prompt-tokens`` tokens of the calibration corpus, evaluated as one prompt (prefill in
-batches of ``--n-batch``; more tokens than a batch exercises several ubatches), then ``--decode``
+batches of ``--n-batch``, the ubatch too; more tokens than a batch exercises several batches), then ``--decode``
 greedy tokens, one at a time. Compared: every prompt position's logits and every decode step's
 logits (exact equality of float32 bits), and the greedy tokens.
 """
@@ -47,7 +47,8 @@ def _prompt(n_tokens: int, tokenize) -> list[int]:
 
 def run_child(a) -> int:
     """One run: write prompt logits, decode logits and tokens to ``a.out`` (npz)."""
-    kw = dict(n_ctx=a.n_ctx, n_batch=a.n_batch, n_threads=a.threads, logits_all=True, verbose=False)
+    # the same batches for both (ggml-cpu picks kernels by rows per batch, so the split matters)
+    kw = dict(n_ctx=a.n_ctx, n_batch=a.n_batch, n_ubatch=a.n_batch, n_threads=a.threads, logits_all=True, verbose=False)
     t0 = time.perf_counter()
     if a.mode == "stock":
         import llama_cpp
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=700)
     p.add_argument("--decode", type=int, default=16)
     p.add_argument("--n-ctx", type=int, default=1024)
-    p.add_argument("--n-batch", type=int, default=512)
+    p.add_argument("--n-batch", type=int, default=256, help="n_batch = n_ubatch of every run")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", default=None)
