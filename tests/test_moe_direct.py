@@ -110,3 +110,5 @@ def test_direct_specs_are_checked():
         moe_synth.preset_spec("tiny", "qwen3moe", direct=True, quant="Q5_0")
     with pytest.raises(ValueError, match="the qwen3-30b-a3b preset is qwen3moe"):
         moe_synth.preset_spec("qwen3-30b-a3b", "llama")
+    with pytest.raises(ValueError, match="expert_rms must be >= 0"):
+        moe_synth.RoutingShape(structured=True, expert_rms=-0.1)
