@@ -6,8 +6,7 @@
 The model's files are evicted from the page cache, then `llamaflash convert MODEL -o OUT --force`
 runs in a fresh cgroup v1 memory group of ``--limit-mb`` (page cache included; bench/lab/cgroups.py),
 pinned to ``--threads`` llama.cpp threads. Reported: status (ok / OOM / timeout / error), wall time,
-the group's peak usage (process memory + page cache) and its resident-memory part at the end, bytes
-read from the model's disk, the converter's progress lines, and the routing statistics it measured
+the group's peak usage (process memory + page cache), bytes read from the model's disk, the converter's progress lines, and the routing statistics it measured
 (previous-token reuse and top-8 share per layer, from the sidecar). The sidecar is written to a
 temporary name beside ``--out`` and renamed only when the run succeeded.
 """
@@ -83,7 +82,6 @@ def main(argv=None) -> int:
         "status": r.status,
         "wall_s": r.wall_s,
         "peak_mb": (cg.get("max_usage_bytes") or 0) / MiB,
-        "rss_end_mb": (cg.get("stat", {}).get("rss", 0)) / MiB,
         "oom_kill": cg.get("oom_kill"),
         "read_gb": (r.blkio_read_bytes or 0) / 1e9,
         "progress": [ln for ln in r.stderr.splitlines() if ln.startswith("[convert")],
