@@ -13,6 +13,10 @@ fresh memory cgroup of that limit, the files evicted first (bench/lab/memlimit.p
                    file-backed; the stock configuration that runs under a limit, and the numerics
                    llamaflash reproduces exactly (its greedy tokens must equal llamaflash's)
   llamaflash-nospec  Llama(ram_budget_mb=limit): experts served from flash through the expert cache
+  llamaflash-noprefetch  (with --prefetch-ab) the same with the next-layer prefetch off
+                   ($LLAMAFLASH_EXPERT_PREFETCH=0)
+With --prefetch-ab each rep runs stock-norepack and llamaflash-nospec (prefetch on) in one harness call
+and llamaflash-noprefetch in another, the two calls in alternating order from rep to rep.
 Per llamaflash row it adds the expert engine's statistics (hit rate, prefetch recall and waste, MB read
 per token, I/O wait per token), the I/O bound (disk bandwidth for expert-sized direct reads, from the
 disk probe, divided by the bytes read per token) and decode as a share of it, the speed-up over
@@ -57,6 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--quiet-wait", type=float, default=30.0)
     p.add_argument("--label", default="synthetic (random weights)", help="what the model is, for the report")
+    p.add_argument(
+        "--prefetch-ab",
+        action="store_true",
+        help="also run llamaflash with the next-layer prefetch off (config llamaflash-noprefetch), alternated",
+    )
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -163,6 +172,47 @@ def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
     return rows
 
 
+NO_PREFETCH_CONFIG = "llamaflash-noprefetch"
+
+
+def prefetch_ab(opts: memlimit.BenchOptions) -> dict:
+    """Per rep: one harness call with ``opts.configs`` (prefetch on) and one with llamaflash-nospec
+    under $LLAMAFLASH_EXPERT_PREFETCH=0, in alternating order; the runs merged into one payload (the
+    second call's config renamed llamaflash-noprefetch). The model's sha256 is computed once."""
+    import dataclasses
+    import os
+
+    from llamaflash.bench import benchkit
+    from llamaflash.runtime.expert_runtime import PREFETCH_ENV
+
+    sha = {}
+    plain_sha = benchkit.sha256_file
+    benchkit.sha256_file = lambda path: sha.setdefault(str(path), plain_sha(path))
+    payload, runs = None, []
+    try:
+        for rep in range(opts.reps):
+            on = dataclasses.replace(opts, reps=1, configs=opts.configs if rep % 2 == 0 else opts.configs[::-1])
+            off = dataclasses.replace(opts, reps=1, configs=[memlimit.NO_SPECULATION_CONFIG])
+            for which, o in (("on", on), ("off", off)) if rep % 2 == 0 else (("off", off), ("on", on)):
+                os.environ[PREFETCH_ENV] = "1" if which == "on" else "0"
+                part = memlimit.run_benchmark(o)
+                for r in part["runs"]:
+                    r["rep"] = rep
+                    if which == "off":
+                        r["config"] = NO_PREFETCH_CONFIG
+                    runs.append(r)
+                payload = payload or part
+    finally:
+        os.environ.pop(PREFETCH_ENV, None)
+        benchkit.sha256_file = plain_sha
+    payload["runs"] = runs
+    payload["options"]["configs"] = list(opts.configs) + [NO_PREFETCH_CONFIG]
+    payload["options"]["reps"] = opts.reps
+    payload["prefetch_ab"] = True
+    payload.pop("summary", None)  # per-call summaries; moe_rows summarises the merged runs
+    return payload
+
+
 def format_rows(rows: list[dict]) -> str:
     out = [
         f"{'limit':>6} {'config':<18} {'decode':>7} {'x':>6} {'prefill':>8} {'hit':>5} {'MB/tok':>7} "
@@ -208,7 +258,7 @@ def main(argv=None) -> int:
         quiet_wait_s=a.quiet_wait,
     )
     print(f"model {model} ({size_mib:.0f} MiB, {a.label}); limits {limits} MiB")
-    payload = memlimit.run_benchmark(opts)
+    payload = prefetch_ab(opts) if a.prefetch_ab else memlimit.run_benchmark(opts)
     payload["label"] = a.label
     rows = moe_rows(payload, model, sidecar)
     payload["moe_rows"] = rows

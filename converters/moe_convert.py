@@ -5,6 +5,11 @@ checks each slice it reads against it), and routing statistics measured on calib
 running the model through stock llama.cpp (converters/moe_routing.py): how often each expert was
 selected (the planner pins the most popular), and the previous-token reuse. The base model's bytes
 are not copied: the engine reads experts straight from the base file.
+
+Memory: the checksums read the file sequentially through the page cache, and the routing runs
+with plain file-backed weights (no anonymous copy of the experts), ``ROUTING_SEQUENCES`` calibration
+sequences side by side per batch, so a memory limit below the model's size costs re-reads from
+disk (each batch reads every expert once), not an OOM kill.
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ from llamaflash.files import expert_sidecar
 from llamaflash.files.experts import MoeModelInfo, check_layout
 from llamaflash.files.gguf_model import BaseModelInfo, base_identity
 
+#: calibration sequences evaluated side by side in one batch while routing is measured
+ROUTING_SEQUENCES = 4
 
-def expert_checksums(moe: MoeModelInfo) -> dict[int, dict[str, np.ndarray]]:
-    """CRC-32C of each expert slice, per layer and tensor kind (uint32 [n_expert])."""
+
+def expert_checksums(moe: MoeModelInfo, progress=None) -> dict[int, dict[str, np.ndarray]]:
+    """CRC-32C of each expert slice, per layer and tensor kind (uint32 [n_expert]); ``progress(done,
+    total)`` after each layer."""
     from llamaflash import _native
 
     out: dict[int, dict[str, np.ndarray]] = {}
@@ -39,6 +48,8 @@ def expert_checksums(moe: MoeModelInfo) -> dict[int, dict[str, np.ndarray]]:
                 out[layer.layer][t.kind] = np.asarray(
                     _native.crc32c_rows(data, t.expert_bytes, "auto"), dtype=np.uint32
                 )
+            if progress is not None:
+                progress(len(out), len(moe.layers))
     return out
 
 
@@ -88,7 +99,11 @@ def convert_experts(
     )
     with removing_temporaries_on_signal(out):
         identity = base_identity(model_path, model)
-        checksums = expert_checksums(moe)
+        step = max(1, len(moe.layers) // 8)
+        checksums = expert_checksums(
+            moe,
+            lambda done, total: say(f"checksums: {done}/{total} layers") if done % step == 0 or done == total else None,
+        )
         say("checksums of every expert slice done")
         counts = reuse = None
         tokens = 0
@@ -96,7 +111,12 @@ def convert_experts(
             from llamaflash.converters import moe_routing
 
             trace = moe_routing.record_text_routing(
-                model_path, n_tokens=calib_tokens, text=calib_text, n_threads=n_threads
+                model_path,
+                n_tokens=calib_tokens,
+                text=calib_text,
+                n_threads=n_threads,
+                n_seq=ROUTING_SEQUENCES,
+                progress=lambda done, total: say(f"routing: {done}/{total} calibration tokens"),
             )
             counts, reuse = routing_statistics(trace, moe.n_expert)
             tokens = trace.n_tokens

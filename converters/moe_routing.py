@@ -5,7 +5,10 @@ llama-cpp-python 0.3.36) names the selected experts of layer L ``ffn_moe_topk-L`
 [n_expert_used, n_tokens] (ggml order; numpy [n_tokens, n_expert_used]) of the router's argsort,
 rows n_expert * 4 bytes apart. :class:`RoutingRecorder` runs the model through llama-cpp-python's
 llama.cpp (no llamaflash) with the scheduler's eval callback asking for exactly those tensors, and
-copies them out batch by batch. Every batch requests the logits of all its tokens, so that the last
+copies them out batch by batch. Weights stay plain and file-backed (``use_extra_bufts=False``): the
+numerics llamaflash reproduces, and no anonymous copy of the experts (stock's default repacks every
+Q4_K expert into anonymous memory, which for a 17 GB model needs 17 GB of RAM; file-backed pages are
+reclaimable, so the recorder runs under a memory limit smaller than the model, re-reading from disk). Every batch requests the logits of all its tokens, so that the last
 layer routes every token (otherwise llama.cpp computes only the output rows there); once the last
 layer's experts are read, the callback ends the graph's computation (returning false, which the
 scheduler takes as "stop"): what is left is that layer's expert FFN, the output norm and the
@@ -14,6 +17,10 @@ every token would cost more than the rest of the model.
 
 Each sequence is evaluated from an empty context, in batches of ``n_batch`` tokens, with the
 KV cache kept between batches: the trace is exactly what stock llama.cpp selects on that text.
+With ``n_seq`` > 1 (and ``n_batch`` equal to the context), up to ``n_seq`` sequences are evaluated
+side by side in one batch (their own sequence ids in a unified KV cache, flash attention on): each
+MoE layer then reads each expert's weights once for all of them, where a memory limit below the
+model's size makes every batch re-read the experts from disk.
 Statistics of a trace: :mod:`.moe_routing_stats`.
 """
 
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,16 +108,22 @@ class RoutingRecorder:
     """One stock llama.cpp model + context that records the experts of every MoE layer."""
 
     def __init__(
-        self, model_path: str | os.PathLike[str], n_ctx: int = 2048, n_batch: int = 512, n_threads: int | None = None
+        self,
+        model_path: str | os.PathLike[str],
+        n_ctx: int = 2048,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        n_seq: int = 1,
     ) -> None:
-        if n_batch <= 0 or n_ctx <= 0:
-            raise ValueError("n_ctx and n_batch must be positive")
+        if n_batch <= 0 or n_ctx <= 0 or n_seq <= 0:
+            raise ValueError("n_ctx, n_batch and n_seq must be positive")
         path = Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such model file")
         n_threads = n_threads or max(1, min(os.cpu_count() or 1, 8))
         set_verbose(False)
         mparams = llama_cpp.llama_model_default_params()
+        mparams.use_extra_bufts = False
         self.model = _internals.LlamaModel(path_model=os.fspath(path), params=mparams, verbose=False)
         meta = self.model.metadata()
         arch = meta.get("general.architecture", "")
@@ -122,21 +135,27 @@ class RoutingRecorder:
         self._last_layer = int(meta.get(f"{arch}.block_count", 0)) - 1
         self.n_ctx = int(min(n_ctx, self.model.n_ctx_train() or n_ctx))
         self.n_batch = min(n_batch, self.n_ctx)
+        if n_seq > 1 and self.n_batch != self.n_ctx:
+            raise ValueError("several sequences per batch need n_batch == n_ctx (one batch per sequence)")
+        self.n_seq = n_seq
         self._rows: dict[int, list[np.ndarray]] = {}
         self._error: BaseException | None = None
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval_callback)
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = self.n_ctx
-        cparams.n_batch = self.n_batch
-        cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = 1
+        cparams.n_ctx = self.n_ctx * n_seq
+        cparams.n_batch = self.n_batch * n_seq
+        cparams.n_ubatch = self.n_batch * n_seq
+        cparams.n_seq_max = n_seq
+        if n_seq > 1:
+            cparams.kv_unified = True  # one ubatch in batch order (per-sequence streams would split it)
+            cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED  # no [n_kv, n_tokens] scores
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
         cparams.cb_eval = self._callback
         cparams.cb_eval_user_data = None
         self.ctx = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
-        self.batch = _internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
+        self.batch = _internals.LlamaBatch(n_tokens=self.n_batch * n_seq, embd=0, n_seq_max=n_seq, verbose=False)
 
     def tokenize(self, text: str) -> np.ndarray:
         """Token ids of ``text`` (no BOS, special tokens not parsed) as int32."""
@@ -148,10 +167,13 @@ class RoutingRecorder:
             raise RuntimeError(f"tokenization failed ({n})")
         return np.frombuffer(buf, dtype=np.int32, count=n).copy()
 
-    def record(self, sequences: Sequence[Sequence[int]] | np.ndarray) -> RoutingTrace:
+    def record(
+        self, sequences: Sequence[Sequence[int]] | np.ndarray, progress: Callable[[int, int], None] | None = None
+    ) -> RoutingTrace:
         """Evaluates each sequence of token ids from an empty context (one 1-D array is one
         sequence); a sequence longer than the context is cut into context-sized pieces, each
-        evaluated from an empty context. Returns the routing of every token."""
+        evaluated from an empty context. Returns the routing of every token. ``progress(done,
+        total)`` is called after each batch with the tokens evaluated so far."""
         if isinstance(sequences, np.ndarray) and sequences.ndim == 1:
             sequences = [sequences]
         pieces: list[np.ndarray] = []
@@ -165,10 +187,16 @@ class RoutingRecorder:
             pieces += [seq[i : i + self.n_ctx] for i in range(0, seq.size, self.n_ctx)]
         self._rows = {}
         starts, offset = [], 0
-        for piece in pieces:
-            starts.append(offset)
-            self._evaluate(piece)
-            offset += piece.size
+        total = int(sum(p.size for p in pieces))
+        for i in range(0, len(pieces), self.n_seq):
+            group = pieces[i : i + self.n_seq]
+            for piece in group:
+                starts.append(offset)
+                offset += piece.size
+            if len(group) == 1:
+                self._evaluate(group[0], offset - group[0].size, total, progress)
+            else:
+                self._evaluate_side_by_side(group, offset, total, progress)
         experts = {layer: np.concatenate(rows).astype(np.int32) for layer, rows in self._rows.items()}
         tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
         if not experts and tokens.size:
@@ -177,7 +205,9 @@ class RoutingRecorder:
             )
         return RoutingTrace(experts, self.n_expert, tokens, np.asarray(starts, dtype=np.int64))
 
-    def _evaluate(self, tokens: np.ndarray) -> None:
+    def _evaluate(
+        self, tokens: np.ndarray, offset: int, total: int, progress: Callable[[int, int], None] | None
+    ) -> None:
         self.ctx.kv_cache_clear()
         for begin in range(0, tokens.size, self.n_batch):
             chunk = tokens[begin : begin + self.n_batch]
@@ -191,6 +221,30 @@ class RoutingRecorder:
                 got = sum(r.shape[0] for r in rows) - before.get(layer, 0)
                 if got != chunk.size:
                     raise RuntimeError(f"layer {layer}: llama.cpp routed {got} tokens of a batch of {chunk.size}")
+            if progress is not None:
+                progress(offset + begin + chunk.size, total)
+
+    def _evaluate_side_by_side(
+        self, group: list[np.ndarray], done: int, total: int, progress: Callable[[int, int], None] | None
+    ) -> None:
+        """Sequences of at most one batch each, evaluated in one batch (sequence j as sequence id j);
+        the routed rows come out in batch order, i.e. the sequences one after another."""
+        self.ctx.kv_cache_clear()
+        before = {layer: sum(r.shape[0] for r in rows) for layer, rows in self._rows.items()}
+        self.batch.reset()
+        for j, piece in enumerate(group):
+            self.batch.add_sequence(piece.tolist(), j, True)
+        n = int(sum(p.size for p in group))
+        self._error = None
+        self.ctx.decode(self.batch)
+        if self._error is not None:
+            raise self._error
+        for layer, rows in self._rows.items():
+            got = sum(r.shape[0] for r in rows) - before.get(layer, 0)
+            if got != n:
+                raise RuntimeError(f"layer {layer}: llama.cpp routed {got} tokens of a batch of {n}")
+        if progress is not None:
+            progress(done, total)
 
     def _eval_callback(self, t_ptr: int, ask: bool, user_data: int) -> bool:
         try:
@@ -250,10 +304,13 @@ def record_text_routing(
     cache_dir: Path | None = None,
     text: str | None = None,
     n_threads: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    n_seq: int = 1,
 ) -> RoutingTrace:
-    """The routing of ``model_path`` on about ``n_tokens`` tokens of real text (:func:`text_sequences`)."""
-    with RoutingRecorder(model_path, n_ctx=seq_len, n_batch=seq_len, n_threads=n_threads) as rec:
-        return rec.record(text_sequences(rec, n_tokens, seq_len, cache_dir, text))
+    """The routing of ``model_path`` on about ``n_tokens`` tokens of real text (:func:`text_sequences`),
+    ``n_seq`` sequences of ``seq_len`` side by side per batch."""
+    with RoutingRecorder(model_path, n_ctx=seq_len, n_batch=seq_len, n_threads=n_threads, n_seq=n_seq) as rec:
+        return rec.record(text_sequences(rec, n_tokens, seq_len, cache_dir, text), progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -420,3 +420,19 @@ def test_loading_under_a_budget_imports_neither_gguf_py_nor_tuning_modules(conve
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_plan_explains_pinned_experts_per_layer(tiny_moe_factory):
+    """The plan's text counts pinned experts per layer (the same in every layer), not over all layers."""
+    from llamaflash.planning.expert_plan import plan_experts
+    from llamaflash.planning.planner import default_disk
+
+    path = tiny_moe_factory("qwen3moe")
+    header = read_gguf_header(path)
+    moe = read_moe_model(header)
+    counts = {layer.layer: np.arange(moe.n_expert, 0, -1).astype(np.float32) for layer in moe.layers}
+    plan = plan_experts(moe, header, 4000, n_ctx=256, disk=default_disk(), counts=counts, n_slots=6)
+    assert not plan.fits and plan.n_slots == 6
+    n_pin = plan.pinned_per_layer
+    assert n_pin > 0 and all(len(p) == n_pin for p in plan.pinned.values()) and len(moe.layers) > 1
+    assert f"({n_pin} pinned per layer)" in plan.explain()

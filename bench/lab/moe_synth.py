@@ -19,6 +19,17 @@ Usage::
 Presets: ``tiny`` (tests: a few MB, seconds) for every architecture, ``bench`` (qwen3moe, 24 layers,
 64 experts of which 8 used, n_embd 1024, expert FFN 768, Q4_K_M, about 2.4 GB). Every size can be
 overridden (``--n-layer`` ...).
+
+Full-size presets, written directly in their final types with no F16 intermediate
+(:mod:`.moe_direct`: random quantized expert blocks, ggml's quantizer for the rest):
+``qwen3-30b-a3b`` (Qwen3-30B-A3B's shape: qwen3moe, 48 layers, 128 experts of which 8 used,
+n_embd 2048, 32 heads / 4 KV heads of 128, expert FFN 768, Q4_K experts, about 17 GB) and
+``gpt-oss-20b`` (gpt-oss-20b's shape: 24 layers, 32 experts of which 4 used, n_embd 2880, 64 heads /
+8 KV heads of 64, expert FFN 2880, MXFP4 experts, Q8_0 elsewhere, sliding window 128; Qwen2's
+151936-token vocabulary instead of o200k, and no YaRN scaling: about 12 GB). ``--routing shaped``
+takes each preset's own regime (:data:`PRESET_SHAPED`), tuned to the published statistics of the
+real model; ``--measure N`` records the routing of N calibration tokens through stock llama.cpp
+with plain weights after writing, and prints the statistics.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import moe_vocab
+from . import moe_direct, moe_vocab
 from .moe_layout import ARCHS, Dims, hparams, stored_as_f32, tensor_shapes
 from .moe_weights import REGIMES, RoutingShape, WeightMaker
 
@@ -76,12 +87,16 @@ class MoeSpec:
     vocab: Optional[str] = None  # default: the architecture's (moe_layout.ARCHS)
     seed: int = 0
     routing: RoutingShape = field(default_factory=RoutingShape)
+    #: write quantized blocks directly (moe_direct; ``quant`` names a moe_direct.MIXES entry)
+    direct: bool = False
 
     def __post_init__(self) -> None:
         problems = []
         if self.arch not in ARCHS:
             problems.append(f"unknown arch {self.arch!r} (known: {', '.join(ARCHS)})")
-        if self.quant not in FTYPES:
+        if self.direct and self.quant not in moe_direct.MIXES:
+            problems.append(f"direct writing knows the mixes {', '.join(moe_direct.MIXES)}, not {self.quant!r}")
+        elif not self.direct and self.quant not in FTYPES:
             problems.append(f"unknown quantization {self.quant!r} (known: {', '.join(FTYPES)})")
         if self.vocab is not None and self.vocab not in moe_vocab.VOCABS:
             problems.append(f"unknown vocabulary {self.vocab!r} (known: {', '.join(moe_vocab.VOCABS)})")
@@ -109,11 +124,13 @@ class MoeSpec:
                 problems.append("n_expert_used must not exceed n_expert")
             if self.arch == "llama" and self.head_dim * self.n_head != self.n_embd:
                 problems.append("llama needs head_dim * n_head == n_embd")
-            block = FTYPE_BLOCK.get(self.quant, 1)
+            block = 1 if self.direct else FTYPE_BLOCK.get(self.quant, 1)
             dims = {"n_embd": self.n_embd, "n_ff_exp": self.n_ff_exp, "head_dim * n_head": self.head_dim * self.n_head}
             if self.arch == "qwen2moe":
                 dims["n_ff_shexp"] = self.n_ff_shexp
             bad = [k for k, v in dims.items() if v % block]
+            if self.direct and self.quant in moe_direct.MIXES:
+                problems += moe_direct.mix_block_problems(moe_direct.MIXES[self.quant], dims)
             if bad:
                 problems.append(
                     f"{self.quant} needs {', '.join(bad)} to be multiples of {block}; "
@@ -176,6 +193,47 @@ PRESETS = {
         rope_base=1_000_000.0,
         quant="Q4_K_M",
     ),
+    # Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B): 30.5B parameters, 3.3B active
+    "qwen3-30b-a3b": dict(
+        arch="qwen3moe",
+        n_layer=48,
+        n_embd=2048,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=128,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=768,
+        n_ctx_train=40960,
+        rope_base=1_000_000.0,
+        quant="Q4_K_M",
+        direct=True,
+    ),
+    # gpt-oss-20b (config.json of openai/gpt-oss-20b): 21B parameters, 3.6B active
+    "gpt-oss-20b": dict(
+        arch="gpt-oss",
+        n_layer=24,
+        n_embd=2880,
+        n_head=64,
+        n_head_kv=8,
+        head_dim=64,
+        n_expert=32,
+        n_expert_used=4,
+        n_ff_exp=2880,
+        n_ctx_train=131072,
+        rope_base=150_000.0,
+        sliding_window=128,
+        quant="MXFP4",
+        direct=True,
+    ),
+}
+#: The shaped regime of each full-size preset, tuned (with the routing recorder, on the preset's
+#: widths) toward the real model's published statistics: Qwen3-30B-A3B previous-token reuse 0.38
+#: and top-8 of 128 experts carrying 44.5% of a layer's selections; gpt-oss previous-token reuse
+#: about 0.18 (top-k share unpublished). The measured values are in docs/MOE.md.
+PRESET_SHAPED = {
+    "qwen3-30b-a3b": RoutingShape(structured=True, popularity=0.88, context=0.3, offsets=(1, 2, 3, 4), expert_rms=0.18),
+    "gpt-oss-20b": RoutingShape(structured=True, popularity=0.2, context=0.1, offsets=(1, 2, 3, 4), expert_rms=0.18),
 }
 
 
@@ -187,15 +245,15 @@ def preset_spec(
         raise ValueError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
     values = dict(PRESETS[preset])
     if arch is not None:
-        if "arch" in values and values["arch"] != arch and preset == "bench":
-            raise ValueError(f"the bench preset is {values['arch']}; use --preset tiny or give every size")
+        if "arch" in values and values["arch"] != arch and preset != "tiny":
+            raise ValueError(f"the {preset} preset is {values['arch']}; use --preset tiny or give every size")
         values["arch"] = arch
     if values.get("arch") == "llama" and "head_dim" not in overrides:
         values["head_dim"] = overrides.get("n_embd", values["n_embd"]) // overrides.get("n_head", values["n_head"])
     if isinstance(routing, str):
         if routing not in REGIMES:
             raise ValueError(f"unknown routing regime {routing!r} (known: {', '.join(REGIMES)})")
-        routing = REGIMES[routing]
+        routing = PRESET_SHAPED[preset] if routing == "shaped" and preset in PRESET_SHAPED else REGIMES[routing]
     values.update({k: v for k, v in overrides.items() if v is not None})
     return MoeSpec(routing=routing, **values)
 
@@ -248,6 +306,29 @@ def _write_f16_gguf(path: Path, spec: MoeSpec, vocab_path: Path, say: Callable[[
         w.close()
 
 
+def _write_direct_gguf(path: Path, spec: MoeSpec, vocab_path: Path, n_threads: int, say) -> None:
+    """The model in its final types, streamed tensor by tensor (moe_direct)."""
+    arch = ARCHS[spec.arch]
+    tok_meta = moe_vocab.tokenizer_metadata(vocab_path)
+    n_vocab = next(len(m.value) for m in tok_meta if m.key == "tokenizer.ggml.tokens")
+    dims = spec.dims(n_vocab)
+    moe_direct.write_direct(
+        path,
+        arch.name,
+        f"synthetic-{arch.name}-moe-L{spec.n_layer}-E{spec.n_expert}x{spec.n_expert_used}",
+        hparams(arch, dims),
+        repr(dataclasses.asdict(spec)),
+        tok_meta,
+        tensor_shapes(arch, dims),
+        WeightMaker(arch, dims, spec.routing, spec.seed),
+        moe_direct.MIXES[spec.quant],
+        stored_as_f32,
+        n_threads,
+        say,
+        spec.n_layer,
+    )
+
+
 def _quantize(src: Path, dst: Path, quant: str, n_threads: int) -> None:
     import llama_cpp
 
@@ -287,11 +368,16 @@ def generate(
     f16 = out.with_name(f".{out.name}.f16.{os.getpid()}.tmp")
     staged = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        say(f"writing {spec.arch} F16 model to {f16}")
-        _write_f16_gguf(f16, spec, vocab_path, say)
-        if spec.quant == "F16":
+        if spec.direct:
+            say(f"writing {spec.arch} {spec.quant} model to {staged} (quantized blocks, no float intermediate)")
+            _write_direct_gguf(staged, spec, vocab_path, n_threads or os.cpu_count() or 1, say)
+        elif spec.quant == "F16":
+            say(f"writing {spec.arch} F16 model to {f16}")
+            _write_f16_gguf(f16, spec, vocab_path, say)
             os.replace(f16, staged)
         else:
+            say(f"writing {spec.arch} F16 model to {f16}")
+            _write_f16_gguf(f16, spec, vocab_path, say)
             say(f"quantizing to {spec.quant}")
             _quantize(f16, staged, spec.quant, n_threads or os.cpu_count() or 1)
         os.replace(staged, out)
@@ -337,7 +423,12 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--context", type=float, help="override the regime's context gain")
     p.add_argument("--offsets", type=str, help="override the positional heads' offsets, e.g. 1,2,3,4")
     p.add_argument("--sharpness", type=float, help="override the positional heads' peak score")
-    p.add_argument("--quant", choices=sorted(FTYPES), help="quantization (default: the preset's)")
+    p.add_argument("--expert-rms", type=float, help="override the regime's assumed expert output rms per layer")
+    p.add_argument(
+        "--quant",
+        choices=sorted(set(FTYPES) | set(moe_direct.MIXES)),
+        help="quantization (default: the preset's; the full-size presets take a moe_direct mix)",
+    )
     p.add_argument("--vocab", choices=sorted(moe_vocab.VOCABS), help="tokenizer (default: the architecture's)")
     p.add_argument("--rope-base", type=float)
     for name in _SIZE_FLAGS:
@@ -349,11 +440,20 @@ def main(argv: Optional[list] = None) -> int:
         help="local llama-cpp-python sdist (default: $LLAMAFLASH_LLAMA_CPP_SDIST, else download)",
     )
     p.add_argument("--threads", type=int, default=None, help="quantizer threads (default: all cores)")
+    p.add_argument(
+        "--measure",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after writing, record the routing of N calibration tokens (stock llama.cpp, plain weights) and print it",
+    )
     p.add_argument("-o", "--output", required=True, type=Path)
     a = p.parse_args(argv)
     try:
-        regime = REGIMES[a.routing]
-        changes = {k: getattr(a, k) for k in ("popularity", "context", "sharpness") if getattr(a, k) is not None}
+        regime = PRESET_SHAPED.get(a.preset, REGIMES["shaped"]) if a.routing == "shaped" else REGIMES[a.routing]
+        changes = {
+            k: getattr(a, k) for k in ("popularity", "context", "sharpness", "expert_rms") if getattr(a, k) is not None
+        }
         if a.offsets:
             changes["offsets"] = tuple(int(x) for x in a.offsets.split(","))
         if changes:
@@ -370,7 +470,33 @@ def main(argv: Optional[list] = None) -> int:
         print("moe_synth: interrupted; nothing was written", file=sys.stderr)
         return 130
     print(f"{path}\t{path.stat().st_size} bytes\t{time.monotonic() - t0:.1f} s")
+    if a.measure:
+        print(measure_routing(path, a.measure, a.threads))
     return 0
+
+
+def measure_routing(path: Path, n_tokens: int, n_threads: Optional[int] = None) -> str:
+    """The routing statistics of the model at ``path`` on ``n_tokens`` calibration tokens, one
+    paragraph (recorded through stock llama.cpp with plain, file-backed weights)."""
+    from llamaflash.converters import moe_routing, moe_routing_stats
+
+    t0 = time.monotonic()
+    trace = moe_routing.record_text_routing(
+        path,
+        n_tokens,
+        n_threads=n_threads,
+        progress=lambda done, total: print(
+            f"[moe_synth routing {time.monotonic() - t0:6.1f}s] {done}/{total} tokens", file=sys.stderr, flush=True
+        ),
+    )
+    s = moe_routing_stats.summarize(trace, 8, [], 0)
+    return (
+        f"routing (SYNTHETIC, random weights) of {path.name} on {s['n_tokens']} tokens: "
+        f"previous-token reuse mean {s['reuse']['mean']:.3f} (min {s['reuse']['min']:.3f}, max {s['reuse']['max']:.3f}; "
+        f"random {s['random_reuse']:.3f}); top-8 share mean {s['top_k_share']['mean']:.3f} "
+        f"(min {s['top_k_share']['min']:.3f}, max {s['top_k_share']['max']:.3f}) of {s['n_expert']} experts, "
+        f"{s['n_used']} used"
+    )
 
 
 if __name__ == "__main__":

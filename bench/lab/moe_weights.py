@@ -61,17 +61,22 @@ MIN_POSITIONAL_FREQ = 0.2
 @dataclass(frozen=True)
 class RoutingShape:
     """How routing is shaped; see the module docstring. ``offsets``: how many tokens back the
-    heads of each KV group look (cycled over the group's heads)."""
+    heads of each KV group look (cycled over the group's heads). ``expert_rms``: the rms per T
+    coordinate that one layer's experts are assumed to add to the residual; the router's token part
+    is divided by the resulting growth sqrt(1 + layer * expert_rms^2), so too large a value makes
+    routing more skewed and more persistent with depth (measured: 48 layers at 0.3 drifted from
+    reuse 0.39 / top-8 0.42 at layer 0 to 0.51 / 0.54 at layer 47)."""
 
     structured: bool = False
     popularity: float = 0.0
     context: float = 0.0
     offsets: Tuple[int, ...] = (1, 2, 3, 4)
     sharpness: float = 12.0
+    expert_rms: float = 0.3
 
     def __post_init__(self) -> None:
-        if self.popularity < 0 or self.context < 0 or self.sharpness <= 0:
-            raise ValueError("popularity and context must be >= 0, sharpness > 0")
+        if self.popularity < 0 or self.context < 0 or self.sharpness <= 0 or self.expert_rms < 0:
+            raise ValueError("popularity, context and expert_rms must be >= 0, sharpness > 0")
         if not self.offsets or any(int(k) < 0 for k in self.offsets):
             raise ValueError("offsets must be a non-empty list of non-negative token distances")
 
@@ -133,7 +138,7 @@ class WeightMaker:
 
     def _moe_rms(self) -> float:
         """Approximate rms per T coordinate that one layer's experts add to the residual."""
-        return 0.3 * EXPERT_GAIN
+        return self.shape.expert_rms * EXPERT_GAIN
 
     def _t_rms(self, layer: int) -> float:
         return float(np.sqrt(1.0 + layer * self._moe_rms() ** 2))
@@ -174,6 +179,27 @@ class WeightMaker:
         return [int(self.shape.offsets[i % len(self.shape.offsets)]) for i in range(rep)]
 
     # -- tensors -------------------------------------------------------------------------------
+
+    def rng(self, name: str) -> np.random.Generator:
+        """The random stream of tensor ``name`` (a function of the seed and the name only)."""
+        return _rng(self.seed, name)
+
+    def expert_law(self, name: str, shape: Tuple[int, ...]) -> Tuple[float, np.ndarray | None]:
+        """(standard deviation, zero rows) of a routed expert matrix ``ffn_{gate,up,down}_exps``
+        as :meth:`make` draws it: zero rows is bool [n_embd] broadcast over [..., n_embd] rows of
+        ``ffn_down_exps`` in the shaped regime (only T is written), else None. For writers that make
+        the values themselves (random quantized blocks)."""
+        kind = name.split(".")[-2]
+        if kind in ("ffn_gate_exps", "ffn_up_exps"):
+            return 1.0 / float(np.sqrt(self.dims.n_embd)), None
+        if kind == "ffn_down_exps":
+            std = EXPERT_GAIN / float(np.sqrt(shape[-1]))
+            if not self.shape.structured:
+                return std, None
+            zero = np.ones(self.dims.n_embd, bool)
+            zero[self._t] = False
+            return std, zero
+        raise ValueError(f"{name} is not a routed expert matrix")
 
     def make(self, name: str, shape: Tuple[int, ...]) -> np.ndarray:
         rng = _rng(self.seed, name)

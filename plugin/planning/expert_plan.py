@@ -66,6 +66,11 @@ class ExpertPlan:
     predicted_tok_s: float | None
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def pinned_per_layer(self) -> int:
+        """Experts pinned in each MoE layer (the same number in every layer)."""
+        return max((len(p) for p in self.pinned.values()), default=0)
+
     def explain(self) -> str:
         lines = [f"budget {self.budget_bytes / MiB:.0f} MiB"]
         for k, v in self.share.items():
@@ -79,7 +84,7 @@ class ExpertPlan:
         else:
             lines.append(
                 f"  expert cache           {self.cache_bytes / MiB:8.1f} MiB: {self.n_slots} slots per layer "
-                f"of {self.slot_bytes / MiB:.2f} MiB ({sum(len(p) for p in self.pinned.values())} pinned)"
+                f"of {self.slot_bytes / MiB:.2f} MiB ({self.pinned_per_layer} pinned per layer)"
             )
             lines.append(
                 f"  predicted: {self.miss_rate:.0%} of a token's experts read, "

@@ -23,6 +23,17 @@ from ..planning import expert_plan
 
 #: flash_mode reported for an MoE model served by the expert engine.
 EXPERTS_MODE = "experts"
+#: environment variable turning the next-layer prefetch off ("0") for measurements; default on
+PREFETCH_ENV = "LLAMAFLASH_EXPERT_PREFETCH"
+
+
+def prefetch_enabled() -> bool:
+    """Whether the engine prefetches the next layer's predicted experts (``$LLAMAFLASH_EXPERT_PREFETCH``:
+    "0" off, "1" or unset on; anything else is refused)."""
+    value = os.environ.get(PREFETCH_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{PREFETCH_ENV}={value!r}: use 1 (prefetch, the default) or 0 (no prefetch)")
+    return value == "1"
 
 
 @dataclass
@@ -92,7 +103,7 @@ def prepare(
             sidecar=sidecar,
             moe=moe,
         )
-    config = engine_config(model_path, moe, info, plan, io_engine=io_engine, verify=verify)
+    config = engine_config(model_path, moe, info, plan, io_engine=io_engine, verify=verify, prefetch=prefetch_enabled())
     model = _native.ExpertModel.open(config)
     return ExpertSetup(
         f"experts served from flash: {plan.n_slots} of {moe.n_expert} experts per layer cached",
