@@ -60,4 +60,3 @@ def test_chunked_prefill_matches_stock(tiny_model_factory, tmp_path, weight_type
     assert stock.prompt_logits.shape[0] >= n_tokens
     assert np.array_equal(stock.prompt_logits, flash.prompt_logits)
     assert flash.generated == stock.generated
-

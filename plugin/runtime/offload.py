@@ -64,6 +64,7 @@ def configure(
         header=header,
         draft_copy=draft_copy,
         logits_all=bool(kwargs.get("logits_all", False)),
+        flash_attn=bool(kwargs.get("flash_attn", False)),
     )
     kwargs.setdefault("n_batch", plan.n_batch)
     kwargs.setdefault("n_ubatch", plan.n_ubatch)
