@@ -168,6 +168,29 @@ def stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
         gate_bytes_per_token=flash.streamed_gate_bytes,
         io_wait_per_token=per(raw["io_wait_seconds"]),
         budget_mb=plan.budget_bytes / 2**20 if plan is not None else None,
+        prefill=prefill_stats(flash, plan),
         plan=plan.to_dict() if plan is not None else None,
     )
     return out
+
+
+def prefill_stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
+    """Prefill since load (or the last reset) beside the plan's prediction: ``dense_splits`` (each
+    streams one served layer's base up + down, and gate when streamed, from flash through the page
+    cache), ``micro_batches`` (dense splits / served layers), ``stream_bytes`` (dense splits x the
+    plan's bytes per micro-batch / served layers: the mean layer), and ``predicted`` (the plan's
+    prefill_speed prediction for its stated prompt: passes, bytes per micro-batch, TTFT)."""
+    if plan is None or not getattr(plan, "prefill", None):
+        return None
+    native = flash.stats()
+    n_layers = max(1, len(flash.served_layers))
+    dense = int(native.get("dense_lane_calls", 0))
+    per_pass = int(plan.prefill["stream_bytes"])
+    return {
+        "dense_splits": dense,
+        "micro_batches": dense / n_layers,
+        "stream_bytes_per_micro_batch": per_pass,
+        "stream_bytes": dense * per_pass / n_layers,
+        "n_ubatch": plan.n_ubatch,
+        "predicted": dict(plan.prefill),
+    }
