@@ -483,7 +483,14 @@ def test_n_ubatch_minimizes_the_predicted_request(wide_pair, prompt_tokens):
         best = chosen.ubatch_choice["request_s"]
         for u in (32, 64, 128, 256, 512):
             try:
-                fixed = plan(wide_pair, low + extra, n_ubatch=u, stream_gate=chosen.stream_gate, **kw)
+                fixed = plan(
+                    wide_pair,
+                    low + extra,
+                    n_ubatch=u,
+                    stream_gate=chosen.stream_gate,
+                    prompt_tokens=prompt_tokens,
+                    **kw,
+                )
             except RamBudgetError:
                 continue
             ttft = fixed.prefill["ttft_s"]
