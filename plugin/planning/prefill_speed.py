@@ -32,10 +32,13 @@ if TYPE_CHECKING:
 
 #: Bytes per second a dense split pulls its layer's base up/down through the page cache, checksums
 #: and page faults included, and multiply-accumulates per second of ggml's batched kernels on the
-#: plain weights (two cores). Fitted to TTFT measured at 900 MiB on Qwen2.5-Coder-1.5B Q4_K_M, n_ubatch
-#: 32 and 512, 1000-token prompt (docs/PLANNER.md, "Prefill").
-PREFILL_STREAM_BYTES_PER_S = 700e6
-PREFILL_MACS_PER_S = 160e9
+#: plain weights (two cores). Fitted (a line through two points) to the median TTFT of a 1000-token
+#: prompt on Qwen2.5-Coder-1.5B Q4_K_M in a cgroup of the budget, files evicted: 11.19 s at 900 MiB
+#: (n_ubatch 256: 4 passes of 483 MB) and 16.08 s at 1200 MiB (n_ubatch 64: 16 passes); at 800 MiB
+#: (gate streamed, 4 passes of 700 MB) it predicts 11.9 s, measured 11.62 (docs/PLANNER.md, "Prefill
+#: and the n_ubatch choice"; bench/results/prefill_budget_p1000.json).
+PREFILL_STREAM_BYTES_PER_S = 1.19e9
+PREFILL_MACS_PER_S = 137e9
 #: Default prompt length a plan predicts TTFT for (``llamaflash plan --prompt-tokens``).
 DEFAULT_PROMPT_TOKENS = 512
 #: Decoded tokens of the request the n_ubatch choice minimizes the time of, beside the prompt.
