@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-ctx", type=int, default=d.n_ctx)
     p.add_argument("--n-batch", type=int, default=d.n_batch)
     p.add_argument(
+        "--flash-n-ubatch", type=int, default=None, help="llamaflash configs: this n_ubatch instead of the plan's"
+    )
+    p.add_argument(
         "--max-decode-s",
         type=float,
         default=d.max_decode_s,
@@ -113,6 +116,7 @@ def main(argv=None) -> int:
         n_gen=args.n_gen,
         n_ctx=args.n_ctx,
         n_batch=args.n_batch,
+        flash_n_ubatch=args.flash_n_ubatch,
         max_decode_s=args.max_decode_s,
         timeout_s=args.timeout,
         quiet_wait_s=args.quiet_wait,

@@ -121,18 +121,22 @@ def test_measure_runs_both_engines_and_stores(converted):
 
 
 def test_demo_in_memory_part_times_stock_and_the_default_with_the_same_harness(converted):
-    """`llamaflash demo`'s in-memory comparison: stock and llamaflash's default, one fresh worker process
-    each (the benchmarks' harness, as `tune`); with no stored measurement the default runs as stock and
-    generates stock's tokens."""
+    """`llamaflash demo`'s in-memory comparison: stock and llamaflash's default, fresh worker processes
+    (the benchmarks' harness, as `tune`), two alternated runs each, medians and stock's noise floor;
+    with no stored measurement the default runs as stock and generates stock's tokens. The verdict
+    states the noise floor and never claims more than was measured."""
     from llamaflash.cli import demo
 
     model, sidecar, _ = converted
     lines = []
-    mem = demo._in_memory(model, sidecar, n_gen=4, n_threads=1, echo=lines.append)
+    mem = demo._in_memory(model, sidecar, n_gen=4, n_threads=1, reps=2, echo=lines.append)
     stock, default = mem["stock"], mem["llamaflash"]
     assert stock["n_prompt"] == default["n_prompt"] == lane_decision.SPEED_PROMPT_TOKENS
     assert stock["decode_tps"] > 0 and default["decode_tps"] > 0 and len(stock["tokens"]) == 5
     assert default["flash_stats"]["mode"] == "stock" and default["tokens"] == stock["tokens"]
     assert lines[-1].startswith("      llamaflash default: running as stock: the sparse lane has not been measured")
+    assert stock["runs"] == default["runs"] == 2 and stock["decode_noise"] is not None
+    assert stock["ttft_s"] > 0 and default["ttft_s"] > 0
     text = demo.verdict(None, (), mem)
-    assert len(text) == 1 and "it is stock here" in text[0]
+    assert len(text) == 1 and "(stock here)" in text[0] and "alternated runs" in text[0]
+    assert "spread" in text[0] and "never slower" not in text[0]

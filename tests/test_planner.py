@@ -466,45 +466,38 @@ def wide_pair(tiny_model_factory, tmp_path_factory) -> tuple[Path, Path]:
     return wide, write_v2_sidecar(wide, tmp_path_factory.mktemp("wide") / "w.flash.gguf", random_freqs(N_LAYER, 2048))
 
 
-@pytest.mark.parametrize("share", [None, 0.97])
-def test_n_ubatch_is_the_largest_whose_decode_is_near_the_best(wide_pair, share, monkeypatch):
-    """Prefill breaks the tie (plan_search.prefill_tie_break): the plan's predicted decode (decode_speed's
-    token without speculation) is at least DECODE_TIE_SHARE of the best over every n_ubatch and gate
-    placement, and the next larger n_ubatch of its placement predicts less than that share of the
-    smallest's; a caller's n_ubatch is taken as given. With a share of 0.97 (each 0.5 MiB that n_ubatch
-    64 takes costs this model 2% at the default 0.99) the share, not an exact tie of every cluster
-    resident, admits the larger n_ubatch somewhere in the scan."""
+@pytest.mark.parametrize("prompt_tokens", [64, 512, 4096])
+def test_n_ubatch_minimizes_the_predicted_request(wide_pair, prompt_tokens):
+    """n_ubatch weighs prefill and decode (plan_search.weigh_prefill): of the n_ubatch of the plan's
+    gate placement that fit, the plan's predicts the shortest request (prefill_speed: TTFT of the
+    prompt + REQUEST_DECODE_TOKENS decoded), each computed from the plan at that fixed n_ubatch; a
+    longer prompt never takes a smaller n_ubatch; a caller's n_ubatch is taken as given."""
     from llamaflash.files.sidecar import validate_pair
-    from llamaflash.planning import decode_speed, plan_search
+    from llamaflash.planning import decode_speed, prefill_speed
 
-    if share is not None:
-        monkeypatch.setattr(plan_search, "DECODE_TIE_SHARE", share)
-    share = plan_search.DECODE_TIE_SHARE
     info = validate_pair(*wide_pair)
-    tok_s = lambda p: decode_speed.plan_token_time(p, info).tok_s  # noqa: E731
-    # a fast disk: reads cost the compute side more than the disk, so the predicted decode moves little
-    # with each pinned slot; one layer of cold slots (no read-ahead): clusters are read
-    fast = default_disk()
-    for point in fast["points"]:
-        point["iops"] *= 1000
-    kw = dict(cluster_size=8, n_ctx=512, prefetch_layers=0, disk=fast)
+    kw = dict(cluster_size=8, n_ctx=4096, prefetch_layers=0)
     low = minimum_mb(wide_pair, n_ubatch=32, **kw)
-    by_share = 0
-    for extra in np.linspace(0.25, 6.0, 24):
-        chosen = plan(wide_pair, low + extra, **kw)
-        each = {}
-        for s in (False, True):
-            for u in (32, 64, 128, 256, 512):
-                try:
-                    each[(s, u)] = plan(wide_pair, low + extra, n_ubatch=u, stream_gate=s, **kw)
-                except RamBudgetError:
-                    pass
-        assert tok_s(chosen) >= share * max(tok_s(p) for p in each.values())
-        smallest = tok_s(each[(chosen.stream_gate, 32)])
-        larger = [u for s, u in each if s == chosen.stream_gate and u > chosen.n_ubatch]
-        if larger:
-            assert tok_s(each[(chosen.stream_gate, min(larger))]) < share * smallest
-        by_share += chosen.n_ubatch > 32 and tok_s(chosen) < smallest
-        given = plan(wide_pair, low + extra, n_ubatch=32, **kw)
+    for extra in np.linspace(0.25, 6.0, 8):
+        chosen = plan(wide_pair, low + extra, prompt_tokens=prompt_tokens, **kw)
+        best = chosen.ubatch_choice["request_s"]
+        for u in (32, 64, 128, 256, 512):
+            try:
+                fixed = plan(
+                    wide_pair,
+                    low + extra,
+                    n_ubatch=u,
+                    stream_gate=chosen.stream_gate,
+                    prompt_tokens=prompt_tokens,
+                    **kw,
+                )
+            except RamBudgetError:
+                continue
+            ttft = fixed.prefill["ttft_s"]
+            assert fixed.prefill["passes"] == -(-prompt_tokens // u)
+            request = prefill_speed.request_seconds(ttft, decode_speed.plan_token_time(fixed, info).tok_s)
+            assert best <= request * (1 + 1e-9), (u, chosen.n_ubatch)
+        longer = plan(wide_pair, low + extra, prompt_tokens=4 * prompt_tokens, **kw)
+        assert longer.n_ubatch >= chosen.n_ubatch
+        given = plan(wide_pair, low + extra, n_ubatch=32, prompt_tokens=prompt_tokens, **kw)
         assert given.n_ubatch == 32 and given.ubatch_choice.get("given")
-    assert by_share > 0 or share == 0.99

@@ -67,6 +67,9 @@ NO_SPECULATION_CONFIG = "llamaflash-nospec"
 #: resident clusters only (the planner's choice between them overridden)
 DRAFT_COPY_CONFIG = "llamaflash-copy"
 RESIDENT_DRAFT_CONFIG = "llamaflash-resident"
+#: flash offload with n_ubatch fixed at 32 (the planner's choice at these budgets before it weighed
+#: prefill): the decode and prefill the n_ubatch choice is compared with
+UBATCH32_CONFIG = "llamaflash-ubatch32"
 
 # --------------------------------------------------------------------------------------------
 # the benchmark
@@ -84,6 +87,7 @@ class BenchOptions:
     n_gen: int = 64
     n_ctx: int = 512
     n_batch: int = 512
+    flash_n_ubatch: int | None = None  # llamaflash configs: n_ubatch fixed instead of the plan's choice
     max_decode_s: float = 20.0  # a collapsing run stops decoding after this long (tok/s over what finished)
     timeout_s: float = 300.0  # per run, load included; the process is killed after it
     quiet_wait_s: float = 20.0  # before each run, wait up to this long for the machine to be idle
@@ -119,6 +123,8 @@ def _config_spec(config: str, limit_mb: int | None) -> dict[str, Any]:
         return {"flash_mode": None, "ram_budget_mb": limit_mb}
     if config == NO_SPECULATION_CONFIG:
         return {"flash_mode": None, "ram_budget_mb": limit_mb, "flash_speculative": False}
+    if config == UBATCH32_CONFIG:
+        return {"flash_mode": None, "ram_budget_mb": limit_mb, "n_ubatch": 32}
     if config in (DRAFT_COPY_CONFIG, RESIDENT_DRAFT_CONFIG):
         return {"flash_mode": None, "ram_budget_mb": limit_mb, "flash_draft_copy": config == DRAFT_COPY_CONFIG}
     return {"flash_mode": config}
@@ -333,6 +339,8 @@ def _run_all(
                     "n_ctx": opts.n_ctx, "n_batch": opts.n_batch, "max_decode_s": opts.max_decode_s,
                     "progress": True, **_config_spec(config, limit),
                 }  # fmt: skip
+                if opts.flash_n_ubatch and config in flash_configs:
+                    spec["n_ubatch"] = opts.flash_n_ubatch
                 files = [model_path] + ([sidecar] if config in flash_configs else [])
                 busy = benchkit.wait_until_quiet(opts.quiet_wait_s) if opts.quiet_wait_s > 0 else None
                 r = run_one(spec, limit, files, opts.timeout_s)

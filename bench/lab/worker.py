@@ -161,6 +161,8 @@ def _load(spec: dict):
     for key in ("flash_speculative", "flash_draft_copy", "flash_expert_slots"):
         if key in spec:
             extra[key] = spec[key]
+    if spec.get("n_ubatch"):
+        common_kwargs["n_ubatch"] = int(spec["n_ubatch"])
     budget = spec.get("ram_budget_mb")
     spec["_flash_mode"] = flash_mode
     if budget is None:

@@ -3,8 +3,10 @@
 
 #include "backend/weight_registry.h"
 #include "lanes/graph_mirror.h"
+#include "lanes/sparse_lane.h"
 #include "model/flash_model.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace llamaflash {
@@ -36,6 +38,21 @@ void deinterleave_gate_up(ggml_tensor * dst, int ith, int nth, void * userdata) 
 }
 
 }  // namespace
+
+int64_t dense_chunk_tokens(int64_t n_tokens) {
+    if (n_tokens <= kDenseChunkTokens) {
+        return n_tokens;
+    }
+    const int64_t spread = (n_tokens + kDenseMaxChunks - 1) / kDenseMaxChunks;
+    return std::max(kDenseChunkTokens, (spread + 7) / 8 * 8);
+}
+
+size_t dense_chunk_scratch_bytes(int64_t n_ff, int64_t n_ubatch) {
+    if (n_ubatch <= kDenseChunkTokens) {
+        return 0;
+    }
+    return 3 * static_cast<size_t>(n_ff) * static_cast<size_t>(dense_chunk_tokens(n_ubatch) + 7) * sizeof(float);
+}
 
 void DenseLane::begin(ggml_context * ctx, const ggml_cgraph * split) {
     ctx_ = ctx;
@@ -141,7 +158,93 @@ bool DenseLane::try_fuse(int i, const ggml_tensor * node) {
     return true;
 }
 
+// Node `node` of a plain GLU FFN split over tokens [t0, t0 + n): the down projection writes rows t0..
+// of its own memory; the others write contiguous [ne0, n] rows at `scratch`. Sources are the chunk's
+// mirrors (mirror_ holds the current chunk's) or the mapped weights.
+ggml_tensor * DenseLane::chunk_node(const ggml_tensor * node, int64_t t0, int64_t n, float * scratch) {
+    ggml_tensor * m = node_copy(ctx_, node);
+    m->ne[1] = n;
+    if (scratch != nullptr) {
+        m->nb[1] = m->nb[0] * static_cast<size_t>(m->ne[0]);
+        m->nb[2] = m->nb[3] = m->nb[1] * static_cast<size_t>(n);
+        m->data = scratch;
+        m->buffer = nullptr;
+    } else {
+        m->data = static_cast<char *>(node->data) + t0 * node->nb[1];
+    }
+    for (int j = 0; j < GGML_MAX_SRC; ++j) {
+        m->src[j] = node->src[j] != nullptr ? mirror_.at(node->src[j]) : nullptr;
+    }
+    return m;
+}
+
+bool DenseLane::try_chunks(ggml_cgraph * graph) {
+    GluFfnPattern ffn;
+    const WeightRegistry & registry = WeightRegistry::instance();
+    if (!match_glu_ffn(split_, registry, ffn)) {
+        return false;
+    }
+    const int64_t n_tokens = ffn.x->ne[1];
+    if (n_tokens <= kDenseChunkTokens || ffn.x->ne[2] != 1 || ffn.x->ne[3] != 1) {
+        return false;
+    }
+    std::vector<const ggml_tensor *> inner;  // every node but down, in split order
+    for (int i = 0; i < n_nodes_; ++i) {
+        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split_), i);
+        if (node->ne[1] != n_tokens || node->ne[2] != 1 || node->ne[3] != 1 || node->type != GGML_TYPE_F32) {
+            return false;
+        }
+        if (node != ffn.down) {
+            inner.push_back(node);
+        }
+    }
+    // chunk boundaries: `chunk` tokens each, the last taking the rest; a rest under 8 tokens joins
+    // the chunk before it (so no chunk changes ggml's kernel choice, which is made at 8 rows)
+    const int64_t chunk = dense_chunk_tokens(n_tokens);
+    std::vector<int64_t> starts;
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += chunk) {
+        starts.push_back(t0);
+    }
+    if (starts.size() > 1 && n_tokens - starts.back() < 8) {
+        starts.pop_back();
+    }
+    starts.push_back(n_tokens);
+    const int64_t widest = chunk + 7;
+    int64_t scratch_floats = 0;
+    for (const ggml_tensor * node : inner) {
+        scratch_floats += node->ne[0] * widest;
+    }
+    if (chunk_scratch_.size() < static_cast<size_t>(scratch_floats)) {
+        chunk_scratch_.assign(static_cast<size_t>(scratch_floats), 0.0f);
+    }
+    // the weights, mapped once for every chunk
+    for (const ggml_tensor * node : inner) {
+        if (node->op == GGML_OP_MUL_MAT) {
+            (void)map_src(node->src[0]);
+        }
+    }
+    (void)map_src(ffn.down->src[0]);
+    for (size_t c = 0; c + 1 < starts.size(); ++c) {
+        const int64_t t0 = starts[c], n = starts[c + 1] - starts[c];
+        ggml_tensor * x = leaf_over(ctx_, ffn.x);
+        x->ne[1] = n;
+        x->data = static_cast<char *>(ffn.x->data) + t0 * ffn.x->nb[1];
+        mirror_[ffn.x] = x;
+        float * at = chunk_scratch_.data();
+        for (const ggml_tensor * node : inner) {
+            mirror_[node] = chunk_node(node, t0, n, at);
+            at += node->ne[0] * n;
+        }
+        ggml_build_forward_expand(graph, chunk_node(ffn.down, t0, n, nullptr));
+    }
+    evaluations_.emplace_back(ffn.layer, n_tokens);
+    return true;
+}
+
 void DenseLane::append_all(ggml_cgraph * graph) {
+    if (try_chunks(graph)) {
+        return;
+    }
     for (int i = 0; i < n_nodes_; ++i) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split_), i);
         if (mirror_.count(node)) {

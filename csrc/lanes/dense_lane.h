@@ -20,6 +20,18 @@
 // copy rows 2i (gate) and 2i+1 (up) of z into the memory of the original gate and up nodes. The
 // values are those of the two separate matmuls (same rows, same dot products).
 //
+// Token chunks: a split that is exactly a plain GLU FFN of a served layer (match_glu_ffn) over more
+// than kDenseChunkTokens tokens is mirrored as a sequence of token chunks of C tokens each
+// (C = dense_chunk_tokens(T), a multiple of 8, the last chunk taking the remainder, never fewer than
+// 8 tokens): per chunk gate·x_c, up·x_c and the activation write into the lane's own scratch
+// [3 · n_ff · C] f32, and down·h_c writes rows c of the split's output. The weights are read from
+// the same views for every chunk within the split, so the split still streams each weight once,
+// while llama.cpp's [n_ff, T] gate/up/activation buffers are never written: prefill's compute memory
+// is the output [n_embd, T] plus the scratch, not 3 · n_ff · T floats. Every output element is the
+// same dot product of the same quantized row and the same quantized token row as unchunked (ggml
+// quantizes src1 per row and picks the kernel by ne11 >= 8 / groups of 4 rows), so the values are
+// those of the unchunked mirror; tests/test_dense_chunks.py checks it bit for bit.
+//
 // Use per split: begin(), then either append_all() (the whole split, dense) or, for the sparse
 // lane, map_src()/mirror_node() of the few nodes it needs from ggml.
 #pragma once
@@ -35,6 +47,19 @@
 namespace llamaflash {
 
 class FlashModel;
+struct GluFfnPattern;
+
+// Splits over at most this many tokens are mirrored whole.
+constexpr int64_t kDenseChunkTokens = 64;
+// At most this many chunks per split (the private graph's size); larger splits take larger chunks.
+constexpr int64_t kDenseMaxChunks = 8;
+// Tokens per chunk for a split of n_tokens: kDenseChunkTokens, or ceil(n_tokens / kDenseMaxChunks)
+// rounded up to a multiple of 8 when that is larger; n_tokens itself when n_tokens <= kDenseChunkTokens.
+int64_t dense_chunk_tokens(int64_t n_tokens);
+// Bytes of the lane's chunk scratch for a GLU layer of n_ff neurons: 3 · n_ff · (C + 7) f32 (gate, up,
+// activation of the widest chunk, C = dense_chunk_tokens(n_ubatch)) when splits of n_ubatch tokens
+// are chunked, else 0. (UNARY + MUL splits hold a fourth [n_ff] row per token.)
+size_t dense_chunk_scratch_bytes(int64_t n_ff, int64_t n_ubatch);
 
 class DenseLane {
 public:
@@ -55,8 +80,15 @@ public:
     // One entry per down projection mirrored: (layer, tokens) of an FFN evaluation.
     const std::vector<std::pair<int, int64_t>> & evaluations() const { return evaluations_; }
 
+    // Scratch bytes held for chunked splits (0 until the first chunked split).
+    size_t chunk_scratch_bytes() const { return chunk_scratch_.size() * sizeof(float); }
+
 private:
     bool try_fuse(int i, const ggml_tensor * node);
+    // Appends the chunked mirror of a plain GLU FFN split (see the top of this file); false when the
+    // split is not one or has too few tokens.
+    bool try_chunks(ggml_cgraph * graph);
+    ggml_tensor * chunk_node(const ggml_tensor * node, int64_t t0, int64_t n, float * scratch);
 
     ggml_context * ctx_ = nullptr;
     const ggml_cgraph * split_ = nullptr;
@@ -66,6 +98,7 @@ private:
     size_t n_fused_ = 0;
     FlashModel * model_ = nullptr;
     std::vector<std::pair<int, int64_t>> evaluations_;
+    std::vector<float> chunk_scratch_;  // [3][n_ff · C] of the chunked splits, reused
 };
 
 }  // namespace llamaflash

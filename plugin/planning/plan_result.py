@@ -58,11 +58,15 @@ class OffloadPlan:
     #: the predicted decode speeds the draft-copy choice compared (draft_plan.DraftChoice.to_dict); {} when
     #: there was no choice to make
     draft_choice: dict[str, Any] = field(default_factory=dict)
-    #: how n_ubatch was chosen (plan_search.with_ubatch_trade): the plan's n_ubatch, pinned clusters and
-    #: I/O bound; ``given`` when the caller fixed it; else ``prefill_n_ubatch`` (the largest whose compute
-    #: buffers take at most UBATCH_BUDGET_SHARE of the budget) and, where larger than the plan's, what it
-    #: would pin and predict (``prefill_hot_slots`` None: it does not fit) and its ``prefill_extra_bytes``
+    #: how n_ubatch was chosen (plan_search.with_ubatch_trade): the plan's n_ubatch, pinned clusters, I/O
+    #: bound, predicted decode and TTFT of ``prompt_tokens`` and the request time it minimizes; ``given``
+    #: when the caller fixed it; else ``alternatives``: the same for every n_ubatch that fits
     ubatch_choice: dict[str, Any] = field(default_factory=dict)
+    #: predicted prefill of the stated prompt (prefill_speed.PrefillPrediction.to_dict): micro-batches,
+    #: bytes streamed per micro-batch and in all, read and compute seconds, ``ttft_s``
+    prefill: dict[str, Any] = field(default_factory=dict)
+    #: the context runs flash attention (compute_buffers counted without KQ scores, plan_llama_share)
+    flash_attn: bool = False
     #: expected served layers per token that read a cluster from flash (plan_clusters.layers_reading;
     #: 0 where every cluster stays resident): decode_speed charges each the read round's CPU cost
     read_layers_per_token: float = 0.0

@@ -7,28 +7,22 @@ whose plan predicts the fastest decode.
      it is planned (:func:`plan_layout`: the neuron cache sized for every cluster size, the best
      kept). A streamed gate is planned too unless its gate reads alone take longer than the whole
      predicted token of the resident gate's plan.
-  2. The plan with the highest predicted decode wins (decode_speed's token without speculation: the
-     longer of its reads and its compute, the reads' CPU side included; then the I/O bound; ties: the
-     resident gate; in step 1 the cluster size is chosen the same way). Then prefill
-     breaks the tie: of the larger n_ubatch of its gate placement (prefill streams the offloaded FFN
-     once per n_ubatch prompt tokens), the largest whose plan predicts, without speculation, at least
-     DECODE_TIE_SHARE of the winner's decode (decode_speed's token) and of its I/O bound (inf ties
-     only inf) is taken instead. A caller's ``n_ubatch`` is the only candidate.
+  2. The plan with the highest predicted decode wins the gate placement (decode_speed's token without
+     speculation: the longer of its reads and its compute, the reads' CPU side included; then the I/O
+     bound; ties: the resident gate; in step 1 the cluster size is chosen the same way). Then prefill
+     and decode are weighed: of its n_ubatch and the larger ones of its gate placement (prefill
+     streams the offloaded FFN once per n_ubatch prompt tokens, prefill_speed), the one whose plan
+     predicts the shortest request (TTFT of ``prompt_tokens`` + prefill_speed.REQUEST_DECODE_TOKENS
+     decoded) is taken. A caller's ``n_ubatch`` is the only candidate.
   3. The draft copy is one more layout: the chosen one's n_ubatch with the copy resident and the gate
      resident; draft_plan chooses between the two plans by predicted delivered decode speed.
 
-More memory is never predicted slower, up to the tie-breaker's share: for one layout a larger budget
-only pins more clusters (fewer reads), and every layout that fits a smaller budget fits a larger one
-and is a candidate there, so the best prediction at a budget (step 2's winner) is at least the best at
-any smaller budget, exactly; the plan taken predicts at least DECODE_TIE_SHARE of it, so at least
-DECODE_TIE_SHARE of what any smaller budget plans. (Exactly non-decreasing predictions would allow a
-larger n_ubatch only where the prediction does not move with memory, every cluster resident: where it
-rises with each pinned slot, the budget where a larger n_ubatch is first taken predicts less than the
-one just below.) The prediction maximized is the decode without speculation; the draft copy is
-weighed after it (planner, draft_plan). Where a larger n_ubatch would have been taken for prefill
-(the largest whose compute buffers take at most UBATCH_BUDGET_SHARE of the budget) the plan's notes
-and ``ubatch_choice`` say what it would pin and predict: the trade, decode for prefill, is the
-caller's to reverse with ``n_ubatch``.
+More memory never predicts a slower request of the same gate placement: for one layout a larger
+budget only pins more clusters (fewer reads), and every layout that fits a smaller budget fits a
+larger one. The decode alone may be predicted a little slower where a larger budget first affords a
+larger n_ubatch (its compute buffers take memory from pinned clusters): ``ubatch_choice`` says what
+the smallest n_ubatch would pin and predict, and a caller's ``n_ubatch`` fixes it. The draft copy is
+weighed after (planner, draft_plan).
 
 Another kind of offloaded weight is one more part: its sizes in plan_budget's parts, its choice
 beside plan_clusters.choose_cache in :func:`plan_layout`.
@@ -44,9 +38,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import RamBudgetError
-from . import decode_speed, draft_plan
+from . import decode_speed, draft_plan, prefill_speed
 from .plan_budget import (
-    UBATCH_BUDGET_SHARE,
     UBATCH_CHOICES,
     Layout,
     PlanRequest,
@@ -103,15 +96,6 @@ def fitting_layouts(req: PlanRequest, layouts: list[Layout]) -> list[Layout]:
         f"in MiB: {big}). Raise the budget to at least {need} MiB (--ram-budget-mb {need}), or use a smaller "
         f"n_ctx (the KV cache takes {last.fixed['kv_cache'] / MiB:.1f} MiB at n_ctx {req.n_ctx})."
     )
-
-
-def prefill_ubatch(req: PlanRequest, ubatches: tuple[int, ...]) -> int:
-    """The n_ubatch prefill would take: the largest of ``ubatches`` (largest first) whose compute
-    buffers take at most UBATCH_BUDGET_SHARE of the budget, else the smallest."""
-    for u in ubatches:
-        if make_layout(req, u, False, 0).fixed["compute_buffers"] <= UBATCH_BUDGET_SHARE * req.budget_bytes:
-            return u
-    return ubatches[-1]
 
 
 def io_key(plan: OffloadPlan) -> float:
@@ -222,6 +206,7 @@ def plan_layout(req: PlanRequest, layout: Layout, least_budget: int) -> OffloadP
         notes=plan_notes(req),
         stream_gate=layout.stream_gate,
         draft_copy=layout.draft_copy,
+        flash_attn=req.flash_attn,
     )
 
 
@@ -230,40 +215,41 @@ def near_best(req: PlanRequest, candidate: OffloadPlan, best: OffloadPlan) -> bo
     return decode_key(req, candidate)[0] >= DECODE_TIE_SHARE * decode_key(req, best)[0]
 
 
-def prefill_tie_break(
+def request_key(req: PlanRequest, plan: OffloadPlan) -> float:
+    """The predicted time of the request n_ubatch is chosen for (prefill_speed.request_seconds): TTFT
+    of ``req.prompt_tokens`` at the plan's n_ubatch and gate placement, plus the decode."""
+    ttft = prefill_speed.predict(req, plan.n_ubatch, plan.stream_gate).ttft_s
+    return prefill_speed.request_seconds(ttft, decode_key(req, plan)[0])
+
+
+def weigh_prefill(
     req: PlanRequest, best: OffloadPlan, fitting: list[Layout], least_budget: int, copy_bytes: int = 0
 ) -> OffloadPlan:
-    """``best``, or the plan of the largest n_ubatch of its gate placement that is :func:`near_best` it.
-    The larger n_ubatch are tried smallest first with ``best``'s cluster size alone (each leaves less
-    to pinned clusters than the one before), until one is not near; the last near one is planned with
-    every cluster size. ``copy_bytes`` (a draft copy that may be kept, gate resident): where the plan
-    with the copy wins draft_plan's choice at ``best``'s n_ubatch, it takes the same n_ubatch and must
-    be near its own there too."""
+    """Of ``best`` (the smallest n_ubatch of its gate placement: its fastest decode) and the plans of
+    the larger n_ubatch of that placement, the one of the shortest predicted request
+    (:func:`request_key`: TTFT of ``req.prompt_tokens`` + the decode). The larger n_ubatch are planned
+    with ``best``'s cluster size alone, the one taken with every cluster size. ``copy_bytes`` (a draft
+    copy that may be kept, gate resident): where the copy wins draft_plan's choice at ``best``'s
+    n_ubatch, an n_ubatch is a candidate only where the copy's layout fits too."""
     one_size = dataclasses.replace(req, tables=tuple(t for t in req.tables if t.size == best.cluster_size))
     larger = sorted(
         (lay for lay in fitting if lay.stream_gate == best.stream_gate and lay.n_ubatch > best.n_ubatch),
         key=lambda lay: lay.n_ubatch,
     )
-    with_copy = None
+    with_copy = False
     if copy_bytes and not best.stream_gate:
         base = make_layout(req, best.n_ubatch, False, copy_bytes)
         if least_minimum(req, base) <= req.budget_bytes:
-            with_copy = plan_layout(req, base, least_budget)
-            if not draft_plan.choose_draft_copy(req.info, best, with_copy).draft_copy:
-                with_copy = None  # the copy loses at best's n_ubatch, and a larger one leaves it less
-    taken = None
+            with_copy = draft_plan.choose_draft_copy(req.info, best, plan_layout(req, base, least_budget)).draft_copy
+    taken, taken_key = None, request_key(req, best)
     for lay in larger:
         if least_minimum(one_size, lay) > req.budget_bytes:
             break
-        if not near_best(req, plan_layout(one_size, lay, least_budget), best):
+        if with_copy and least_minimum(req, make_layout(req, lay.n_ubatch, False, copy_bytes)) > req.budget_bytes:
             break
-        if with_copy is not None:
-            copy_lay = make_layout(req, lay.n_ubatch, False, copy_bytes)
-            if least_minimum(req, copy_lay) > req.budget_bytes:
-                break
-            if not near_best(req, plan_layout(req, copy_lay, least_budget), with_copy):
-                break
-        taken = lay
+        key = request_key(req, plan_layout(one_size, lay, least_budget))
+        if key < taken_key:
+            taken, taken_key = lay, key
     return best if taken is None else plan_layout(req, taken, least_budget)
 
 
@@ -280,7 +266,7 @@ def best_plan(req: PlanRequest, fitting: list[Layout], least_budget: int, copy_b
             continue  # the gate's reads alone take longer than the resident gate's whole token
         plans.append(plan_layout(req, mine[-1], least_budget))  # the smallest n_ubatch of this placement
     best = max(plans, key=lambda p: (decode_key(req, p), not p.stream_gate))  # max keeps the first of equals
-    best = prefill_tie_break(req, best, fitting, least_budget, copy_bytes)
+    best = weigh_prefill(req, best, fitting, least_budget, copy_bytes)
     if best.stream_gate and req.stream_gate is None:
         resident = plans[0] if not plans[0].stream_gate else None
         best = dataclasses.replace(best, notes=best.notes + [gate_note(req, best, resident)])
@@ -288,41 +274,57 @@ def best_plan(req: PlanRequest, fitting: list[Layout], least_budget: int, copy_b
 
 
 def with_ubatch_trade(req: PlanRequest, plan: OffloadPlan) -> OffloadPlan:
-    """``plan`` with ``ubatch_choice`` and, where prefill would take a larger n_ubatch
-    (:func:`prefill_ubatch`), a note on what that n_ubatch would pin and predict instead (the plan's
-    cluster size, gate placement and draft copy)."""
+    """``plan`` with its predicted prefill (``prefill``: prefill_speed.PrefillPrediction of
+    ``req.prompt_tokens``) and ``ubatch_choice``: the plan's n_ubatch, pinned clusters, predicted
+    decode, TTFT and request time, and, unless the caller fixed n_ubatch, the same for every n_ubatch of
+    the plan's gate placement and cluster size that fits (``alternatives``; None where it does not fit),
+    with a note where the plan's n_ubatch is not the smallest (decode traded for prefill)."""
+    pre = prefill_speed.predict(req, plan.n_ubatch, plan.stream_gate)
+    decode = decode_key(req, plan)[0]
     choice: dict[str, Any] = {
         "n_ubatch": plan.n_ubatch,
         "hot_slots": plan.hot_slots,
         "io_bound_tok_s": plan.io_bound_tok_s,
+        "decode_tok_s": decode,
+        "prompt_tokens": req.prompt_tokens,
+        "ttft_s": pre.ttft_s,
+        "request_s": prefill_speed.request_seconds(pre.ttft_s, decode),
+        "request_decode_tokens": prefill_speed.REQUEST_DECODE_TOKENS,
     }
+    plan = dataclasses.replace(plan, prefill=pre.to_dict())
     if req.n_ubatch is not None:
         return dataclasses.replace(plan, ubatch_choice={**choice, "given": True})
-    wanted = prefill_ubatch(req, ubatch_options(req, None))
-    choice["prefill_n_ubatch"] = wanted
-    if wanted <= plan.n_ubatch:
-        return dataclasses.replace(plan, ubatch_choice=choice)
-    table = next(t for t in req.tables if t.size == plan.cluster_size)
-    layout = make_layout(req, wanted, plan.stream_gate, plan.parts.get("draft_copy", 0))
-    low = minimum_bytes(req, layout, table)
-    hot, tok_s = None, None
-    if low <= req.budget_bytes:
-        disk = DiskModel(req.disk if req.disk is not None else default_disk())
-        gate = StreamedGate(sum(req.gate_layer_bytes), req.gate_layer_bytes) if plan.stream_gate else None
-        alt = choose_cache(
-            table,
-            min(table.total_clusters, (req.budget_bytes - low) // table.slot_bytes),
-            disk,
-            req.prefetch_layers,
-            gate,
+    one_size = dataclasses.replace(req, tables=tuple(t for t in req.tables if t.size == plan.cluster_size))
+    copy = plan.parts.get("draft_copy", 0)
+    alternatives = []
+    for u in ubatch_options(req, None):
+        if u == plan.n_ubatch:
+            alternatives.append(
+                {k: choice[k] for k in ("n_ubatch", "hot_slots", "decode_tok_s", "ttft_s", "request_s")}
+            )
+            continue
+        layout = make_layout(req, u, plan.stream_gate, copy)
+        if least_minimum(one_size, layout) > req.budget_bytes:
+            alternatives.append({"n_ubatch": u, "hot_slots": None})
+            continue
+        alt = plan_layout(one_size, layout, plan.least_budget_bytes)
+        ttft = prefill_speed.predict(req, u, plan.stream_gate).ttft_s
+        tok_s = decode_key(req, alt)[0]
+        alternatives.append(
+            {
+                "n_ubatch": u,
+                "hot_slots": alt.hot_slots,
+                "decode_tok_s": tok_s,
+                "ttft_s": ttft,
+                "request_s": prefill_speed.request_seconds(ttft, tok_s),
+            }
         )
-        hot, tok_s = alt.hot_slots, alt.io_bound_tok_s
-    choice.update(
-        prefill_hot_slots=hot,
-        prefill_io_bound_tok_s=tok_s,
-        prefill_extra_bytes=layout.fixed["compute_buffers"] - plan.parts["compute_buffers"],
-    )
-    return dataclasses.replace(plan, ubatch_choice=choice, notes=plan.notes + [ubatch_note(choice)])
+    choice["alternatives"] = alternatives
+    smallest = next((a for a in reversed(alternatives) if a.get("hot_slots") is not None), None)
+    notes = plan.notes
+    if smallest is not None and smallest["n_ubatch"] < plan.n_ubatch:
+        notes = notes + [ubatch_note(choice, smallest)]
+    return dataclasses.replace(plan, ubatch_choice=choice, notes=notes)
 
 
 def plan_without_copy(req: PlanRequest, copy_bytes: int = 0) -> OffloadPlan:

@@ -8,7 +8,9 @@ Every size is in bytes; "MiB" is 2**20 bytes, the unit of ``ram_budget_mb`` (as 
   plan_llama_share   llama.cpp's memory: vocabulary, weights it keeps, KV cache, compute buffers
   plan_clusters      the neuron cache: cluster tables, which clusters to pin, flash reads per token
   plan_budget        the parts of a budget for a candidate layout, and the least budget it runs in
-  plan_search        the layout that fits with the fastest predicted decode; the draft copy one more candidate
+  plan_search        the layout that fits with the fastest predicted decode, its n_ubatch weighed with
+                     the prompt's prefill; the draft copy one more candidate
+  prefill_speed      the predicted time to first token of a prompt at an n_ubatch
   plan_explain       why each part has its size, the notes, the printed table
   plan_result        OffloadPlan, the plain value the engine is configured from
   draft_plan         the predicted delivered decode that decides for or against the draft copy
@@ -41,6 +43,7 @@ from .plan_disk import default_disk, disk_throughput
 from .plan_llama_share import COMPUTE_SAFETY, VOCAB_BYTES_PER_ENTRY, VOCAB_FIXED_BYTES, MiB, llama_share
 from .plan_result import OffloadPlan
 from .plan_search import copy_layout, plan_layout, plan_with_copy, plan_without_copy, with_ubatch_trade
+from .prefill_speed import DEFAULT_PROMPT_TOKENS
 
 __all__ = [
     "CLUSTER_SIZES",
@@ -85,13 +88,15 @@ def plan_offload(
     header: GGUFHeader | None = None,
     draft_copy: bool | None = None,
     logits_all: bool = False,
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+    flash_attn: bool = True,
 ) -> OffloadPlan:
     """Plan the RAM of the flash-offload engine for ``model_path`` + its format-2 sidecar under
     ``ram_budget_mb`` MiB (see the module docstring and :class:`OffloadPlan`).
 
-    ``n_ubatch`` None: of UBATCH_CHOICES, the largest whose plan predicts at least DECODE_TIE_SHARE
-    of the fastest decode (the smallest n_ubatch's), so that more memory is never predicted slower
-    beyond that share; the plan's notes say what a larger one would cost (:mod:`plan_search`);
+    ``n_ubatch`` None: of UBATCH_CHOICES, the one whose plan predicts the shortest request: TTFT of
+    ``prompt_tokens`` (prefill_speed) plus prefill_speed.REQUEST_DECODE_TOKENS decoded; the plan's
+    ``prefill`` and ``ubatch_choice`` say what each n_ubatch predicts (:mod:`plan_search`);
     ``disk`` None: :func:`default_disk`; ``runtime_rss_bytes`` None: RUNTIME_RSS_BYTES;
     ``cluster_size`` None: the CLUSTER_SIZES entry with the best predicted tok/s; ``stream_gate`` None:
     the gate matrices stay resident when that fits the budget, else they are streamed from flash
@@ -104,6 +109,8 @@ def plan_offload(
     the one with the higher predicted delivered decode speed (:mod:`llamaflash.planning.draft_plan`).
 
     ``logits_all``: the Llama keeps every token's logits (``Llama(logits_all=True)``): counted.
+    ``flash_attn``: the context runs flash attention (offload's default, batch-invariant numerics): its
+    compute buffers hold no KQ scores.
 
     ``info`` / ``header``: the pair's :func:`~llamaflash.files.sidecar.validate_pair` result and the base
     model's parsed header, when the caller has them (``llamaflash.Llama``), so that one load parses
@@ -113,9 +120,11 @@ def plan_offload(
         or prefetch_layers < 0
         or (cluster_size is not None and cluster_size < 1)
         or (n_ubatch is not None and n_ubatch < 1)
+        or prompt_tokens < 1
     ):
         raise ValueError(
-            f"n_ctx {n_ctx}, n_ubatch {n_ubatch} and cluster_size {cluster_size} must be positive, "
+            f"n_ctx {n_ctx}, n_ubatch {n_ubatch}, prompt_tokens {prompt_tokens} and cluster_size "
+            f"{cluster_size} must be positive, "
             f"prefetch_layers {prefetch_layers} non-negative"
         )
     sidecar = Path(sidecar_path) if sidecar_path is not None else default_sidecar_path(model_path)
@@ -158,6 +167,8 @@ def plan_offload(
         disk=disk,
         tables=tuple(cluster_tables(info, cluster_size)),
         logits_all=bool(logits_all),
+        prompt_tokens=int(prompt_tokens),
+        flash_attn=bool(flash_attn),
     )
     return with_ubatch_trade(req, _plan_draft_copy(req, info, draft_copy, copy_bytes))
 

@@ -47,11 +47,16 @@ def configure(
     speculation_by_default: bool = False,
 ) -> Tuple["OffloadPlan", "_native.EngineConfig", Optional[speculative.SpeculativeSettings], Optional[str]]:
     """Steps 1 and 2: the plan for the budget and the engine configuration from it. Sets llama.cpp's
-    n_batch and n_ubatch in ``kwargs`` to the plan's where the caller did not give them. Returns the
+    n_batch and n_ubatch in ``kwargs`` to the plan's where the caller did not give them; takes
+    ``flash_prompt_tokens`` out of ``kwargs`` (the prompt length the plan weighs, default 512). Returns the
     plan, the engine configuration, the speculative settings to use and, where speculation that was
     on only by default is turned off (:func:`default_speculation_off`), the reason."""
     from ..planning import disk_probe, planner  # numpy-heavy; only offload needs them
+    from ..planning.prefill_speed import DEFAULT_PROMPT_TOKENS
 
+    # the prompt length the plan predicts TTFT for and weighs in n_ubatch: Llama(flash_prompt_tokens=N),
+    # consumed here (llama-cpp-python ignores keyword arguments it does not know)
+    prompt_tokens = int(kwargs.pop("flash_prompt_tokens", None) or DEFAULT_PROMPT_TOKENS)
     plan = planner.plan_offload(
         os.fspath(model_path),
         str(sidecar),
@@ -64,6 +69,8 @@ def configure(
         header=header,
         draft_copy=draft_copy,
         logits_all=bool(kwargs.get("logits_all", False)),
+        flash_attn=bool(kwargs.get("flash_attn", False)),
+        prompt_tokens=prompt_tokens,
     )
     kwargs.setdefault("n_batch", plan.n_batch)
     kwargs.setdefault("n_ubatch", plan.n_ubatch)
@@ -167,6 +174,29 @@ def stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
         gate_bytes_per_token=flash.streamed_gate_bytes,
         io_wait_per_token=per(raw["io_wait_seconds"]),
         budget_mb=plan.budget_bytes / 2**20 if plan is not None else None,
+        prefill=prefill_stats(flash, plan),
         plan=plan.to_dict() if plan is not None else None,
     )
     return out
+
+
+def prefill_stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
+    """Prefill since load (or the last reset) beside the plan's prediction: ``dense_splits`` (each
+    streams one served layer's base up + down, and gate when streamed, from flash through the page
+    cache), ``micro_batches`` (dense splits / served layers), ``stream_bytes`` (dense splits x the
+    plan's bytes per micro-batch / served layers: the mean layer), and ``predicted`` (the plan's
+    prefill_speed prediction for its stated prompt: passes, bytes per micro-batch, TTFT)."""
+    if plan is None or not getattr(plan, "prefill", None):
+        return None
+    native = flash.stats()
+    n_layers = max(1, len(flash.served_layers))
+    dense = int(native.get("dense_lane_calls", 0))
+    per_pass = int(plan.prefill["stream_bytes"])
+    return {
+        "dense_splits": dense,
+        "micro_batches": dense / n_layers,
+        "stream_bytes_per_micro_batch": per_pass,
+        "stream_bytes": dense * per_pass / n_layers,
+        "n_ubatch": plan.n_ubatch,
+        "predicted": dict(plan.prefill),
+    }
