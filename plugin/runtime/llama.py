@@ -74,6 +74,8 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  no longer depends on the cache's history or on n_batch / n_ubatch: a conversation
                  replayed from scratch gives the answer it got continued in the KV cache. Costs prefill
                  speed (docs/BENCHMARKS.md, "Identical answers").
+  flash_prompt_tokens  offload only: the prompt length the planner weighs when it predicts time to
+                 the first token and chooses n_ubatch (None: 512; plugin/planning/prefill_speed.py).
   flash_expert_slots  mixture-of-experts models under ram_budget_mb: expert cache slots per MoE layer
                  (None: the planner's choice from the budget; given: the engine serves the experts from
                  flash even when the whole model would fit).
@@ -170,6 +172,7 @@ class Llama(llama_cpp.Llama):
         flash_verify: bool = True,
         flash_expert_slots: Optional[int] = None,
         deterministic: bool = False,
+        flash_prompt_tokens: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         _check_known_keywords(kwargs)  # llama_cpp.Llama ignores unknown ones: a misspelt setting would be lost
@@ -208,6 +211,7 @@ class Llama(llama_cpp.Llama):
             "flash_verify": flash_verify,
             "flash_expert_slots": flash_expert_slots,
             "deterministic": deterministic,
+            "flash_prompt_tokens": flash_prompt_tokens,
         }
         _check_argument_types(
             sidecar_path,
@@ -220,6 +224,12 @@ class Llama(llama_cpp.Llama):
             flash_draft_copy,
             flash_verify,
         )
+        if flash_prompt_tokens is not None and (
+            isinstance(flash_prompt_tokens, bool) or not isinstance(flash_prompt_tokens, int) or flash_prompt_tokens < 1
+        ):
+            raise ValueError(
+                f"flash_prompt_tokens={flash_prompt_tokens!r} must be a positive number of tokens, or None"
+            )
         if ram_budget_mb is None and (
             flash_stream_gate is not None or flash_disk_profile is not None or flash_draft_copy is not None
         ):
@@ -360,6 +370,7 @@ class Llama(llama_cpp.Llama):
                 io_engine=flash_io_engine,
                 verify=flash_verify,
                 speculation_by_default=flash_speculative is None and user_draft is None,
+                prompt_tokens=flash_prompt_tokens,
             )
             self._flash_plan = plan
         else:

@@ -84,6 +84,7 @@ LLAMAFLASH_KEYWORDS = (
     "flash_verify",
     "flash_expert_slots",
     "deterministic",
+    "flash_prompt_tokens",
 )
 
 

@@ -45,18 +45,18 @@ def configure(
     io_engine: str,
     verify: bool,
     speculation_by_default: bool = False,
+    prompt_tokens: Optional[int] = None,
 ) -> Tuple["OffloadPlan", "_native.EngineConfig", Optional[speculative.SpeculativeSettings], Optional[str]]:
     """Steps 1 and 2: the plan for the budget and the engine configuration from it. Sets llama.cpp's
-    n_batch and n_ubatch in ``kwargs`` to the plan's where the caller did not give them; takes
-    ``flash_prompt_tokens`` out of ``kwargs`` (the prompt length the plan weighs, default 512). Returns the
+    n_batch and n_ubatch in ``kwargs`` to the plan's where the caller did not give them;
+    ``prompt_tokens`` is the prompt length the plan weighs (None: DEFAULT_PROMPT_TOKENS). Returns the
     plan, the engine configuration, the speculative settings to use and, where speculation that was
     on only by default is turned off (:func:`default_speculation_off`), the reason."""
     from ..planning import disk_probe, planner  # numpy-heavy; only offload needs them
     from ..planning.prefill_speed import DEFAULT_PROMPT_TOKENS
 
-    # the prompt length the plan predicts TTFT for and weighs in n_ubatch: Llama(flash_prompt_tokens=N),
-    # consumed here (llama-cpp-python ignores keyword arguments it does not know)
-    prompt_tokens = int(kwargs.pop("flash_prompt_tokens", None) or DEFAULT_PROMPT_TOKENS)
+    # the prompt length the plan predicts TTFT for and weighs in n_ubatch: Llama(flash_prompt_tokens=N)
+    prompt_tokens = int(prompt_tokens or DEFAULT_PROMPT_TOKENS)
     plan = planner.plan_offload(
         os.fspath(model_path),
         str(sidecar),
