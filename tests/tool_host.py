@@ -5,7 +5,8 @@ the greedy completion's token ids.
 
 Usage: python tool_host.py MODEL PROMPT N_TOKENS [FLAGS]; FLAGS in llama-cli's spelling (the library
 reads them from the command line as it does a tool's): -c N, -b N, -ub N, -fa on|off, --no-repack,
--np N (-np is only seen by the library: this host decodes one sequence).
+-np N, -ot X (-np and -ot are only seen by the library: this host decodes one sequence and loads the
+library itself).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _kwargs(flags: list) -> tuple:
         elif flag == "-fa":
             kwargs["flash_attn"] = flags[i + 1] == "on"
             i += 2
-        elif flag == "-np":
+        elif flag in ("-np", "-ot"):
             i += 2
         elif flag == "--no-repack":
             no_repack = True

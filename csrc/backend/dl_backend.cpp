@@ -38,10 +38,10 @@
 #include <vector>
 
 #ifndef LLAMAFLASH_GGML_COMMIT
-#    error "LLAMAFLASH_GGML_COMMIT (ggml_commit() of the libggml linked) must be defined by the build"
+#error "LLAMAFLASH_GGML_COMMIT (ggml_commit() of the libggml linked) must be defined by the build"
 #endif
 #ifndef LLAMAFLASH_GGML_VERSION
-#    error "LLAMAFLASH_GGML_VERSION must be defined by the build"
+#error "LLAMAFLASH_GGML_VERSION must be defined by the build"
 #endif
 
 namespace llamaflash {
@@ -64,12 +64,12 @@ struct LoadedPlan {
     int expected_weights = 0;
 };
 
-std::unique_ptr<LoadedPlan> g_loaded;   // set by a successful score(); lives for the process
+std::unique_ptr<LoadedPlan> g_loaded;  // set by a successful score(); lives for the process
 std::mutex g_gate_mu;
-bool g_model_admitted = false;          // the plan's model was recognised at its first weight
-bool g_declined = false;                // the device declines every weight it does not hold yet
+bool g_model_admitted = false;  // the plan's model was recognised at its first weight
+bool g_declined = false;        // the device declines every weight it does not hold yet
 bool g_landed_checked = false;
-std::vector<int> g_own_descriptors;     // the engine's own descriptors on the model file
+std::vector<int> g_own_descriptors;  // the engine's own descriptors on the model file
 
 // ---------------------------------------------------------------------------------------------
 // the checks of score()
@@ -95,7 +95,8 @@ std::unique_ptr<LoadedPlan> load_plan(const std::string & path) {
     if (id.ggml_commit != ggml_commit() || id.ggml_version != ggml_version()) {
         throw std::runtime_error("the plan '" + path + "' was made with ggml " + id.ggml_version + " (commit " +
                                  id.ggml_commit + "), this process runs ggml " + ggml_version() + " (commit " +
-                                 ggml_commit() + "); run `llamaflash env` again from the llamaflash installed beside "
+                                 ggml_commit() +
+                                 "); run `llamaflash env` again from the llamaflash installed beside "
                                  "these tools");
     }
     for (auto [path_, size, mtime] : {std::tuple{id.model_path, id.model_size, id.model_mtime_ns},
@@ -154,8 +155,9 @@ std::string budget_flags_mismatch(const std::vector<std::string> & args, const c
 int score_once() {
     const std::string mismatch = build_mismatch();
     if (!mismatch.empty()) {
-        refuse(mismatch, "Install the llamaflash built with the llama-cpp-python whose libraries these tools use "
-                         "(scripts/build_llama_tools.sh builds matching tools)");
+        refuse(mismatch,
+               "Install the llamaflash built with the llama-cpp-python whose libraries these tools use "
+               "(scripts/build_llama_tools.sh builds matching tools)");
         return 0;
     }
     const char * plan_path = std::getenv(pk::ENV_PLAN);
@@ -292,7 +294,8 @@ ggml_status checked_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph) 
             const int bound = bound_count(*g_loaded);
             if (bound != g_loaded->expected_weights) {
                 say("error: llama.cpp placed " + std::to_string(bound) + " of the " +
-                    std::to_string(g_loaded->expected_weights) + " weights the plan serves on the llamaflash device, "
+                    std::to_string(g_loaded->expected_weights) +
+                    " weights the plan serves on the llamaflash device, "
                     "so the model cannot be served; remove tensor overrides (-ot) of FFN or expert weights, or unset "
                     "GGML_BACKEND_PATH");
                 return GGML_STATUS_FAILED;

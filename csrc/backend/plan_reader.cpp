@@ -82,7 +82,8 @@ public:
 
     // A flat array split into per-layer pieces by a counts array of `n_layers` entries.
     template <typename T>
-    std::vector<std::vector<T>> ragged(const char * key, gguf_type type, const char * counts_key, int64_t n_layers) const {
+    std::vector<std::vector<T>> ragged(const char * key, gguf_type type, const char * counts_key,
+                                       int64_t n_layers) const {
         const std::vector<int64_t> counts = ints(counts_key, n_layers);
         int64_t total = 0;
         for (int64_t c : counts) {
@@ -121,8 +122,8 @@ PlanIdentity read_identity(const PlanKeys & k) {
     PlanIdentity id;
     id.format = k.u32(pk::FORMAT);
     if (id.format != pk::FORMAT_VERSION) {
-        k.fail(pk::FORMAT, "format version " + std::to_string(pk::FORMAT_VERSION) + " (it is " +
-                               std::to_string(id.format) + ")");
+        k.fail(pk::FORMAT,
+               "format version " + std::to_string(pk::FORMAT_VERSION) + " (it is " + std::to_string(id.format) + ")");
     }
     id.kind = k.str(pk::KIND);
     id.mode = k.str(pk::MODE);
@@ -166,32 +167,58 @@ EngineConfig read_dense(const PlanKeys & k, const PlanIdentity & id) {
             const int64_t x = v[i];
             const std::string f = field;
             // the field list is plan_keys.LAYER_INT_FIELDS; each maps to one LayerSpec member
-            if (f == "layer") s.layer = static_cast<int>(x);
-            else if (f == "n_embd") s.n_embd = x;
-            else if (f == "n_ff") s.n_ff = x;
-            else if (f == "gate_type") s.gate_type = static_cast<ggml_type>(x);
-            else if (f == "up_type") s.up_type = static_cast<ggml_type>(x);
-            else if (f == "down_type") s.down_type = static_cast<ggml_type>(x);
-            else if (f == "down_t_type") s.down_t_type = static_cast<ggml_type>(x);
-            else if (f == "gate_row_bytes") s.gate_row_bytes = x;
-            else if (f == "up_row_bytes") s.up_row_bytes = x;
-            else if (f == "bundle_offset") s.bundle_offset = x;
-            else if (f == "bundle_stride") s.bundle_stride = x;
-            else if (f == "down_t_offset") s.down_t_offset = x;
-            else if (f == "down_t_row_bytes") s.down_t_row_bytes = x;
-            else if (f == "order_offset") s.order_offset = x;
-            else if (f == "base_down_offset") s.base_down_offset = x;
-            else if (f == "base_down_row_bytes") s.base_down_row_bytes = x;
-            else if (f == "base_up_offset") s.base_up_offset = x;
-            else if (f == "base_gate_offset") s.base_gate_offset = x;
-            else if (f == "draft_type") s.draft_type = static_cast<ggml_type>(x);
-            else if (f == "draft_row_bytes") s.draft_row_bytes = x;
-            else if (f == "draft_up_offset") s.draft_up_offset = x;
-            else if (f == "draft_down_t_offset") s.draft_down_t_offset = x;
-            else if (f == "draft_checksum_offset") s.draft_checksum_offset = x;
-            else if (f == "checksum_offset") s.checksum_offset = x;
-            else if (f == "base_down_checksum_offset") s.base_down_checksum_offset = x;
-            else k.fail(key.c_str(), "a LayerSpec field this library knows");
+            if (f == "layer")
+                s.layer = static_cast<int>(x);
+            else if (f == "n_embd")
+                s.n_embd = x;
+            else if (f == "n_ff")
+                s.n_ff = x;
+            else if (f == "gate_type")
+                s.gate_type = static_cast<ggml_type>(x);
+            else if (f == "up_type")
+                s.up_type = static_cast<ggml_type>(x);
+            else if (f == "down_type")
+                s.down_type = static_cast<ggml_type>(x);
+            else if (f == "down_t_type")
+                s.down_t_type = static_cast<ggml_type>(x);
+            else if (f == "gate_row_bytes")
+                s.gate_row_bytes = x;
+            else if (f == "up_row_bytes")
+                s.up_row_bytes = x;
+            else if (f == "bundle_offset")
+                s.bundle_offset = x;
+            else if (f == "bundle_stride")
+                s.bundle_stride = x;
+            else if (f == "down_t_offset")
+                s.down_t_offset = x;
+            else if (f == "down_t_row_bytes")
+                s.down_t_row_bytes = x;
+            else if (f == "order_offset")
+                s.order_offset = x;
+            else if (f == "base_down_offset")
+                s.base_down_offset = x;
+            else if (f == "base_down_row_bytes")
+                s.base_down_row_bytes = x;
+            else if (f == "base_up_offset")
+                s.base_up_offset = x;
+            else if (f == "base_gate_offset")
+                s.base_gate_offset = x;
+            else if (f == "draft_type")
+                s.draft_type = static_cast<ggml_type>(x);
+            else if (f == "draft_row_bytes")
+                s.draft_row_bytes = x;
+            else if (f == "draft_up_offset")
+                s.draft_up_offset = x;
+            else if (f == "draft_down_t_offset")
+                s.draft_down_t_offset = x;
+            else if (f == "draft_checksum_offset")
+                s.draft_checksum_offset = x;
+            else if (f == "checksum_offset")
+                s.checksum_offset = x;
+            else if (f == "base_down_checksum_offset")
+                s.base_down_checksum_offset = x;
+            else
+                k.fail(key.c_str(), "a LayerSpec field this library knows");
         }
     }
     const std::string threshold_key = std::string(pk::LAYER) + "threshold";
@@ -203,14 +230,22 @@ EngineConfig read_dense(const PlanKeys & k, const PlanIdentity & id) {
         for (int64_t i = 0; i < n; ++i) {
             LayerSpec & s = c.layers[i];
             const std::string f = field;
-            if (f == "draft_up_name") s.draft_up_name = v[i];
-            else if (f == "draft_down_t_name") s.draft_down_t_name = v[i];
-            else if (f == "bundle_name") s.bundle_name = v[i];
-            else if (f == "down_t_name") s.down_t_name = v[i];
-            else if (f == "base_gate_name") s.base_gate_name = v[i];
-            else if (f == "base_up_name") s.base_up_name = v[i];
-            else if (f == "base_down_name") s.base_down_name = v[i];
-            else k.fail(key.c_str(), "a LayerSpec field this library knows");
+            if (f == "draft_up_name")
+                s.draft_up_name = v[i];
+            else if (f == "draft_down_t_name")
+                s.draft_down_t_name = v[i];
+            else if (f == "bundle_name")
+                s.bundle_name = v[i];
+            else if (f == "down_t_name")
+                s.down_t_name = v[i];
+            else if (f == "base_gate_name")
+                s.base_gate_name = v[i];
+            else if (f == "base_up_name")
+                s.base_up_name = v[i];
+            else if (f == "base_down_name")
+                s.base_down_name = v[i];
+            else
+                k.fail(key.c_str(), "a LayerSpec field this library knows");
         }
     }
 
@@ -225,7 +260,8 @@ EngineConfig read_dense(const PlanKeys & k, const PlanIdentity & id) {
         o.engine = k.str(pk::OFFLOAD_ENGINE);
         o.draft_copy = k.boolean(pk::OFFLOAD_DRAFT_COPY);
         o.hot = k.ragged<int32_t>(pk::OFFLOAD_HOT, GGUF_TYPE_INT32, pk::OFFLOAD_HOT_COUNTS, n);
-        o.cluster_prob = k.ragged<float>(pk::OFFLOAD_CLUSTER_PROB, GGUF_TYPE_FLOAT32, pk::OFFLOAD_CLUSTER_PROB_COUNTS, n);
+        o.cluster_prob =
+            k.ragged<float>(pk::OFFLOAD_CLUSTER_PROB, GGUF_TYPE_FLOAT32, pk::OFFLOAD_CLUSTER_PROB_COUNTS, n);
         c.offload = std::move(o);
     }
     return c;

@@ -34,8 +34,8 @@ struct PlanIdentity {
 
 struct Plan {
     PlanIdentity identity;
-    std::optional<EngineConfig> dense;     // kind "dense"
-    std::optional<ExpertConfig> experts;   // kind "experts"
+    std::optional<EngineConfig> dense;    // kind "dense"
+    std::optional<ExpertConfig> experts;  // kind "experts"
 };
 
 // Reads `path`. Throws std::runtime_error naming the file and the missing or ill-typed key, or a

@@ -23,6 +23,8 @@ from llamaflash.errors import LlamaflashError, SidecarNotFoundError
 from llamaflash.files import plan_keys as K
 
 MODES = ("auto", "dense", "sparse")
+#: flags that make llama-cli / llama-server call ggml_backend_load_all() (see _tool_args)
+LOAD_ARGS = ("-ot", "llamaflash=CPU")
 
 
 @dataclass
@@ -37,8 +39,11 @@ class ToolPlan:
 
 
 def _tool_args(n_ctx: int, n_batch: Optional[int], n_ubatch: Optional[int], batch_invariant: bool) -> str:
-    """The tool flags the plan counted (llama-cli / llama-server spelling)."""
-    args = ["-c", str(n_ctx)]
+    """The tool flags the plan counted (llama-cli / llama-server spelling). The first two make
+    llama-cli and llama-server load GGML_BACKEND_PATH at all: in this llama.cpp only llama-bench calls
+    ggml_backend_load_all() unconditionally; the others call it while parsing a tensor override (or a
+    device list), so a no-op override (no tensor name contains "llamaflash") does it."""
+    args = [*LOAD_ARGS, "-c", str(n_ctx)]
     if n_batch:
         args += ["-b", str(n_batch)]
     if n_ubatch:
