@@ -4,8 +4,11 @@
 # .venv (cmake/llama_tools/CMakeLists.txt: no second llama.cpp compile). Prints the bin directory.
 #
 # Usage: scripts/build_llama_tools.sh [-jN]   (default -j2)
-# Where: $LLAMAFLASH_BUILD_CACHE (default ~/.cache/llamaflash)/llama-tools-<version>/{src,build}.
-# A finished build whose stamp matches the wheel's libllama is reused; delete the directory to redo it.
+# Where: $LLAMAFLASH_TOOLS_CACHE (default ~/.cache/llamaflash)/llama-tools-<version>/{src,build}.
+# A finished build is reused while its stamp matches: the sha256 of the wheel's libllama.so and of
+# this script and cmake/llama_tools/CMakeLists.txt. Like pip's wheel cache it holds a build of pinned
+# third-party sources (test fixtures, not llamaflash), so CI keeps it across runs (a fresh build takes
+# ~25 min on 2 shared cores); delete the directory to redo it.
 # LLAMAFLASH_LLAMA_CPP_SDIST: a local copy of the sdist (.tar.gz) to use instead of downloading it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,11 +19,11 @@ if [ ! -x "$PY" ]; then
   echo "build_llama_tools: no .venv here; run scripts/setup.sh first" >&2
   exit 1
 fi
-CACHE="${LLAMAFLASH_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llamaflash}"
+CACHE="${LLAMAFLASH_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llamaflash}"
 ROOT="$CACHE/llama-tools-$VERSION"
 LIB_DIR="$("$PY" -c 'import llama_cpp, os; print(os.path.join(os.path.dirname(llama_cpp.__file__), "lib"))')"
 STAMP="$ROOT/build/bin/.built-against"
-WANT="$(sha256sum "$LIB_DIR/libllama.so" | cut -d' ' -f1) $LIB_DIR"
+WANT="$(cat "$LIB_DIR/libllama.so" scripts/build_llama_tools.sh cmake/llama_tools/CMakeLists.txt | sha256sum | cut -d' ' -f1) $LIB_DIR"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$ROOT/build/bin/llama-server" ]; then
   echo "$ROOT/build/bin"
   exit 0
