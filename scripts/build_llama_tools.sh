@@ -4,7 +4,8 @@
 # .venv (cmake/llama_tools/CMakeLists.txt: no second llama.cpp compile). Prints the bin directory.
 #
 # Usage: scripts/build_llama_tools.sh [-jN]   (default -j2)
-# Where: $LLAMAFLASH_TOOLS_CACHE (default ~/.cache/llamaflash)/llama-tools-<version>/{src,build}.
+# Where: $LLAMAFLASH_TOOLS_CACHE (default ~/.cache/llamaflash, as the model cache: not
+# $XDG_CACHE_HOME, which the test session points at a fresh directory)/llama-tools-<version>/{src,build}.
 # A finished build is reused while its stamp matches: the sha256 of the wheel's libllama.so and of
 # this script and cmake/llama_tools/CMakeLists.txt. Like pip's wheel cache it holds a build of pinned
 # third-party sources (test fixtures, not llamaflash), so CI keeps it across runs (a fresh build takes
@@ -19,7 +20,7 @@ if [ ! -x "$PY" ]; then
   echo "build_llama_tools: no .venv here; run scripts/setup.sh first" >&2
   exit 1
 fi
-CACHE="${LLAMAFLASH_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llamaflash}"
+CACHE="${LLAMAFLASH_TOOLS_CACHE:-$HOME/.cache/llamaflash}"
 ROOT="$CACHE/llama-tools-$VERSION"
 LIB_DIR="$("$PY" -c 'import llama_cpp, os; print(os.path.join(os.path.dirname(llama_cpp.__file__), "lib"))')"
 STAMP="$ROOT/build/bin/.built-against"
