@@ -292,4 +292,6 @@ ggml_backend_reg_t register_backend() {
     return &kReg;
 }
 
+ggml_backend_reg_t backend_reg() { return &kReg; }
+
 }  // namespace llamaflash

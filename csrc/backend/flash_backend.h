@@ -14,4 +14,8 @@ namespace llamaflash {
 // Registers the backend with ggml once per process; later calls are no-ops. Returns the registry.
 ggml_backend_reg_t register_backend();
 
+// The registry itself, not registered: the loadable backend library (dl_backend.cpp) hands it to
+// ggml's loader, which registers it.
+ggml_backend_reg_t backend_reg();
+
 }  // namespace llamaflash

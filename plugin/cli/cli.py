@@ -650,9 +650,11 @@ def models() -> None:
 
 def _register_budget_commands() -> None:
     from llamaflash.cli.cli_budget import bench, plan
+    from llamaflash.cli.env_cmd import env
 
     main.add_command(bench)
     main.add_command(plan)
+    main.add_command(env)
 
 
 _register_budget_commands()

@@ -1,0 +1,222 @@
+"""The plan file: one served model's engine configuration as data, for hosts without Python.
+
+``llamaflash env`` plans a model as :class:`llamaflash.Llama` does and stores the outcome here; the
+backend library (csrc/backend/dl_backend.cpp) that stock llama.cpp tools load reads it at start and opens
+the same engine. The typed plan is the native engine configuration itself: ``_native.EngineConfig``
+(dense FFN models) or ``_native.ExpertConfig`` (MoE models), plus a :class:`PlanIdentity` saying what
+it was made for. Format: a GGUF file with key-value pairs only; the keys and their types are
+:mod:`llamaflash.files.plan_keys` (the one definition both languages use), documented in docs/TOOLS.md.
+Written with gguf-py, atomically (temporary file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import gguf
+import numpy as np
+
+from . import plan_keys as K
+
+T = gguf.GGUFValueType
+#: general.architecture of a plan file (gguf-py writes one)
+PLAN_ARCHITECTURE = "llamaflash-plan"
+
+
+@dataclass(frozen=True)
+class PlanIdentity:
+    """What a plan was made for and with (the library refuses a plan whose identity does not hold)."""
+
+    kind: str  # K.KIND_DENSE | K.KIND_EXPERTS
+    mode: str  # "dense" | "sparse" | "offload" | "experts"
+    reason: str
+    model_path: str
+    sidecar_path: str
+    ram_budget_mb: float  # 0: in memory
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    tool_args: str
+    ggml_commit: str = ""
+    ggml_version: str = ""
+
+
+def ggml_identity() -> tuple[str, str]:
+    """ggml_commit() and ggml_version() of the libggml llama_cpp loads (the library checks both)."""
+    import llama_cpp
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so.0"))
+    lib.ggml_commit.restype = lib.ggml_version.restype = ctypes.c_char_p
+    return lib.ggml_commit().decode(), lib.ggml_version().decode()
+
+
+def default_plan_path(sidecar: str | os.PathLike) -> Path:
+    """``<sidecar without .gguf>.plan.gguf`` beside the sidecar."""
+    sidecar = Path(sidecar)
+    stem = sidecar.name[: -len(".gguf")] if sidecar.name.endswith(".gguf") else sidecar.name
+    return sidecar.with_name(stem + K.PLAN_SUFFIX)
+
+
+def library_path() -> Path:
+    """The installed backend library (libllamaflash_backend.so beside the package)."""
+    return Path(__file__).resolve().parent.parent / "libllamaflash_backend.so"
+
+
+class _Kv:
+    """Collects typed key-value pairs in order."""
+
+    def __init__(self) -> None:
+        self.items: List[tuple] = []
+
+    def add(self, key: str, value: Any, vtype: "gguf.GGUFValueType", sub_type=None) -> None:
+        self.items.append((key, value, vtype, sub_type))
+
+    def ints(self, key: str, values: Sequence[int]) -> None:
+        self.add(key, [int(v) for v in values], T.ARRAY, T.INT64)
+
+    def ragged(self, key: str, counts_key: str, rows: Sequence[Sequence[Any]], sub_type) -> None:
+        rows = [list(np.asarray(r).ravel().tolist()) for r in rows]
+        self.ints(counts_key, [len(r) for r in rows])
+        flat = [v for r in rows for v in r]
+        if flat:  # GGUF has no empty arrays: all counts 0 = the flat key is absent
+            self.add(key, flat, T.ARRAY, sub_type)
+
+
+def _identity_kv(kv: _Kv, ident: PlanIdentity) -> None:
+    commit, version = (ident.ggml_commit, ident.ggml_version) if ident.ggml_commit else ggml_identity()
+    kv.add(K.FORMAT, K.FORMAT_VERSION, T.UINT32)
+    kv.add(K.KIND, ident.kind, T.STRING)
+    kv.add(K.MODE, ident.mode, T.STRING)
+    kv.add(K.REASON, ident.reason, T.STRING)
+    kv.add(K.GGML_COMMIT, commit, T.STRING)
+    kv.add(K.GGML_VERSION, version, T.STRING)
+    for path_key, size_key, mtime_key, path in (
+        (K.MODEL_PATH, K.MODEL_SIZE, K.MODEL_MTIME_NS, ident.model_path),
+        (K.SIDECAR_PATH, K.SIDECAR_SIZE, K.SIDECAR_MTIME_NS, ident.sidecar_path),
+    ):
+        st = os.stat(path)
+        kv.add(path_key, os.path.abspath(path), T.STRING)
+        kv.add(size_key, st.st_size, T.UINT64)
+        kv.add(mtime_key, st.st_mtime_ns, T.UINT64)
+    kv.add(K.RAM_BUDGET_MB, float(ident.ram_budget_mb), T.FLOAT32)
+    kv.add(K.N_CTX, int(ident.n_ctx), T.UINT32)
+    kv.add(K.N_BATCH, int(ident.n_batch), T.UINT32)
+    kv.add(K.N_UBATCH, int(ident.n_ubatch), T.UINT32)
+    kv.add(K.TOOL_ARGS, ident.tool_args, T.STRING)
+
+
+def _dense_kv(kv: _Kv, config) -> None:
+    """A ``_native.EngineConfig``."""
+    kv.add(K.ENGINE_ACTIVATION, config.activation, T.STRING)
+    kv.add(K.ENGINE_VERIFY, bool(config.verify), T.BOOL)
+    kv.add(K.ENGINE_REPACK, bool(config.repack), T.BOOL)
+    s = config.sparse
+    kv.add(K.SPARSE_ENABLED, bool(s.enabled), T.BOOL)
+    kv.add(K.SPARSE_MAX_TOKENS, int(s.max_tokens), T.INT64)
+    kv.add(K.SPARSE_CLUSTER_SIZE, int(s.cluster_size), T.INT32)
+    kv.add(K.SPARSE_UP_BY_GGML, bool(s.up_by_ggml), T.BOOL)
+    layers = list(config.layers)
+    for field in K.LAYER_INT_FIELDS:
+        kv.ints(K.LAYER + field, [getattr(spec, field) for spec in layers])
+    for field in K.LAYER_FLOAT_FIELDS:
+        kv.add(K.LAYER + field, [float(getattr(spec, field)) for spec in layers], T.ARRAY, T.FLOAT32)
+    for field in K.LAYER_STR_FIELDS:
+        kv.add(K.LAYER + field, [str(getattr(spec, field)) for spec in layers], T.ARRAY, T.STRING)
+    o = config.offload
+    kv.add(K.OFFLOAD, o is not None, T.BOOL)
+    if o is None:
+        return
+    kv.add(K.OFFLOAD_STREAM_GATE, bool(o.stream_gate), T.BOOL)
+    kv.add(K.OFFLOAD_COLD_SLOTS, int(o.cold_slots), T.INT64)
+    kv.add(K.OFFLOAD_PREFETCH_LAYERS, int(o.prefetch_layers), T.INT32)
+    kv.add(K.OFFLOAD_PREFETCH_MIN_PROB, float(o.prefetch_min_prob), T.FLOAT32)
+    kv.add(K.OFFLOAD_QUEUE_DEPTH, int(o.queue_depth), T.UINT32)
+    kv.add(K.OFFLOAD_DIRECT, bool(o.direct), T.BOOL)
+    kv.add(K.OFFLOAD_ENGINE, str(o.engine), T.STRING)
+    kv.add(K.OFFLOAD_DRAFT_COPY, bool(o.draft_copy), T.BOOL)
+    kv.ragged(K.OFFLOAD_HOT, K.OFFLOAD_HOT_COUNTS, o.hot, T.INT32)
+    kv.ragged(K.OFFLOAD_CLUSTER_PROB, K.OFFLOAD_CLUSTER_PROB_COUNTS, o.cluster_prob, T.FLOAT32)
+
+
+def _experts_kv(kv: _Kv, config, routers: Dict[int, Any]) -> None:
+    """A ``_native.ExpertConfig``; ``routers``: layer -> the router's TensorInfo in the base file (or
+    None): the library reads it from there as float32 instead of storing the matrix."""
+    kv.add(K.EXPERTS_N_EMBD, int(config.n_embd), T.INT64)
+    kv.add(K.EXPERTS_IO_ENGINE, str(config.io_engine), T.STRING)
+    kv.add(K.EXPERTS_QUEUE_DEPTH, int(config.queue_depth), T.UINT32)
+    kv.add(K.EXPERTS_DIRECT, bool(config.direct), T.BOOL)
+    kv.add(K.EXPERTS_VERIFY, bool(config.verify), T.BOOL)
+    kv.add(K.EXPERTS_PREFETCH, bool(config.prefetch), T.BOOL)
+    layers = list(config.layers)
+    kv.ints(K.EXPERTS_LAYER, [s.layer for s in layers])
+    kv.ints(K.EXPERTS_N_EXPERT, [s.n_expert for s in layers])
+    kv.ints(K.EXPERTS_N_USED, [s.n_used for s in layers])
+    kv.ints(K.EXPERTS_N_SLOTS, [s.n_slots for s in layers])
+    kv.ragged(K.EXPERTS_PINNED, K.EXPERTS_PINNED_COUNTS, [list(s.pinned) for s in layers], T.INT32)
+    router = [routers.get(s.layer) if len(s.router) else None for s in layers]
+    kv.ints(K.EXPERTS_ROUTER_OFFSET, [-1 if r is None else r.offset for r in router])
+    kv.ints(K.EXPERTS_ROUTER_TYPE, [-1 if r is None else r.ggml_type for r in router])
+    tensors = [t for s in layers for t in s.tensors]
+    kv.ints(K.EXPERTS_TENSOR_COUNTS, [len(s.tensors) for s in layers])
+    kv.ints(K.EXPERTS_TENSOR_KIND, [int(t.kind) for t in tensors])
+    kv.ints(K.EXPERTS_TENSOR_OFFSET, [t.offset for t in tensors])
+    kv.ints(K.EXPERTS_TENSOR_TYPE, [t.type for t in tensors])
+    kv.ints(K.EXPERTS_TENSOR_NE0, [t.ne0 for t in tensors])
+    kv.ints(K.EXPERTS_TENSOR_NE1, [t.ne1 for t in tensors])
+    kv.ints(K.EXPERTS_TENSOR_EXPERT_BYTES, [t.expert_bytes for t in tensors])
+    kv.ragged(
+        K.EXPERTS_TENSOR_CHECKSUMS, K.EXPERTS_TENSOR_CHECKSUM_COUNTS, [list(t.checksums) for t in tensors], T.UINT32
+    )
+
+
+def write_plan(
+    path: str | os.PathLike,
+    identity: PlanIdentity,
+    *,
+    dense=None,
+    experts=None,
+    routers: Optional[Dict[int, Any]] = None,
+) -> Path:
+    """Writes the plan (exactly one of ``dense`` / ``experts``) to ``path`` atomically; returns it."""
+    if (dense is None) == (experts is None):
+        raise ValueError("write_plan: pass exactly one of dense= (EngineConfig) or experts= (ExpertConfig)")
+    kv = _Kv()
+    _identity_kv(kv, identity)
+    if dense is not None:
+        _dense_kv(kv, dense)
+    else:
+        _experts_kv(kv, experts, routers or {})
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(tmp, PLAN_ARCHITECTURE)
+    try:
+        for key, value, vtype, sub_type in kv.items:
+            writer.add_key_value(key, value, vtype, sub_type=sub_type)
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        writer.close()
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def read_plan_values(path: str | os.PathLike) -> Dict[str, Any]:
+    """Every key of a plan file with its value (scalars as Python values, arrays as lists): for tests
+    and `llamaflash env --show`; the library has its own reader."""
+    reader = gguf.GGUFReader(path)
+    out: Dict[str, Any] = {}
+    for field in reader.fields.values():
+        if not field.name.startswith(K.P):
+            continue
+        out[field.name] = field.contents()
+    return out
