@@ -54,6 +54,9 @@ PYEOF
 fi
 
 echo "[build_llama_tools] configuring and building ($JOBS) against $LIB_DIR" >&2
+# the build directory is shared by every checkout (CI clones elsewhere): a cache configured from another
+# source directory is dropped (CMake refuses it), the objects stay
+rm -rf "$ROOT/build/CMakeCache.txt" "$ROOT/build/CMakeFiles"
 cmake -S cmake/llama_tools -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_SRC="$SRC" -DLLAMA_LIB_DIR="$LIB_DIR" >"$ROOT/configure.log" 2>&1 \
   || { tail -30 "$ROOT/configure.log" >&2; exit 1; }

@@ -227,7 +227,7 @@ def test_embeddings_equal_stock(cli_server, smollm2_sidecar):
 
 def test_budgeted_model_from_config_file(config_server):
     client = config_server.client()
-    assert sorted(m.id for m in client.models.list()) == ["smollm2-budget", "smollm2-sparse"]
+    assert sorted(m.id for m in client.models.list()) == ["smollm2-budget", "smollm2-deterministic", "smollm2-sparse"]
     output = config_server.output()
     assert "flash offload within 490 MiB" in output, output
     reply = client.chat.completions.create(

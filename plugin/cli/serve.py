@@ -132,7 +132,11 @@ class _FlashLlamaClass:
         self.extra = extra
 
     def __call__(self, **kwargs: Any) -> Llama:
-        return Llama(**_loader_keywords(kwargs), **self.extra)
+        kwargs = _loader_keywords(kwargs)
+        if self.extra.get("deterministic") and kwargs.get("flash_attn") is False:
+            # llama-cpp-python's server passes its default flash_attn=False; deterministic needs it on
+            del kwargs["flash_attn"]
+        return Llama(**kwargs, **self.extra)
 
     def from_pretrained(self, **kwargs: Any) -> Llama:
         return Llama.from_pretrained(**_loader_keywords(kwargs), **self.extra)
@@ -144,7 +148,7 @@ def _loader_keywords(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     from ..runtime.llama_settings import known_keywords
 
     known = known_keywords()
-    return {k: v for k, v in kwargs.items() if k in known}
+    return {k: v for k, v in kwargs.items() if k in known} if known else dict(kwargs)
 
 
 class _LlamaCppWithFlashLlama:

@@ -90,18 +90,23 @@ LLAMAFLASH_KEYWORDS = (
 
 def _llama_cpp_keywords() -> tuple:
     params = inspect.signature(llama_cpp.Llama.__init__).parameters
-    return tuple(n for n, p in params.items() if n != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD)
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(n for n, p in params.items() if n != "self" and p.kind in named)
 
 
 def known_keywords() -> frozenset:
-    """Every keyword argument llamaflash.Llama takes: llama_cpp.Llama's and its own."""
-    return frozenset(_llama_cpp_keywords()) | frozenset(LLAMAFLASH_KEYWORDS)
+    """Every keyword argument llamaflash.Llama takes: llama_cpp.Llama's and its own (empty when
+    llama_cpp.Llama.__init__ names no parameters, e.g. replaced by a test double: nothing is known)."""
+    own = _llama_cpp_keywords()
+    return frozenset(own) | frozenset(LLAMAFLASH_KEYWORDS) if own else frozenset()
 
 
 def _check_known_keywords(kwargs: Dict[str, Any]) -> None:
     """llama_cpp.Llama accepts and ignores unknown keyword arguments, so a misspelt setting
     (ram_budget=900) would silently run without it: a TypeError naming the closest valid one."""
     known = known_keywords()
+    if not known:
+        return
     for name in kwargs:
         if name in known:
             continue
