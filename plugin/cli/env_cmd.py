@@ -54,42 +54,26 @@ def _tool_args(n_ctx: int, n_batch: Optional[int], n_ubatch: Optional[int], batc
 
 
 def _plan_experts(model_path: str, base, moe, sidecar: Optional[Path], budget: Optional[float], o: dict) -> ToolPlan:
-    from llamaflash.files import expert_sidecar, experts
-    from llamaflash.files.gguf_model import base_identity
     from llamaflash.files.plan_file import PlanIdentity
-    from llamaflash.files.sidecar import default_sidecar_path
-    from llamaflash.planning import disk_probe, expert_plan
-    from llamaflash.planning.planner import default_disk
     from llamaflash.runtime import expert_runtime
 
-    why = experts.check_layout(moe)
-    if why is not None:
-        return ToolPlan(f"running as stock: {why}")
-    if budget is None:
-        return ToolPlan("running as stock: an MoE model in memory runs as stock llama.cpp (pass --ram-budget-mb)")
-    sidecar = sidecar or default_sidecar_path(model_path)
-    if not sidecar.exists():
-        raise SidecarNotFoundError(
-            f"--ram-budget-mb needs the expert sidecar of '{model_path}' (none at '{sidecar}'); create it with "
-            f"`llamaflash convert {model_path}`"
-        )
-    info = expert_sidecar.read_expert_sidecar(sidecar)
-    expert_sidecar.validate_expert_pair(moe, base_identity(model_path, base), info)
-    counts = {s.layer: s.counts for s in info.layers} if info.routing_tokens > 0 else None
-    plan = expert_plan.plan_experts(
+    setup, info = expert_runtime.plan_setup(
+        model_path,
+        base,
         moe,
-        base.header,
-        budget,
+        sidecar_path=sidecar,
+        ram_budget_mb=budget,
         n_ctx=o["n_ctx"],
         n_ubatch=o["n_ubatch"],
-        disk=disk_probe.resolve_profile(o["disk_profile"], sidecar) or default_disk(),
-        counts=counts,
+        disk_profile=o["disk_profile"],
         n_slots=o["expert_slots"],
+        budget_option="--ram-budget-mb",
     )
-    if plan.fits:
-        return ToolPlan(f"running as stock under --ram-budget-mb {budget:g}: {plan.notes[0]}")
+    plan, sidecar = setup.plan, setup.sidecar
+    if plan is None or plan.fits:
+        return ToolPlan(setup.reason)
     config = expert_runtime.engine_config(model_path, moe, info, plan, io_engine=o["io_engine"], verify=o["verify"])
-    reason = f"experts served from flash: {plan.n_slots} of {moe.n_expert} experts per layer cached"
+    reason = setup.reason
     identity = PlanIdentity(
         K.KIND_EXPERTS,
         "experts",

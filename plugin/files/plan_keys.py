@@ -64,7 +64,8 @@ OFFLOAD_CLUSTER_PROB_COUNTS = P + "offload.cluster_prob_counts"  # int64 array, 
 
 #: LayerSpec fields stored as int64 arrays, one entry per served layer: key LAYER + field
 LAYER = P + "layer."
-LAYER_INT_FIELDS = (
+#: the LayerSpec fields a sidecar's LayerLayout gives (plugin/runtime/engine.py fills them from it)
+LAYER_LAYOUT_FIELDS = (
     "layer",
     "n_embd",
     "n_ff",
@@ -83,6 +84,8 @@ LAYER_INT_FIELDS = (
     "base_down_row_bytes",
     "base_up_offset",
     "base_gate_offset",
+)
+LAYER_INT_FIELDS = LAYER_LAYOUT_FIELDS + (
     "draft_type",
     "draft_row_bytes",
     "draft_up_offset",

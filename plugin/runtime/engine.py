@@ -28,31 +28,13 @@ import os
 from typing import Any, Optional, Sequence
 
 from .. import _native
+from ..files import plan_keys
 from ..files import sidecar_format as fmt
 from ..files.sidecar import LayerLayout, SidecarInfo
 
 #: LayerSpec field <- LayerLayout field, where the names differ
 _RENAMED = {"down_type": "base_down_type"}
-_SPEC_FIELDS = (
-    "layer",
-    "n_embd",
-    "n_ff",
-    "gate_type",
-    "up_type",
-    "down_type",
-    "down_t_type",
-    "gate_row_bytes",
-    "up_row_bytes",
-    "bundle_offset",
-    "bundle_stride",
-    "down_t_offset",
-    "down_t_row_bytes",
-    "order_offset",
-    "base_down_offset",
-    "base_down_row_bytes",
-    "base_up_offset",
-    "base_gate_offset",
-)
+_SPEC_FIELDS = plan_keys.LAYER_LAYOUT_FIELDS
 
 
 def layer_spec(layout: LayerLayout, threshold: Optional[float]) -> "_native.LayerSpec":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from ..errors import SidecarNotFoundError
 from ..files import expert_sidecar, experts
@@ -47,7 +47,7 @@ class ExpertSetup:
     moe: Optional[experts.MoeModelInfo] = None
 
 
-def prepare(
+def plan_setup(
     model_path: str,
     base: BaseModelInfo,
     moe: experts.MoeModelInfo,
@@ -56,30 +56,30 @@ def prepare(
     ram_budget_mb: Optional[float],
     n_ctx: int,
     n_ubatch: Optional[int],
-    io_engine: str,
     disk_profile: Any,
-    verify: bool,
     n_slots: Optional[int] = None,
     logits_all: bool = False,
-) -> ExpertSetup:
-    """Checks the pair and plans; opens the engine when there is something to serve."""
-    from .. import _native
+    budget_option: str = "ram_budget_mb",
+) -> Tuple[ExpertSetup, Optional[expert_sidecar.ExpertSidecarInfo]]:
+    """Checks the pair and plans, opening nothing: the setup (``model`` None) and the sidecar's info
+    (None where it runs as stock before reading one). ``budget_option``: how messages name the budget
+    (``--ram-budget-mb`` on the command line)."""
     from ..files.sidecar import default_sidecar_path
     from ..planning import disk_probe
 
     why = experts.check_layout(moe)
     if why is not None:
-        return ExpertSetup(f"running as stock: {why}", moe=moe)
+        return ExpertSetup(f"running as stock: {why}", moe=moe), None
     if ram_budget_mb is None:
         return ExpertSetup(
             "running as stock: an MoE model in memory runs as stock llama.cpp (experts are served "
-            "from flash only under ram_budget_mb)",
+            f"from flash only under {budget_option})",
             moe=moe,
-        )
+        ), None
     sidecar = Path(sidecar_path) if sidecar_path is not None else default_sidecar_path(model_path)
     if not sidecar.exists():
         raise SidecarNotFoundError(
-            f"ram_budget_mb needs the expert sidecar of '{model_path}' (none at '{sidecar}'); create it with "
+            f"{budget_option} needs the expert sidecar of '{model_path}' (none at '{sidecar}'); create it with "
             f"`llamaflash convert {model_path}`"
         )
     info = expert_sidecar.read_expert_sidecar(sidecar)
@@ -97,21 +97,49 @@ def prepare(
         logits_all=logits_all,
     )
     if plan.fits:
-        return ExpertSetup(
-            f"running as stock under ram_budget_mb={ram_budget_mb:g}: {plan.notes[0]}",
-            plan=plan,
-            sidecar=sidecar,
-            moe=moe,
-        )
-    config = engine_config(model_path, moe, info, plan, io_engine=io_engine, verify=verify, prefetch=prefetch_enabled())
-    model = _native.ExpertModel.open(config)
-    return ExpertSetup(
-        f"experts served from flash: {plan.n_slots} of {moe.n_expert} experts per layer cached",
-        model,
-        plan,
-        sidecar,
+        reason = f"running as stock under {budget_option}={ram_budget_mb:g}: {plan.notes[0]}"
+    else:
+        reason = f"experts served from flash: {plan.n_slots} of {moe.n_expert} experts per layer cached"
+    return ExpertSetup(reason, plan=plan, sidecar=sidecar, moe=moe), info
+
+
+def prepare(
+    model_path: str,
+    base: BaseModelInfo,
+    moe: experts.MoeModelInfo,
+    *,
+    sidecar_path: Optional[str],
+    ram_budget_mb: Optional[float],
+    n_ctx: int,
+    n_ubatch: Optional[int],
+    io_engine: str,
+    disk_profile: Any,
+    verify: bool,
+    n_slots: Optional[int] = None,
+    logits_all: bool = False,
+) -> ExpertSetup:
+    """Checks the pair and plans (:func:`plan_setup`); opens the engine when there is something to serve."""
+    from .. import _native
+
+    setup, info = plan_setup(
+        model_path,
+        base,
         moe,
+        sidecar_path=sidecar_path,
+        ram_budget_mb=ram_budget_mb,
+        n_ctx=n_ctx,
+        n_ubatch=n_ubatch,
+        disk_profile=disk_profile,
+        n_slots=n_slots,
+        logits_all=logits_all,
     )
+    if setup.plan is None or setup.plan.fits:
+        return setup
+    config = engine_config(
+        model_path, moe, info, setup.plan, io_engine=io_engine, verify=verify, prefetch=prefetch_enabled()
+    )
+    setup.model = _native.ExpertModel.open(config)
+    return setup
 
 
 def _default_disk() -> Dict[str, Any]:

@@ -446,7 +446,7 @@ class Llama(llama_cpp.Llama):
         verify = self._speculator is not None and 1 <= len(tokens) <= min(self.n_batch, self._speculator.max_batch)
         try:
             if self._batch_invariant and tokens and (self._deterministic or len(tokens) <= eval_shapes.MAX_ROWS):
-                self._eval_invariant(tokens, all_logits=self._logits_all or verify)
+                shaped_eval.eval_invariant(self, tokens, all_logits=self._logits_all or verify)
             elif verify and not self._logits_all:
                 self._speculator.eval_rows(self, tokens)
                 self._kv_history.add(Segment(n_past, len(tokens), True))
@@ -464,7 +464,7 @@ class Llama(llama_cpp.Llama):
         except BaseException:
             self._kv_history.forget()
             raise
-        self._record_prompt(evaluated=bool(tokens))
+        shaped_eval.record_prompt(self, evaluated=bool(tokens))
 
     def generate(self, tokens, *args, **kwargs):
         """`llama_cpp.Llama.generate`, repeat-stable: a prompt evaluated before (and still in the
@@ -475,21 +475,12 @@ class Llama(llama_cpp.Llama):
         tokens = list(tokens)
         reset = _generate_reset(args, kwargs)
         if reset and tokens and not self._deterministic:
-            self._replay_prompt(tokens)
+            shaped_eval.replay_prompt(self, tokens)
             self._pending_prompt = np.asarray(tokens, dtype=np.intc)
         try:
             return (yield from super().generate(tokens, *args, **kwargs))
         finally:
             self._pending_prompt = None
-
-    def _eval_invariant(self, tokens, all_logits: bool) -> None:
-        shaped_eval.eval_invariant(self, tokens, all_logits)
-
-    def _replay_prompt(self, tokens) -> None:
-        shaped_eval.replay_prompt(self, tokens)
-
-    def _record_prompt(self, evaluated: bool) -> None:
-        shaped_eval.record_prompt(self, evaluated)
 
     def reset(self) -> None:
         super().reset()
