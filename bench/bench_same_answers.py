@@ -2,13 +2,18 @@
 by side, in memory and under a memory cgroup of a RAM budget.
 
 Each run is a fresh process (stock never imports llamaflash) that loads the model, answers one chat
-request (greedy, --gen tokens) and then the same request again. Recorded: prefill tok/s (prompt
-tokens / time to the first token of the first answer), decode tok/s (the first answer's tokens after
-the first / the time they took), and whether the repeat gave the same text. Configurations
+request (greedy, --gen tokens, end-of-answer tokens suppressed so that every answer is --gen tokens
+long) and then the same request again. Recorded: prefill tok/s (prompt tokens / time to the first
+token of the first answer), decode tok/s (the first answer's tokens after the first / the time they
+took), and whether the repeat gave the same text. With --previous-python, the configuration
+"previous" is llamaflash's default run by another interpreter (a build of an earlier commit installed
+in its own virtual environment), to compare the default with the build before it. Configurations
 alternate within each repetition; medians over repetitions; under a budget the model file and the
 sidecar are evicted from the page cache before each run and each run gets a fresh cgroup.
 
     python bench/bench_same_answers.py MODEL [--sidecar S] [--budgets 0,900] [--reps 2] [--prompt-tokens 500]
+        [--gen 64] [--n-ctx 2048] [--n-ubatch 0] [--configs stock,default,deterministic]
+        [--previous-python /path/to/venv/bin/python]
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from llamaflash.files import assets
 
 RUN = textwrap.dedent("""
     import json, sys, time
-    cfg, model, sidecar, budget, n_prompt, n_gen = sys.argv[1:7]
+    cfg, model, sidecar, budget, n_prompt, n_gen, n_ctx, n_ubatch = sys.argv[1:9]
     budget, n_prompt, n_gen = int(budget), int(n_prompt), int(n_gen)
-    kw = dict(n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)
+    kw = dict(n_ctx=int(n_ctx), n_threads=2, n_threads_batch=2, verbose=False)
+    if int(n_ubatch):
+        kw.update(n_batch=int(n_ubatch), n_ubatch=int(n_ubatch))
     if cfg == "stock":
         import llama_cpp
         llm = llama_cpp.Llama(model_path=model, **kw)
@@ -40,14 +47,21 @@ RUN = textwrap.dedent("""
             kw["sidecar_path"] = sidecar
         if budget:
             kw["ram_budget_mb"] = budget
-        llm = llamaflash.Llama(model_path=model, deterministic=(cfg == "deterministic"), **kw)
-    text = open(sys.argv[7]).read()
+        if cfg == "deterministic":
+            kw["deterministic"] = True
+        llm = llamaflash.Llama(model_path=model, **kw)
+    text = open(sys.argv[9]).read()
     toks = llm.tokenize(text.encode())[:n_prompt]
     msgs = [{"role": "user", "content": "Continue this text:\\n" + llm.detokenize(toks).decode(errors="ignore")}]
+    # every answer --gen tokens long: the end-of-generation and chat end tokens never sampled
+    ends = {llm.token_eos()} | {t for s in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>")
+                                for t in llm.tokenize(s.encode(), add_bos=False, special=True)[-1:]
+                                if llm.detokenize([t], special=True).decode(errors="ignore") == s}
+    bias = {t: -1e9 for t in ends if t >= 0}
 
     def ask():
         t0 = time.perf_counter(); first = None; pieces = []; n = 0
-        for chunk in llm.create_chat_completion(msgs, max_tokens=n_gen, temperature=0.0, stream=True):
+        for chunk in llm.create_chat_completion(msgs, max_tokens=n_gen, temperature=0.0, stream=True, logit_bias=bias):
             delta = chunk["choices"][0]["delta"].get("content")
             if delta is None:
                 continue
@@ -67,8 +81,58 @@ RUN = textwrap.dedent("""
 """)
 
 
-def run_one(cfg, model, sidecar, budget, n_prompt, n_gen, text):
-    cmd = [sys.executable, "-c", RUN, cfg, str(model), str(sidecar or ""), str(budget), str(n_prompt), str(n_gen), text]
+KV_QUALITY = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import llamaflash
+    model, kv, n_window, n_windows = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    llm = llamaflash.Llama(model_path=model, deterministic=True, type_k=kv, type_v=kv, n_ctx=n_window,
+                           n_threads=2, n_threads_batch=2, logits_all=True, verbose=False)
+    toks = llm.tokenize(sys.argv[5].encode())
+    nll, n = 0.0, 0
+    for w in range(n_windows):
+        window = toks[w * n_window : (w + 1) * n_window]
+        llm.reset()
+        llm.eval(window)
+        logits = np.asarray(llm.scores[: len(window) - 1], dtype=np.float64)
+        top = logits.max(1)
+        logz = np.log(np.exp(logits - top[:, None]).sum(1)) + top
+        nll += float((logz - logits[np.arange(len(window) - 1), window[1:]]).sum())
+        n += len(window) - 1
+    print("RESULT " + json.dumps({"kv_type": kv, "tokens": n, "perplexity": float(np.exp(nll / n))}))
+""")
+
+
+def kv_quality(model, n_window=512, n_windows=2):
+    """deterministic=True's perplexity on held-out Shakespeare with an f16 and a q8_0 KV cache (the
+    quality cost of the q8_0 default): n_windows windows of n_window tokens, every position scored."""
+    text = assets.held_out_text("shakespeare", 4 * n_window * n_windows)
+    out = []
+    for kv in (1, 8):  # ggml F16, Q8_0
+        cmd = [sys.executable, "-c", KV_QUALITY, str(model), str(kv), str(n_window), str(n_windows), text]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+        out.append(json.loads(line[-1][7:]) if line else {"kv_type": kv, "error": res.stderr[-1500:]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def run_one(cfg, model, sidecar, budget, n_prompt, n_gen, n_ctx, n_ubatch, text, previous_python=None):
+    python = previous_python if cfg == "previous" else sys.executable
+    cmd = [
+        python,
+        "-c",
+        RUN,
+        cfg,
+        str(model),
+        str(sidecar or ""),
+        str(budget),
+        str(n_prompt),
+        str(n_gen),
+        str(n_ctx),
+        str(n_ubatch),
+        text,
+    ]
     group = None
     if budget:
         evict_files([model] + ([sidecar] if sidecar else []))
@@ -93,23 +157,51 @@ def main() -> None:
     p.add_argument("--budgets", default="0", help="comma-separated MiB; 0 = in memory")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=500)
-    p.add_argument("--gen", type=int, default=48)
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument(
+        "--n-ubatch", type=int, default=0, help="n_batch = n_ubatch for every config (0: each its own default)"
+    )
+    p.add_argument(
+        "--configs", default="stock,default,deterministic", help="comma-separated, of stock, default, deterministic"
+    )
+    p.add_argument(
+        "--previous-python",
+        default=None,
+        help="interpreter of a venv with an earlier llamaflash build: adds the config 'previous'",
+    )
+    p.add_argument(
+        "--kv-quality",
+        action="store_true",
+        help="also: deterministic perplexity with an f16 and a q8_0 KV cache (held-out text)",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args()
     text = str(assets.fetch_text("shakespeare"))
     runs = []
     for budget in [int(b) for b in a.budgets.split(",")]:
-        configs = ["stock", "default", "deterministic"]
+        configs = a.configs.split(",") + (["previous"] if a.previous_python else [])
         for rep in range(a.reps):
             for cfg in configs if rep % 2 == 0 else configs[::-1]:
-                r = run_one(cfg, a.model, a.sidecar, budget, a.prompt_tokens, a.gen, text)
+                r = run_one(
+                    cfg,
+                    a.model,
+                    a.sidecar,
+                    budget,
+                    a.prompt_tokens,
+                    a.gen,
+                    a.n_ctx,
+                    a.n_ubatch,
+                    text,
+                    a.previous_python,
+                )
                 r["rep"] = rep
                 runs.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "stderr"}), flush=True)
     summary = []
     for budget in sorted({r["budget"] for r in runs}):
         rows = {}
-        for cfg in ("stock", "default", "deterministic"):
+        for cfg in ("stock", "default", "deterministic", "previous"):
             rs = [r for r in runs if r["budget"] == budget and r["config"] == cfg and r["ok"]]
             if rs:
                 rows[cfg] = {
@@ -119,18 +211,23 @@ def main() -> None:
                     "runs": len(rs),
                 }
         for cfg in ("default", "deterministic"):
-            for base in ("stock", "default"):
+            for base in ("stock", "default", "previous"):
                 if cfg in rows and base in rows and cfg != base:
                     for k in ("prefill_tok_s", "decode_tok_s"):
                         rows[cfg][f"{k}_x_{base}"] = rows[cfg][k] / rows[base][k]
         summary.append({"budget_mb": budget, "configs": rows})
+    quality = kv_quality(a.model) if a.kv_quality else None
     payload = {
         "bench": "same_answers",
+        "kv_quality": quality,
         "model": a.model,
         "sidecar": a.sidecar,
         "reps": a.reps,
         "prompt_tokens": a.prompt_tokens,
         "gen": a.gen,
+        "n_ctx": a.n_ctx,
+        "n_ubatch": a.n_ubatch,
+        "previous_python": a.previous_python,
         "machine": machine_info(),
         "runs": runs,
         "summary": summary,

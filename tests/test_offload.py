@@ -140,3 +140,32 @@ def test_offload_refuses_what_it_cannot_do(converted, tmp_path):
     shutil.copy(model, bare)
     with pytest.raises(llamaflash.errors.SidecarNotFoundError, match="llamaflash convert"):
         llamaflash.Llama(model_path=str(bare), ram_budget_mb=64, **KW)
+
+
+def test_a_prompt_empties_the_cold_region_and_frees_its_compute_pages(converted, forced_plan):
+    """A prompt batch computes no cluster: the engine empties the cold region before it and frees its
+    pages (NeuronCache::release_cold), and Llama.eval frees the compute pages the prompt wrote once it
+    is evaluated (csrc/backend/prompt_buffers.h), so that the planner may let the two share memory. A
+    conversation continued past a decode (a second prompt batch, then decode again) gives the logits
+    of the in-memory sparse lane, bit for bit."""
+    model, sidecar = converted
+    forced_plan(make_plan(sidecar, 0, prefetch_layers=1, extra_cold=6))
+    llm = llamaflash.Llama(model_path=str(model), ram_budget_mb=64, flash_speculative=False, **KW)
+    ref = llamaflash.Llama(model_path=str(model), flash_mode="sparse", flash_dense_up=False, **KW)
+    more = llm.tokenize(b" and every morning she walked down to the river to count the boats", add_bos=False)
+    assert len(more) > llm._flash.sparse_config["max_tokens"]  # a prompt batch: the dense lane
+    for m in (llm, ref):
+        run_model(m, n_gen=N_GEN)
+        m.eval(more)
+        for _ in range(3):
+            m.eval([int(np.argmax(m.scores[m.n_tokens - 1]))])
+    assert llm.n_tokens == ref.n_tokens
+    assert np.array_equal(np.asarray(llm.scores[: llm.n_tokens]), np.asarray(ref.scores[: ref.n_tokens]))
+    off = llm.flash_stats()["offload"]
+    assert off["cold_releases"] == 1  # the first prompt found the cold region empty; the second emptied it
+    assert off["misses"] > 0 and off["prompt_pages_freed_bytes"] > 0
+    freed = off["prompt_pages_freed_bytes"]
+    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])  # a decode step: nothing more to free
+    assert llm.flash_stats()["offload"]["prompt_pages_freed_bytes"] == freed
+    llm.close()
+    ref.close()

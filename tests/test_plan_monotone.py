@@ -34,6 +34,7 @@ from llamaflash.errors import RamBudgetError
 from llamaflash.files.gguf_model import read_base_model
 from llamaflash.files.sidecar import validate_pair
 from llamaflash.planning import budget_decision, decode_speed, draft_plan
+from llamaflash.planning.plan_budget import DECODE_ROWS
 from llamaflash.planning.plan_search import DECODE_TIE_SHARE
 from llamaflash.planning.planner import MARGIN_FIXED_BYTES, MARGIN_FRACTION, MiB, llama_share, plan_offload
 
@@ -61,8 +62,13 @@ def check_accounting(plan, header, info, n_ctx: int) -> None:
     assert sum(parts.values()) == plan.budget_bytes and all(v >= 0 for v in parts.values()), parts
     rest = sum(parts.values()) - parts["margin"] - parts["hot_slots"]
     assert parts["margin"] >= MARGIN_FIXED_BYTES + int(MARGIN_FRACTION * rest)
-    share = llama_share(header, info, n_ctx, plan.n_ubatch, flash_attn=plan.flash_attn)
-    assert parts["compute_buffers"] == share["compute_buffers"]
+    # prompt and decode take turns: a decode batch's compute pages, the prompt batch's extra in the
+    # cold slots' and verify buffers' memory, what exceeds them its own part (plan_budget)
+    decode = llama_share(header, info, n_ctx, min(plan.n_ubatch, DECODE_ROWS), flash_attn=plan.flash_attn)
+    full = llama_share(header, info, n_ctx, plan.n_ubatch, flash_attn=plan.flash_attn)
+    assert parts["compute_buffers"] == decode["compute_buffers"]
+    extra = full["compute_buffers"] - decode["compute_buffers"]
+    assert parts.get("prompt_buffers", 0) == max(0, extra - parts["cold_slots"] - parts["verify_buffers"])
     assert plan.n_batch == plan.n_ubatch
 
 

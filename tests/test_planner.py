@@ -216,7 +216,10 @@ def test_n_ubatch_follows_the_budget(pair):
     small = plan(pair, minimum_mb(pair, n_ubatch=32) + 0.5)
     large = plan(pair, 10_000)
     assert small.n_ubatch < 512 and large.n_ubatch == 512
-    assert large.parts["compute_buffers"] > small.parts["compute_buffers"]
+    # a larger batch writes more compute pages: counted in full where the host frees none (the tools)
+    full = dict(prompt_pages_freed=False)
+    small_full = plan(pair, minimum_mb(pair, n_ubatch=32, **full) + 0.5, **full)
+    assert plan(pair, 10_000, **full).parts["compute_buffers"] > small_full.parts["compute_buffers"]
 
 
 def test_format_1_sidecar_is_refused_naming_convert(model, tmp_path):
@@ -501,3 +504,29 @@ def test_n_ubatch_minimizes_the_predicted_request(wide_pair, prompt_tokens):
         assert longer.n_ubatch >= chosen.n_ubatch
         given = plan(wide_pair, low + extra, n_ubatch=32, prompt_tokens=prompt_tokens, **kw)
         assert given.n_ubatch == 32 and given.ubatch_choice.get("given")
+
+
+def test_prompt_batches_and_decode_take_turns_in_the_cold_region(wide_pair):
+    """Where the host frees a prompt's compute pages after it (llamaflash.Llama) and the engine empties
+    the cold region before a prompt batch, the compute buffers count a decode batch's pages and the
+    rest of a prompt batch's share the cold slots' and verify buffers' memory: a larger n_ubatch then
+    costs no pinned cluster while its extra pages fit there. For the tools (prompt_pages_freed=False)
+    every part counts in full."""
+    from llamaflash.planning.plan_budget import DECODE_ROWS
+
+    kw = dict(cluster_size=8, n_ctx=4096, prefetch_layers=2)
+    budget = minimum_mb(wide_pair, n_ubatch=512, prompt_pages_freed=False, **kw) + 4
+    small = plan(wide_pair, budget, n_ubatch=DECODE_ROWS, **kw)
+    for u in (64, 128, 256, 512):
+        shared = plan(wide_pair, budget, n_ubatch=u, **kw)
+        full = plan(wide_pair, budget, n_ubatch=u, prompt_pages_freed=False, **kw)
+        assert sum(shared.parts.values()) == sum(full.parts.values()) == budget * MiB // 1
+        assert shared.parts["compute_buffers"] == small.parts["compute_buffers"] < full.parts["compute_buffers"]
+        extra = full.parts["compute_buffers"] - shared.parts["compute_buffers"]
+        cache_floor = shared.parts["cold_slots"] + shared.parts["verify_buffers"]
+        assert shared.parts.get("prompt_buffers", 0) == max(0, extra - cache_floor)
+        assert "prompt_buffers" in shared.parts or extra <= cache_floor
+        assert shared.hot_slots >= full.hot_slots and shared.minimum_bytes <= full.minimum_bytes
+        if extra <= cache_floor:
+            assert shared.hot_slots == small.hot_slots
+        assert "cold slots and verify" in shared.explain()

@@ -70,16 +70,17 @@ def assert_repeat_stable(llm, prompt: str):
 @pytest.mark.parametrize("n", [1, 2, 4, 7, 8, 9, 15, 100])
 def test_invariant_chunks_cover_the_tokens_in_batches_of_at_most_7(n_past, n, max_rows):
     chunks = eval_shapes.invariant_chunks(n_past, n, max_rows)
-    pos = chunks[0][0]
+    pos = n_past
     for first, rows in chunks:
         assert first == pos and 1 <= rows <= max_rows
         assert rows > 1 or n == 1
         pos += rows
-    assert pos == n_past + n
+    # every token once, in order; a lone token past the split-KV length gets one filler row after it
+    lone_padded = n == 1 and eval_shapes.kv_cells(n_past + 1) >= eval_shapes.SPLIT_KV_MIN_CELLS
+    assert pos == n_past + n + (1 if lone_padded else 0)
     lone = [first for first, rows in chunks if rows == 1]
     # a lone row only where flash attention would not split its KV
     assert all(eval_shapes.kv_cells(p + 1) < eval_shapes.SPLIT_KV_MIN_CELLS for p in lone)
-    assert chunks[0][0] in (n_past, n_past - 1)
 
 
 def test_replay_keeps_matching_segments_and_redoes_the_rest():
@@ -185,6 +186,28 @@ def test_repeated_request_under_a_budget_with_speculation(converted, forced_plan
     llm.close()
 
 
+def test_a_padded_lone_row_leaves_the_rows_before_it_as_they_were(kquant_model):
+    """Past 256 positions a lone decode row is evaluated with a filler row after it: the KV entries of
+    the prompt (a batch of more than 7 rows: the tiled matmul) keep their bits, so the next positions
+    get the logits they get when the same tokens are verified together in one batch."""
+    llm = llamaflash.Llama(str(kquant_model), flash_batch_invariant=True, draft_model=NoDrafts(), **KW)
+    prompt = llm.tokenize(long_prompt().encode())
+    assert len(prompt) > 300
+    llm.eval(prompt)
+    t1 = int(np.argmax(llm.scores[len(prompt) - 1]))
+    llm.eval([t1])  # alone: the row and a filler
+    t2 = int(np.argmax(llm.scores[len(prompt)]))
+    llm.eval([t2])
+    alone = np.array(llm.scores[len(prompt) : len(prompt) + 2])
+    assert llm._kv_history.segments[-1] == Segment(len(prompt) + 1, 2, True)
+    llm.reset()
+    llm.eval(prompt)
+    llm.eval([t1, t2])  # together, as a verify batch
+    together = np.array(llm.scores[len(prompt) : len(prompt) + 2])
+    assert np.array_equal(alone, together)
+    llm.close()
+
+
 def test_repeated_request_expert_lane(tiny_moe_factory, tmp_path):
     from llamaflash.converters.pipeline import convert
 
@@ -231,20 +254,32 @@ def _conversation(llm, turns: int = 2):
     return text, answers
 
 
+@pytest.mark.parametrize("kv", ["q8_0", "f16"])
 @pytest.mark.parametrize("lane", ["stock", "offload"])
 def test_deterministic_replay_from_scratch_equals_the_continued_conversation(
-    lane, kquant_model, converted, forced_plan
+    lane, kv, kquant_model, converted, forced_plan
 ):
+    """The default q8_0 KV cache (one row's attention never split: no filler rows) and an f16 one
+    (a lone row past 256 positions gets a filler row). The offload model's heads (24 values) are not
+    whole q8_0 blocks: its cache stays f16 by default."""
     if lane == "stock":
         model, kw = kquant_model, {}
     else:
         model, sidecar = converted
         forced_plan(make_plan(sidecar, 3, prefetch_layers=1))
         kw = dict(sidecar_path=str(sidecar), ram_budget_mb=64)
+    if kv == "f16":
+        kw.update(type_k=eval_shapes.GGML_TYPE_F16, type_v=eval_shapes.GGML_TYPE_F16)
     llm = llamaflash.Llama(str(model), deterministic=True, **KW, **kw)
     assert llm.flash_stats()["numerics"]["answers"] == "deterministic"
+    q8 = kv == "q8_0" and lane == "stock"
+    assert llm.context_params.type_k == (eval_shapes.GGML_TYPE_Q8_0 if q8 else eval_shapes.GGML_TYPE_F16)
     last_prompt, _ = _conversation(llm)
     continued = answer(llm, last_prompt)
+    assert llm.n_tokens > 300
+    segs = llm._kv_history.segments
+    fillers = [a for a, b in zip(segs, segs[1:]) if a.size == 2 and b.start == a.start + 1]
+    assert bool(fillers) == (not q8)  # decode steps past 256 positions: filler rows with f16 only
     llm.close()
     for batch in ({}, {"n_batch": 16, "n_ubatch": 16}):
         fresh = llamaflash.Llama(str(model), deterministic=True, **{**KW, **kw, **batch})

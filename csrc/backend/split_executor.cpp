@@ -56,6 +56,7 @@ struct Route {
     int layer = -1;
     GluFfnPattern ffn;                         // set when the split is a plain GLU FFN
     const SparseLayerView * sparse = nullptr;  // non-null: the sparse lane runs it
+    bool prompt_batch = false;  // a sparse layer's FFN over more tokens than the sparse lane takes (dense lane)
 };
 
 Route route(const ggml_cgraph * split, const WeightRegistry & registry) {
@@ -67,6 +68,7 @@ Route route(const ggml_cgraph * split, const WeightRegistry & registry) {
         if (view != nullptr && r.ffn.x->ne[1] <= r.model->sparse_config().max_tokens) {
             r.sparse = view;
         }
+        r.prompt_batch = view != nullptr && r.sparse == nullptr;
     } else if (const BoundWeight * b = first_bound_weight(split, registry)) {
         r.model = b->model.get();
         r.layer = b->layer;
@@ -149,12 +151,15 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
 
     // 3. run
     // false: a view this split reads failed its checksums (the error is kept): nothing is computed
-    const bool runnable = offload == nullptr || offload->before_split(pos, sparse);
+    const bool runnable = offload == nullptr || offload->before_split(pos, sparse, r.prompt_batch);
     const auto t0 = std::chrono::steady_clock::now();
     ggml_status status = runnable ? ggml_backend_graph_compute(cpu_, graph) : GGML_STATUS_FAILED;
     const double seconds = seconds_between(t0, std::chrono::steady_clock::now());
     const std::string failure = sparse ? sparse_.take_failure() : std::string();
     const bool ok = offload != nullptr ? offload->after_split(pos, sparse, failure) : failure.empty();
+    if (offload != nullptr && r.prompt_batch) {
+        prompt_buffers_.note(split, r.model, dense_.chunk_scratch_data(), dense_.chunk_scratch_bytes());
+    }
     if (!ok || !runnable) {  // an I/O or checksum error in the offload lane: the split's result is not valid
         status = GGML_STATUS_FAILED;
     }

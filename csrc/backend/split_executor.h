@@ -9,13 +9,17 @@
 //   2. build  a private ggml graph in an arena reused across splits: the dense lane's mirror of the
 //             whole split (dense_lane.h), or the sparse lane's nodes (sparse_lane.h) after the
 //             gate (and up) GEMVs mirrored from ggml.
-//   3. run    offload → OffloadState::before_split; the graph on an internal ggml CPU backend with
+//   3. run    offload → OffloadState::before_split (a prompt batch first empties the neuron cache's
+//             cold region: nothing of it is used until decode, and its memory serves the batch's
+//             buffers); the graph on an internal ggml CPU backend with
 //             the context's thread count; offload → OffloadState::after_split (page release, I/O
 //             error → GGML_STATUS_FAILED).
+//             A prompt batch under a budget also records its compute buffers (prompt_buffers.h).
 //   4. count  into the model's FlashStats (flash_stats.h): the split and its times, the lane call,
 //             FFN evaluations, the sparse lane's active neurons.
 #pragma once
 
+#include "backend/prompt_buffers.h"
 #include "experts/expert_lane.h"
 #include "ggml-backend.h"
 #include "ggml.h"
@@ -49,6 +53,7 @@ private:
     DenseLane dense_;
     SparseLane sparse_;
     ExpertLane experts_;
+    PromptBuffers prompt_buffers_;            // the compute buffers of the last prompt batch under a budget
     int n_threads_ = GGML_DEFAULT_N_THREADS;  // the internal CPU backend's, kept in step by set_n_threads
 };
 

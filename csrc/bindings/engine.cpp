@@ -3,6 +3,7 @@
 // with its run-time settings (thresholds, sparse configuration) and statistics.
 // IoError during open becomes llamaflash.errors.FlashIoError (IntegrityError SidecarIntegrityError);
 // std::invalid_argument a ValueError.
+#include "backend/prompt_buffers.h"
 #include "flash_io_py.h"
 #include "io/crc32c.h"
 #include "io/integrity.h"
@@ -234,5 +235,9 @@ void bind_engine(py::module_ & m) {
             },
             "The sidecar has checksums; they are checked; bytes and time checked at load; the CRC-32C code in use.")
         .def("take_error", &FlashModel::take_error,
-             "The error that failed the last graph compute (an I/O error in the offload lane), cleared; '' if none.");
+             "The error that failed the last graph compute (an I/O error in the offload lane), cleared; '' if none.")
+        .def(
+            "release_prompt_buffers", [](const FlashModel & fm) { return release_prompt_buffers(&fm); },
+            "Between evaluations: free the pages of the compute buffers a prompt batch under a budget wrote "
+            "(prompt_buffers.h); returns the bytes given back (0 when no prompt batch ran since the last call).");
 }

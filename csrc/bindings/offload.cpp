@@ -39,6 +39,7 @@ py::dict cache_stats(const NeuronCacheStats & s) {
     d["verify_seconds"] = s.verify_seconds;
     d["clusters_checked_by_compute"] = s.clusters_checked_by_compute;
     d["compute_verify_seconds"] = s.compute_verify_seconds;
+    d["cold_releases"] = s.cold_releases;
     d["draft_plans"] = s.draft_plans;
     d["draft_clusters_needed"] = s.draft_clusters_needed;
     d["draft_clusters_resident"] = s.draft_clusters_resident;

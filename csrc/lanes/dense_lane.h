@@ -80,7 +80,9 @@ public:
     // One entry per down projection mirrored: (layer, tokens) of an FFN evaluation.
     const std::vector<std::pair<int, int64_t>> & evaluations() const { return evaluations_; }
 
-    // Scratch bytes held for chunked splits (0 until the first chunked split).
+    // The scratch held for chunked splits (nullptr / 0 until the first chunked split); its contents
+    // live for one split (a later split writes before it reads).
+    float * chunk_scratch_data() { return chunk_scratch_.empty() ? nullptr : chunk_scratch_.data(); }
     size_t chunk_scratch_bytes() const { return chunk_scratch_.size() * sizeof(float); }
 
 private:

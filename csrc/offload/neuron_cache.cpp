@@ -1,6 +1,8 @@
 // neuron_cache.cpp — see neuron_cache.h.
 #include "offload/neuron_cache.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <stdexcept>
 
@@ -405,6 +407,29 @@ void NeuronCache::wait(int li) {
         throw;
     }
     stats_.io_wait_seconds += seconds_since(t0);
+}
+
+size_t NeuronCache::release_cold() {
+    bool used = false;
+    for (int64_t s = hot_slots_; s < static_cast<int64_t>(slots_.size()); ++s) used = used || slots_[s].layer >= 0;
+    for (std::vector<Batch> & layer_batches : batches_) {
+        for (Batch & b : layer_batches) await_reads(b);  // a failed read-ahead is dropped with its slots
+        used = used || !layer_batches.empty();
+        layer_batches.clear();
+    }
+    if (!used) return 0;
+    for (int64_t s = hot_slots_; s < static_cast<int64_t>(slots_.size()); ++s) {
+        Slot & slot = slots_[s];
+        if (slot.layer >= 0) {
+            where_[slot.layer][slot.cluster] = -1;
+            if (slot.prefetched) ++stats_.prefetch_unused;
+        }
+        slot = Slot{};
+    }
+    const size_t bytes = static_cast<size_t>(config_.cold_slots) * slot_bytes_;
+    if (bytes > 0) (void)madvise(slot_data(hot_slots_), bytes, MADV_DONTNEED);
+    ++stats_.cold_releases;
+    return bytes;
 }
 
 NeuronCacheStats NeuronCache::stats() const {

@@ -114,6 +114,7 @@ struct NeuronCacheStats {
                                                // wait() are part of io_wait_seconds, those of check_cluster not)
     uint64_t clusters_checked_by_compute = 0;  // slots checked by check_cluster (not while waiting)
     double compute_verify_seconds = 0;         // their part of verify_seconds (summed over threads)
+    uint64_t cold_releases = 0;                // release_cold() calls that emptied a used cold region
     uint64_t draft_plans = 0;                  // plan_resident() calls (draft layer-tokens)
     uint64_t draft_clusters_needed = 0;        // Σ clusters a draft's tokens select
     uint64_t draft_clusters_resident = 0;      // of those, resident (computed); the rest were skipped
@@ -159,6 +160,13 @@ public:
     // waits for flash and never evicts what the exact passes use. Counted in draft_clusters_*.
     void plan_resident(int li, const uint8_t * needed, LayerPlan & out);
     void wait(int li);
+    // Empties the cold region and gives its memory back (madvise MADV_DONTNEED: the pages are freed
+    // now and fault in again, zeroed, when a later read fills them). Waits for every read in flight
+    // first (read-ahead included; their data and any error are dropped: nothing is served from those
+    // slots). Pinned slots are untouched. For a phase that computes no cluster (a prompt batch on the
+    // dense lane): the memory the cold region held serves that phase's buffers. Returns the bytes
+    // released (0 when the cold region was already empty). Not concurrent with plan/wait.
+    size_t release_cold();
     // See "Checking" above. Thread-safe for distinct clusters while no plan/wait runs.
     void check_cluster(int li, int32_t cluster);
 

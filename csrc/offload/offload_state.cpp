@@ -176,9 +176,12 @@ bool OffloadState::check(const Region & r) {
     return true;
 }
 
-bool OffloadState::before_split(int pos, bool sparse) {
+bool OffloadState::before_split(int pos, bool sparse, bool prompt_batch) {
     if (pos < 0) {
         return true;
+    }
+    if (prompt_batch) {
+        cache_->release_cold();
     }
     bool ok = true;
     for (const Region & r : sparse ? gate_[pos] : streamed_[pos]) {

@@ -7,7 +7,12 @@
 // (and, with stream_gate, gate) as read-only views; they are page cache, touched by dense (prefill)
 // splits and, for a streamed gate, by every decode split's gate GEMV. The split executor calls the
 // hooks around each split of a served layer at position p:
-//   before_split(p, sparse)   sparse: start reading the next served layer's gate (MADV_WILLNEED,
+//   before_split(p, sparse, prompt_batch)
+//                             prompt_batch (a dense split over more tokens than the sparse lane
+//                             takes): first empty the neuron cache's cold region and free its pages
+//                             (NeuronCache::release_cold): a prompt computes no cluster, and the
+//                             planner lets its batch buffers use that memory (plan_budget.py).
+//                             sparse: start reading the next served layer's gate (MADV_WILLNEED,
 //                             asynchronous), so it arrives while p computes. With checksums
 //                             (integrity.h), first check the rows of p's views that the split reads
 //                             (sparse: a streamed gate; dense: up, down and a streamed gate): their
@@ -75,7 +80,7 @@ public:
     // when the gate is streamed, else 0.
     uint64_t streamed_gate_bytes() const { return streamed_gate_bytes_; }
 
-    bool before_split(int pos, bool sparse);
+    bool before_split(int pos, bool sparse, bool prompt_batch = false);
     bool after_split(int pos, bool sparse, const std::string & failure);
 
     void set_error(const std::string & message);

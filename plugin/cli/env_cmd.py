@@ -142,6 +142,7 @@ def _plan_dense(model_path: str, base, sidecar: Optional[Path], budget: Optional
             draft_copy=False,
             io_engine=o["io_engine"],
             verify=o["verify"],
+            prompt_pages_freed=False,  # the tools free no page between evaluations: every part in full
         )
         n_batch, n_ubatch = kwargs["n_batch"], kwargs["n_ubatch"]
         config.repack = False  # batch-invariant numerics, as llamaflash.Llama under a budget

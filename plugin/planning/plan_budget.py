@@ -5,6 +5,15 @@ Every size is in bytes. The budget covers the whole process: Python and its libr
 own share (plan_llama_share), the resident or streamed gate, the draft copy when kept, and the neuron
 cache (plan_clusters) with its least cold region and a speculative verify batch's buffers, plus a
 margin. A *layout* (:class:`Layout`, a plain value) fixes every part but the cache's pinned slots.
+
+Prompt and decode take turns (``PlanRequest.prompt_pages_freed``, llamaflash.Llama): a prompt batch
+computes no cluster, so the engine empties the cold region before it (NeuronCache::release_cold), and
+the host frees the compute pages the prompt wrote once it is evaluated
+(csrc/backend/prompt_buffers.h). The compute buffers are then counted at a decode batch's size
+(DECODE_ROWS tokens) and the rest of the prompt batch's share in the memory the cold region and the
+verify buffers hold while decoding: only what exceeds them is a part of its own (``prompt_buffers``).
+Without it (the backend library in llama.cpp's tools, which frees no page between evaluations) both
+are counted in full.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ UBATCH_BUDGET_SHARE = 0.10
 #: The largest speculative verify batch (speculative.BATCH_INVARIANT_MAX): its logits rows, and the
 #: sparse lane's per-(cluster, token) partial sums for it, are counted.
 VERIFY_ROWS = BATCH_INVARIANT_MAX
+#: The compute buffers a decode step or a verify batch touches once a prompt's pages are freed are
+#: counted as those of a batch of this many tokens (an upper bound for VERIFY_ROWS and one token).
+DECODE_ROWS = 32
 #: RSS of a fresh ``python -c "import llamaflash, llama_cpp"`` (measured: 45.7-46.2 MiB, bench/planner_constants.py).
 RUNTIME_RSS_BYTES = 46 * MiB
 #: Margin: fixed + a fraction of everything else (allocator slack, thread stacks, page tables, I/O
@@ -81,6 +93,7 @@ class PlanRequest:
     logits_all: bool = False  # Llama(logits_all=True): every token's logits kept (plan_llama_share)
     prompt_tokens: int = 512  # the prompt length TTFT is predicted for (prefill_speed), weighed in n_ubatch
     flash_attn: bool = True  # the context's flash attention (offload's default): no KQ scores in compute buffers
+    prompt_pages_freed: bool = True  # prompt and decode take turns in memory (the module docstring)
 
     @property
     def gate_layer_bytes(self) -> tuple[int, ...]:
@@ -96,15 +109,22 @@ class Layout:
     stream_gate: bool
     draft_copy: bool
     fixed: dict[str, int]
+    #: a prompt batch's compute pages beyond ``fixed["compute_buffers"]`` that share the cold region's
+    #: memory (0 unless ``PlanRequest.prompt_pages_freed``)
+    prompt_extra: int = 0
 
 
 def fixed_parts(req: PlanRequest, n_ubatch: int, stream_gate: bool, copy_bytes: int) -> dict[str, int]:
     """The parts besides the neuron cache: runtime, llama.cpp's share, the draft copy (when
-    ``copy_bytes``), and the resident gate or the streamed gate's window."""
+    ``copy_bytes``), and the resident gate or the streamed gate's window. With
+    ``req.prompt_pages_freed`` the compute buffers are a decode batch's (:func:`prompt_extra_bytes`
+    has the rest)."""
     parts = {
         "runtime": int(req.runtime_bytes),
         **llama_share(req.header, req.info, req.n_ctx, n_ubatch, req.logits_all, req.flash_attn),
     }
+    if req.prompt_pages_freed and n_ubatch > DECODE_ROWS:
+        parts["compute_buffers"] = decode_compute_bytes(req, n_ubatch)
     if copy_bytes:
         parts["draft_copy"] = copy_bytes
     gate = req.gate_layer_bytes
@@ -115,8 +135,29 @@ def fixed_parts(req: PlanRequest, n_ubatch: int, stream_gate: bool, copy_bytes: 
     return parts
 
 
+def decode_compute_bytes(req: PlanRequest, n_ubatch: int) -> int:
+    """The compute pages a decode step or verify batch touches: a batch of min(n_ubatch, DECODE_ROWS)."""
+    u = min(n_ubatch, DECODE_ROWS)
+    return llama_share(req.header, req.info, req.n_ctx, u, req.logits_all, req.flash_attn)["compute_buffers"]
+
+
+def prompt_extra_bytes(req: PlanRequest, n_ubatch: int) -> int:
+    """With ``req.prompt_pages_freed``: a prompt batch's compute pages beyond a decode batch's (they
+    take turns with the cold region); else 0 (the full compute buffers are a fixed part)."""
+    if not req.prompt_pages_freed or n_ubatch <= DECODE_ROWS:
+        return 0
+    full = llama_share(req.header, req.info, req.n_ctx, n_ubatch, req.logits_all, req.flash_attn)["compute_buffers"]
+    return max(0, full - decode_compute_bytes(req, n_ubatch))
+
+
 def make_layout(req: PlanRequest, n_ubatch: int, stream_gate: bool, copy_bytes: int) -> Layout:
-    return Layout(n_ubatch, stream_gate, bool(copy_bytes), fixed_parts(req, n_ubatch, stream_gate, copy_bytes))
+    return Layout(
+        n_ubatch,
+        stream_gate,
+        bool(copy_bytes),
+        fixed_parts(req, n_ubatch, stream_gate, copy_bytes),
+        prompt_extra_bytes(req, n_ubatch),
+    )
 
 
 def cold_bytes(req: PlanRequest, table: ClusterTable) -> int:
@@ -140,9 +181,17 @@ def verify_bytes(req: PlanRequest, table: ClusterTable) -> int:
     return (VERIFY_ROWS - 1) * vocabulary_size(req.header) * 4 + scratch
 
 
-def cache_floor_bytes(req: PlanRequest, table: ClusterTable) -> int:
-    """What the neuron cache needs with nothing pinned: its least cold region and the verify buffers."""
-    return cold_bytes(req, table) + verify_bytes(req, table)
+def cache_floor_bytes(req: PlanRequest, table: ClusterTable, layout: Layout | None = None) -> int:
+    """What the neuron cache needs with nothing pinned: its least cold region and the verify buffers,
+    plus :func:`prompt_bytes` of ``layout``."""
+    floor = cold_bytes(req, table) + verify_bytes(req, table)
+    return floor + (prompt_bytes(req, table, layout) if layout is not None else 0)
+
+
+def prompt_bytes(req: PlanRequest, table: ClusterTable, layout: Layout) -> int:
+    """The part ``prompt_buffers``: what a prompt batch's extra compute pages (``layout.prompt_extra``)
+    need beyond the cold region and the verify buffers they take turns with."""
+    return max(0, layout.prompt_extra - cold_bytes(req, table) - verify_bytes(req, table))
 
 
 def margin_bytes(rest: int) -> int:
@@ -151,7 +200,7 @@ def margin_bytes(rest: int) -> int:
 
 def minimum_bytes(req: PlanRequest, layout: Layout, table: ClusterTable) -> int:
     """The least budget of ``layout`` with clusters of ``table``: every part, no pinned slot, plus the margin."""
-    rest = sum(layout.fixed.values()) + cache_floor_bytes(req, table)
+    rest = sum(layout.fixed.values()) + cache_floor_bytes(req, table, layout)
     return rest + margin_bytes(rest)
 
 

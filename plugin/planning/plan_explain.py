@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ..files import ggml_types
 from ..files import sidecar_format as fmt
 from .plan_budget import (
+    DECODE_ROWS,
     GATE_WINDOW_LAYERS,
     MARGIN_FIXED_BYTES,
     MARGIN_FRACTION,
@@ -36,9 +37,17 @@ def part_reasons(req: PlanRequest, layout: Layout, choice: "CacheChoice", spare:
         "llama_vocab": f"llama.cpp tokenizer tables, {VOCAB_BYTES_PER_ENTRY} B per token/merge + 2 MiB (measured)",
         "llama_weights": "non-FFN tensors (attention, norms, token_embd, output) + unserved FFNs, mmapped/repacked",
         "kv_cache": f"f16 K+V, every layer, n_ctx {req.n_ctx} rounded up to 256 cells",
-        "compute_buffers": f"the pages a batch of n_ubatch {layout.n_ubatch} writes in llama.cpp's CPU and "
-        "LLAMAFLASH compute buffers and logits output; +5% (measured)"
+        "compute_buffers": (
+            f"the pages a batch of n_ubatch {layout.n_ubatch} writes in llama.cpp's CPU and "
+            "LLAMAFLASH compute buffers and logits output; +5% (measured)"
+            if not layout.prompt_extra
+            else f"the pages a decode batch (up to {DECODE_ROWS} tokens) writes in llama.cpp's CPU and LLAMAFLASH "
+            f"compute buffers and logits output, +5% (measured); a prompt batch of n_ubatch {layout.n_ubatch} "
+            f"writes {layout.prompt_extra / MiB:.1f} MiB more, in the memory of the cold slots and verify "
+            "buffers (emptied before it, its pages freed after it)"
+        )
         + ("" if req.n_ubatch is not None else "; n_ubatch chosen for the fastest predicted decode"),
+        "prompt_buffers": "what a prompt batch's compute pages need beyond the cold slots and verify buffers",
         "prefill_window": "one layer's base up + down, mmapped page cache during dense prefill",
         "python_logits": "logits_all=True: llama-cpp-python keeps every position's logits, n_ctx x n_vocab x 4",
         "draft_copy": (

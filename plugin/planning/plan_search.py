@@ -49,6 +49,7 @@ from .plan_budget import (
     make_layout,
     margin_bytes,
     minimum_bytes,
+    prompt_bytes,
     verify_bytes,
 )
 from .plan_clusters import GATE_READ_DEPTH, StreamedGate, choose_cache
@@ -169,10 +170,12 @@ def plan_layout(req: PlanRequest, layout: Layout, least_budget: int) -> OffloadP
         **layout.fixed,
         "cold_slots": cold_bytes(req, table),
         "verify_buffers": verify_bytes(req, table),
-        "hot_slots": best.hot_slots * table.slot_bytes,
     }
+    if prompt_bytes(req, table, layout):
+        parts["prompt_buffers"] = prompt_bytes(req, table, layout)
+    parts["hot_slots"] = best.hot_slots * table.slot_bytes
     parts["margin"] = req.budget_bytes - sum(parts.values())
-    spare = parts["margin"] - margin_bytes(sum(layout.fixed.values()) + cache_floor_bytes(req, table))
+    spare = parts["margin"] - margin_bytes(sum(layout.fixed.values()) + cache_floor_bytes(req, table, layout))
     reasons = part_reasons(req, layout, best, spare)
     return OffloadPlan(
         model_path=str(req.model_path),

@@ -90,6 +90,7 @@ def plan_offload(
     logits_all: bool = False,
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
     flash_attn: bool = True,
+    prompt_pages_freed: bool = True,
 ) -> OffloadPlan:
     """Plan the RAM of the flash-offload engine for ``model_path`` + its format-2 sidecar under
     ``ram_budget_mb`` MiB (see the module docstring and :class:`OffloadPlan`).
@@ -111,6 +112,10 @@ def plan_offload(
     ``logits_all``: the Llama keeps every token's logits (``Llama(logits_all=True)``): counted.
     ``flash_attn``: the context runs flash attention (offload's default, batch-invariant numerics): its
     compute buffers hold no KQ scores.
+
+    ``prompt_pages_freed``: the host frees a prompt's compute pages after evaluating it, so that prompt
+    batches and decode take turns in the cold region's memory (llamaflash.Llama; plan_budget); False for
+    a host that does not (the backend library in llama.cpp's tools): every part counted in full.
 
     ``info`` / ``header``: the pair's :func:`~llamaflash.files.sidecar.validate_pair` result and the base
     model's parsed header, when the caller has them (``llamaflash.Llama``), so that one load parses
@@ -169,6 +174,7 @@ def plan_offload(
         logits_all=bool(logits_all),
         prompt_tokens=int(prompt_tokens),
         flash_attn=bool(flash_attn),
+        prompt_pages_freed=bool(prompt_pages_freed),
     )
     return with_ubatch_trade(req, _plan_draft_copy(req, info, draft_copy, copy_bytes))
 

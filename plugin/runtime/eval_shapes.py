@@ -25,8 +25,8 @@ weights in plain (not repacked) memory and flash attention, ggml-cpu computes ev
 2..`MAX_ROWS` rows with the same bits, and a single row too while the KV holds fewer than
 `SPLIT_KV_MIN_CELLS` cells; a single row over more cells takes flash attention's split-KV path, which
 sums in another order (and by thread count). `invariant_chunks` cuts every evaluation into batches of
-up to MAX_ROWS rows, never a lone row once the KV is that long (the token before it is evaluated
-again with it), so a position's bits no longer depend on batching or cache history. With
+up to MAX_ROWS rows, never a lone row once the KV is that long (a filler row is evaluated after it
+and removed), so a position's bits no longer depend on batching or cache history. With
 speculative decoding (on by default under a RAM budget where tokens read from flash) lone rows are
 padded the same way, which keeps it exact past 256 positions: a token verified in a batch gets the
 bits it gets decoded alone. Without speculation a lone decode row stays alone, as stock computes it.
@@ -49,6 +49,21 @@ MAX_ROWS = 7
 #: (ggml-cpu ops.cpp, use_split_kv_path: nek1 >= 512); the KV length is padded to 256 cells.
 SPLIT_KV_MIN_CELLS = 512
 KV_PAD = 256
+
+#: ggml type ids (ggml.h) of the KV cache types; flash attention's split-KV path takes F32 / F16 K and V
+#: of one type only (ggml-cpu ops.cpp: kv_is_f32_or_f16 && k->type == v->type).
+GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0 = 0, 1, 8
+#: deterministic=True's KV cache type where the caller gives none: one row over a q8_0 cache is
+#: computed as a row of any batch, so no filler row is needed (llama.cpp's -ctk q8_0 -ctv q8_0)
+DETERMINISTIC_KV_TYPE = GGML_TYPE_Q8_0
+
+
+def kv_may_split(type_k: Optional[int], type_v: Optional[int]) -> bool:
+    """Whether flash attention may split one query row's KV over a cache of these types (None: F16,
+    llama.cpp's default): then a lone row past SPLIT_KV_MIN_CELLS needs a filler row."""
+    k = GGML_TYPE_F16 if type_k is None else int(type_k)
+    v = GGML_TYPE_F16 if type_v is None else int(type_v)
+    return k == v and k in (GGML_TYPE_F32, GGML_TYPE_F16)
 
 
 @dataclass(frozen=True)
@@ -177,9 +192,11 @@ def invariant_chunks(
     """Batch-invariant evaluation of n_tokens tokens at positions n_past..: (first position, rows)
     per llama_decode call, every call 1..max_rows rows. A call of one row happens only while flash
     attention would not split its KV (fewer than SPLIT_KV_MIN_CELLS cells); past that, a lone token
-    is evaluated together with the token before it (first position n_past - 1), whose KV entry is
-    then computed again with the same bits. pad_lone=False: a lone token is always decoded alone (as
-    stock decodes it; consistent only where no other batch ever computes that position)."""
+    is evaluated with one filler row after it, (n_past, 2): the call's rows beyond the tokens are
+    fillers, whose KV entries the caller removes and whose logits it ignores. The row before is not
+    computed again: its KV entry may come from a batch of more rows, whose bits a 2-row batch would
+    replace. pad_lone=False: a lone token is always decoded alone (as stock decodes it; consistent
+    only where no other batch ever computes that position)."""
     if max_rows < 3:
         raise ValueError(f"max_rows={max_rows}: batch-invariant chunks need at least 3 rows")
     if n_tokens <= 0:
@@ -187,7 +204,7 @@ def invariant_chunks(
     if n_tokens == 1:
         if not pad_lone or n_past == 0 or kv_cells(n_past + 1) < SPLIT_KV_MIN_CELLS:
             return [(n_past, 1)]  # no split-KV path yet: one row has the bits of any other batch
-        return [(n_past - 1, 2)]
+        return [(n_past, 2)]
     sizes = [max_rows] * (n_tokens // max_rows)
     rest = n_tokens % max_rows
     if rest == 1:

@@ -48,6 +48,8 @@ def collect(llm: "Llama") -> Dict[str, Any]:
         fractions = [f for f in stats["active_fraction"].values() if f is not None]
         stats["mean_active_fraction"] = sum(fractions) / len(fractions) if fractions else None
         stats["offload"] = offload.stats(llm._flash, llm._flash_plan)
+        if stats["offload"] is not None:  # the compute pages prompts wrote, freed after them (Llama.eval)
+            stats["offload"]["prompt_pages_freed_bytes"] = llm._prompt_pages_freed
     if llm._experts is not None:
         setup = llm._expert_setup
         stats["experts"] = expert_runtime.stats(llm._experts, setup.plan, setup.moe)
@@ -67,7 +69,7 @@ BATCH_INVARIANT_STOCK = (
 BATCH_INVARIANT_SPECULATIVE = (
     BATCH_INVARIANT_STOCK + " while the context holds at most 256 tokens; beyond that stock decodes a lone token "
     "with flash attention's KV split by thread count, which llamaflash, verifying drafts in batches, avoids by "
-    "evaluating each lone token together with the one before it"
+    "evaluating each lone token with a filler row after it"
 )
 
 
@@ -76,9 +78,10 @@ def numerics(llm: "Llama") -> Dict[str, Any]:
     deterministic = bool(llm._deterministic)
     lossy = llm._flash_mode in ("sparse", "offload") and llm._experts is None
     if deterministic:
+        kv = "its KV cache as given" if llm._kv_may_split else "a q8_0 KV cache (-ctk q8_0 -ctv q8_0)"
         equals = (
-            "no stock default: stock llama.cpp with weights not repacked and flash attention on, every "
-            "batch evaluated in 2..7 rows (llama.cpp's tools cannot be told to)"
+            f"no stock default: stock llama.cpp with weights not repacked, flash attention on and {kv}, "
+            "every batch evaluated in 1..7 rows (llama.cpp's tools cannot be told to)"
         )
     elif llm._batch_invariant:
         equals = BATCH_INVARIANT_SPECULATIVE if llm._speculator is not None else BATCH_INVARIANT_STOCK

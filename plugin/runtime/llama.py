@@ -70,10 +70,11 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  the first time it was evaluated, whatever ran in between (plugin/runtime/eval_shapes.py:
                  a prompt evaluated before is brought back with the batch shapes it had then, and a prompt
                  the cache holds whole samples from its recorded logits). True: batch-invariant, every
-                 evaluation in batches of 2..7 rows over plain weights with flash attention, so an answer
-                 no longer depends on the cache's history or on n_batch / n_ubatch: a conversation
-                 replayed from scratch gives the answer it got continued in the KV cache. Costs prefill
-                 speed (docs/BENCHMARKS.md, "Identical answers").
+                 evaluation in batches of 1..7 rows over plain weights with flash attention and a q8_0 KV
+                 cache (unless type_k / type_v are given), so an answer no longer depends on the cache's
+                 history or on n_batch / n_ubatch: a conversation replayed from scratch gives the answer it
+                 got continued in the KV cache. Costs prefill speed, and the q8_0 KV cache a little
+                 quality (docs/BENCHMARKS.md, "Identical answers").
   flash_prompt_tokens  offload only: the prompt length the planner weighs when it predicts time to
                  the first token and chooses n_ubatch (None: 512; plugin/planning/prefill_speed.py).
   flash_expert_slots  mixture-of-experts models under ram_budget_mb: expert cache slots per MoE layer
@@ -119,6 +120,7 @@ from .llama_settings import (  # noqa: F401
     _has_sparsity,
     _level_sparsity,
     _resolve_mode,
+    deterministic_kv_type,
     sparsity_thresholds,
 )
 from .notices import LlamaflashWarning, say_once, warn_no_sidecar, warn_unchecked  # noqa: F401
@@ -177,6 +179,7 @@ class Llama(llama_cpp.Llama):
     ) -> None:
         _check_known_keywords(kwargs)  # llama_cpp.Llama ignores unknown ones: a misspelt setting would be lost
         self._flash: Optional[_native.FlashModel] = None
+        self._prompt_pages_freed = 0  # bytes of prompt compute pages freed (flash_stats()["offload"])
         self._flash_info: Optional[SidecarInfo] = None
         self._flash_sidecar: Optional[Path] = None
         self._flash_plan = None
@@ -192,6 +195,7 @@ class Llama(llama_cpp.Llama):
         self._flash_mode = _resolve_mode(flash_mode)
         _check_deterministic(deterministic, flash_batch_invariant, flash_max_sparse_tokens, kwargs)
         self._deterministic = deterministic
+        self._kv_may_split = True  # the KV cache's types may take split-KV attention (set below)
         max_sparse_given = flash_max_sparse_tokens is not None
         if flash_max_sparse_tokens is None:
             flash_max_sparse_tokens = 1
@@ -255,8 +259,8 @@ class Llama(llama_cpp.Llama):
             (ram_budget_mb is not None or deterministic) if flash_batch_invariant is None else flash_batch_invariant
         )
         if self._batch_invariant and not max_sparse_given:
-            # every row of a batch-invariant chunk (up to MAX_ROWS, a lone decode row evaluated with the
-            # one before it) goes to the lane a token decoded alone goes to
+            # every row of a batch-invariant chunk (up to MAX_ROWS, a lone decode row evaluated with a
+            # filler row after it) goes to the lane a token decoded alone goes to
             flash_max_sparse_tokens = eval_shapes.MAX_ROWS
             self._flash_args["flash_max_sparse_tokens"] = flash_max_sparse_tokens
         flash_attn_given = "flash_attn" in kwargs
@@ -267,6 +271,12 @@ class Llama(llama_cpp.Llama):
         # llamaflash loads anything through ggml (repacking weights logs a line per tensor)
         set_verbose(bool(kwargs.get("verbose", True)))
         base = gguf_model.read_base_model(os.fspath(model_path))  # the one parse of the base header
+        kv_type = deterministic_kv_type(base.header) if deterministic else None
+        if kv_type is not None and "type_k" not in kwargs and "type_v" not in kwargs:
+            # a q8_0 KV cache: flash attention never splits one row's KV for it, so a lone decode row
+            # needs no filler row (eval_shapes.kv_may_split); type_k / type_v given are kept
+            kwargs.update(type_k=kv_type, type_v=kv_type)
+        self._kv_may_split = eval_shapes.kv_may_split(kwargs.get("type_k"), kwargs.get("type_v"))
         moe = experts.read_moe_model(base.header) if base.header is not None else None
         if moe is not None:
             moe_init.init_moe(self, os.fspath(model_path), base, moe, args, kwargs, flash_speculative)
@@ -403,6 +413,8 @@ class Llama(llama_cpp.Llama):
         self._flash = flash
         self._flash_info = info
         self._flash_sidecar = Path(sidecar)
+        if self._flash_mode == OFFLOAD_MODE:
+            offload.free_prompt_pages_after_decode(self)
         if self._speculator is not None and self._flash_mode == OFFLOAD_MODE and user_draft is None:
             self._speculation_off_reason = offload.attach_self_draft(
                 self, self._speculator, self._flash_plan, info, spec_settings
@@ -585,6 +597,7 @@ class Llama(llama_cpp.Llama):
         if self._flash is not None:
             self._flash.reset_stats()
             self._flash.reset_cache_stats()
+        self._prompt_pages_freed = 0
         if self._experts is not None:
             self._experts.reset_stats()
         if self._speculator is not None:

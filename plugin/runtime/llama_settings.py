@@ -149,6 +149,26 @@ def _check_deterministic(deterministic, flash_batch_invariant, flash_max_sparse_
             )
 
 
+def deterministic_kv_type(header) -> Optional[int]:
+    """deterministic=True's KV cache type where the caller gives none: q8_0
+    (eval_shapes.DETERMINISTIC_KV_TYPE) where every K and V head row is a whole number of q8_0 blocks
+    (32 values; llama.cpp refuses the context otherwise), else None (f16: lone rows past 256 positions
+    then get a filler row). ``header``: the base model's parsed GGUF header."""
+    from .eval_shapes import DETERMINISTIC_KV_TYPE
+
+    def scalar(key: str):
+        v = header.metadata.get(key) if header is not None else None
+        return None if v is None else v.value  # an array's value is None
+
+    arch = scalar("general.architecture")
+    n_embd, n_head = scalar(f"{arch}.embedding_length"), scalar(f"{arch}.attention.head_count")
+    k = scalar(f"{arch}.attention.key_length") or (n_embd // n_head if n_embd and n_head else None)
+    v = scalar(f"{arch}.attention.value_length") or k
+    if not k or not v or int(k) % 32 or int(v) % 32:
+        return None
+    return DETERMINISTIC_KV_TYPE
+
+
 def _resolve_mode(flash_mode: Optional[str]) -> str:
     mode = "auto" if flash_mode is None else flash_mode
     if mode not in FLASH_MODES:

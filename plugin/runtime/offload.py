@@ -46,10 +46,13 @@ def configure(
     verify: bool,
     speculation_by_default: bool = False,
     prompt_tokens: Optional[int] = None,
+    prompt_pages_freed: bool = True,
 ) -> Tuple["OffloadPlan", "_native.EngineConfig", Optional[speculative.SpeculativeSettings], Optional[str]]:
     """Steps 1 and 2: the plan for the budget and the engine configuration from it. Sets llama.cpp's
     n_batch and n_ubatch in ``kwargs`` to the plan's where the caller did not give them;
-    ``prompt_tokens`` is the prompt length the plan weighs (None: DEFAULT_PROMPT_TOKENS). Returns the
+    ``prompt_tokens`` is the prompt length the plan weighs (None: DEFAULT_PROMPT_TOKENS);
+    ``prompt_pages_freed``: the host frees a prompt's compute pages after it (llamaflash.Llama.eval;
+    planner.plan_offload). Returns the
     plan, the engine configuration, the speculative settings to use and, where speculation that was
     on only by default is turned off (:func:`default_speculation_off`), the reason."""
     from ..planning import disk_probe, planner  # numpy-heavy; only offload needs them
@@ -71,6 +74,7 @@ def configure(
         logits_all=bool(kwargs.get("logits_all", False)),
         flash_attn=bool(kwargs.get("flash_attn", False)),
         prompt_tokens=prompt_tokens,
+        prompt_pages_freed=prompt_pages_freed,
     )
     kwargs.setdefault("n_batch", plan.n_batch)
     kwargs.setdefault("n_ubatch", plan.n_ubatch)
@@ -146,6 +150,28 @@ def attach_self_draft(
             ),
         )
     return None
+
+
+def free_prompt_pages_after_decode(llm) -> None:
+    """Prompt batches and decode take turns in memory (planning/plan_budget.py): the engine empties the
+    cold region before a prompt batch, and here, after every ``llama_decode`` of ``llm``'s context (one
+    ubatch: the plan's n_batch is its n_ubatch), the compute pages a prompt batch wrote are freed
+    (csrc/backend/prompt_buffers.h; nothing after a decode step), before the next call can compute
+    clusters into the cold region. Wraps the context's ``decode``, through which every evaluation
+    passes; counted in ``llm._prompt_pages_freed``."""
+    ctx, flash, ref = llm._ctx, llm._flash, weakref.ref(llm)
+    decode = ctx.decode
+
+    def decode_then_free(batch):
+        try:
+            return decode(batch)
+        finally:
+            freed = flash.release_prompt_buffers()
+            owner = ref()
+            if owner is not None:
+                owner._prompt_pages_freed += freed
+
+    ctx.decode = decode_then_free
 
 
 def stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:

@@ -19,26 +19,36 @@ if TYPE_CHECKING:
 
 def eval_invariant(llm: "Llama", tokens, all_logits: bool) -> None:
     """Evaluates `tokens` at n_tokens in batch-invariant chunks (eval_shapes.invariant_chunks): a
-    lone token past position 0 is decoded together with the token before it again."""
+    lone token past the split-KV length is decoded with a filler row after it (the same token), whose
+    KV entry is removed and whose logits are replaced by the token's, so that sampling the last
+    output row samples the token's."""
     n_past = llm.n_tokens
     t0 = time.perf_counter()
     # any 1..MAX_ROWS rows are invariant: chunks also fit a smaller n_batch / n_ubatch (an MoE plan's)
     max_rows = max(3, min(eval_shapes.MAX_ROWS, llm.n_batch, llm.context_params.n_ubatch))
-    # a lone row past 256 positions is padded where another batch may compute the same position:
-    # always in deterministic mode, and where speculation verifies drafts in batches
-    pad_lone = llm._deterministic or llm._speculator is not None
+    # a lone row past 256 positions is padded where another batch may compute the same position
+    # (deterministic mode, and speculation verifying drafts in batches) and its KV may be split
+    pad_lone = (llm._deterministic or llm._speculator is not None) and llm._kv_may_split
+    end = n_past + len(tokens)
     for first, rows in eval_shapes.invariant_chunks(n_past, len(tokens), max_rows, pad_lone):
-        chunk = [int(llm.input_ids[p]) if p < n_past else tokens[p - n_past] for p in range(first, first + rows)]
+        real = min(rows, end - first)
+        chunk = tokens[first - n_past : first - n_past + real]
+        chunk = chunk + [chunk[-1]] * (rows - real)  # filler rows after a lone token
+        outputs = all_logits or rows > real  # a filler's batch: every row, the token's copied over the filler's
         llm._ctx.kv_cache_seq_rm(-1, first, -1)
         llm._kv_history.cut(first)
-        llm._batch.set_batch(batch=chunk, n_past=first, logits_all=all_logits)
+        llm._batch.set_batch(batch=chunk, n_past=first, logits_all=outputs)
         llm._ctx.decode(llm._batch)
-        llm.input_ids[first : first + rows] = chunk
+        if rows > real:
+            llm._ctx.kv_cache_seq_rm(-1, first + real, -1)
+            logits = np.ctypeslib.as_array(raw.llama_get_logits(llm._ctx.ctx), shape=(rows, llm._n_vocab))
+            logits[real:] = logits[real - 1]
+        llm.input_ids[first : first + real] = chunk[:real]
         if llm._logits_all:
             logits = np.ctypeslib.as_array(raw.llama_get_logits(llm._ctx.ctx), shape=(rows, llm._n_vocab))
-            llm.scores[first : first + rows, :] = logits
-        llm.n_tokens = first + rows
-        llm._kv_history.add(Segment(first, rows, all_logits))
+            llm.scores[first : first + real, :] = logits[:real]
+        llm.n_tokens = first + real
+        llm._kv_history.add(Segment(first, rows, outputs))
     llm._requires_eval = False
     if llm._speculator is not None and all_logits and not llm._logits_all:
         llm._speculator.record_verify(len(tokens), time.perf_counter() - t0, n_past)
@@ -75,6 +85,9 @@ def replay_prompt(llm: "Llama", tokens) -> None:
             llm._ctx.decode(llm._batch)
             if len(batch) > len(real):
                 llm._ctx.kv_cache_seq_rm(-1, end, -1)
+                if seg.all_logits:  # the last real row's logits are the ones sampled next (row -1)
+                    logits = np.ctypeslib.as_array(raw.llama_get_logits(llm._ctx.ctx), shape=(len(batch), llm._n_vocab))
+                    logits[len(real) :] = logits[len(real) - 1]
             llm.input_ids[seg.start : end] = real
             if llm._logits_all:
                 logits = np.ctypeslib.as_array(raw.llama_get_logits(llm._ctx.ctx), shape=(len(batch), llm._n_vocab))
