@@ -83,6 +83,22 @@ def test_invariant_chunks_cover_the_tokens_in_batches_of_at_most_7(n_past, n, ma
     assert all(eval_shapes.kv_cells(p + 1) < eval_shapes.SPLIT_KV_MIN_CELLS for p in lone)
 
 
+@pytest.mark.parametrize("n_past", [0, 5, 300])
+def test_a_lone_row_gets_a_filler_at_any_position_where_a_matrix_takes_tinyblas(n_past):
+    assert eval_shapes.invariant_chunks(n_past, 1, pad_lone=True, pad_always=True) == [(n_past, 2)]
+    assert eval_shapes.invariant_chunks(n_past, 1, pad_lone=False, pad_always=True) == [(n_past, 1)]
+
+
+def test_tinyblas_matrices_are_found_in_the_header(tiny_model_factory):
+    """A model multiplying by a q8_0 matrix (tinyBLAS from 2 rows on, vec_dot for one) is found; its
+    Q8_0 layers are named."""
+    from llamaflash.files.gguf_header import read_gguf_header
+    from llamaflash.runtime.llama_settings import tinyblas_matrix
+
+    found = tinyblas_matrix(read_gguf_header(tiny_model_factory(weight_type="Q8_0")))
+    assert found is not None and found != "token_embd.weight"
+
+
 def test_replay_keeps_matching_segments_and_redoes_the_rest():
     rec = PromptRecord((Segment(0, 10, False), Segment(10, 7, True), Segment(13, 5, False)), logits=None)
     hist = KvHistory()

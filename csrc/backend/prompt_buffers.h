@@ -54,7 +54,7 @@ private:
 };
 
 // Frees the prompt compute pages of every context that last computed a prompt batch of `model`
-// (see above); returns the bytes given back.
+// (see above); returns the bytes of the ranges freed (whole pages; those never written count too).
 size_t release_prompt_buffers(const FlashModel * model);
 
 }  // namespace llamaflash

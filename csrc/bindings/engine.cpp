@@ -239,5 +239,6 @@ void bind_engine(py::module_ & m) {
         .def(
             "release_prompt_buffers", [](const FlashModel & fm) { return release_prompt_buffers(&fm); },
             "Between evaluations: free the pages of the compute buffers a prompt batch under a budget wrote "
-            "(prompt_buffers.h); returns the bytes given back (0 when no prompt batch ran since the last call).");
+            "(prompt_buffers.h); returns the bytes of the ranges freed (0 when no prompt batch ran since the last "
+            "call).");
 }

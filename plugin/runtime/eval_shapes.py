@@ -187,7 +187,7 @@ def plan_replay(record: PromptRecord, history: KvHistory, shared: int, n_prompt:
 
 
 def invariant_chunks(
-    n_past: int, n_tokens: int, max_rows: int = MAX_ROWS, pad_lone: bool = True
+    n_past: int, n_tokens: int, max_rows: int = MAX_ROWS, pad_lone: bool = True, pad_always: bool = False
 ) -> List[Tuple[int, int]]:
     """Batch-invariant evaluation of n_tokens tokens at positions n_past..: (first position, rows)
     per llama_decode call, every call 1..max_rows rows. A call of one row happens only while flash
@@ -195,14 +195,15 @@ def invariant_chunks(
     is evaluated with one filler row after it, (n_past, 2): the call's rows beyond the tokens are
     fillers, whose KV entries the caller removes and whose logits it ignores. The row before is not
     computed again: its KV entry may come from a batch of more rows, whose bits a 2-row batch would
-    replace. pad_lone=False: a lone token is always decoded alone (as stock decodes it; consistent
-    only where no other batch ever computes that position)."""
+    replace. pad_always: at every position (a matrix whose type tinyBLAS takes from 2 rows on makes a
+    lone row differ everywhere). pad_lone=False: a lone token is always decoded alone (as stock decodes
+    it; consistent only where no other batch ever computes that position)."""
     if max_rows < 3:
         raise ValueError(f"max_rows={max_rows}: batch-invariant chunks need at least 3 rows")
     if n_tokens <= 0:
         return []
     if n_tokens == 1:
-        if not pad_lone or n_past == 0 or kv_cells(n_past + 1) < SPLIT_KV_MIN_CELLS:
+        if not pad_lone or (not pad_always and kv_cells(n_past + 1) < SPLIT_KV_MIN_CELLS):
             return [(n_past, 1)]  # no split-KV path yet: one row has the bits of any other batch
         return [(n_past, 2)]
     sizes = [max_rows] * (n_tokens // max_rows)

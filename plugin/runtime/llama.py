@@ -122,6 +122,7 @@ from .llama_settings import (  # noqa: F401
     _resolve_mode,
     deterministic_kv_type,
     sparsity_thresholds,
+    tinyblas_matrix,
 )
 from .notices import LlamaflashWarning, say_once, warn_no_sidecar, warn_unchecked  # noqa: F401
 
@@ -179,7 +180,7 @@ class Llama(llama_cpp.Llama):
     ) -> None:
         _check_known_keywords(kwargs)  # llama_cpp.Llama ignores unknown ones: a misspelt setting would be lost
         self._flash: Optional[_native.FlashModel] = None
-        self._prompt_pages_freed = 0  # bytes of prompt compute pages freed (flash_stats()["offload"])
+        self._prompt_pages_freed = 0  # bytes of compute-buffer ranges freed after prompt batches (flash_stats)
         self._flash_info: Optional[SidecarInfo] = None
         self._flash_sidecar: Optional[Path] = None
         self._flash_plan = None
@@ -196,6 +197,7 @@ class Llama(llama_cpp.Llama):
         _check_deterministic(deterministic, flash_batch_invariant, flash_max_sparse_tokens, kwargs)
         self._deterministic = deterministic
         self._kv_may_split = True  # the KV cache's types may take split-KV attention (set below)
+        self._tinyblas_matrix: Optional[str] = None  # see eval_shapes.invariant_chunks (set below)
         max_sparse_given = flash_max_sparse_tokens is not None
         if flash_max_sparse_tokens is None:
             flash_max_sparse_tokens = 1
@@ -277,6 +279,8 @@ class Llama(llama_cpp.Llama):
             # needs no filler row (eval_shapes.kv_may_split); type_k / type_v given are kept
             kwargs.update(type_k=kv_type, type_v=kv_type)
         self._kv_may_split = eval_shapes.kv_may_split(kwargs.get("type_k"), kwargs.get("type_v"))
+        # a matrix tinyBLAS multiplies from 2 rows on: a lone row gets other bits at every position
+        self._tinyblas_matrix = tinyblas_matrix(base.header)
         moe = experts.read_moe_model(base.header) if base.header is not None else None
         if moe is not None:
             moe_init.init_moe(self, os.fspath(model_path), base, moe, args, kwargs, flash_speculative)

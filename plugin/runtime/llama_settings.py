@@ -169,6 +169,28 @@ def deterministic_kv_type(header) -> Optional[int]:
     return DETERMINISTIC_KV_TYPE
 
 
+#: ggml types (ids of ggml.h) whose matmuls llamafile's tinyBLAS computes from 2 rows on, where one row
+#: takes ggml's vec_dot (other bits): F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, BF16.
+TINYBLAS_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 20, 30})
+
+
+def tinyblas_matrix(header) -> Optional[str]:
+    """The name of the first matrix the model multiplies by whose type tinyBLAS takes from 2 rows on
+    (a router in f32, an f16 or q8_0 projection), else None. The token table counts only where it is
+    also the output matrix (no output.weight). Where there is one, a row alone and the same row in a
+    batch get other bits, so batch-invariant evaluation never decodes a row alone."""
+    if header is None:
+        return None
+    names = {t.name for t in header.tensors}
+    for t in header.tensors:
+        if sum(1 for d in t.shape if d > 1) < 2 or t.ggml_type not in TINYBLAS_TYPES:
+            continue
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue  # read by rows (get_rows), not multiplied
+        return t.name
+    return None
+
+
 def _resolve_mode(flash_mode: Optional[str]) -> str:
     mode = "auto" if flash_mode is None else flash_mode
     if mode not in FLASH_MODES:

@@ -26,11 +26,13 @@ def eval_invariant(llm: "Llama", tokens, all_logits: bool) -> None:
     t0 = time.perf_counter()
     # any 1..MAX_ROWS rows are invariant: chunks also fit a smaller n_batch / n_ubatch (an MoE plan's)
     max_rows = max(3, min(eval_shapes.MAX_ROWS, llm.n_batch, llm.context_params.n_ubatch))
-    # a lone row past 256 positions is padded where another batch may compute the same position
-    # (deterministic mode, and speculation verifying drafts in batches) and its KV may be split
-    pad_lone = (llm._deterministic or llm._speculator is not None) and llm._kv_may_split
+    # a lone row is padded where another batch may compute the same position (deterministic mode, and
+    # speculation verifying drafts in batches) and a row alone gets other bits: past 256 positions over
+    # an f16 KV cache (split KV), at any position where a matrix takes tinyBLAS from 2 rows
+    always = llm._tinyblas_matrix is not None
+    pad_lone = (llm._deterministic or llm._speculator is not None) and (llm._kv_may_split or always)
     end = n_past + len(tokens)
-    for first, rows in eval_shapes.invariant_chunks(n_past, len(tokens), max_rows, pad_lone):
+    for first, rows in eval_shapes.invariant_chunks(n_past, len(tokens), max_rows, pad_lone, always):
         real = min(rows, end - first)
         chunk = tokens[first - n_past : first - n_past + real]
         chunk = chunk + [chunk[-1]] * (rows - real)  # filler rows after a lone token
