@@ -49,7 +49,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, RESULTS_DIR, cpu_busy_seconds, machine_info, median, timestamp, write_json
+from common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    cpu_busy_seconds,
+    machine_info,
+    median,
+    timestamp,
+    wait_until_quiet,
+    write_json,
+)
 
 from llamaflash.bench.benchkit import prompt_tokens
 from llamaflash.bench.cgroups import BlkioCgroup, MemoryCgroup
@@ -204,12 +213,15 @@ def stream_completion(port: int, prompt: list, n_gen: int, max_decode_s: float, 
 
 
 def run_server(cfg: str, a, prompt: list, env_vars: dict[str, str], rep: int) -> dict[str, Any]:
+    """One llama-server run of ``cfg``; "server-llamaflash:NAME" is server-llamaflash with the flags of
+    --variant NAME appended."""
     flags = ["-c", str(a.n_ctx), "-np", "1"]
     env = {k: v for k, v in os.environ.items() if k not in ("GGML_BACKEND_PATH", "LLAMAFLASH_PLAN")}
     if cfg != "server-stock":
         flags = env_vars["LLAMAFLASH_TOOL_ARGS"].split()
-    if cfg == "server-llamaflash":
+    if cfg.split(":")[0] == "server-llamaflash":
         env.update({k: env_vars[k] for k in ("GGML_BACKEND_PATH", "LLAMAFLASH_PLAN")})
+        flags += a.variants.get(cfg.partition(":")[2], "").split()
     port = free_port()
     argv = [str(a.tools / "llama-server"), "-m", str(a.model), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["-t", "2", "-tb", "2", *flags]
@@ -238,6 +250,7 @@ def run_server(cfg: str, a, prompt: list, env_vars: dict[str, str], rep: int) ->
         s = stream_completion(port, prompt, a.n_gen, a.max_decode_s, a.timeout)
         r1, b1, c1, w1 = groups.blk.read_bytes(), cpu_busy_seconds(), proc_cpu_seconds(proc.pid), time.perf_counter()
         out["proc_kb"] = proc_status_kb(proc.pid)
+        out["cpu_request_s"] = c1 - c0
         t = s["timings"] or {}
         n = int(t.get("predicted_n", len(s["times"])))
         out.update(times_summary(len(prompt), s["times"], n))
@@ -289,7 +302,8 @@ def run_llama(cfg: str, a, prompt: list, rep: int) -> dict[str, Any]:
             out.update(times_summary(len(prompt), [result["t_first"], result["t_last"]], result["n_tokens"]))
             out["read_load_mb"] = result.pop("read_load") / MiB  # interpreter start and imports included
             out["read_request_mb"] = result.pop("read_request") / MiB
-            cpu_other = max(0.0, result.pop("cpu_machine") - result.pop("cpu_own"))
+            out["cpu_request_s"] = result.pop("cpu_own")
+            cpu_other = max(0.0, result.pop("cpu_machine") - out["cpu_request_s"])
             out["other_load"] = cpu_other / (result["wall"] * (os.cpu_count() or 1))
             for k in ("t_first", "t_last", "n_tokens"):
                 result.pop(k)
@@ -321,7 +335,17 @@ def summarize(runs: list[dict[str, Any]], configs: list[str]) -> list[dict[str, 
         rs = [r for r in runs if r["config"] == cfg]
         ok = [r for r in rs if r["status"] == "ok"]
         row: dict[str, Any] = {"config": cfg, "ok": len(ok), "failed": [r["status"] for r in rs if r["status"] != "ok"]}
-        for key in ("decode_tps", "prefill_tps", "ttft_s", "load_s", "read_request_mb", "peak_mb", "other_load"):
+        keys = (
+            "decode_tps",
+            "prefill_tps",
+            "ttft_s",
+            "load_s",
+            "read_request_mb",
+            "peak_mb",
+            "other_load",
+            "cpu_request_s",
+        )
+        for key in keys:
             vals = [r.get(key) for r in ok if r.get(key) is not None]
             row[key] = median(vals)
             row[key + "_all"] = vals
@@ -387,16 +411,29 @@ def main() -> None:
     p.add_argument("--n-gen", type=int, default=64)
     p.add_argument("--n-ctx", type=int, default=1024)
     p.add_argument("--max-decode-s", type=float, default=120.0, help="stop a run's decode after this long")
+    p.add_argument(
+        "--quiet-wait", type=float, default=30.0, help="before each run, wait up to this long for <10%% machine load"
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="per run (load + request)")
     p.add_argument(
         "--tools", type=Path, default=None, help="llama-server's directory (default: scripts/build_llama_tools.sh)"
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="adds config server-llamaflash:NAME, server-llamaflash with FLAGS appended (e.g. poll0='--poll 0')",
     )
     p.add_argument("--label", default="", help="a note stored in the JSON (e.g. SYNTHETIC)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     a.model = a.model.absolute()
-    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGS]
+    a.variants = dict(v.split("=", 1) for v in a.variant if "=" in v)
+    if len(a.variants) != len(a.variant):
+        raise SystemExit("--variant takes NAME=FLAGS")
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()] + [f"server-llamaflash:{n}" for n in a.variants]
+    unknown = [c for c in configs if c not in CONFIGS and c.partition(":")[2] not in a.variants]
     if unknown or not configs or a.reps < 1:
         raise SystemExit(f"--configs: unknown {unknown} (choose from {', '.join(CONFIGS)}); --reps >= 1")
     if a.sidecar is None:
@@ -419,11 +456,13 @@ def main() -> None:
     runs = []
     for rep in range(a.reps):
         for cfg in configs if rep % 2 == 0 else configs[::-1]:
+            busy_before = wait_until_quiet(a.quiet_wait) if a.quiet_wait > 0 else None
             run = (
                 run_server(cfg, a, prompt, env_vars, rep)
                 if cfg.startswith("server-")
                 else run_llama(cfg, a, prompt, rep)
             )
+            run["busy_before"] = busy_before
             runs.append(run)
             shown = {
                 k: run.get(k)
@@ -454,6 +493,7 @@ def main() -> None:
         "n_gen": a.n_gen,
         "threads": 2,
         "tool_args": env_vars["LLAMAFLASH_TOOL_ARGS"],
+        "variants": a.variants,
         "machine": machine_info(),
         "summary": rows,
         "runs": runs,
