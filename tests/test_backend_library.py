@@ -100,7 +100,7 @@ def test_env_prints_exports_and_writes_the_plan(pair, dense_plan):
     assert values[K.GGML_COMMIT] == plan_file.ggml_identity()[0]
     assert values[K.SPARSE_ENABLED] is False and values[K.OFFLOAD] is False
     assert len(values[K.LAYER + "layer"]) == 2
-    assert dense_plan["LLAMAFLASH_TOOL_ARGS"] == "-ot llamaflash=CPU --poll 0 -c 512 -np 1"
+    assert dense_plan["LLAMAFLASH_TOOL_ARGS"] == "-ot llamaflash=CPU -c 512 -np 1"
 
 
 def test_dense_mode_is_identical_to_stock(pair, dense_plan, stock_tokens):

@@ -44,14 +44,11 @@ def _tool_args(n_ctx: int, n_batch: Optional[int], n_ubatch: Optional[int], budg
     """The tool flags the plan counted (llama-cli / llama-server spelling). The first two make
     llama-cli and llama-server load GGML_BACKEND_PATH at all: in this llama.cpp only llama-bench calls
     ggml_backend_load_all() unconditionally; the others call it while parsing a tensor override (or a
-    device list), so a no-op override (no tensor name contains "llamaflash") does it. `--poll 0`: the
-    tool's CPU threadpool sleeps between its splits instead of spinning (its default, poll 50, spins
-    ~0.1 s after each), since the served splits run on llamaflash's own threads meanwhile: measured
-    under a budget, a spinning worker took a core from them (docs/BENCHMARKS.md, "llama-server with the
-    library"). Under a budget (``budget``): what llamaflash.Llama runs there (batch-invariant numerics:
-    flash attention, plain weights), and no RAM cache of prompt states (`--cache-ram`, 8 GiB by default
-    in llama-server and llama-cli: memory the plan does not count)."""
-    args = [*LOAD_ARGS, "--poll", "0", "-c", str(n_ctx)]
+    device list), so a no-op override (no tensor name contains "llamaflash") does it. Under a budget
+    (``budget``): what llamaflash.Llama runs there (batch-invariant numerics: flash attention, plain
+    weights), and no RAM cache of prompt states (`--cache-ram`, 8 GiB by default in llama-server and
+    llama-cli: memory the plan does not count)."""
+    args = [*LOAD_ARGS, "-c", str(n_ctx)]
     if n_batch:
         args += ["-b", str(n_batch)]
     if n_ubatch:
