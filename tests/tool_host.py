@@ -5,8 +5,8 @@ the greedy completion's token ids.
 
 Usage: python tool_host.py MODEL PROMPT N_TOKENS [FLAGS]; FLAGS in llama-cli's spelling (the library
 reads them from the command line as it does a tool's): -c N, -b N, -ub N, -fa on|off, --no-repack,
--np N, -ot X (-np and -ot are only seen by the library: this host decodes one sequence and loads the
-library itself).
+-np N, -ot X, -cram N (-np, -ot and -cram are only seen by the library: this host decodes one
+sequence, loads the library itself and keeps no prompt cache).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _kwargs(flags: list) -> tuple:
         elif flag == "-fa":
             kwargs["flash_attn"] = flags[i + 1] == "on"
             i += 2
-        elif flag in ("-np", "-ot"):
+        elif flag in ("-np", "-ot", "-cram"):
             i += 2
         elif flag == "--no-repack":
             no_repack = True

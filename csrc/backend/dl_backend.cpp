@@ -18,6 +18,8 @@
 // type the plan's; otherwise the device declines every weight (one line), so the model loads stock.
 // At the first graph compute every weight the plan serves must have landed on the device; if not
 // (e.g. `-ot` moved one), the compute fails with one line instead of computing on a partial model.
+// Then, for an MoE model, the plan's dense part is locked in RAM (mlock), as llamaflash.Llama does
+// after load.
 #include "backend/flash_backend.h"
 #include "backend/host_process.h"
 #include "backend/plan_reader.h"
@@ -287,6 +289,25 @@ bool gated_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
     return g_core_device_iface.supports_op(dev, op);
 }
 
+// An MoE model's dense part (every weight but the routed experts; the plan's lock ranges) locked in
+// llama.cpp's mapping of the base file once the model is loaded, as llamaflash.Llama does after load,
+// so the expert cache's memory pressure cannot evict it. One line says what was locked.
+void lock_dense_part() {
+    const std::string & model = g_loaded->plan.identity.model_path;
+    const LockOutcome lock = lock_mapped_ranges(model, g_loaded->plan.lock_ranges);
+    if (!lock.mapped) {
+        say("the model is not memory-mapped (--no-mmap): its dense part is in llama.cpp's own buffers, nothing to "
+            "lock");
+    } else if (lock.failed > 0) {
+        say("could not lock " + std::to_string(lock.failed >> 20) + " of " +
+            std::to_string((lock.locked + lock.failed) >> 20) +
+            " MiB of the dense part in RAM (mlock: " + std::strerror(lock.error) +
+            "); it runs, but memory pressure can evict it: raise the locked-memory limit (ulimit -l)");
+    } else {
+        say("locked the dense part in RAM: " + std::to_string(lock.locked >> 20) + " MiB (mlock)");
+    }
+}
+
 ggml_status checked_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph) {
     {
         std::lock_guard<std::mutex> lock(g_gate_mu);
@@ -302,6 +323,7 @@ ggml_status checked_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph) 
             }
             g_landed_checked = true;
             WeightRegistry::instance().clear_pending();
+            if (g_loaded->experts) lock_dense_part();
         }
     }
     return g_core_graph_compute(backend, cgraph);
@@ -341,9 +363,19 @@ struct ExitReport {
         if (g_loaded == nullptr) return;
         if (g_loaded->dense) {
             const FlashStatsSnapshot st = g_loaded->dense->stats().snapshot();
+            std::string reads;
+            if (const OffloadState * off = g_loaded->dense->offload()) {
+                // the neuron cache's reads from flash after its pinned clusters (llamaflash.Llama's
+                // flash_stats()["offload"]: misses + prefetched clusters, bytes_read, io_wait_seconds)
+                const NeuronCacheStats c = off->cache().stats();
+                char wait[32];
+                std::snprintf(wait, sizeof wait, "%.2f", c.io_wait_seconds);
+                reads = "; flash reads: " + std::to_string(c.misses + c.prefetched) + " clusters, " +
+                        std::to_string(c.bytes_read >> 20) + " MiB, I/O wait " + wait + " s";
+            }
             say("served " + std::to_string(st.ffn_evals) + " FFN evaluations (" + std::to_string(st.tokens) +
                 " tokens; dense lane " + std::to_string(st.dense_lane_calls) + ", sparse lane " +
-                std::to_string(st.sparse_lane_calls) + " splits)");
+                std::to_string(st.sparse_lane_calls) + " splits" + reads + ")");
         } else {
             const ExpertModel::LaneStats l = g_loaded->experts->lane_stats();
             const ExpertCacheStats c = g_loaded->experts->cache().stats();

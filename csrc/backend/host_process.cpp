@@ -2,7 +2,14 @@
 #include "backend/host_process.h"
 
 #include <dirent.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -70,6 +77,48 @@ std::vector<int> open_descriptors(const std::string & path) {
         }
     }
     ::closedir(dir);
+    return out;
+}
+
+LockOutcome lock_mapped_ranges(const std::string & path, const std::vector<std::pair<uint64_t, uint64_t>> & ranges) {
+    LockOutcome out;
+    struct stat want{};
+    if (::stat(path.c_str(), &want) != 0) {
+        return out;
+    }
+    struct Mapping {
+        uintptr_t start, end;
+        uint64_t offset;  // file offset of `start` (page-aligned, as mmap requires)
+    };
+    std::vector<Mapping> maps;
+    std::ifstream f("/proc/self/maps");
+    std::string line;
+    while (std::getline(f, line)) {
+        uintptr_t start = 0, end = 0;
+        unsigned long long offset = 0, inode = 0;
+        unsigned major = 0, minor = 0;
+        char perms[8] = {0};
+        if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " %7s %llx %x:%x %llu", &start, &end, perms, &offset,
+                        &major, &minor, &inode) == 7 &&
+            inode == static_cast<unsigned long long>(want.st_ino) && makedev(major, minor) == want.st_dev) {
+            maps.push_back({start, end, offset});
+        }
+    }
+    out.mapped = !maps.empty();
+    const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    for (const auto & [offset, size] : ranges) {
+        const uint64_t lo_file = offset / page * page, hi_file = (offset + size + page - 1) / page * page;
+        for (const Mapping & m : maps) {
+            const uint64_t lo = std::max(lo_file, m.offset), hi = std::min(hi_file, m.offset + (m.end - m.start));
+            if (lo >= hi) continue;
+            if (::mlock(reinterpret_cast<void *>(m.start + (lo - m.offset)), hi - lo) == 0) {
+                out.locked += hi - lo;
+            } else {
+                out.failed += hi - lo;
+                out.error = errno;
+            }
+        }
+    }
     return out;
 }
 

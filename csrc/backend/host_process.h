@@ -1,10 +1,12 @@
 // host_process.h — what the backend library can learn about the llama.cpp tool that loaded it, which
 // passes it no parameters: the tool's command line (/proc/self/cmdline), its environment, the files
-// it has open (/proc/self/fd). Linux only.
+// it has open (/proc/self/fd) and maps (/proc/self/maps, where it locks pages). Linux only.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace llamaflash {
@@ -25,5 +27,18 @@ int requested_parallel(const std::vector<std::string> & args);
 // The descriptors of this process open on `path` (entries of /proc/self/fd that are the same file:
 // device and inode). llama.cpp's model loader holds one while it places the model's weights.
 std::vector<int> open_descriptors(const std::string & path);
+
+// What lock_mapped_ranges did.
+struct LockOutcome {
+    bool mapped = false;  // the process maps `path` at all (llama.cpp's default mmap load)
+    uint64_t locked = 0;  // bytes locked
+    uint64_t failed = 0;  // bytes mlock refused
+    int error = 0;        // errno of the last refusal (RLIMIT_MEMLOCK: ENOMEM / EPERM)
+};
+
+// Locks in RAM (mlock) the pages of `path`'s file ranges (offset, size) wherever the process maps
+// that file (device and inode as /proc/self/maps lists them), so memory pressure cannot evict them.
+// Ranges are widened to whole pages. A refusal is counted, not thrown: the pages stay evictable.
+LockOutcome lock_mapped_ranges(const std::string & path, const std::vector<std::pair<uint64_t, uint64_t>> & ranges);
 
 }  // namespace llamaflash

@@ -360,6 +360,14 @@ Plan read_plan(const std::string & path) {
         plan.dense = read_dense(k, plan.identity);
     } else if (plan.identity.kind == pk::KIND_EXPERTS) {
         plan.experts = read_experts(k, plan.identity);
+        const std::vector<int64_t> offset = k.ints(pk::EXPERTS_LOCK_OFFSET);
+        const std::vector<int64_t> size = k.ints(pk::EXPERTS_LOCK_SIZE, static_cast<int64_t>(offset.size()));
+        for (size_t i = 0; i < offset.size(); ++i) {
+            if (offset[i] < 0 || size[i] <= 0 || (i > 0 && offset[i] < offset[i - 1] + size[i - 1])) {
+                k.fail(pk::EXPERTS_LOCK_OFFSET, "sorted, disjoint ranges of positive size");
+            }
+            plan.lock_ranges.emplace_back(static_cast<uint64_t>(offset[i]), static_cast<uint64_t>(size[i]));
+        }
     } else {
         k.fail(pk::KIND, std::string("'") + pk::KIND_DENSE + "' or '" + pk::KIND_EXPERTS + "'");
     }

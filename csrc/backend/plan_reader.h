@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace llamaflash {
 
@@ -36,6 +38,9 @@ struct Plan {
     PlanIdentity identity;
     std::optional<EngineConfig> dense;    // kind "dense"
     std::optional<ExpertConfig> experts;  // kind "experts"
+    // kind "experts": the dense part of the base file, locked in RAM after load: (offset, size) byte
+    // ranges, page-aligned, sorted, non-empty (expert_runtime.dense_ranges)
+    std::vector<std::pair<uint64_t, uint64_t>> lock_ranges;
 };
 
 // Reads `path`. Throws std::runtime_error naming the file and the missing or ill-typed key, or a

@@ -11,11 +11,12 @@ variables instead, and say why.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import click
 
@@ -36,20 +37,24 @@ class ToolPlan:
     dense: Any = None  # _native.EngineConfig
     experts: Any = None  # _native.ExpertConfig
     routers: Optional[Dict[int, Any]] = None
+    lock_ranges: Tuple[Tuple[int, int], ...] = ()  # experts: the dense part's file ranges, locked after load
 
 
-def _tool_args(n_ctx: int, n_batch: Optional[int], n_ubatch: Optional[int], batch_invariant: bool) -> str:
+def _tool_args(n_ctx: int, n_batch: Optional[int], n_ubatch: Optional[int], budget: bool) -> str:
     """The tool flags the plan counted (llama-cli / llama-server spelling). The first two make
     llama-cli and llama-server load GGML_BACKEND_PATH at all: in this llama.cpp only llama-bench calls
     ggml_backend_load_all() unconditionally; the others call it while parsing a tensor override (or a
-    device list), so a no-op override (no tensor name contains "llamaflash") does it."""
+    device list), so a no-op override (no tensor name contains "llamaflash") does it. Under a budget
+    (``budget``): what llamaflash.Llama runs there (batch-invariant numerics: flash attention, plain
+    weights), and no RAM cache of prompt states (`--cache-ram`, 8 GiB by default in llama-server and
+    llama-cli: memory the plan does not count)."""
     args = [*LOAD_ARGS, "-c", str(n_ctx)]
     if n_batch:
         args += ["-b", str(n_batch)]
     if n_ubatch:
         args += ["-ub", str(n_ubatch)]
-    if batch_invariant:  # what llamaflash.Llama runs under a budget: flash attention, plain weights
-        args += ["-fa", "on", "--no-repack"]
+    if budget:
+        args += ["-fa", "on", "--no-repack", "-cram", "0"]
     return " ".join(args + ["-np", "1"])
 
 
@@ -86,14 +91,20 @@ def _plan_experts(model_path: str, base, moe, sidecar: Optional[Path], budget: O
         plan.n_ubatch,
         _tool_args(o["n_ctx"], plan.n_ubatch, plan.n_ubatch, True),
     )
-    return ToolPlan(reason, identity, experts=config, routers={layer.layer: layer.router for layer in moe.layers})
+    return ToolPlan(
+        reason,
+        identity,
+        experts=config,
+        routers={layer.layer: layer.router for layer in moe.layers},
+        lock_ranges=tuple(expert_runtime.dense_ranges(moe, base.header, mmap.PAGESIZE)),
+    )
 
 
 def _plan_dense(model_path: str, base, sidecar: Optional[Path], budget: Optional[float], o: dict) -> ToolPlan:
     from llamaflash.files.plan_file import PlanIdentity
     from llamaflash.files.sidecar import default_sidecar_path, validate_pair
     from llamaflash.planning import budget_decision, lane_decision
-    from llamaflash.runtime import engine, offload
+    from llamaflash.runtime import engine, eval_shapes, offload
     from llamaflash.runtime.llama_settings import DENSE_UP_MAX_SPARSITY, _level_sparsity, sparsity_thresholds
 
     sidecar = sidecar or default_sidecar_path(model_path)
@@ -124,7 +135,8 @@ def _plan_dense(model_path: str, base, sidecar: Optional[Path], budget: Optional
     thresholds = sparsity_thresholds(info, o["sparsity"]) if mode in ("sparse", "offload") else None
     n_batch = n_ubatch = o["n_ubatch"]
     if mode == "offload":
-        kwargs: Dict[str, Any] = {"n_ctx": o["n_ctx"]}
+        # the context the tools run (-fa on, _tool_args): the planner counts its compute buffers
+        kwargs: Dict[str, Any] = {"n_ctx": o["n_ctx"], "flash_attn": True}
         if o["n_ubatch"] is not None:
             kwargs["n_ubatch"] = o["n_ubatch"]
         plan, config, _, _ = offload.configure(
@@ -136,7 +148,10 @@ def _plan_dense(model_path: str, base, sidecar: Optional[Path], budget: Optional
             kwargs,
             None,  # no speculation in the tools: llama-server has its own draft models
             ram_budget_mb=budget,
-            max_sparse_tokens=1,
+            # as llamaflash.Llama under a budget (batch-invariant numerics): every batch of up to
+            # MAX_ROWS rows on the sparse lane, so a short prompt, or a prompt's last chunk, computes
+            # in the tools what it computes in Python
+            max_sparse_tokens=eval_shapes.MAX_ROWS,
             stream_gate=None,
             disk_profile=o["disk_profile"],
             draft_copy=False,
@@ -270,5 +285,12 @@ def env(
     path = None
     if result.identity is not None:
         path = plan_out or plan_file.default_plan_path(result.identity.sidecar_path)
-        plan_file.write_plan(path, result.identity, dense=result.dense, experts=result.experts, routers=result.routers)
+        plan_file.write_plan(
+            path,
+            result.identity,
+            dense=result.dense,
+            experts=result.experts,
+            routers=result.routers,
+            lock_ranges=result.lock_ranges,
+        )
     click.echo(shell_lines(result, path), nl=False)

@@ -15,7 +15,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import gguf
 import numpy as np
@@ -142,9 +142,10 @@ def _dense_kv(kv: _Kv, config) -> None:
     kv.ragged(K.OFFLOAD_CLUSTER_PROB, K.OFFLOAD_CLUSTER_PROB_COUNTS, o.cluster_prob, T.FLOAT32)
 
 
-def _experts_kv(kv: _Kv, config, routers: Dict[int, Any]) -> None:
+def _experts_kv(kv: _Kv, config, routers: Dict[int, Any], lock_ranges: Sequence[Tuple[int, int]]) -> None:
     """A ``_native.ExpertConfig``; ``routers``: layer -> the router's TensorInfo in the base file (or
-    None): the library reads it from there as float32 instead of storing the matrix."""
+    None): the library reads it from there as float32 instead of storing the matrix; ``lock_ranges``:
+    the dense part's file ranges [start, end) the library locks after load."""
     kv.add(K.EXPERTS_N_EMBD, int(config.n_embd), T.INT64)
     kv.add(K.EXPERTS_IO_ENGINE, str(config.io_engine), T.STRING)
     kv.add(K.EXPERTS_QUEUE_DEPTH, int(config.queue_depth), T.UINT32)
@@ -171,6 +172,10 @@ def _experts_kv(kv: _Kv, config, routers: Dict[int, Any]) -> None:
     kv.ragged(
         K.EXPERTS_TENSOR_CHECKSUMS, K.EXPERTS_TENSOR_CHECKSUM_COUNTS, [list(t.checksums) for t in tensors], T.UINT32
     )
+    if not lock_ranges or any(not 0 <= a < b for a, b in lock_ranges):
+        raise ValueError(f"write_plan: lock_ranges must be non-empty [start, end) file ranges, got {lock_ranges!r}")
+    kv.ints(K.EXPERTS_LOCK_OFFSET, [a for a, _ in lock_ranges])
+    kv.ints(K.EXPERTS_LOCK_SIZE, [b - a for a, b in lock_ranges])
 
 
 def write_plan(
@@ -180,8 +185,10 @@ def write_plan(
     dense=None,
     experts=None,
     routers: Optional[Dict[int, Any]] = None,
+    lock_ranges: Sequence[Tuple[int, int]] = (),
 ) -> Path:
-    """Writes the plan (exactly one of ``dense`` / ``experts``) to ``path`` atomically; returns it."""
+    """Writes the plan (exactly one of ``dense`` / ``experts``) to ``path`` atomically; returns it.
+    ``experts`` needs ``lock_ranges`` (expert_runtime.dense_ranges)."""
     if (dense is None) == (experts is None):
         raise ValueError("write_plan: pass exactly one of dense= (EngineConfig) or experts= (ExpertConfig)")
     kv = _Kv()
@@ -189,7 +196,7 @@ def write_plan(
     if dense is not None:
         _dense_kv(kv, dense)
     else:
-        _experts_kv(kv, experts, routers or {})
+        _experts_kv(kv, experts, routers or {}, lock_ranges)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer = gguf.GGUFWriter(tmp, PLAN_ARCHITECTURE)

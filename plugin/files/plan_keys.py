@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 #: Incremented whenever a key's meaning or type changes; the library refuses any other version.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 P = "llamaflash.plan."
 
@@ -134,6 +134,10 @@ EXPERTS_TENSOR_NE1 = P + "experts.tensor.ne1"
 EXPERTS_TENSOR_EXPERT_BYTES = P + "experts.tensor.expert_bytes"
 EXPERTS_TENSOR_CHECKSUMS = P + "experts.tensor.checksums"  # uint32, flat: n_expert per tensor, or none
 EXPERTS_TENSOR_CHECKSUM_COUNTS = P + "experts.tensor.checksum_counts"
+# the dense part locked in RAM after load (expert_runtime.dense_ranges): file ranges [offset,
+# offset + size) of the base model, page-aligned, sorted (int64 arrays, one entry per range)
+EXPERTS_LOCK_OFFSET = P + "experts.lock.offset"
+EXPERTS_LOCK_SIZE = P + "experts.lock.size"
 
 # -- environment variables the library reads ------------------------------------------------------
 ENV_PLAN = "LLAMAFLASH_PLAN"  # path of the plan file

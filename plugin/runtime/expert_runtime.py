@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import SidecarNotFoundError
 from ..files import expert_sidecar, experts
@@ -219,13 +219,35 @@ def stats(model, plan: Optional[expert_plan.ExpertPlan], moe: Optional[experts.M
     return s
 
 
+def dense_ranges(moe: experts.MoeModelInfo, header, page: int) -> List[Tuple[int, int]]:
+    """The file ranges [start, end) of the model's dense part that stay locked in RAM under a budget:
+    every tensor but the routed experts and, where an output matrix exists, the token embedding table
+    (read by rows; its pages come and go as tokens need them). Each tensor's range is widened to
+    whole pages of ``page`` bytes (mlock locks pages) and ranges that then touch are merged; sorted.
+    The one definition for llamaflash.Llama (lock_dense_part) and the plan file of the tools' library
+    (`llamaflash env`, which locks the same ranges after load)."""
+    expert_names = {t.name for layer in moe.layers for t in layer.tensors}
+    tied = not any(t.name == "output.weight" for t in header.tensors)
+    spans = sorted(
+        (t.offset // page * page, -(-(t.offset + t.nbytes) // page) * page)
+        for t in header.tensors
+        if t.nbytes > 0 and t.name not in expert_names and (tied or t.name != "token_embd.weight")
+    )
+    merged: List[Tuple[int, int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
 def lock_dense_part(model_path: str, moe: experts.MoeModelInfo, header) -> Dict[str, Any]:
-    """Pins llama.cpp's file-backed copy of the model's dense part in RAM (mlock), so that memory
-    pressure from the expert cache can never evict it: every weight but the routed experts and the
-    token embedding table (read by rows; its pages come and go as tokens need them). llama.cpp maps the
-    base file (its default mmap load); the pages of each dense tensor are found through
-    /proc/self/maps. Returns what was locked; a refused mlock (RLIMIT_MEMLOCK) is reported, not raised:
-    the model still runs, only less well under pressure."""
+    """Pins llama.cpp's file-backed copy of the model's dense part (dense_ranges) in RAM (mlock), so
+    that memory pressure from the expert cache can never evict it. llama.cpp maps the base file (its
+    default mmap load); the pages of each range are found through /proc/self/maps. Returns what was
+    locked; a refused mlock (RLIMIT_MEMLOCK) is reported, not raised: the model still runs, only less
+    well under pressure."""
     import ctypes
     import mmap as _mmap
 
@@ -237,28 +259,18 @@ def lock_dense_part(model_path: str, moe: experts.MoeModelInfo, header) -> Dict[
             if len(parts) == 6 and parts[5].strip() == path:
                 start, end = (int(x, 16) for x in parts[0].split("-"))
                 maps.append((start, end, int(parts[2], 16)))
-    expert_names = {t.name for layer in moe.layers for t in layer.tensors}
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    page = _mmap.PAGESIZE
     locked, failed, errno = 0, 0, 0
-    for t in header.tensors:
-        if (
-            t.name in expert_names
-            or t.name == "token_embd.weight"
-            and any(x.name == "output.weight" for x in header.tensors)
-        ):
-            continue
-        for start, end, off in maps:
-            lo, hi = max(t.offset, off), min(t.offset + t.nbytes, off + (end - start))
+    for lo_file, hi_file in dense_ranges(moe, header, _mmap.PAGESIZE):
+        for start, end, off in maps:  # a mapping's offset is page-aligned: so are the addresses
+            lo, hi = max(lo_file, off), min(hi_file, off + (end - start))
             if lo >= hi:
                 continue
-            a = (start + lo - off) // page * page
-            b = -(-(start + hi - off) // page) * page
-            if libc.mlock(a, b - a) == 0:
-                locked += b - a
+            if libc.mlock(start + lo - off, hi - lo) == 0:
+                locked += hi - lo
             else:
-                failed += b - a
+                failed += hi - lo
                 errno = ctypes.get_errno()
     out: Dict[str, Any] = {"dense_locked_bytes": locked, "mapped": bool(maps)}
     if failed:
