@@ -22,6 +22,7 @@ void bind_flash_io(py::module_ & m);  // bindings/flash_io.cpp
 void bind_engine(py::module_ & m);    // bindings/engine.cpp
 void bind_offload(py::module_ & m);   // bindings/offload.cpp (after FlashModel is bound)
 void bind_experts(py::module_ & m);   // bindings/experts.cpp
+void bind_plan(py::module_ & m);      // bindings/plan.cpp (after FlashModel and ExpertModel are bound)
 
 namespace {
 
@@ -42,6 +43,7 @@ PYBIND11_MODULE(_native, m) {
     bind_engine(m);
     bind_offload(m);
     bind_experts(m);
+    bind_plan(m);
 
     m.def(
         "begin_model_load",

@@ -2,20 +2,25 @@
 
 ``llamaflash env`` plans a model as :class:`llamaflash.Llama` does and stores the outcome here; the
 backend library (csrc/backend/dl_backend.cpp) that stock llama.cpp tools load reads it at start and opens
-the same engine. The typed plan is the native engine configuration itself: ``_native.EngineConfig``
-(dense FFN models) or ``_native.ExpertConfig`` (MoE models), plus a :class:`PlanIdentity` saying what
-it was made for. Format: a GGUF file with key-value pairs only; the keys and their types are
-:mod:`llamaflash.files.plan_keys` (the one definition both languages use), documented in docs/TOOLS.md.
-Written with gguf-py, atomically (temporary file, fsync, rename).
+the same engine. The served part of a plan, :class:`EnginePlan`, is the native engine configuration itself:
+``_native.EngineConfig`` (dense FFN models) or ``_native.ExpertConfig`` (MoE models), plus a
+:class:`PlanIdentity` saying what it was made for (the C++ ``Plan`` of csrc/backend/plan_reader.h).
+:mod:`llamaflash.runtime.model_plan` makes it for both hosts; ``llamaflash.Llama`` opens it through
+:func:`in_memory` and ``_native.open_plan``, the entry point the library uses
+(csrc/backend/plan_engine.h). Format: a GGUF file with key-value pairs only; the keys and their types
+are :mod:`llamaflash.files.plan_keys` (the one definition both languages use), documented in
+docs/TOOLS.md. Written with gguf-py: to a path atomically (temporary file, fsync, rename), or to an
+anonymous in-memory file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import gguf
 import numpy as np
@@ -43,6 +48,18 @@ class PlanIdentity:
     tool_args: str
     ggml_commit: str = ""
     ggml_version: str = ""
+
+
+@dataclass
+class EnginePlan:
+    """One served model's plan: its identity and exactly one engine configuration. ``routers``: MoE
+    layer -> the router's TensorInfo in the base file (or None); the reader loads each as float32 from
+    there, so ``experts`` carries no router matrices."""
+
+    identity: PlanIdentity
+    dense: Any = None  # _native.EngineConfig
+    experts: Any = None  # _native.ExpertConfig
+    routers: Optional[Dict[int, Any]] = None
 
 
 def ggml_identity() -> tuple[str, str]:
@@ -157,7 +174,7 @@ def _experts_kv(kv: _Kv, config, routers: Dict[int, Any]) -> None:
     kv.ints(K.EXPERTS_N_USED, [s.n_used for s in layers])
     kv.ints(K.EXPERTS_N_SLOTS, [s.n_slots for s in layers])
     kv.ragged(K.EXPERTS_PINNED, K.EXPERTS_PINNED_COUNTS, [list(s.pinned) for s in layers], T.INT32)
-    router = [routers.get(s.layer) if len(s.router) else None for s in layers]
+    router = [routers.get(s.layer) for s in layers]
     kv.ints(K.EXPERTS_ROUTER_OFFSET, [-1 if r is None else r.offset for r in router])
     kv.ints(K.EXPERTS_ROUTER_TYPE, [-1 if r is None else r.ggml_type for r in router])
     tensors = [t for s in layers for t in s.tensors]
@@ -173,41 +190,53 @@ def _experts_kv(kv: _Kv, config, routers: Dict[int, Any]) -> None:
     )
 
 
-def write_plan(
-    path: str | os.PathLike,
-    identity: PlanIdentity,
-    *,
-    dense=None,
-    experts=None,
-    routers: Optional[Dict[int, Any]] = None,
-) -> Path:
-    """Writes the plan (exactly one of ``dense`` / ``experts``) to ``path`` atomically; returns it."""
-    if (dense is None) == (experts is None):
-        raise ValueError("write_plan: pass exactly one of dense= (EngineConfig) or experts= (ExpertConfig)")
+def _write(path: str | os.PathLike, plan: EnginePlan) -> None:
+    """The plan's key-value pairs as a GGUF at ``path`` (created or truncated)."""
+    if (plan.dense is None) == (plan.experts is None):
+        raise ValueError("an EnginePlan has exactly one of dense (EngineConfig) or experts (ExpertConfig)")
     kv = _Kv()
-    _identity_kv(kv, identity)
-    if dense is not None:
-        _dense_kv(kv, dense)
+    _identity_kv(kv, plan.identity)
+    if plan.dense is not None:
+        _dense_kv(kv, plan.dense)
     else:
-        _experts_kv(kv, experts, routers or {})
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(tmp, PLAN_ARCHITECTURE)
+        _experts_kv(kv, plan.experts, plan.routers or {})
+    writer = gguf.GGUFWriter(Path(path), PLAN_ARCHITECTURE)
     try:
         for key, value, vtype, sub_type in kv.items:
             writer.add_key_value(key, value, vtype, sub_type=sub_type)
-        writer.write_header_to_file(tmp)
+        writer.write_header_to_file(Path(path))
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+    finally:
         writer.close()
+
+
+def write_plan(path: str | os.PathLike, plan: EnginePlan) -> Path:
+    """Writes ``plan`` to ``path`` atomically (for the tools: ``llamaflash env``); returns the path."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        _write(tmp, plan)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        writer.close()
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+@contextlib.contextmanager
+def in_memory(plan: EnginePlan) -> Iterator[str]:
+    """``plan`` in an anonymous in-memory file (memfd) for the duration of the block: yields a path
+    (``/proc/self/fd/N``) that this process, and only it, can open; nothing touches a disk."""
+    fd = os.memfd_create("llamaflash-plan", os.MFD_CLOEXEC)
+    try:
+        path = f"/proc/self/fd/{fd}"
+        _write(path, plan)
+        yield path
+    finally:
+        os.close(fd)
 
 
 def read_plan_values(path: str | os.PathLike) -> Dict[str, Any]:
