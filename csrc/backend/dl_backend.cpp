@@ -4,7 +4,7 @@
 // Contract with ggml's loader (ggml-backend-reg.cpp, load_backend): it calls ggml_backend_score()
 // first, and a score of 0 refuses the library; then ggml_backend_init(), whose registry must carry
 // GGML_BACKEND_API_VERSION. The tools pass no parameters, so the configuration is the plan file named
-// by LLAMAFLASH_PLAN (plan_reader.h), written by `llamaflash env`, opened by open_plan (plan_engine.h)
+// by LLAMAFLASH_PLAN (plan_reader.h), written by `llamaflash env`, opened by open_plan (plan_reader.h)
 // exactly as llamaflash.Llama opens the plan it makes.
 //
 // Every check runs in ggml_backend_score(), before anything is registered; each failure prints one
@@ -21,7 +21,7 @@
 // (e.g. `-ot` moved one), the compute fails with one line instead of computing on a partial model.
 #include "backend/flash_backend.h"
 #include "backend/host_process.h"
-#include "backend/plan_engine.h"
+#include "backend/plan_reader.h"
 #include "backend/weight_registry.h"
 #include "experts/expert_model.h"
 #include "ggml-backend-impl.h"

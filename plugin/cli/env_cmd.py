@@ -5,7 +5,7 @@ The plan is the one :class:`llamaflash.Llama` makes (:func:`llamaflash.runtime.m
 identify the model once, find and check its sidecar, decide the mode, plan), for a tool process; its
 engine plan becomes the plan file (:mod:`llamaflash.files.plan_file`), which the library the tools load
 (csrc/backend/dl_backend.cpp) opens through the entry point llamaflash.Llama opens its own plan with
-(csrc/backend/plan_engine.h). Where the decision is "stock" (the budget holds what stock keeps
+(csrc/backend/plan_reader.h). Where the decision is "stock" (the budget holds what stock keeps
 resident, or nothing is served), the lines unset the variables instead, and say why.
 """
 

@@ -7,10 +7,10 @@ the same engine. The served part of a plan, :class:`EnginePlan`, is the native e
 :class:`PlanIdentity` saying what it was made for (the C++ ``Plan`` of csrc/backend/plan_reader.h).
 :mod:`llamaflash.runtime.model_plan` makes it for both hosts; ``llamaflash.Llama`` opens it through
 :func:`in_memory` and ``_native.open_plan``, the entry point the library uses
-(csrc/backend/plan_engine.h). Format: a GGUF file with key-value pairs only; the keys and their types
+(csrc/backend/plan_reader.h). Format: a GGUF file with key-value pairs only; the keys and their types
 are :mod:`llamaflash.files.plan_keys` (the one definition both languages use), documented in
-docs/TOOLS.md. Written with gguf-py: to a path atomically (temporary file, fsync, rename), or to an
-anonymous in-memory file.
+docs/TOOLS.md. Written here (key-value pairs are all a plan has, and loading a model never imports gguf-py): to a
+path atomically (temporary file, fsync, rename), or to an anonymous in-memory file.
 """
 
 from __future__ import annotations
@@ -18,16 +18,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-import gguf
 import numpy as np
 
 from . import plan_keys as K
+from .gguf_header import _NUMPY_TYPES, _SCALAR_FORMATS, GGUF_MAGIC
+from .gguf_header import ValueType as T
 
-T = gguf.GGUFValueType
+#: the GGUF version written
+GGUF_VERSION = 3
 #: general.architecture of a plan file (gguf-py writes one)
 PLAN_ARCHITECTURE = "llamaflash-plan"
 
@@ -89,7 +92,7 @@ class _Kv:
     def __init__(self) -> None:
         self.items: List[tuple] = []
 
-    def add(self, key: str, value: Any, vtype: "gguf.GGUFValueType", sub_type=None) -> None:
+    def add(self, key: str, value: Any, vtype: T, sub_type: Optional[T] = None) -> None:
         self.items.append((key, value, vtype, sub_type))
 
     def ints(self, key: str, values: Sequence[int]) -> None:
@@ -190,25 +193,43 @@ def _experts_kv(kv: _Kv, config, routers: Dict[int, Any]) -> None:
     )
 
 
-def _write(path: str | os.PathLike, plan: EnginePlan) -> None:
-    """The plan's key-value pairs as a GGUF at ``path`` (created or truncated)."""
+def _string(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return struct.pack("<Q", len(data)) + data
+
+
+def _value(value: Any, vtype: T, sub_type: Optional[T]) -> bytes:
+    if vtype == T.STRING:
+        return _string(value)
+    if vtype != T.ARRAY:
+        return struct.pack(_SCALAR_FORMATS[vtype], value)
+    head = struct.pack("<IQ", sub_type, len(value))
+    if sub_type == T.STRING:
+        return head + b"".join(_string(v) for v in value)
+    return head + np.asarray(value, dtype=_NUMPY_TYPES[sub_type]).tobytes()
+
+
+def plan_bytes(plan: EnginePlan) -> bytes:
+    """The plan as a GGUF (version 3): its key-value pairs after ``general.architecture``, no tensors."""
     if (plan.dense is None) == (plan.experts is None):
         raise ValueError("an EnginePlan has exactly one of dense (EngineConfig) or experts (ExpertConfig)")
     kv = _Kv()
+    kv.add("general.architecture", PLAN_ARCHITECTURE, T.STRING)
     _identity_kv(kv, plan.identity)
     if plan.dense is not None:
         _dense_kv(kv, plan.dense)
     else:
         _experts_kv(kv, plan.experts, plan.routers or {})
-    writer = gguf.GGUFWriter(Path(path), PLAN_ARCHITECTURE)
-    try:
-        for key, value, vtype, sub_type in kv.items:
-            writer.add_key_value(key, value, vtype, sub_type=sub_type)
-        writer.write_header_to_file(Path(path))
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-    finally:
-        writer.close()
+    out = [GGUF_MAGIC, struct.pack("<IQQ", GGUF_VERSION, 0, len(kv.items))]
+    for key, value, vtype, sub_type in kv.items:
+        out += [_string(key), struct.pack("<I", vtype), _value(value, vtype, sub_type)]
+    return b"".join(out)
+
+
+def _write(path: str | os.PathLike, plan: EnginePlan) -> None:
+    """The plan at ``path`` (created or truncated)."""
+    with open(path, "wb") as f:
+        f.write(plan_bytes(plan))
 
 
 def write_plan(path: str | os.PathLike, plan: EnginePlan) -> Path:
@@ -230,11 +251,12 @@ def write_plan(path: str | os.PathLike, plan: EnginePlan) -> Path:
 def in_memory(plan: EnginePlan) -> Iterator[str]:
     """``plan`` in an anonymous in-memory file (memfd) for the duration of the block: yields a path
     (``/proc/self/fd/N``) that this process, and only it, can open; nothing touches a disk."""
+    data = plan_bytes(plan)
     fd = os.memfd_create("llamaflash-plan", os.MFD_CLOEXEC)
     try:
-        path = f"/proc/self/fd/{fd}"
-        _write(path, plan)
-        yield path
+        with os.fdopen(os.dup(fd), "wb") as f:
+            f.write(data)
+        yield f"/proc/self/fd/{fd}"
     finally:
         os.close(fd)
 
@@ -242,6 +264,8 @@ def in_memory(plan: EnginePlan) -> Iterator[str]:
 def read_plan_values(path: str | os.PathLike) -> Dict[str, Any]:
     """Every key of a plan file with its value (scalars as Python values, arrays as lists): for tests
     and `llamaflash env --show`; the library has its own reader."""
+    import gguf  # gguf-py: tests and the command line only
+
     reader = gguf.GGUFReader(path)
     out: Dict[str, Any] = {}
     for field in reader.fields.values():

@@ -113,7 +113,7 @@ def request_from_arguments(llm: "Llama", model_path, kwargs: Dict[str, Any]) -> 
 
 def open_engine(plan: ModelPlan) -> Optional["_native.PlanEngine"]:
     """The engine of a plan that serves the model, opened from the plan's serialised form by
-    ``_native.open_plan`` (csrc/backend/plan_engine.h: read, checked against this ggml and the files,
+    ``_native.open_plan`` (csrc/backend/plan_reader.h: read, checked against this ggml and the files,
     opened, pinned rows or experts read and checked); None for stock. Raises what the engine's open
     raises (ValueError for a configuration it refuses, FlashIoError, SidecarIntegrityError)."""
     if plan.engine is None:

@@ -9,7 +9,7 @@ process, and `llamaflash env`, which writes it for the llama.cpp tools. Four sta
 :func:`plan_model` runs them in order. A plan that serves the model carries an
 :class:`~llamaflash.files.plan_file.EnginePlan` (its identity and the native engine configuration):
 the data both hosts hand to the native engine through the same entry point
-(csrc/backend/plan_engine.h), serialised by :mod:`llamaflash.files.plan_file`. The rest of a
+(csrc/backend/plan_reader.h), serialised by :mod:`llamaflash.files.plan_file`. The rest of a
 ModelPlan is what a host does around the engine (llama.cpp's batch sizes, speculation, what to say).
 """
 

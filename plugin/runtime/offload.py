@@ -5,8 +5,8 @@ neuron cache's counters with per-token figures (:func:`stats`).
 Order of operations (what `Llama(..., ram_budget_mb=N)` does):
   1. `planner.plan_offload` sizes everything for the budget (or raises `RamBudgetError` naming the
      minimum);
-  2. `engine.engine_config` turns the plan into the native configuration's offload part, and
-     `engine.open_engine` opens the model before llama.cpp loads it: offload layout (gate resident, or
+  2. `engine.engine_config` turns the plan into the native configuration's offload part, which
+     `llama_load.open_engine` opens, as plan data, before llama.cpp loads the model: offload layout (gate resident, or
      streamed from the base file one layer ahead when the plan says `stream_gate`; up and down
      streamed from the base file for prefill), the sparse lane, the neuron cache with the planner's
      pinned clusters, which are read now;
