@@ -15,6 +15,7 @@ from synth import truncate, write_not_gguf, write_unsupported_architecture
 import llamaflash
 from llamaflash.converters import convert
 from llamaflash.files import sidecar_format as fmt
+from llamaflash.runtime import model_plan
 
 
 @pytest.fixture
@@ -122,4 +123,5 @@ def test_architecture_without_classic_ffn_passes_through(tmp_path):
     model = write_unsupported_architecture(tmp_path / "ssm.gguf")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "no sidecar" warning: nothing to accelerate
-        assert llamaflash.Llama._find_sidecar(str(model), None) is None
+        request = model_plan.LoadRequest(model_path=str(model))
+        assert model_plan.find_sidecar(model_plan.identify_model(request), request) is None

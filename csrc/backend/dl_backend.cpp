@@ -4,7 +4,8 @@
 // Contract with ggml's loader (ggml-backend-reg.cpp, load_backend): it calls ggml_backend_score()
 // first, and a score of 0 refuses the library; then ggml_backend_init(), whose registry must carry
 // GGML_BACKEND_API_VERSION. The tools pass no parameters, so the configuration is the plan file named
-// by LLAMAFLASH_PLAN (plan_reader.h), written by `llamaflash env`.
+// by LLAMAFLASH_PLAN (plan_reader.h), written by `llamaflash env`, opened by open_plan (plan_reader.h)
+// exactly as llamaflash.Llama opens the plan it makes.
 //
 // Every check runs in ggml_backend_score(), before anything is registered; each failure prints one
 // line on stderr (why, and what to do) and scores 0, so the tool runs exactly as stock:
@@ -36,7 +37,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #ifndef LLAMAFLASH_GGML_COMMIT
@@ -59,14 +59,7 @@ void refuse(const std::string & why, const std::string & fix) {
     say("not active: " + why + ". " + fix + ". This run is stock llama.cpp.");
 }
 
-struct LoadedPlan {
-    Plan plan;
-    std::shared_ptr<FlashModel> dense;
-    std::shared_ptr<ExpertModel> experts;
-    int expected_weights = 0;
-};
-
-std::unique_ptr<LoadedPlan> g_loaded;  // set by a successful score(); lives for the process
+std::shared_ptr<PlanEngine> g_loaded;  // set by a successful score(); lives for the process
 std::mutex g_gate_mu;
 bool g_model_admitted = false;  // the plan's model was recognised at its first weight
 bool g_declined = false;        // the device declines every weight it does not hold yet
@@ -88,38 +81,6 @@ std::string build_mismatch() {
            ") but the process runs ggml " + version + " (commit " + commit + ")";
 }
 
-int bound_count(const LoadedPlan & l) { return l.dense ? l.dense->bound_count() : l.experts->bound_count(); }
-
-std::unique_ptr<LoadedPlan> load_plan(const std::string & path) {
-    auto l = std::make_unique<LoadedPlan>();
-    l->plan = read_plan(path);
-    const PlanIdentity & id = l->plan.identity;
-    if (id.ggml_commit != ggml_commit() || id.ggml_version != ggml_version()) {
-        throw std::runtime_error("the plan '" + path + "' was made with ggml " + id.ggml_version + " (commit " +
-                                 id.ggml_commit + "), this process runs ggml " + ggml_version() + " (commit " +
-                                 ggml_commit() +
-                                 "); run `llamaflash env` again from the llamaflash installed beside "
-                                 "these tools");
-    }
-    for (auto [path_, size, mtime] : {std::tuple{id.model_path, id.model_size, id.model_mtime_ns},
-                                      std::tuple{id.sidecar_path, id.sidecar_size, id.sidecar_mtime_ns}}) {
-        const std::string changed = file_changed(path_, size, mtime);
-        if (!changed.empty()) {
-            throw std::runtime_error(changed + "; run `llamaflash env " + id.model_path + " ...` again");
-        }
-    }
-    if (l->plan.dense) {
-        l->dense = FlashModel::open(*l->plan.dense);
-        l->expected_weights = 3 * static_cast<int>(l->plan.dense->layers.size());
-    } else {
-        for (const ExpertLayerSpec & s : l->plan.experts->layers) {
-            l->expected_weights += static_cast<int>(s.tensors.size());
-        }
-        l->experts = ExpertModel::open(*l->plan.experts);
-    }
-    return l;
-}
-
 // Under a RAM budget the plan counted llama.cpp's context (-c) and physical batch (-ub): a tool
 // running with more would overrun the budget. "" when the tool's values are within the plan's (a
 // tool's default counts when the flag is absent: -c 0 = the model's training context, -ub 512).
@@ -128,7 +89,7 @@ std::string budget_flags_mismatch(const std::vector<std::string> & args, const c
     try {
         id = read_plan(plan_path).identity;
     } catch (const std::exception &) {
-        return "";  // reported by load_plan
+        return "";  // reported by open_plan
     }
     if (id.ram_budget_mb <= 0) return "";
     const std::string program = args.empty() ? "" : args[0].substr(args[0].find_last_of('/') + 1);
@@ -182,18 +143,14 @@ int score_once() {
         return 0;
     }
     try {
-        g_loaded = load_plan(plan_path);
+        g_loaded = open_plan(plan_path);
     } catch (const std::exception & e) {
         refuse(e.what(), "Fix the above, or unset GGML_BACKEND_PATH");
         return 0;
     }
-    const PlanIdentity & id = g_loaded->plan.identity;
+    const PlanIdentity & id = g_loaded->identity;
     g_own_descriptors = open_descriptors(id.model_path);
-    if (g_loaded->dense) {
-        WeightRegistry::instance().set_pending(g_loaded->dense);
-    } else {
-        WeightRegistry::instance().set_pending_experts(g_loaded->experts);
-    }
+    g_loaded->begin_model_load();
     say("active: '" + id.model_path + "' served from '" + id.sidecar_path + "' (" + id.mode +
         (id.ram_budget_mb > 0 ? ", ram budget " + std::to_string(static_cast<int>(id.ram_budget_mb)) + " MiB" : "") +
         "); " + id.reason);
@@ -237,7 +194,7 @@ std::string weight_mismatch(const ggml_tensor * w) {
 
 // llama.cpp's loader has the plan's model file open: a descriptor on it that the engine did not open.
 bool loader_has_model_open() {
-    for (int fd : open_descriptors(g_loaded->plan.identity.model_path)) {
+    for (int fd : open_descriptors(g_loaded->identity.model_path)) {
         if (std::find(g_own_descriptors.begin(), g_own_descriptors.end(), fd) == g_own_descriptors.end()) {
             return true;
         }
@@ -248,7 +205,7 @@ bool loader_has_model_open() {
 void decline_all(const std::string & why) {
     g_declined = true;
     WeightRegistry::instance().clear_pending();
-    refuse(why, "Run `llamaflash env` for the model you load (or load '" + g_loaded->plan.identity.model_path + "')");
+    refuse(why, "Run `llamaflash env` for the model you load (or load '" + g_loaded->identity.model_path + "')");
 }
 
 // The weight an op would put on the device, if it is one the plan serves by name and not bound yet.
@@ -267,14 +224,14 @@ bool gated_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
     if (const ggml_tensor * w = unbound_served_weight(op)) {
         std::lock_guard<std::mutex> lock(g_gate_mu);
         if (g_declined) return false;
-        if (bound_count(*g_loaded) >= g_loaded->expected_weights) {
+        if (g_loaded->bound_count() >= g_loaded->expected_weights) {
             // the plan's model is loaded: a later model with the same names is not served
             WeightRegistry::instance().clear_pending();
             return false;
         }
         if (!g_model_admitted) {
             if (!loader_has_model_open()) {
-                decline_all("the model being loaded is not '" + g_loaded->plan.identity.model_path +
+                decline_all("the model being loaded is not '" + g_loaded->identity.model_path +
                             "', the model the plan was made for");
                 return false;
             }
@@ -293,8 +250,8 @@ bool gated_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
 // llama.cpp's mapping of the base file once the model is loaded, as llamaflash.Llama does after load,
 // so the expert cache's memory pressure cannot evict it. One line says what was locked.
 void lock_dense_part() {
-    const std::string & model = g_loaded->plan.identity.model_path;
-    const LockOutcome lock = lock_mapped_ranges(model, g_loaded->plan.lock_ranges);
+    const std::string & model = g_loaded->identity.model_path;
+    const LockOutcome lock = lock_mapped_ranges(model, g_loaded->lock_ranges);
     if (!lock.mapped) {
         say("the model is not memory-mapped (--no-mmap): its dense part is in llama.cpp's own buffers, nothing to "
             "lock");
@@ -312,7 +269,7 @@ ggml_status checked_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph) 
     {
         std::lock_guard<std::mutex> lock(g_gate_mu);
         if (!g_landed_checked) {
-            const int bound = bound_count(*g_loaded);
+            const int bound = g_loaded->bound_count();
             if (bound != g_loaded->expected_weights) {
                 say("error: llama.cpp placed " + std::to_string(bound) + " of the " +
                     std::to_string(g_loaded->expected_weights) +

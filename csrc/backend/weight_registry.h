@@ -1,6 +1,6 @@
 // weight_registry.h — which llama.cpp weight tensors are "phantom" FFN weights served by llamaflash.
 //
-// While a model is being loaded, Python sets a *pending* FlashModel (begin_model_load). Two questions
+// While a model is being loaded, the host sets a *pending* FlashModel (PlanEngine::begin_model_load). Two questions
 // are then answered by tensor NAME (llama.cpp asks supports_op with a metadata tensor before any
 // buffer exists): "does the pending model serve blk.N.ffn_{gate,up,down}.weight?". When llama.cpp
 // hands such a weight to our buffer (set_tensor), the tensor POINTER is bound to the model; every

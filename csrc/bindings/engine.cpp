@@ -1,8 +1,11 @@
 // bindings/engine.cpp — the engine-open protocol: the typed configuration (engine_config.h) as
 // Python classes with named, typed fields, and FlashModel (flash_model.h) opened from it in one call,
-// with its run-time settings (thresholds, sparse configuration) and statistics.
+// with its run-time settings (thresholds, sparse configuration) and statistics; and open_plan, how
+// llamaflash.Llama opens the engine its plan describes, through the entry point the backend library
+// of the llama.cpp tools uses (plan_reader.h).
 // IoError during open becomes llamaflash.errors.FlashIoError (IntegrityError SidecarIntegrityError);
 // std::invalid_argument a ValueError.
+#include "backend/plan_reader.h"
 #include "backend/prompt_buffers.h"
 #include "flash_io_py.h"
 #include "io/crc32c.h"
@@ -157,16 +160,7 @@ void bind_engine(py::module_ & m) {
         .def_static(
             "open",
             [](const EngineConfig & config) {
-                std::shared_ptr<FlashModel> model;
-                try {
-                    py::gil_scoped_release release;
-                    model = FlashModel::open(config);
-                } catch (const IntegrityError & e) {
-                    raise_integrity_error(e.what());
-                } catch (const IoError & e) {
-                    raise_flash_io_error(e.what());
-                }
-                return model;
+                return llamaflash_py::opened_without_gil([&] { return FlashModel::open(config); });
             },
             py::arg("config"),
             "Validate `config` and open the model: dense weights, the sparse lane's views, for offload the "
@@ -241,4 +235,28 @@ void bind_engine(py::module_ & m) {
             "Between evaluations: free the pages of the compute buffers a prompt batch under a budget wrote "
             "(prompt_buffers.h); returns the bytes of the ranges freed (0 when no prompt batch ran since the last "
             "call).");
+}
+
+void bind_plan(py::module_ & m) {
+    py::class_<PlanEngine, std::shared_ptr<PlanEngine>>(
+        m, "PlanEngine", "The engine a plan file describes, opened (plan_reader.h): dense or experts.")
+        .def_property_readonly("mode", [](const PlanEngine & e) { return e.identity.mode; })
+        .def_property_readonly(
+            "dense", [](const PlanEngine & e) { return e.dense; }, "The FlashModel (kind 'dense'), else None.")
+        .def_property_readonly(
+            "experts", [](const PlanEngine & e) { return e.experts; }, "The ExpertModel (kind 'experts'), else None.")
+        .def_property_readonly(
+            "expected_weights", [](const PlanEngine & e) { return e.expected_weights; },
+            "Weights llama.cpp must place on the device for the model to be served.")
+        .def_property_readonly("bound_count", &PlanEngine::bound_count, "Weights bound to the engine so far.")
+        .def("begin_model_load", &PlanEngine::begin_model_load,
+             "Make this engine the one whose weights llama.cpp's next model load places on the device; "
+             "end_model_load() ends it.");
+
+    m.def(
+        "open_plan",
+        [](const std::string & path) { return llamaflash_py::opened_without_gil([&] { return open_plan(path); }); },
+        py::arg("path"),
+        "Read the plan file at `path`, check it against this process's ggml and the files it names, and open "
+        "its engine (plan_reader.h: the entry point of the backend library the llama.cpp tools load).");
 }

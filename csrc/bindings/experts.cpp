@@ -2,7 +2,6 @@
 // the configuration llamaflash.files.experts builds, the model Llama owns, its counters, and the slot size
 // the expert planner sizes the budget with. IoError becomes llamaflash.errors.FlashIoError, a failed
 // checksum SidecarIntegrityError.
-#include "backend/weight_registry.h"
 #include "experts/expert_model.h"
 #include "flash_io_py.h"
 #include "io/integrity.h"
@@ -95,17 +94,7 @@ void bind_experts(py::module_ & m) {
         .def_static(
             "open",
             [](ExpertConfig config) {
-                try {
-                    py::gil_scoped_release release;
-                    return ExpertModel::open(std::move(config));
-                } catch (const IoError & e) {
-                    llamaflash_py::raise_flash_io_error(e.what());
-                } catch (const std::runtime_error & e) {
-                    if (std::strncmp(e.what(), kIntegrityErrorPrefix, std::strlen(kIntegrityErrorPrefix)) == 0) {
-                        llamaflash_py::raise_integrity_error(e.what());
-                    }
-                    throw;
-                }
+                return llamaflash_py::opened_without_gil([&] { return ExpertModel::open(std::move(config)); });
             },
             py::arg("config"), "Open the expert engine (reads the pinned experts).")
         .def_property_readonly("bound_count", &ExpertModel::bound_count)
@@ -124,10 +113,6 @@ void bind_experts(py::module_ & m) {
         .def_property_readonly("direct", [](const ExpertModel & model) { return model.cache().direct(); })
         .def_property_readonly("alignment", [](const ExpertModel & model) { return model.cache().alignment(); });
 
-    m.def(
-        "begin_expert_model_load",
-        [](std::shared_ptr<ExpertModel> model) { WeightRegistry::instance().set_pending_experts(std::move(model)); },
-        "Make `model` the one whose routed expert tensors llama.cpp's next model load places on the device.");
     m.def("expert_slot_bytes", &expert_slot_bytes, py::arg("expert_bytes"), py::arg("alignment"),
           "Bytes of one expert cache slot holding tensors of `expert_bytes` each (direct-I/O alignment).");
 }

@@ -20,6 +20,7 @@ using namespace llamaflash;
 
 void bind_flash_io(py::module_ & m);  // bindings/flash_io.cpp
 void bind_engine(py::module_ & m);    // bindings/engine.cpp
+void bind_plan(py::module_ & m);      // bindings/engine.cpp (after bind_experts: open_plan returns both models)
 void bind_offload(py::module_ & m);   // bindings/offload.cpp (after FlashModel is bound)
 void bind_experts(py::module_ & m);   // bindings/experts.cpp
 
@@ -42,12 +43,11 @@ PYBIND11_MODULE(_native, m) {
     bind_engine(m);
     bind_offload(m);
     bind_experts(m);
+    bind_plan(m);
 
     m.def(
-        "begin_model_load",
-        [](std::shared_ptr<FlashModel> model) { WeightRegistry::instance().set_pending(std::move(model)); },
-        "Make `model` the one whose FFN weights llama.cpp's next model load places on the device.");
-    m.def("end_model_load", [] { WeightRegistry::instance().clear_pending(); });
+        "end_model_load", [] { WeightRegistry::instance().clear_pending(); },
+        "End the load PlanEngine.begin_model_load began: no later model's weights are offered to its engine.");
 
     m.attr("INTEGRITY_ERROR_PREFIX") = std::string(kIntegrityErrorPrefix);
     m.def("crc32c_implementation", &crc32c_implementation,

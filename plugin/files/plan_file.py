@@ -2,27 +2,35 @@
 
 ``llamaflash env`` plans a model as :class:`llamaflash.Llama` does and stores the outcome here; the
 backend library (csrc/backend/dl_backend.cpp) that stock llama.cpp tools load reads it at start and opens
-the same engine. The typed plan is the native engine configuration itself: ``_native.EngineConfig``
-(dense FFN models) or ``_native.ExpertConfig`` (MoE models), plus a :class:`PlanIdentity` saying what
-it was made for. Format: a GGUF file with key-value pairs only; the keys and their types are
-:mod:`llamaflash.files.plan_keys` (the one definition both languages use), documented in docs/TOOLS.md.
-Written with gguf-py, atomically (temporary file, fsync, rename).
+the same engine. The served part of a plan, :class:`EnginePlan`, is the native engine configuration itself:
+``_native.EngineConfig`` (dense FFN models) or ``_native.ExpertConfig`` (MoE models), plus a
+:class:`PlanIdentity` saying what it was made for (the C++ ``Plan`` of csrc/backend/plan_reader.h).
+:mod:`llamaflash.runtime.model_plan` makes it for both hosts; ``llamaflash.Llama`` opens it through
+:func:`in_memory` and ``_native.open_plan``, the entry point the library uses
+(csrc/backend/plan_reader.h). Format: a GGUF file with key-value pairs only; the keys and their types
+are :mod:`llamaflash.files.plan_keys` (the one definition both languages use), documented in
+docs/TOOLS.md. Written here (key-value pairs are all a plan has, and loading a model never imports gguf-py): to a
+path atomically (temporary file, fsync, rename), or to an anonymous in-memory file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import gguf
 import numpy as np
 
 from . import plan_keys as K
+from .gguf_header import _NUMPY_TYPES, _SCALAR_FORMATS, GGUF_MAGIC
+from .gguf_header import ValueType as T
 
-T = gguf.GGUFValueType
+#: the GGUF version written
+GGUF_VERSION = 3
 #: general.architecture of a plan file (gguf-py writes one)
 PLAN_ARCHITECTURE = "llamaflash-plan"
 
@@ -43,6 +51,20 @@ class PlanIdentity:
     tool_args: str
     ggml_commit: str = ""
     ggml_version: str = ""
+
+
+@dataclass
+class EnginePlan:
+    """One served model's plan: its identity and exactly one engine configuration. ``routers``: MoE
+    layer -> the router's TensorInfo in the base file (or None); the reader loads each as float32 from
+    there, so ``experts`` carries no router matrices. ``lock_ranges``: required with ``experts``."""
+
+    identity: PlanIdentity
+    dense: Any = None  # _native.EngineConfig
+    experts: Any = None  # _native.ExpertConfig
+    routers: Optional[Dict[int, Any]] = None
+    #: experts: the dense part's file ranges [start, end), locked in RAM after load (expert_runtime.dense_ranges)
+    lock_ranges: Sequence[Tuple[int, int]] = ()
 
 
 def ggml_identity() -> tuple[str, str]:
@@ -72,7 +94,7 @@ class _Kv:
     def __init__(self) -> None:
         self.items: List[tuple] = []
 
-    def add(self, key: str, value: Any, vtype: "gguf.GGUFValueType", sub_type=None) -> None:
+    def add(self, key: str, value: Any, vtype: T, sub_type: Optional[T] = None) -> None:
         self.items.append((key, value, vtype, sub_type))
 
     def ints(self, key: str, values: Sequence[int]) -> None:
@@ -158,7 +180,7 @@ def _experts_kv(kv: _Kv, config, routers: Dict[int, Any], lock_ranges: Sequence[
     kv.ints(K.EXPERTS_N_USED, [s.n_used for s in layers])
     kv.ints(K.EXPERTS_N_SLOTS, [s.n_slots for s in layers])
     kv.ragged(K.EXPERTS_PINNED, K.EXPERTS_PINNED_COUNTS, [list(s.pinned) for s in layers], T.INT32)
-    router = [routers.get(s.layer) if len(s.router) else None for s in layers]
+    router = [routers.get(s.layer) for s in layers]
     kv.ints(K.EXPERTS_ROUTER_OFFSET, [-1 if r is None else r.offset for r in router])
     kv.ints(K.EXPERTS_ROUTER_TYPE, [-1 if r is None else r.ggml_type for r in router])
     tensors = [t for s in layers for t in s.tensors]
@@ -178,48 +200,79 @@ def _experts_kv(kv: _Kv, config, routers: Dict[int, Any], lock_ranges: Sequence[
     kv.ints(K.EXPERTS_LOCK_SIZE, [b - a for a, b in lock_ranges])
 
 
-def write_plan(
-    path: str | os.PathLike,
-    identity: PlanIdentity,
-    *,
-    dense=None,
-    experts=None,
-    routers: Optional[Dict[int, Any]] = None,
-    lock_ranges: Sequence[Tuple[int, int]] = (),
-) -> Path:
-    """Writes the plan (exactly one of ``dense`` / ``experts``) to ``path`` atomically; returns it.
-    ``experts`` needs ``lock_ranges`` (expert_runtime.dense_ranges)."""
-    if (dense is None) == (experts is None):
-        raise ValueError("write_plan: pass exactly one of dense= (EngineConfig) or experts= (ExpertConfig)")
+def _string(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return struct.pack("<Q", len(data)) + data
+
+
+def _value(value: Any, vtype: T, sub_type: Optional[T]) -> bytes:
+    if vtype == T.STRING:
+        return _string(value)
+    if vtype != T.ARRAY:
+        return struct.pack(_SCALAR_FORMATS[vtype], value)
+    head = struct.pack("<IQ", sub_type, len(value))
+    if sub_type == T.STRING:
+        return head + b"".join(_string(v) for v in value)
+    return head + np.asarray(value, dtype=_NUMPY_TYPES[sub_type]).tobytes()
+
+
+def plan_bytes(plan: EnginePlan) -> bytes:
+    """The plan as a GGUF (version 3): its key-value pairs after ``general.architecture``, no tensors."""
+    if (plan.dense is None) == (plan.experts is None):
+        raise ValueError("an EnginePlan has exactly one of dense (EngineConfig) or experts (ExpertConfig)")
     kv = _Kv()
-    _identity_kv(kv, identity)
-    if dense is not None:
-        _dense_kv(kv, dense)
+    kv.add("general.architecture", PLAN_ARCHITECTURE, T.STRING)
+    _identity_kv(kv, plan.identity)
+    if plan.dense is not None:
+        _dense_kv(kv, plan.dense)
     else:
-        _experts_kv(kv, experts, routers or {}, lock_ranges)
+        _experts_kv(kv, plan.experts, plan.routers or {}, plan.lock_ranges)
+    out = [GGUF_MAGIC, struct.pack("<IQQ", GGUF_VERSION, 0, len(kv.items))]
+    for key, value, vtype, sub_type in kv.items:
+        out += [_string(key), struct.pack("<I", vtype), _value(value, vtype, sub_type)]
+    return b"".join(out)
+
+
+def _write(path: str | os.PathLike, plan: EnginePlan) -> None:
+    """The plan at ``path`` (created or truncated)."""
+    with open(path, "wb") as f:
+        f.write(plan_bytes(plan))
+
+
+def write_plan(path: str | os.PathLike, plan: EnginePlan) -> Path:
+    """Writes ``plan`` to ``path`` atomically (for the tools: ``llamaflash env``); returns the path."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(tmp, PLAN_ARCHITECTURE)
     try:
-        for key, value, vtype, sub_type in kv.items:
-            writer.add_key_value(key, value, vtype, sub_type=sub_type)
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        writer.close()
+        _write(tmp, plan)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        writer.close()
         if tmp.exists():
             tmp.unlink()
     return path
 
 
+@contextlib.contextmanager
+def in_memory(plan: EnginePlan) -> Iterator[str]:
+    """``plan`` in an anonymous in-memory file (memfd) for the duration of the block: yields a path
+    (``/proc/self/fd/N``) that this process, and only it, can open; nothing touches a disk."""
+    data = plan_bytes(plan)
+    fd = os.memfd_create("llamaflash-plan", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(os.dup(fd), "wb") as f:
+            f.write(data)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
 def read_plan_values(path: str | os.PathLike) -> Dict[str, Any]:
     """Every key of a plan file with its value (scalars as Python values, arrays as lists): for tests
     and `llamaflash env --show`; the library has its own reader."""
+    import gguf  # gguf-py: tests and the command line only
+
     reader = gguf.GGUFReader(path)
     out: Dict[str, Any] = {}
     for field in reader.fields.values():

@@ -1,4 +1,4 @@
-"""Opening the native engine for `llamaflash.Llama`: one typed configuration, one call.
+"""The native engine's configuration for a dense FFN model: one typed configuration, built once.
 
 The configuration is ``_native.EngineConfig`` (csrc/model/engine_config.h), a C++ struct with named, typed
 fields, built here once from the checked sidecar (:func:`~llamaflash.files.sidecar.validate_pair`) and, for
@@ -16,7 +16,9 @@ flash offload, the planner's :class:`~llamaflash.planning.planner.OffloadPlan`:
                 cluster_prob (one array per served layer), draft_copy (the sidecar's draft copy kept
                 resident for speculative self-drafts)
 
-``_native.FlashModel.open(config)`` validates it (ValueError naming the field) and loads everything
+It is the dense part of the plan (runtime/model_plan.py); ``llamaflash.Llama`` and the tools' library
+open it through the plan (``_native.open_plan``, csrc/backend/plan_reader.h), which calls
+``FlashModel::open``. ``_native.FlashModel.open(config)`` opens one directly (converters, tests). It validates it (ValueError naming the field) and loads everything
 in order: the dense weights (offload: gate resident or streamed, up and down streamed from the base
 file), the sparse lane's views, the neuron cache and its pinned clusters (read now; FlashIoError if a
 read fails). Run-time changes after open: ``FlashModel.thresholds`` and ``set_sparse_config``.
@@ -108,8 +110,3 @@ def engine_config(
     config.sparse = sparse
     config.offload = offload
     return config
-
-
-def open_engine(config: "_native.EngineConfig") -> "_native.FlashModel":
-    """Validates and opens (see the module docstring); GIL released while reading."""
-    return _native.FlashModel.open(config)

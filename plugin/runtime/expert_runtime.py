@@ -1,4 +1,5 @@
-"""What `llamaflash.Llama` does with an MoE model: decide, plan, open the expert engine, report.
+"""What `llamaflash.Llama` does with an MoE model beside the plan (runtime/model_plan.py): the expert
+engine's configuration, its report, and locking the dense part after load.
 
 Under ``ram_budget_mb`` an MoE model's routed experts (``*_exps``) are served by the expert engine
 (csrc/experts/expert_*.h) from the base file through an expert cache; every other weight stays resident in
@@ -12,13 +13,9 @@ the model runs as stock llama.cpp and `flash_stats()["decision"]` says why.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import SidecarNotFoundError
 from ..files import expert_sidecar, experts
-from ..files.gguf_model import BaseModelInfo, base_identity
 from ..planning import expert_plan
 
 #: flash_mode reported for an MoE model served by the expert engine.
@@ -36,118 +33,6 @@ def prefetch_enabled() -> bool:
     return value == "1"
 
 
-@dataclass
-class ExpertSetup:
-    """The outcome of :func:`prepare`: ``model`` None = run as stock (``reason`` says why)."""
-
-    reason: str
-    model: Any = None  # _native.ExpertModel
-    plan: Optional[expert_plan.ExpertPlan] = None
-    sidecar: Optional[Path] = None
-    moe: Optional[experts.MoeModelInfo] = None
-
-
-def plan_setup(
-    model_path: str,
-    base: BaseModelInfo,
-    moe: experts.MoeModelInfo,
-    *,
-    sidecar_path: Optional[str],
-    ram_budget_mb: Optional[float],
-    n_ctx: int,
-    n_ubatch: Optional[int],
-    disk_profile: Any,
-    n_slots: Optional[int] = None,
-    logits_all: bool = False,
-    budget_option: str = "ram_budget_mb",
-) -> Tuple[ExpertSetup, Optional[expert_sidecar.ExpertSidecarInfo]]:
-    """Checks the pair and plans, opening nothing: the setup (``model`` None) and the sidecar's info
-    (None where it runs as stock before reading one). ``budget_option``: how messages name the budget
-    (``--ram-budget-mb`` on the command line)."""
-    from ..files.sidecar import default_sidecar_path
-    from ..planning import disk_probe
-
-    why = experts.check_layout(moe)
-    if why is not None:
-        return ExpertSetup(f"running as stock: {why}", moe=moe), None
-    if ram_budget_mb is None:
-        return ExpertSetup(
-            "running as stock: an MoE model in memory runs as stock llama.cpp (experts are served "
-            f"from flash only under {budget_option})",
-            moe=moe,
-        ), None
-    sidecar = Path(sidecar_path) if sidecar_path is not None else default_sidecar_path(model_path)
-    if not sidecar.exists():
-        raise SidecarNotFoundError(
-            f"{budget_option} needs the expert sidecar of '{model_path}' (none at '{sidecar}'); create it with "
-            f"`llamaflash convert {model_path}`"
-        )
-    info = expert_sidecar.read_expert_sidecar(sidecar)
-    expert_sidecar.validate_expert_pair(moe, base_identity(model_path, base), info)
-    counts = {s.layer: s.counts for s in info.layers} if info.routing_tokens > 0 else None
-    plan = expert_plan.plan_experts(
-        moe,
-        base.header,
-        ram_budget_mb,
-        n_ctx=n_ctx,
-        n_ubatch=n_ubatch,
-        disk=disk_probe.resolve_profile(disk_profile, sidecar) or _default_disk(),
-        counts=counts,
-        n_slots=n_slots,
-        logits_all=logits_all,
-    )
-    if plan.fits:
-        reason = f"running as stock under {budget_option}={ram_budget_mb:g}: {plan.notes[0]}"
-    else:
-        reason = f"experts served from flash: {plan.n_slots} of {moe.n_expert} experts per layer cached"
-    return ExpertSetup(reason, plan=plan, sidecar=sidecar, moe=moe), info
-
-
-def prepare(
-    model_path: str,
-    base: BaseModelInfo,
-    moe: experts.MoeModelInfo,
-    *,
-    sidecar_path: Optional[str],
-    ram_budget_mb: Optional[float],
-    n_ctx: int,
-    n_ubatch: Optional[int],
-    io_engine: str,
-    disk_profile: Any,
-    verify: bool,
-    n_slots: Optional[int] = None,
-    logits_all: bool = False,
-) -> ExpertSetup:
-    """Checks the pair and plans (:func:`plan_setup`); opens the engine when there is something to serve."""
-    from .. import _native
-
-    setup, info = plan_setup(
-        model_path,
-        base,
-        moe,
-        sidecar_path=sidecar_path,
-        ram_budget_mb=ram_budget_mb,
-        n_ctx=n_ctx,
-        n_ubatch=n_ubatch,
-        disk_profile=disk_profile,
-        n_slots=n_slots,
-        logits_all=logits_all,
-    )
-    if setup.plan is None or setup.plan.fits:
-        return setup
-    config = engine_config(
-        model_path, moe, info, setup.plan, io_engine=io_engine, verify=verify, prefetch=prefetch_enabled()
-    )
-    setup.model = _native.ExpertModel.open(config)
-    return setup
-
-
-def _default_disk() -> Dict[str, Any]:
-    from ..planning.planner import default_disk
-
-    return default_disk()
-
-
 def engine_config(
     model_path: str,
     moe: experts.MoeModelInfo,
@@ -158,7 +43,9 @@ def engine_config(
     verify: bool = True,
     prefetch: bool = True,
 ):
-    """The native ExpertConfig of a plan."""
+    """The native ExpertConfig of a plan, without the routers: the plan file locates each layer's router
+    in the base model (plan_file.EnginePlan.routers) and the reader loads it as float32 (the copy
+    next-layer prediction and draft routing use; expert_plan counts it as router_copies)."""
     from .. import _native
 
     stats = {s.layer: s for s in info.layers}
@@ -187,8 +74,6 @@ def engine_config(
         spec.tensors = tensors
         spec.n_slots = plan.n_slots
         spec.pinned = plan.pinned.get(layer.layer, [])
-        if layer.router is not None:  # f32 copy: next-layer prediction and draft routing (plan: router_copies)
-            spec.router = experts.router_matrix(model_path, layer.router).ravel().tolist()
         layers.append(spec)
     config.layers = layers
     return config

@@ -51,10 +51,10 @@ def collect(llm: "Llama") -> Dict[str, Any]:
         if stats["offload"] is not None:  # the compute pages prompts wrote, freed after them (Llama.eval)
             stats["offload"]["prompt_pages_freed_bytes"] = llm._prompt_pages_freed
     if llm._experts is not None:
-        setup = llm._expert_setup
-        stats["experts"] = expert_runtime.stats(llm._experts, setup.plan, setup.moe)
+        plan = llm._load_plan
+        stats["experts"] = expert_runtime.stats(llm._experts, plan.expert_plan, plan.model.moe)
         stats["experts"].update(llm._expert_lock)
-        stats["layers_served"] = len(setup.moe.layers)
+        stats["layers_served"] = len(plan.model.moe.layers)
     stats["integrity"] = integrity_stats(llm, stats.get("offload"))
     stats["speculative"] = speculation_stats(llm, stats)
     stats["numerics"] = numerics(llm)

@@ -1,10 +1,14 @@
 """`llamaflash.Llama`: a drop-in replacement for `llama_cpp.Llama` that serves FFN layers from a sidecar.
 
 Layering (as in llama-cpp-python): `llamaflash._native` (C++ core and ggml backend) → this module,
-which opens the native FlashModel (`llamaflash.runtime.engine`: one typed configuration, one open call) and
-owns it for the lifetime of the llama.cpp model → the public `Llama`. Beside it: `offload` (the plan
-and configuration under ram_budget_mb), `moe_init` (an MoE model's expert engine), `notices` (what
-loading tells the user) and `flash_stats` (the `flash_stats()` report).
+which owns the native engine for the lifetime of the llama.cpp model → the public `Llama`. `__init__`
+is the load's stages: the arguments checked (`llama_load.request_from_arguments`), the plan made
+exactly as `llamaflash env` makes it (`model_plan`: identify the model, find and check the sidecar,
+decide the mode, plan), the plan opened as data by the native engine's one entry point, shared with
+the backend library of the llama.cpp tools (`llama_load.open_engine`), llama.cpp loaded
+(`llama_load.load_llama`), the engine attached (`llama_load.attach_engine`). Beside it: `offload`
+(the plan and configuration under ram_budget_mb), `expert_runtime` (an MoE model's expert engine),
+`notices` (what loading tells the user) and `flash_stats` (the `flash_stats()` report).
 
 Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword arguments:
   sidecar_path   path of the sidecar GGUF; default `<model stem>.flash.gguf` beside the model. With
@@ -94,39 +98,24 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
 from __future__ import annotations
 
 import inspect
-import os
-import weakref
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import llama_cpp
 import numpy as np
 from llama_cpp._logger import set_verbose
 
 from .. import _native
-from ..errors import FlashIoError, LlamaflashError, NonFiniteOutputError, SidecarIntegrityError, SidecarNotFoundError
-from ..files import experts, gguf_model
-from ..files.gguf_model import BaseModelInfo
-from ..files.sidecar import SidecarInfo, default_sidecar_path, validate_pair
-from ..planning import budget_decision, lane_decision
-from . import engine, eval_shapes, expert_runtime, flash_stats, moe_init, offload, shaped_eval, speculative
+from ..errors import FlashIoError, NonFiniteOutputError, SidecarIntegrityError
+from ..files.sidecar import SidecarInfo
+from ..planning import lane_decision
+from . import eval_shapes, flash_stats, llama_load, model_plan, shaped_eval, speculative
 from .eval_shapes import KvHistory, PromptRecords, Segment
-from .llama_settings import (  # noqa: F401
-    DENSE_UP_MAX_SPARSITY,
-    FLASH_MODES,
-    _check_argument_types,
-    _check_deterministic,
-    _check_known_keywords,
-    _has_sparsity,
-    _level_sparsity,
-    _resolve_mode,
-    deterministic_kv_type,
-    sparsity_thresholds,
-    tinyblas_matrix,
-)
-from .notices import LlamaflashWarning, say_once, warn_no_sidecar, warn_unchecked  # noqa: F401
+from .llama_settings import FLASH_MODES, _check_known_keywords, sparsity_thresholds  # noqa: F401
+from .notices import LlamaflashWarning  # noqa: F401
 
-OFFLOAD_MODE = "offload"  # flash_mode reported when ram_budget_mb is set
+if TYPE_CHECKING:
+    from ..files.integrity import BaseRowCheck
 
 _GENERATE_PARAMETERS = list(inspect.signature(llama_cpp.Llama.generate).parameters)[2:]  # after self, tokens
 
@@ -137,20 +126,6 @@ def _generate_reset(args, kwargs) -> bool:
         return bool(kwargs["reset"])
     i = _GENERATE_PARAMETERS.index("reset")
     return bool(args[i]) if len(args) > i else True
-
-
-def _default_decision(info: SidecarInfo, sidecar: Path, kwargs: Dict[str, Any]) -> lane_decision.Decision:
-    """The lane of flash_mode=None in memory (see lane_decision)."""
-    if kwargs.get("embedding"):
-        return lane_decision.Decision(lane_decision.STOCK, False, "running as stock: embeddings are always exact")
-    if not _has_sparsity(info):
-        return lane_decision.Decision(
-            lane_decision.STOCK,
-            False,
-            "running as stock: the sidecar has no sparsity thresholds, so nothing "
-            "can be skipped (flash_mode='dense' is exact but not faster; re-convert for the sparse lane)",
-        )
-    return lane_decision.stored_decision(sidecar)
 
 
 class Llama(llama_cpp.Llama):
@@ -189,18 +164,14 @@ class Llama(llama_cpp.Llama):
         self._speculator: Optional[speculative.Speculator] = None
         self._speculation_off_reason: Optional[str] = None
         self._experts = None  # _native.ExpertModel: an MoE model's experts served from flash
-        self._expert_setup: Optional[expert_runtime.ExpertSetup] = None
+        self._expert_lock: Dict[str, Any] = {}  # what locking an MoE model's dense part did
+        self._user_draft = None
         self._kv_history = KvHistory()  # the batch shapes that computed the KV cache (eval_shapes)
         self._prompt_records = PromptRecords()
         self._pending_prompt: Optional[Any] = None
-        self._flash_mode = _resolve_mode(flash_mode)
-        _check_deterministic(deterministic, flash_batch_invariant, flash_max_sparse_tokens, kwargs)
-        self._deterministic = deterministic
-        self._kv_may_split = True  # the KV cache's types may take split-KV attention (set below)
-        self._tinyblas_matrix: Optional[str] = None  # see eval_shapes.invariant_chunks (set below)
-        max_sparse_given = flash_max_sparse_tokens is not None
-        if flash_max_sparse_tokens is None:
-            flash_max_sparse_tokens = 1
+        self._kv_may_split = True  # the KV cache's types may take split-KV attention (load_llama)
+        self._tinyblas_matrix: Optional[str] = None  # see eval_shapes.invariant_chunks (load_llama)
+        self._load_plan: Optional[model_plan.ModelPlan] = None
         self._flash_args = {
             "sidecar_path": sidecar_path,
             "flash_mode": flash_mode,
@@ -219,229 +190,17 @@ class Llama(llama_cpp.Llama):
             "deterministic": deterministic,
             "flash_prompt_tokens": flash_prompt_tokens,
         }
-        _check_argument_types(
-            sidecar_path,
-            flash_sparsity,
-            flash_max_sparse_tokens,
-            flash_dense_up,
-            ram_budget_mb,
-            flash_io_engine,
-            flash_stream_gate,
-            flash_draft_copy,
-            flash_verify,
-        )
-        if flash_prompt_tokens is not None and (
-            isinstance(flash_prompt_tokens, bool) or not isinstance(flash_prompt_tokens, int) or flash_prompt_tokens < 1
-        ):
-            raise ValueError(
-                f"flash_prompt_tokens={flash_prompt_tokens!r} must be a positive number of tokens, or None"
-            )
-        if ram_budget_mb is None and (
-            flash_stream_gate is not None or flash_disk_profile is not None or flash_draft_copy is not None
-        ):
-            raise ValueError(
-                "flash_stream_gate, flash_disk_profile and flash_draft_copy are flash-offload settings: "
-                "pass ram_budget_mb too, or leave them unset"
-            )
-        requested_mode = self._flash_mode
-        if ram_budget_mb is not None:
-            if self._flash_mode == "dense":
-                raise ValueError(
-                    "ram_budget_mb needs the sparse lane (flash offload reads only the active neurons' rows); "
-                    "use flash_mode='sparse' or leave flash_mode unset, or drop ram_budget_mb for the dense lane"
-                )
-            self._flash_mode = OFFLOAD_MODE
-        spec_settings = speculative.SpeculativeSettings.from_argument(
-            True if flash_speculative is None and ram_budget_mb is not None else flash_speculative
-        )
-        user_draft = kwargs.get("draft_model")
-        if flash_batch_invariant is not None and not isinstance(flash_batch_invariant, bool):
-            raise ValueError(f"flash_batch_invariant={flash_batch_invariant!r} must be True, False or None")
-        self._batch_invariant = (
-            (ram_budget_mb is not None or deterministic) if flash_batch_invariant is None else flash_batch_invariant
-        )
-        if self._batch_invariant and not max_sparse_given:
-            # every row of a batch-invariant chunk (up to MAX_ROWS, a lone decode row evaluated with a
-            # filler row after it) goes to the lane a token decoded alone goes to
-            flash_max_sparse_tokens = eval_shapes.MAX_ROWS
-            self._flash_args["flash_max_sparse_tokens"] = flash_max_sparse_tokens
-        flash_attn_given = "flash_attn" in kwargs
-        if self._batch_invariant:
-            kwargs.setdefault("flash_attn", True)
-
+        request = llama_load.request_from_arguments(self, model_path, kwargs)
         # ggml logs through llama-cpp-python's callback, filtered by its verbosity: set it before
         # llamaflash loads anything through ggml (repacking weights logs a line per tensor)
         set_verbose(bool(kwargs.get("verbose", True)))
-        base = gguf_model.read_base_model(os.fspath(model_path))  # the one parse of the base header
-        kv_type = deterministic_kv_type(base.header) if deterministic else None
-        if kv_type is not None and "type_k" not in kwargs and "type_v" not in kwargs:
-            # a q8_0 KV cache: flash attention never splits one row's KV for it, so a lone decode row
-            # needs no filler row (eval_shapes.kv_may_split); type_k / type_v given are kept
-            kwargs.update(type_k=kv_type, type_v=kv_type)
-        self._kv_may_split = eval_shapes.kv_may_split(kwargs.get("type_k"), kwargs.get("type_v"))
-        # a matrix tinyBLAS multiplies from 2 rows on: a lone row gets other bits at every position
-        self._tinyblas_matrix = tinyblas_matrix(base.header)
-        moe = experts.read_moe_model(base.header) if base.header is not None else None
-        if moe is not None:
-            moe_init.init_moe(self, os.fspath(model_path), base, moe, args, kwargs, flash_speculative)
-            return
-        sidecar = self._find_sidecar(os.fspath(model_path), sidecar_path, base)
-        if sidecar is None and ram_budget_mb is not None:
-            raise SidecarNotFoundError(
-                f"ram_budget_mb needs a sidecar for '{model_path}' (none at "
-                f"'{default_sidecar_path(model_path)}'); create it with `llamaflash convert {model_path}`"
-            )
-        if sidecar is None:
-            self._flash_mode = "stock"
-            self._init_llama(model_path, args, kwargs, spec_settings)
-            return
-
-        # Everything that can be wrong with the files is found here, before llama.cpp starts.
-        info = validate_pair(model_path, sidecar, model=base)  # the one identity check
-        if self._flash_mode == OFFLOAD_MODE and requested_mode == "auto":
-            # stock-equivalent where the budget holds what stock keeps resident
-            choice = budget_decision.decide(
-                base.header,
-                info,
-                ram_budget_mb,
-                int(kwargs.get("n_ctx", 512)),
-                kwargs.get("n_ubatch"),
-                logits_all=bool(kwargs.get("logits_all", False)),
-                use_mmap=kwargs.get("use_mmap"),
-            )
-            self._flash_decision = lane_decision.Decision(choice.lane, False, choice.reason, detail=choice.as_dict())
-            if choice.stock:
-                if flash_disk_profile is not None and str(flash_disk_profile) != "probe":
-                    from ..planning import disk_probe
-
-                    disk_probe.resolve_profile(flash_disk_profile, sidecar)  # a bad one is still an error
-                self._flash_mode = "stock"
-                self._flash_info, self._flash_sidecar = info, Path(sidecar)
-                # speculation as in memory: off unless asked for; asked for, it keeps the batch-invariant
-                # numerics that make it exact; otherwise stock's numerics
-                stock_spec = speculative.SpeculativeSettings.from_argument(flash_speculative)
-                self._batch_invariant = (
-                    (stock_spec is not None or deterministic)
-                    if flash_batch_invariant is None
-                    else flash_batch_invariant
-                )
-                if not self._batch_invariant and not flash_attn_given:
-                    kwargs.pop("flash_attn", None)
-                kwargs.setdefault("n_ubatch", choice.n_ubatch)
-                kwargs["use_mmap"] = choice.use_mmap  # the way its need was counted
-                if kwargs.get("verbose", True):
-                    say_once(f"llamaflash: {choice.reason}")
-                self._init_llama(model_path, args, kwargs, stock_spec)
-                return
-        if self._flash_mode == "auto":
-            self._flash_decision = _default_decision(info, sidecar, kwargs)
-            if self._flash_decision.lane == lane_decision.STOCK:
-                # not one claimed weight, no extra split: the backend is not even registered
-                self._flash_mode = "stock"
-                self._flash_info, self._flash_sidecar = info, Path(sidecar)
-                if kwargs.get("verbose", True):
-                    say_once(f"llamaflash: '{sidecar}': {self._flash_decision.reason}")
-                # llama.cpp reads the FFN weights itself: their rows are checked against the sidecar's
-                # checksums on a thread of their own while it loads (a damaged model is refused here too)
-                if flash_verify and info.integrity is not None:
-                    from ..files.integrity import BaseRowCheck  # numpy: only a check needs it
-
-                    self._base_check = BaseRowCheck(info, model_path)
-                self._init_llama(model_path, args, kwargs, spec_settings)
-                if self._base_check is not None:
-                    try:
-                        self._base_check.wait()
-                    except LlamaflashError:
-                        self.close()
-                        raise
-                return
-            self._flash_mode = "sparse"
-        thresholds = None
-        if self._flash_mode in ("sparse", OFFLOAD_MODE):
-            thresholds = sparsity_thresholds(info, flash_sparsity)
-        if self._flash_mode == OFFLOAD_MODE:
-            # the draft copy serves self-drafts only: without them the plan is the one without speculation
-            self_drafts = spec_settings is not None and spec_settings.self_draft and user_draft is None
-            if flash_draft_copy and not self_drafts:
-                raise ValueError(
-                    "flash_draft_copy=True keeps the draft copy for speculative self-drafts, which are off here "
-                    "(flash_speculative=False, self_draft=False, or a draft_model given); leave flash_draft_copy "
-                    "unset or turn self-drafts on"
-                )
-            plan, config, spec_settings, self._speculation_off_reason = offload.configure(
-                model_path,
-                sidecar,
-                info,
-                base.header,
-                thresholds,
-                kwargs,
-                spec_settings,
-                ram_budget_mb=ram_budget_mb,
-                max_sparse_tokens=flash_max_sparse_tokens,
-                stream_gate=flash_stream_gate,
-                disk_profile=flash_disk_profile,
-                draft_copy=flash_draft_copy if self_drafts else False,
-                io_engine=flash_io_engine,
-                verify=flash_verify,
-                speculation_by_default=flash_speculative is None and user_draft is None,
-                prompt_tokens=flash_prompt_tokens,
-            )
-            self._flash_plan = plan
-        else:
-            sparse = engine.sparse_config(False)
-            if thresholds is not None:
-                sparse = engine.sparse_config(
-                    True, flash_max_sparse_tokens, up_by_ggml=self._dense_up(info, flash_sparsity)
-                )
-            config = engine.engine_config(info, model_path, thresholds, sparse, verify=flash_verify)
-        config.repack = not self._batch_invariant
-        if info.integrity is None:
-            warn_unchecked(info, os.fspath(model_path))
-        flash = engine.open_engine(config)
-
-        _native.register_backend()  # idempotent; the first served model registers the ggml backend
-        _native.begin_model_load(flash)
-        try:
-            self._init_llama(model_path, args, kwargs, spec_settings)
-        finally:
-            _native.end_model_load()
-
-        expected = 3 * len(info.layers)
-        if flash.bound_count != expected:
-            self.close()
-            raise LlamaflashError(
-                f"llama.cpp placed {flash.bound_count} of the {expected} FFN weights of '{model_path}' on the "
-                f"llamaflash device; the model cannot be served. Check that llama_cpp was not given tensor "
-                f"overrides for FFN weights, or run without a sidecar."
-            )
-        self._flash = flash
-        self._flash_info = info
-        self._flash_sidecar = Path(sidecar)
-        if self._flash_mode == OFFLOAD_MODE:
-            offload.free_prompt_pages_after_decode(self)
-        if self._speculator is not None and self._flash_mode == OFFLOAD_MODE and user_draft is None:
-            self._speculation_off_reason = offload.attach_self_draft(
-                self, self._speculator, self._flash_plan, info, spec_settings
-            )
-
-    def _init_llama(self, model_path, args, kwargs, spec_settings) -> None:
-        """llama_cpp.Llama.__init__, then the speculator as its draft_model. llama-cpp-python's own
-        draft path would keep n_ctx x n_vocab logits (it forces logits_all); the speculator's verify
-        batches keep only their own rows (see eval), so a user's draft_model goes through it too."""
-        user_draft = kwargs.pop("draft_model", None)
-        if spec_settings is None and user_draft is not None:
-            spec_settings = speculative.SpeculativeSettings(prompt_lookup=False, self_draft=False)
-        if self._batch_invariant:
-            with speculative.batch_invariant_weights():
-                super().__init__(model_path, *args, **kwargs)
-        else:
-            super().__init__(model_path, *args, **kwargs)
-        if spec_settings is not None:
-            ref = weakref.ref(self)
-            self._speculator = speculative.Speculator(spec_settings, user_draft=user_draft)
-            self._speculator.bind(lambda: ref().n_tokens)
-            self.draft_model = self._speculator
-        self._user_draft = user_draft
+        model = model_plan.identify_model(request)
+        sidecar = model_plan.find_sidecar(model, request)
+        choice = model_plan.decide_mode(model, sidecar, request)
+        plan = model_plan.plan_load(model, sidecar, choice, request)
+        engine = llama_load.open_engine(plan)
+        llama_load.load_llama(self, plan, engine, model_path, args, kwargs)
+        llama_load.attach_engine(self, plan, engine)
 
     def eval(self, tokens) -> None:
         """`llama_cpp.Llama.eval`, in the batch shapes of eval_shapes: batch-invariant chunks of 2..7
@@ -529,42 +288,12 @@ class Llama(llama_cpp.Llama):
             return FlashIoError(f"llamaflash: reading FFN weights from flash failed: {message}")
         return e
 
-    def _dense_up(self, info: SidecarInfo, level: Optional[float]) -> bool:
-        """up·x by ggml's dense GEMV (flash_dense_up, or chosen from the level's sparsity)."""
-        dense_up = self._flash_args["flash_dense_up"]
-        if dense_up is None:
-            dense_up = _level_sparsity(info, level) < DENSE_UP_MAX_SPARSITY
-        return bool(dense_up)
-
     def _configure_sparse(self, level: Optional[float]) -> None:
         self._flash.set_sparse_config(
             True,
             max_tokens=self._flash_args["flash_max_sparse_tokens"],
-            up_by_ggml=self._dense_up(self._flash_info, level),
+            up_by_ggml=model_plan.dense_up(self._flash_info, level, self._flash_args["flash_dense_up"]),
         )
-
-    @staticmethod
-    def _find_sidecar(
-        model_path: str, sidecar_path: Optional[str], base: Optional[BaseModelInfo] = None
-    ) -> Optional[Path]:
-        """The sidecar to use (None: run as stock); ``base``: the model's parsed header, if read already."""
-        if base is None:
-            base = gguf_model.read_base_model(model_path)
-        if sidecar_path is not None:
-            path = Path(sidecar_path)
-            if not path.exists():
-                raise SidecarNotFoundError(
-                    f"sidecar '{path}' does not exist; create it with `llamaflash convert {model_path} -o {path}` "
-                    f"or leave sidecar_path unset to run without one"
-                )
-            return path
-        if not base.ffn_layers:
-            return None  # no classic FFN (e.g. state-space models): pass through untouched
-        path = default_sidecar_path(model_path)
-        if not path.exists():
-            warn_no_sidecar(model_path, path)
-            return None
-        return path
 
     # -- llamaflash additions -------------------------------------------------------------------
 
@@ -583,13 +312,13 @@ class Llama(llama_cpp.Llama):
     def set_flash_sparsity(self, level: Optional[float]) -> None:
         """Switches the sparse lane to another calibrated level (see `flash_sparsity`) without
         reloading; only in "sparse" mode."""
-        if self._flash is None or self._flash_mode not in ("sparse", OFFLOAD_MODE):
+        if self._flash is None or self._flash_mode not in ("sparse", model_plan.OFFLOAD):
             raise ValueError(
                 f"set_flash_sparsity needs flash_mode='sparse' (or ram_budget_mb) with a format-2 sidecar "
                 f"(this model runs {self._flash_mode!r})"
             )
         self._flash.thresholds = sparsity_thresholds(self._flash_info, level)
-        if self._flash_mode != OFFLOAD_MODE:
+        if self._flash_mode != model_plan.OFFLOAD:
             self._configure_sparse(level)
 
     def flash_stats(self) -> Dict[str, Any]:

@@ -5,8 +5,8 @@ neuron cache's counters with per-token figures (:func:`stats`).
 Order of operations (what `Llama(..., ram_budget_mb=N)` does):
   1. `planner.plan_offload` sizes everything for the budget (or raises `RamBudgetError` naming the
      minimum);
-  2. `engine.engine_config` turns the plan into the native configuration's offload part, and
-     `engine.open_engine` opens the model before llama.cpp loads it: offload layout (gate resident, or
+  2. `engine.engine_config` turns the plan into the native configuration's offload part, which
+     `llama_load.open_engine` opens, as plan data, before llama.cpp loads the model: offload layout (gate resident, or
      streamed from the base file one layer ahead when the plan says `stream_gate`; up and down
      streamed from the base file for prefill), the sparse lane, the neuron cache with the planner's
      pinned clusters, which are read now;
@@ -34,10 +34,13 @@ def configure(
     info: "SidecarInfo",
     header,
     thresholds,
-    kwargs: Dict[str, Any],
     spec_settings: Optional[speculative.SpeculativeSettings],
     *,
-    ram_budget_mb: int,
+    ram_budget_mb: float,
+    n_ctx: int,
+    n_ubatch: Optional[int],
+    logits_all: bool,
+    flash_attn: bool,
     max_sparse_tokens: int,
     stream_gate: Optional[bool],
     disk_profile: Any,
@@ -48,13 +51,13 @@ def configure(
     prompt_tokens: Optional[int] = None,
     prompt_pages_freed: bool = True,
 ) -> Tuple["OffloadPlan", "_native.EngineConfig", Optional[speculative.SpeculativeSettings], Optional[str]]:
-    """Steps 1 and 2: the plan for the budget and the engine configuration from it. Sets llama.cpp's
-    n_batch and n_ubatch in ``kwargs`` to the plan's where the caller did not give them;
-    ``prompt_tokens`` is the prompt length the plan weighs (None: DEFAULT_PROMPT_TOKENS);
-    ``prompt_pages_freed``: the host frees a prompt's compute pages after it (llamaflash.Llama.eval;
-    planner.plan_offload). Returns the
-    plan, the engine configuration, the speculative settings to use and, where speculation that was
-    on only by default is turned off (:func:`default_speculation_off`), the reason."""
+    """Steps 1 and 2: the plan for the budget at llama.cpp's ``n_ctx``, ``n_ubatch`` (None: the plan
+    chooses; the plan's n_batch and n_ubatch are what llama.cpp should run with), ``logits_all`` and
+    ``flash_attn``, and the engine configuration from it. ``prompt_tokens`` is the prompt length the
+    plan weighs (None: DEFAULT_PROMPT_TOKENS); ``prompt_pages_freed``: the host frees a prompt's
+    compute pages after it (llamaflash.Llama.eval; planner.plan_offload). Returns the plan, the engine
+    configuration, the speculative settings to use and, where speculation that was on only by default
+    is turned off (:func:`default_speculation_off`), the reason."""
     from ..planning import disk_probe, planner  # numpy-heavy; only offload needs them
     from ..planning.prefill_speed import DEFAULT_PROMPT_TOKENS
 
@@ -64,20 +67,18 @@ def configure(
         os.fspath(model_path),
         str(sidecar),
         ram_budget_mb,
-        n_ctx=int(kwargs.get("n_ctx", 512)),
-        n_ubatch=kwargs.get("n_ubatch"),
+        n_ctx=int(n_ctx),
+        n_ubatch=n_ubatch,
         stream_gate=stream_gate,
         disk=disk_probe.resolve_profile(disk_profile, sidecar),
         info=info,
         header=header,
         draft_copy=draft_copy,
-        logits_all=bool(kwargs.get("logits_all", False)),
-        flash_attn=bool(kwargs.get("flash_attn", False)),
+        logits_all=bool(logits_all),
+        flash_attn=bool(flash_attn),
         prompt_tokens=prompt_tokens,
         prompt_pages_freed=prompt_pages_freed,
     )
-    kwargs.setdefault("n_batch", plan.n_batch)
-    kwargs.setdefault("n_ubatch", plan.n_ubatch)
     off_reason = default_speculation_off(plan) if speculation_by_default and spec_settings is not None else None
     if off_reason is not None:
         spec_settings = None
