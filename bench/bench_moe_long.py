@@ -8,7 +8,7 @@ One `llamaflash.Llama(model, ram_budget_mb=LIMIT, n_ctx=N_CTX)` runs a conversat
 process inside a fresh memory cgroup of LIMIT MiB (process memory + page cache, as every benchmark
 here; bench/lab/cgroups.py), the model and sidecar evicted first. Turns alternate a "user" message
 (the next ``--turn-prompt`` tokens of the calibration text) and ``--turn-tokens`` greedy tokens, the
-conversation continued in the KV cache (llama-cpp-python reuses the cached prefix), until the context
+conversation continued in the KV cache (llama-cpp-python's generate reuses the cached prefix), until the context
 holds ``--tokens`` tokens. Every turn reports the tokens in the context, prefill and decode tok/s,
 the process's resident, anonymous and locked memory (VmRSS, RssAnon, VmLck, VmHWM), the cgroup's
 usage (process + page cache) and, for an MoE model, the expert cache's hit rate and reads per token.
@@ -75,11 +75,11 @@ def worker(opts: argparse.Namespace) -> None:
     )
     load_s = time.perf_counter() - t0
     stats = llm.flash_stats()
-    plan = stats.get("plan") or {}
+    plan = stats.get("experts") or stats.get("offload", {}).get("plan") or {}
     print(MARK + json.dumps({"event": "loaded", "load_s": load_s, "flash_mode": llm.flash_mode,
-                             "plan_parts": plan.get("parts"), "budget_bytes": plan.get("budget_bytes"),
+                             "plan_parts": plan.get("plan_parts") or plan.get("parts"), "budget_bytes": plan.get("budget_bytes"),
                              **_status(), "cgroup_mb": _cgroup_usage_mb()}), flush=True)  # fmt: skip
-    text = assets.held_out_text("calibration", 400_000)  # English and code, not what convert calibrated on
+    text = assets.held_out_text("calibration", 150_000)  # English and code, not what convert calibrated on
     corpus = llm.tokenize(text.encode(), add_bos=False)
     history = llm.tokenize(b"", add_bos=True)
     cursor, turn = 0, 0
@@ -93,7 +93,7 @@ def worker(opts: argparse.Namespace) -> None:
         t_start = time.perf_counter()
         t_first = None
         out = []
-        for token in llm.generate(tokens, top_k=1, temp=0.0, reset=False):
+        for token in llm.generate(tokens, top_k=1, temp=0.0):  # reuses the cached prefix
             if t_first is None:
                 t_first = time.perf_counter()
             out.append(int(token))

@@ -99,6 +99,10 @@ def stats(model, plan: Optional[expert_plan.ExpertPlan], moe: Optional[experts.M
         s["pinned_per_layer"] = max((len(v) for v in plan.pinned.values()), default=0)
         s["predicted_miss_rate"] = plan.miss_rate
         s["predicted_tok_s_io_bound"] = plan.predicted_tok_s
+        # what the plan counted under the budget (bytes): llama.cpp's and the process's parts (the KV
+        # cache at the full n_ctx among them) and the expert cache
+        s["plan_parts"] = {**plan.share, "expert_cache": plan.cache_bytes}
+        s["budget_bytes"] = plan.budget_bytes
     if moe is not None:
         s["n_expert"], s["n_used"], s["moe_layers"] = moe.n_expert, moe.n_used, len(moe.layers)
     return s
