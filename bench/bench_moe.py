@@ -84,6 +84,7 @@ def disk_mb_s(sidecar: Path, read_bytes: float, depth: int) -> tuple[float, str]
 
 def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
     """Per (limit, config): decode/prefill medians, the expert statistics and the I/O bound."""
+    from llamaflash.bench.decode_report import expert_columns
     from llamaflash.files import expert_sidecar
     from llamaflash.files.experts import read_moe_model
     from llamaflash.files.gguf_header import read_gguf_header
@@ -116,27 +117,10 @@ def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
                 else None,
                 "tokens": ok[0].get("tokens") if ok else None,
             }
-            ex = [r["flash_stats"]["experts"] for r in ok if (r.get("flash_stats") or {}).get("experts")]
-            if ex:
-
-                def med(key):
-                    vals = [e[key] for e in ex if e.get(key) is not None]
-                    return median(vals) if vals else None
-
-                per_tok = med("bytes_read_per_token")
-                row["experts"] = {
-                    k: med(k)
-                    for k in (
-                        "hit_rate",
-                        "prefetch_recall",
-                        "prefetch_waste",
-                        "bytes_read_per_token",
-                        "io_wait_per_token_s",
-                        "slots_per_layer",
-                        "pinned_per_layer",
-                        "predicted_miss_rate",
-                    )
-                }
+            experts = expert_columns(ok)
+            if experts:
+                per_tok = experts["bytes_read_per_token"]
+                row["experts"] = experts
                 row["io_bound_tps"] = mb_s * 1e6 / per_tok if per_tok else None
                 row["of_io_bound"] = (
                     row["decode_tps"] / row["io_bound_tps"] if row["io_bound_tps"] and row["decode_tps"] else None

@@ -1,7 +1,11 @@
 """What the memory-limit benchmark reports about decode beyond tok/s, per (limit, config) row.
 
 The I/O bound (:func:`add_io_bound`): the decode speed the disk allows for the bytes read per
-decoded (delivered) token. Speculative decoding (docs/SPECULATIVE.md; :func:`speculation_columns`,
+decoded (delivered) token: for flash offload the neuron cache's reads, for an MoE model's experts the
+expert cache's (:func:`add_expert_io_bound`, at the expert planner's disk rate, :func:`expert_read_rate`).
+The expert engine's statistics (:func:`expert_columns`, from ``flash_stats()["experts"]``), medians over
+the ok runs of the row, None where no run served experts: hit rate, prefetch recall and waste, bytes
+read and I/O wait per decoded token, slots and pinned experts per layer, the plan's predicted miss rate. Speculative decoding (docs/SPECULATIVE.md; :func:`speculation_columns`,
 from the "generate" runs of bench/lab/worker.py), medians over the ok runs of the row, None where a
 run has no speculation (stock, or off):
   acceptance          drafted tokens accepted / drafted (all sources)
@@ -22,15 +26,20 @@ def limit_label(limit: int | None) -> str:
     return "none" if limit is None else str(limit)
 
 
-def add_io_bound(rows: list[dict[str, Any]], runs: list[dict[str, Any]], sidecar: Path) -> None:
+def add_io_bound(
+    rows: list[dict[str, Any]], runs: list[dict[str, Any]], sidecar: Path, expert_disk: Optional[dict] = None
+) -> None:
     """For each flash-offload row: the decode speed the disk allows, ``io_bound_tps`` = the disk's
     throughput for the engine's reads ÷ the bytes read per decoded token (``decode_read_mb_per_tok``),
     and ``of_io_bound`` = decode ÷ that. The throughput is the saved disk profile's (``llamaflash plan
     --probe-disk``) for the sidecar's filesystem, at the plan's read size (half a cache slot: its up or
-    its down_t rows) and queue depth. Rows stay without these fields when no profile is saved."""
+    its down_t rows) and queue depth. Rows stay without these fields when no profile is saved.
+    Rows that served an MoE model's experts (``experts``, :func:`expert_columns`) get theirs from
+    ``expert_disk`` (:func:`expert_read_rate`; None: none) by :func:`add_expert_io_bound`."""
     from llamaflash.planning import disk_probe
     from llamaflash.planning.planner import disk_throughput
 
+    add_expert_io_bound(rows, expert_disk)
     profile = disk_probe.saved_profile(sidecar)
     if profile is None:
         return
@@ -62,22 +71,95 @@ def add_io_bound(rows: list[dict[str, Any]], runs: list[dict[str, Any]], sidecar
         row["of_io_bound"] = row["decode_tps"] / row["io_bound_tps"] if row.get("decode_tps") else None
 
 
+#: The expert engine's statistics (``flash_stats()["experts"]``, runtime/expert_runtime.stats) a row keeps.
+EXPERT_STATS = (
+    "hit_rate",
+    "prefetch_recall",
+    "prefetch_waste",
+    "bytes_read_per_token",
+    "io_wait_per_token_s",
+    "slots_per_layer",
+    "pinned_per_layer",
+    "predicted_miss_rate",
+)
+
+
+def expert_columns(good: list[dict[str, Any]]) -> Optional[dict[str, Optional[float]]]:
+    """Medians over ``good`` (ok runs) of their expert statistics (EXPERT_STATS), each over the runs that
+    have it; None when no run served experts (stock, a dense model, an MoE model the budget runs stock)."""
+    ex = [r["flash_stats"]["experts"] for r in good if (r.get("flash_stats") or {}).get("experts")]
+    if not ex:
+        return None
+    return {k: benchkit.median(e.get(k) for e in ex) for k in EXPERT_STATS}
+
+
+def expert_read_rate(model: Path, sidecar: Path, n_ctx: int = 512) -> Optional[dict[str, Any]]:
+    """The disk rate the expert planner gives an MoE model's expert reads (None for a dense model):
+    ``disk_mb_s`` = plan_experts' ``disk_bytes_per_s`` / 1e6 (the disk profile's throughput for one
+    expert tensor's slot share, at EXPERT_READ_DEPTH), with ``read_kib``, ``queue_depth`` and
+    ``profile`` (where the disk profile came from). The profile is the one a Llama loading ``sidecar``
+    plans with: the saved probe of its filesystem, else the planner's built-in default."""
+    from llamaflash.files.experts import read_moe_model
+    from llamaflash.files.gguf_header import read_gguf_header
+    from llamaflash.planning import disk_probe, expert_plan
+    from llamaflash.planning.plan_disk import default_disk, disk_source
+
+    header = read_gguf_header(model)
+    moe = read_moe_model(header)
+    if moe is None:
+        return None
+    disk = disk_probe.saved_profile(sidecar) or default_disk()
+    # n_used slots per layer at a budget that holds them: a plan that serves experts whatever fits
+    plan = expert_plan.plan_experts(moe, header, 1 << 20, n_ctx=n_ctx, disk=disk, n_slots=moe.n_used)
+    return {
+        "disk_mb_s": plan.disk_bytes_per_s / 1e6,
+        "read_kib": plan.slot_bytes / max(1, len(moe.layers[0].tensors)) / 1024,
+        "queue_depth": expert_plan.EXPERT_READ_DEPTH,
+        "profile": disk.get("saved_at") or disk_source(disk),
+    }
+
+
+def add_expert_io_bound(rows: list[dict[str, Any]], expert_disk: Optional[dict[str, Any]]) -> None:
+    """For each row with expert statistics that read from flash: ``io_bound_tps`` = disk bytes/s
+    (``expert_disk["disk_mb_s"]``) ÷ the median bytes read per decoded token, ``of_io_bound`` = decode ÷
+    that, and ``io_bound`` (what it came from, as :func:`add_io_bound` records it). No-op for
+    ``expert_disk`` None."""
+    if not expert_disk:
+        return
+    for row in rows:
+        per_tok = (row.get("experts") or {}).get("bytes_read_per_token")
+        if not per_tok:
+            continue
+        row["io_bound"] = {**expert_disk, "mib_per_token": per_tok / MiB}
+        row["io_bound_tps"] = expert_disk["disk_mb_s"] * 1e6 / per_tok
+        row["of_io_bound"] = row["decode_tps"] / row["io_bound_tps"] if row.get("decode_tps") else None
+
+
 def io_bound_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The report's lines for :func:`add_io_bound`."""
+    """The report's lines for :func:`add_io_bound` (and :func:`add_expert_io_bound`)."""
     out = []
+    profiles = set()
     for row in rows:
         b = row.get("io_bound")
         if not b:
             continue
+        profiles.add(str(b.get("profile")))
         of = "" if row.get("of_io_bound") is None else f" = {row['of_io_bound']:.0%} of it"
+        per_tok = b["mib_per_token"]
+        what = "expert " if row.get("experts") else ""
+        decode = "-" if row.get("decode_tps") is None else f"{row['decode_tps']:.2f}"
         out.append(
-            f"  {limit_label(row['limit_mb'])} MB {row['config']}: {row['io_bound']['mib_per_token']:.0f} MiB read per "
-            f"decoded token at {b['disk_mb_s']:.0f} MB/s ({b['read_kib']:.0f} KiB reads, depth "
-            f"{b['queue_depth']}) bounds decode at {row['io_bound_tps']:.2f} tok/s; measured "
-            f"{row['decode_tps']:.2f}{of}"
+            f"  {limit_label(row['limit_mb'])} MB {row['config']}: {per_tok:.{0 if per_tok >= 10 else 2}f} MiB "
+            f"of {what}reads per decoded token at {b['disk_mb_s']:.0f} MB/s ({b['read_kib']:.0f} KiB reads, depth "
+            f"{b['queue_depth']}) bounds decode at {row['io_bound_tps']:.2f} tok/s; measured {decode}{of}"
         )
     if out:
-        out.insert(0, "I/O bound (the saved disk profile of the sidecar's filesystem; llamaflash plan --probe-disk):")
+        out.insert(
+            0,
+            "I/O bound (disk profile: "
+            + ", ".join(sorted(profiles))
+            + "; the sidecar's filesystem, saved by llamaflash plan --probe-disk):",
+        )
     return out
 
 

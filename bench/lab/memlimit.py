@@ -52,6 +52,8 @@ from .cgroups import (  # noqa: F401
 )
 from .decode_report import (  # noqa: F401  (add_io_bound, io_bound_lines: used through this module)
     add_io_bound,
+    expert_columns,
+    expert_read_rate,
     io_bound_lines,
     limit_label,
     speculation_columns,
@@ -279,7 +281,10 @@ def run_benchmark(opts: BenchOptions, echo: Callable[[str], None] = print) -> di
             c.unlink(missing_ok=True)
     payload["files"] = {"originals": originals, "private_copies": opts.private_copy_dir is not None}
     if flash_configs:
-        add_io_bound(payload["summary"], payload["runs"], sidecar)
+        # an MoE model's layout is read from the original (a private copy is deleted by now); the disk
+        # profile is the one of the filesystem the runs read the sidecar from
+        experts = expert_read_rate(Path(originals["model"]), sidecar, opts.n_ctx)
+        add_io_bound(payload["summary"], payload["runs"], sidecar, experts)
     return payload
 
 
@@ -396,8 +401,9 @@ def _prefix_agreement(ref: Sequence[int], toks: Sequence[int]) -> tuple[float | 
 
 def summarize(runs: list[dict[str, Any]], configs: Sequence[str], limits: Sequence[int | None]) -> list[dict[str, Any]]:
     """One row per (limit, config): counts by status, medians over the ok runs, decode ratio versus
-    stock at the same limit, and greedy agreement with the reference tokens (the first ok stock run
-    at the largest limit; over the common prefix)."""
+    stock at the same limit, greedy agreement with the reference tokens (the first ok stock run
+    at the largest limit; over the common prefix), and ``experts``: the expert engine's statistics
+    (decode_report.expert_columns; None where no run served experts)."""
     ok = [r for r in runs if r.get("ok")]
     ref = next((r for lim in limits for r in ok if r["config"] == "stock" and r["limit_mb"] == lim), None)
     rows = []
@@ -446,6 +452,7 @@ def summarize(runs: list[dict[str, Any]], configs: Sequence[str], limits: Sequen
             else:
                 row["greedy_agree"] = row["first_divergence"] = None
             row.update(speculation_columns(good))
+            row["experts"] = expert_columns(good)
             if config == "stock":
                 base_decode = row["decode_tps"]
             rows.append(row)

@@ -103,18 +103,20 @@ def _recorder_class():
     class ActivationRecorder(moe_routing.RoutingRecorder):
         """The routing recorder, also copying each MoE layer's FFN input and router logits."""
 
-        KINDS = ("ffn_norm", "ffn_moe_logits")
-
-        def __init__(self, model_path, n_ctx: int = 512, n_threads: int | None = None) -> None:
+        def __init__(
+            self, model_path, n_ctx: int = 512, n_threads: int | None = None, inputs: bool = True
+        ) -> None:
             with _plain_weights():
                 super().__init__(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads)
+            #: the f32 tensors copied per MoE layer: the FFN input only when ``inputs``
+            self.KINDS = ("ffn_norm", "ffn_moe_logits") if inputs else ("ffn_moe_logits",)
             self._f32: dict[str, dict[int, list[np.ndarray]]] = {k: {} for k in self.KINDS}
 
         def capture(self, sequences: list[np.ndarray]) -> Capture:
             self._f32 = {k: {} for k in self.KINDS}
             trace = self.record(sequences)
             cat = {k: {il: np.concatenate(rows) for il, rows in d.items()} for k, d in self._f32.items()}
-            layers = [il for il in trace.layers if il in cat["ffn_norm"] and il in cat["ffn_moe_logits"]]
+            layers = [il for il in trace.layers if all(il in cat[k] for k in self.KINDS)]
             if trace.layers and not layers:
                 raise RuntimeError(
                     f"llama.cpp computed no {' / '.join(self.KINDS)} tensors for the MoE layers: this architecture "
@@ -125,7 +127,7 @@ def _recorder_class():
                     if cat[k][il].shape[0] != trace.n_tokens:
                         raise RuntimeError(f"layer {il}: {cat[k][il].shape[0]} rows of {k}, {trace.n_tokens} tokens")
             return Capture(
-                {il: cat["ffn_norm"][il] for il in layers},
+                {il: cat["ffn_norm"][il] for il in layers} if "ffn_norm" in cat else {},
                 {il: cat["ffn_moe_logits"][il] for il in layers},
                 {il: trace.experts[il] for il in layers},
                 trace.continues_previous(),
@@ -148,11 +150,14 @@ def _recorder_class():
     return ActivationRecorder
 
 
-def capture_text(model_path: Path, text: str, n_tokens: int, seq_len: int, n_threads: int | None) -> Capture:
-    """Captures about ``n_tokens`` tokens of ``text`` in evenly spaced windows of ``seq_len``."""
+def capture_text(
+    model_path: Path, text: str, n_tokens: int, seq_len: int, n_threads: int | None, inputs: bool = True
+) -> Capture:
+    """Captures about ``n_tokens`` tokens of ``text`` in evenly spaced windows of ``seq_len``;
+    without ``inputs`` the FFN inputs are not kept (``x`` empty: n_embd floats per token and layer)."""
     from llamaflash.converters import moe_routing
 
-    with _recorder_class()(model_path, n_ctx=seq_len, n_threads=n_threads) as rec:
+    with _recorder_class()(model_path, n_ctx=seq_len, n_threads=n_threads, inputs=inputs) as rec:
         return rec.capture(moe_routing.text_sequences(rec, n_tokens, seq_len, text=text))
 
 
@@ -160,15 +165,18 @@ def save_capture(cap: Capture, path: Path) -> None:
     """Writes ``cap`` to an .npz (keys x-L, logits-L, routed-L, follows)."""
     arrays = {"follows": cap.follows}
     for il in cap.layers:
-        arrays.update({f"x-{il}": cap.x[il], f"logits-{il}": cap.logits[il], f"routed-{il}": cap.routed[il]})
+        arrays.update({f"logits-{il}": cap.logits[il], f"routed-{il}": cap.routed[il]})
+        if il in cap.x:
+            arrays[f"x-{il}"] = cap.x[il]
     np.savez(path, **arrays)
 
 
 def load_capture(path: Path) -> Capture:
-    """The capture :func:`save_capture` wrote."""
+    """The capture :func:`save_capture` wrote (``x`` empty when it was captured without inputs)."""
     with np.load(path) as z:
         layers = sorted(int(k.split("-")[1]) for k in z.files if k.startswith("routed-"))
-        return Capture(*({il: z[f"{kind}-{il}"] for il in layers} for kind in ("x", "logits", "routed")), z["follows"])
+        x = {il: z[f"x-{il}"] for il in layers if f"x-{il}" in z.files}
+        return Capture(x, *({il: z[f"{kind}-{il}"] for il in layers} for kind in ("logits", "routed")), z["follows"])
 
 
 def router_matrices(model_path: Path) -> dict[int, np.ndarray]:

@@ -22,6 +22,17 @@ the same sweep, and runs only the points it lacks. Cgroups are removed by ``run_
 ends a run, and the private copies a sweep made are deleted when it ends, interrupted or not.
 Without usable memory cgroups nothing is measured: the sweep says so and reports the predictions
 only, labelled as predictions.
+
+A mixture-of-experts model (one with routed expert tensors, files.experts.read_moe_model) is swept by
+:mod:`llamaflash.bench.sweep_moe`: by default the configs ``stock-norepack`` (plain file-backed weights
+and flash attention: the stock configuration that runs under a limit, and the numerics llamaflash
+reproduces), ``stock`` (its default repacks the experts into anonymous memory: OOM-killed under a
+limit smaller than the model, shown as OOM) and ``llamaflash-nospec``; the ladder runs from the expert
+planner's least budget (plan_experts' ``min_budget_bytes``) to the same top; the predictions per budget
+are the expert plan's lane (refused, stock where the model fits, else experts), its hit rate, bytes read
+per token and I/O bound. The report adds, per llamaflash run that served experts, the measured hit
+rate, MB read and I/O wait per token and the I/O bound (the expert reads' disk rate ÷ the measured bytes
+per token), and plots them (:mod:`llamaflash.bench.sweep_report`).
 """
 
 from __future__ import annotations
@@ -33,11 +44,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import benchkit, memlimit, prompt_sets
+from . import benchkit, memlimit, prompt_sets, sweep_moe
 from .pagecache import MiB, private_copies
 
-#: The configs a sweep measures: stock llama.cpp, llamaflash with ram_budget_mb (speculative), and
-#: the same without speculation.
+#: The configs a dense model's sweep measures by default: stock llama.cpp, llamaflash with ram_budget_mb
+#: (speculative), and the same without speculation (an MoE model's: sweep_moe.MOE_CONFIGS).
 CONFIGS = ("stock", memlimit.BUDGET_CONFIG, memlimit.NO_SPECULATION_CONFIG)
 #: The default ladder's top: the larger of these multiples of the model file and of stock's resident need.
 TOP_MODEL_RATIO = 1.3
@@ -65,7 +76,7 @@ class SweepOptions:
     model: str  # registry name or .gguf path
     budgets_mb: list[int] = field(default_factory=list)  # empty: the default ladder
     points: int = 8
-    configs: list[str] = field(default_factory=lambda: list(CONFIGS))
+    configs: list[str] = field(default_factory=list)  # empty: the model's default (CONFIGS or MOE_CONFIGS)
     sidecar: Optional[str] = None
     reps: int = 1
     threads: int = 2
@@ -83,8 +94,8 @@ class SweepOptions:
     prompt_set: Optional[str] = "chat"
 
     def validate(self) -> None:
-        if not self.configs or len(set(self.configs)) != len(self.configs):
-            raise ValueError(f"configs must be distinct and not empty: {self.configs}")
+        if len(set(self.configs)) != len(self.configs):
+            raise ValueError(f"configs must be distinct: {self.configs}")
         if any(b <= 0 for b in self.budgets_mb):
             raise ValueError(f"budgets must be positive MiB: {self.budgets_mb}")
         if self.points < 2 and not self.budgets_mb:
@@ -128,15 +139,19 @@ def predict(
     stock's in-memory rate where the lane is stock), ``stock_tok_s`` (stock's in-memory rate where the
     budget holds what it keeps resident, else None: it would thrash) and, for an offload plan,
     ``token_time`` (its predicted seconds per token by part, decode_speed.OffloadTokenTime) and
-    ``flash_bytes_per_token``."""
+    ``flash_bytes_per_token``. For an MoE model: sweep_moe.predict_moe's view (the expert plan's)."""
     from llamaflash.errors import RamBudgetError
+    from llamaflash.files.experts import read_moe_model
     from llamaflash.files.gguf_model import read_base_model
     from llamaflash.files.sidecar import validate_pair
     from llamaflash.planning import budget_decision, decode_speed, draft_plan
     from llamaflash.planning.planner import plan_offload
 
-    rates = rates or decode_speed.DEFAULT_RATES
     base = read_base_model(str(model_path))
+    moe = read_moe_model(base.header) if base.header is not None else None
+    if moe is not None:
+        return sweep_moe.predict_moe(model_path, sidecar, budgets_mb, n_ctx, disk, header=base.header, moe=moe)
+    rates = rates or decode_speed.DEFAULT_RATES
     info = validate_pair(model_path, sidecar, model=base)
     active = decode_speed.active_fraction(info)
     big = plan_offload(model_path, sidecar, 1 << 20, n_ctx=n_ctx, disk=disk, info=info, header=base.header)
@@ -276,6 +291,9 @@ def run_sweep(
     from llamaflash.planning import disk_probe
 
     disk = disk_probe.saved_profile(sidecar)
+    _, moe = sweep_moe.read_moe(model_path)
+    if not opts.configs:
+        opts.configs = list(sweep_moe.MOE_CONFIGS if moe is not None else CONFIGS)
     if not opts.budgets_mb:
         opts.budgets_mb = default_budgets(model_path, sidecar, opts.points, opts.n_ctx, disk)
     files = benchkit.files_record(model_path, model_name, model_sha, sidecar)
@@ -292,6 +310,7 @@ def run_sweep(
         }
     view = predict(model_path, sidecar, opts.budgets_mb, opts.n_ctx, disk)
     payload.update(predictions=view, disk_profile=(disk or {}).get("saved_at") or "built-in default")
+    payload["moe"] = sweep_moe.moe_record(model_path, sidecar, moe, opts.n_ctx) if moe is not None else None
     payload["machine"] = benchkit.machine_info()  # (the CPU's SIMD sets decide the kernels' speed)
     cg_ok, cg_why = memlimit.memory_cgroup_support() if opts.use_cgroup else (False, "switched off (--no-cgroup)")
     payload["cgroup"] = {"available": cg_ok, "detail": cg_why}
@@ -311,7 +330,7 @@ def run_sweep(
             f"planner's PREDICTIONS only"
         )
         payload.update(measured=False, complete=True)
-        benchkit.write_json(json_path, payload)
+        _save(json_path, payload)
         return payload
     payload["measured"] = True
     created: list[Path] = []
@@ -324,7 +343,7 @@ def run_sweep(
         with memlimit.bench_lock(echo=echo):
             _measure(opts, payload, model_path, sidecar, json_path, runner, echo)
     except KeyboardInterrupt:
-        benchkit.write_json(json_path, payload)
+        _save(json_path, payload)
         done = len(payload["runs"])
         echo(f"interrupted: {done} run(s) kept in {json_path}; continue with the same command and --resume")
         raise
@@ -332,8 +351,17 @@ def run_sweep(
         restore()
         _remove_copies(created, opts.private_copy_dir, [model_path, sidecar])
     payload["complete"] = True
-    benchkit.write_json(json_path, payload)
+    _save(json_path, payload)
     return payload
+
+
+def _save(json_path: Path, payload: dict[str, Any]) -> None:
+    """Write the payload with ``summary``: sweep_report.summary's rows of the runs so far (medians per
+    (budget, config), with the expert statistics and I/O bound of an MoE model's runs)."""
+    from .sweep_report import summary
+
+    payload["summary"] = summary(payload)
+    benchkit.write_json(json_path, payload)
 
 
 def _remove_copies(created: Sequence[Path], directory: Optional[str], originals: Sequence[Path]) -> None:
@@ -408,7 +436,7 @@ def _measure(
             benchkit.wait_until_quiet(opts.quiet_wait_s)
         r = runner(spec, limit, [model_path] + ([sidecar] if flash else []), opts.timeout_s)
         payload["runs"].append(r)
-        benchkit.write_json(json_path, payload)
+        _save(json_path, payload)
         elapsed = time.monotonic() - t0
         left = elapsed / i * (len(todo) - i)
         echo(f"[{i}/{len(todo)}] {progress_line(r, payload['predictions'])}   ({elapsed:.0f} s, ~{left:.0f} s left)")
@@ -422,9 +450,12 @@ def progress_line(r: dict[str, Any], predictions: dict[str, Any]) -> str:
     tps = r.get("decode_tps")
     pred = predicted_for(r["config"], predictions.get("budgets", {}).get(str(r["limit_mb"])))
     mode = f" [{r.get('flash_mode')}]" if r.get("flash_mode") else ""
+    experts = (r.get("flash_stats") or {}).get("experts") or {}
+    hit = f" expert hit rate {experts['hit_rate']:.2f}" if experts.get("hit_rate") is not None else ""
     return (
         (f"{head} decode {tps:6.2f} tok/s" if tps is not None else f"{head} decode -")
         + mode
+        + hit
         + (f"  predicted {pred:.2f}" if pred is not None else "")
     )
 

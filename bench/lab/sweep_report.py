@@ -7,6 +7,15 @@ Ratios: ``x stock`` = llamaflash ÷ stock at the same budget (stock OOM-killed c
 llamaflash wins); ``x nospec`` = llamaflash ÷ llamaflash without speculation. A prediction that is off
 the measurement by more than PREDICTION_TOLERANCE is marked ``!``. ``same tokens`` compares the
 speculative and the non-speculative runs' tokens at the budget (they must be equal).
+
+An MoE model's sweep (``payload["moe"]``, :mod:`llamaflash.bench.sweep_moe`): the llamaflash config
+whose experts are reported is the first non-stock one (``llamaflash-nospec`` by default); ``x norepack``
+= it ÷ stock-norepack, ``x stock`` = it ÷ stock; ``same tokens`` compares every llamaflash run's tokens
+with stock-norepack's (llamaflash reproduces its numerics). Per budget the table adds that config's
+measured expert hit rate, MB read per decoded token (10^6 bytes), I/O wait per token (ms), I/O bound
+(the expert reads' disk rate ÷ the bytes read per token, decode_report.add_expert_io_bound) and decode
+as a share of it, beside the expert plan's predicted hit rate and I/O bound. The plot adds the measured
+and predicted I/O bounds and, on a second axis, the measured and predicted hit rates.
 """
 
 from __future__ import annotations
@@ -15,23 +24,41 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import memlimit
+from .decode_report import add_expert_io_bound, io_bound_lines
+from .pagecache import MiB
 from .sweep import PREDICTION_TOLERANCE, predicted_for
+from .worker import STOCK_CONFIGS, STOCK_NO_REPACK
 
 PLOT_NEEDS = "the plot needs matplotlib: pip install 'llamaflash[bench]' (the table and the JSON have every number)"
 
 
 def summary(payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """memlimit's per-(budget, config) rows (medians over the ok runs) for the measured runs."""
+    """memlimit's per-(budget, config) rows (medians over the ok runs) for the measured runs; for an
+    MoE model each row that served experts with its I/O bound (decode_report.add_expert_io_bound)."""
     configs = payload["identity"]["configs"]
     budgets = sorted(payload["identity"]["budgets_mb"], reverse=True)
-    return memlimit.summarize(payload["runs"], configs, budgets) if payload.get("runs") else []
+    rows = memlimit.summarize(payload["runs"], configs, budgets) if payload.get("runs") else []
+    if payload.get("moe"):
+        add_expert_io_bound(rows, payload["moe"].get("disk"))
+    return rows
+
+
+def flash_config(payload: dict[str, Any]) -> Optional[str]:
+    """The llamaflash config the ratios are taken of: ``llamaflash`` for a dense model; for an MoE
+    model the first non-stock config (None: none)."""
+    if not payload.get("moe"):
+        return memlimit.BUDGET_CONFIG
+    return next((c for c in payload["identity"]["configs"] if c not in STOCK_CONFIGS), None)
 
 
 def curve(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """One dict per budget, ascending: ``budget_mb``, ``lane`` (the planner's), per config its row
-    (``rows[config]``), the ratios, the predictions and whether the spec/nospec tokens agree."""
+    (``rows[config]``), the ratios, the predictions and whether the spec/nospec tokens agree; for an MoE
+    model also :func:`_moe_point`'s fields, and ``same tokens`` over stock-norepack and llamaflash."""
     rows = summary(payload)
     preds = payload.get("predictions", {}).get("budgets", {})
+    moe = bool(payload.get("moe"))
+    flash_cfg = flash_config(payload)
     out = []
     for b in sorted(payload["identity"]["budgets_mb"]):
         by = {r["config"]: r for r in rows if r["limit_mb"] == b}
@@ -48,7 +75,7 @@ def curve(payload: dict[str, Any]) -> list[dict[str, Any]]:
         dec = {cfg: (by[cfg]["decode_tps"] if cfg in by else None) for cfg in payload["identity"]["configs"]}
         c["decode"] = dec
         stock = by.get("stock")
-        flash = dec.get(memlimit.BUDGET_CONFIG)
+        flash = dec.get(flash_cfg)
         c["x_stock"] = (
             flash / dec["stock"]
             if flash and dec.get("stock")
@@ -60,24 +87,51 @@ def curve(payload: dict[str, Any]) -> list[dict[str, Any]]:
         c["prediction_error"] = {
             cfg: (dec[cfg] / p - 1 if dec.get(cfg) and p else None) for cfg, p in c["predicted"].items()
         }
-        c["same_tokens"] = _same_tokens(payload["runs"], b)
+        if moe:
+            c.update(_moe_point(by, dec, point, flash_cfg))
+            flashes = {cfg for cfg in payload["identity"]["configs"] if cfg not in STOCK_CONFIGS}
+            c["same_tokens"] = _same_tokens(payload["runs"], b, {STOCK_NO_REPACK} | flashes, STOCK_NO_REPACK)
+        else:
+            c["same_tokens"] = _same_tokens(payload["runs"], b)
         out.append(c)
     return out
 
 
-def _same_tokens(runs: list[dict[str, Any]], budget: int) -> Optional[bool]:
-    """Whether every ok speculative and non-speculative run at ``budget`` decoded the same tokens
-    (over their common prefix: decode may stop early under the time cap); None if either is missing."""
+def _moe_point(by: dict, dec: dict, point: dict, flash_cfg: Optional[str]) -> dict[str, Any]:
+    """An MoE budget's extra fields: ``flash_config``, ``x_norepack``, ``experts`` (its row's expert
+    statistics), ``io_bound_tps`` and ``of_io_bound`` (measured), and the plan's ``predicted_hit_rate``,
+    ``predicted_mb_per_token`` and ``predicted_io_bound_tps``."""
+    row = by.get(flash_cfg) or {}
+    flash, ref = dec.get(flash_cfg), dec.get(STOCK_NO_REPACK)
+    per_tok = point.get("flash_bytes_per_token")
+    return {
+        "flash_config": flash_cfg,
+        "x_norepack": flash / ref if flash and ref else None,
+        "experts": row.get("experts"),
+        "io_bound_tps": row.get("io_bound_tps"),
+        "of_io_bound": row.get("of_io_bound"),
+        "predicted_hit_rate": point.get("hit_rate"),
+        "predicted_mb_per_token": per_tok / 1e6 if per_tok is not None else None,
+        "predicted_io_bound_tps": point.get("io_bound_tok_s"),
+    }
+
+
+def _same_tokens(
+    runs: list[dict[str, Any]],
+    budget: int,
+    configs: frozenset | set = frozenset((memlimit.BUDGET_CONFIG, memlimit.NO_SPECULATION_CONFIG)),
+    needs: Optional[str] = None,
+) -> Optional[bool]:
+    """Whether every ok run of ``configs`` at ``budget`` decoded the same tokens (over their common
+    prefix: decode may stop early under the time cap); None unless two of them ran (and ``needs``, when
+    given, is one of those that ran). Default: the speculative and non-speculative llamaflash."""
     toks = [
         r.get("tokens")
         for r in runs
-        if r.get("ok")
-        and r["limit_mb"] == budget
-        and r["config"] in (memlimit.BUDGET_CONFIG, memlimit.NO_SPECULATION_CONFIG)
-        and r.get("tokens")
+        if r.get("ok") and r["limit_mb"] == budget and r["config"] in configs and r.get("tokens")
     ]
-    kinds = {r["config"] for r in runs if r.get("ok") and r["limit_mb"] == budget and r.get("tokens")}
-    if not {memlimit.BUDGET_CONFIG, memlimit.NO_SPECULATION_CONFIG} <= kinds:
+    kinds = {r["config"] for r in runs if r.get("ok") and r["limit_mb"] == budget and r.get("tokens")} & set(configs)
+    if len(kinds) < 2 or (needs is not None and needs not in kinds):
         return None
     n = min(len(t) for t in toks)
     return all(t[:n] == toks[0][:n] for t in toks)
@@ -89,6 +143,8 @@ def _f(v: Any, spec: str, none: str = "-") -> str:
 
 def format_table(payload: dict[str, Any]) -> str:
     """The curve as text: measured and predicted, or the predictions alone when nothing was measured."""
+    if payload.get("moe"):
+        return format_moe_table(payload)
     measured = payload.get("measured", False)
     configs = [c for c in payload["identity"]["configs"]]
     head = ["budget MiB", "runs as"]
@@ -147,10 +203,94 @@ def format_table(payload: dict[str, Any]) -> str:
     return "\n".join(text + [""] + notes)
 
 
+def _columns(cells: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    text = ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in cells]
+    text.insert(1, "-" * len(text[0]))
+    return text
+
+
+def _status_or(row: Optional[dict[str, Any]], value: Any, spec: str) -> str:
+    """A config's cell: its value, or its status where its runs did not end ok (OOM, refused, ...)."""
+    return _f(value, spec) if row is None or row["status"] == "ok" else row["status"].split(" (")[0]
+
+
+def format_moe_table(payload: dict[str, Any]) -> str:
+    """An MoE model's curve as text (see the module docstring): per budget the expert plan's lane, each
+    config's decode tok/s, the ratios, the llamaflash config's expert statistics and I/O bound, and the
+    plan's predicted hit rate, MB per token and I/O bound."""
+    measured = payload.get("measured", False)
+    configs = list(payload["identity"]["configs"])
+    pts = curve(payload)
+    flash_cfg = flash_config(payload)
+    head = ["budget MiB", "runs as"]
+    if measured:
+        head += [f"{c} tok/s" for c in configs]
+        head += ["x norepack", "x stock", "same tokens", "hit", "MB/tok", "wait ms/tok", "I/O bound", "of bound"]
+    head += ["predicted hit", "predicted MB/tok", "predicted I/O bound"]
+    cells = [head]
+    for c in pts:
+        line = [str(c["budget_mb"]), "refused" if c["refused"] else (c["lane"] or "-")]
+        if measured:
+            line += [_status_or(c["rows"].get(cfg), c["decode"].get(cfg), ".2f") for cfg in configs]
+            e = c["experts"] or {}
+            per_tok, wait = e.get("bytes_read_per_token"), e.get("io_wait_per_token_s")
+            line += [
+                _f(c["x_norepack"], ".2f"),
+                _f(c["x_stock"], ".2f"),
+                {True: "yes", False: "NO", None: "-"}[c["same_tokens"]],
+                _f(e.get("hit_rate"), ".3f"),
+                _f(per_tok / 1e6 if per_tok is not None else None, ".2f"),
+                _f(wait * 1e3 if wait is not None else None, ".1f"),
+                _f(c["io_bound_tps"], ".2f"),
+                _f(c["of_io_bound"], ".0%"),
+            ]
+        line += [
+            _f(c["predicted_hit_rate"], ".3f"),
+            _f(c["predicted_mb_per_token"], ".2f"),
+            _f(c["predicted_io_bound_tps"], ".2f"),
+        ]
+        cells.append(line)
+    view = payload.get("predictions", {})
+    notes = [
+        "runs as: the expert plan's decision for llamaflash at the budget (stock: the model runs as stock "
+        "llama.cpp, nothing served from flash; experts: the routed experts served from flash through the "
+        f"expert cache; refused: below its least budget, {view.get('least_mb', 0):.0f} MiB)"
+    ]
+    moe = payload["moe"]
+    disk = moe.get("disk") or {}
+    if measured:
+        notes.append(
+            f"decode tok/s: medians over the ok runs (OOM: killed by the cgroup; stock repacks the experts into "
+            f"anonymous memory); x norepack / x stock = {flash_cfg} / stock-norepack, / stock (inf: stock "
+            f"OOM-killed); same tokens: every llamaflash run decoded stock-norepack's tokens. hit, MB/tok, "
+            f"wait: {flash_cfg}'s expert cache (flash_stats()['experts']: hit rate, 10^6 bytes read and seconds "
+            f"waiting on reads per decoded token); I/O bound = {disk.get('disk_mb_s', 0):.0f} MB/s "
+            f"({disk.get('read_kib', 0):.0f} KiB expert reads, depth {disk.get('queue_depth')}, disk profile: "
+            f"{disk.get('profile')}) / MB per token; of bound = decode / I/O bound"
+        )
+    else:
+        notes.append("PREDICTIONS ONLY: nothing was measured (" + payload.get("cgroup", {}).get("detail", "") + ")")
+    notes.append(
+        f"predicted: the expert plan (plan_experts) at the budget: hit rate = 1 - its miss rate "
+        f"({'LRU on the sidecar routing statistics' if view.get('routing_tokens') else 'uniform routing: the sidecar has no routing statistics'}), "
+        f"bytes read per token, and its I/O bound (the disk's rate for expert reads / those bytes; disk "
+        f"profile: {view.get('disk_profile')}); no decode speed is predicted beyond that bound"
+    )
+    notes.append(
+        f"model: {moe.get('architecture')}, {moe.get('n_layer')} MoE layers x {moe.get('n_expert')} experts, "
+        f"{moe.get('n_used')} used per token; experts {moe.get('expert_bytes', 0) / MiB:.0f} MiB of "
+        f"{moe.get('file_bytes', 0) / MiB:.0f} MiB"
+    )
+    more = [ln for ln in io_bound_lines(summary(payload)) if flash_cfg is None or f" {flash_cfg}:" not in ln]
+    return "\n".join(_columns(cells) + [""] + notes + (more if len(more) > 1 else []))
+
+
 def write_plot(path: Path, payload: dict[str, Any]) -> Optional[Path]:
     """PNG of decode tok/s against the budget: measured lines per config (solid), the planner's
     predictions (dashed), the model file's size (vertical line), the budgets where stock was
-    OOM-killed (shaded) and where llamaflash runs stock (hatched). None without matplotlib."""
+    OOM-killed (shaded) and where llamaflash runs stock (hatched); for an MoE model also the I/O
+    bounds and, on a second axis, the hit rates (:func:`_plot_moe`). None without matplotlib."""
     plt = memlimit._pyplot()
     if plt is None:
         return None
@@ -167,6 +307,7 @@ def write_plot(path: Path, payload: dict[str, Any]) -> Optional[Path]:
         data = [(c["budget_mb"], c["predicted"][cfg]) for c in pts if c["predicted"][cfg]]
         if data:
             ax.plot(*zip(*data), linestyle=style, marker="x", label=f"{cfg} (PREDICTED by the planner)")
+    twin = _plot_moe(ax, pts, measured) if payload.get("moe") else None
     step = (xs[1] - xs[0]) / 2 if len(xs) > 1 else 10
     for c in pts:
         if c["stock_oom"]:
@@ -199,13 +340,46 @@ def write_plot(path: Path, payload: dict[str, Any]) -> Optional[Path]:
     )
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    if twin is not None:
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_moe(ax, pts: list[dict[str, Any]], measured: bool):
+    """An MoE sweep's additions to the plot: the I/O bound per budget, measured (the expert reads' disk
+    rate ÷ the llamaflash config's bytes per token) and the expert plan's (dashed), in tok/s on ``ax``;
+    the expert hit rate, measured and predicted, on a second axis (0..1), which is returned."""
+    cfg = next((c["flash_config"] for c in pts if c.get("flash_config")), None)
+    if measured:
+        data = [(c["budget_mb"], c["io_bound_tps"]) for c in pts if c.get("io_bound_tps")]
+        if data:
+            ax.plot(*zip(*data), color="black", lw=1, marker="^", label=f"I/O bound of {cfg} (measured bytes/token)")
+    data = [(c["budget_mb"], c["predicted_io_bound_tps"]) for c in pts if c.get("predicted_io_bound_tps")]
+    if data:
+        ax.plot(*zip(*data), color="gray", lw=1, linestyle="--", marker="^", label="I/O bound (PREDICTED by the plan)")
+    hits = ax.twinx()
+    if measured:
+        data = [(c["budget_mb"], c["experts"]["hit_rate"]) for c in pts if (c.get("experts") or {}).get("hit_rate")]
+        if data:
+            hits.plot(*zip(*data), color="purple", lw=1, marker="s", alpha=0.7, label=f"expert hit rate of {cfg}")
+            for x, y in data:
+                hits.annotate(f"{y:.0%}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
+                              fontsize=7, color="purple")  # fmt: skip
+    data = [(c["budget_mb"], c["predicted_hit_rate"]) for c in pts if c.get("predicted_hit_rate") is not None]
+    if data:
+        hits.plot(*zip(*data), color="purple", lw=1, linestyle=":", marker="+", alpha=0.7,
+                  label="expert hit rate (PREDICTED by the plan)")  # fmt: skip
+    hits.set_ylim(0, 1.05)
+    hits.set_ylabel("expert cache hit rate", color="purple")
+    return hits
 
 
 def report(

@@ -27,15 +27,19 @@ from llamaflash.errors import LlamaflashError
     "--configs",
     default=None,
     help="Comma-separated: stock, llamaflash (ram_budget_mb = the limit), llamaflash-nospec (the same "
-    "without speculative decoding), or a llamaflash flash_mode. Default: stock,llamaflash; with "
-    "--sweep stock,llamaflash,llamaflash-nospec.",
+    "without speculative decoding), stock-norepack (stock with file-backed weights and flash attention), "
+    "or a llamaflash flash_mode. Default: stock,llamaflash; with --sweep stock,llamaflash,llamaflash-nospec "
+    "(a mixture-of-experts model: stock-norepack,stock,llamaflash-nospec).",
 )
 @click.option(
     "--sweep",
     is_flag=True,
     help="The speed-memory curve: every config at a ladder of budgets (the --ram-limit-mb values, or "
     "--points budgets from the planner's least budget to past the model's size), with the planner's "
-    "predictions beside the measurements; a table, the JSON (written after every run) and a PNG.",
+    "predictions beside the measurements; a table, the JSON (written after every run) and a PNG. For a "
+    "mixture-of-experts model the expert planner's ladder and predictions (runs stock or experts, "
+    "predicted hit rate and I/O bound), and per llamaflash run the measured expert hit rate, MB read and "
+    "I/O wait per token and the I/O bound (disk rate / bytes per token), plotted with the hit rates.",
 )
 @click.option(
     "--points",
@@ -157,7 +161,8 @@ def bench(
             model=model,
             budgets_mb=sorted(set(all_limits)),
             points=points,
-            configs=[c.strip() for c in (configs or ",".join(sweeps.CONFIGS)).split(",") if c.strip()],
+            # none given: the model's default (sweeps.CONFIGS; an MoE model's sweep_moe.MOE_CONFIGS)
+            configs=[c.strip() for c in (configs or "").split(",") if c.strip()],
             sidecar=str(sidecar) if sidecar else None,
             reps=reps,
             threads=threads,

@@ -125,6 +125,17 @@ def lru_miss_rate(counts: np.ndarray, n_used: int, n_slots: int, n_pinned: int) 
     return float(np.sum(p[rest] * (1 - hit)))
 
 
+def pinned_count(n_slots: int, n_used: int) -> int:
+    """Experts pinned per MoE layer in a cache of ``n_slots`` slots (with routing statistics): half
+    the slots above n_used, (n_slots - n_used) // 2; the rest are LRU."""
+    return max(0, (n_slots - n_used) // 2)
+
+
+def pinned_experts(counts: np.ndarray, n_pin: int) -> list[int]:
+    """The ``n_pin`` most selected experts by ``counts`` (ties: lower expert first)."""
+    return [int(e) for e in np.argsort(-np.asarray(counts), kind="stable")[:n_pin]]
+
+
 def moe_llama_share(header, moe: MoeModelInfo, n_ctx: int, n_ubatch: int, logits_all: bool = False) -> dict[str, int]:
     """llama.cpp's memory with the routed experts served by llamaflash (bytes), counted as the dense
     planner counts it (plan_llama_share.llama_memory): the vocabulary, every weight but the ``*_exps``
@@ -309,13 +320,13 @@ def plan_experts(
             f"{math.ceil(min_budget / MiB)} MiB, or a smaller n_ctx"
         )
     n_slots = int(n_slots)
-    n_pin = (n_slots - moe.n_used) // 2 if counts else 0
+    n_pin = pinned_count(n_slots, moe.n_used) if counts else 0
     pinned: dict[int, list[int]] = {}
     miss = []
     for layer in moe.layers:
         c = counts.get(layer.layer) if counts else None
         if c is not None and np.sum(c) > 0 and n_pin > 0:
-            pinned[layer.layer] = [int(e) for e in np.argsort(-np.asarray(c), kind="stable")[:n_pin]]
+            pinned[layer.layer] = pinned_experts(c, n_pin)
         else:
             pinned[layer.layer] = []
         miss.append(
