@@ -146,11 +146,11 @@ def io_bound_lines(rows: list[dict[str, Any]]) -> list[str]:
         profiles.add(str(b.get("profile")))
         of = "" if row.get("of_io_bound") is None else f" = {row['of_io_bound']:.0%} of it"
         per_tok = b["mib_per_token"]
-        what = "expert " if row.get("experts") else ""
+        what = "of expert reads" if row.get("experts") else "read"
         decode = "-" if row.get("decode_tps") is None else f"{row['decode_tps']:.2f}"
         out.append(
             f"  {limit_label(row['limit_mb'])} MB {row['config']}: {per_tok:.{0 if per_tok >= 10 else 2}f} MiB "
-            f"of {what}reads per decoded token at {b['disk_mb_s']:.0f} MB/s ({b['read_kib']:.0f} KiB reads, depth "
+            f"{what} per decoded token at {b['disk_mb_s']:.0f} MB/s ({b['read_kib']:.0f} KiB reads, depth "
             f"{b['queue_depth']}) bounds decode at {row['io_bound_tps']:.2f} tok/s; measured {decode}{of}"
         )
     if out:

@@ -340,11 +340,14 @@ def write_plot(path: Path, payload: dict[str, Any]) -> Optional[Path]:
     )
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
-    if twin is not None:
+    if twin is None:
+        ax.legend(fontsize=8)
+    else:  # both axes' entries, below the plot (the second axis would draw over a legend inside)
+        handles, labels = ax.get_legend_handles_labels()
         more = twin.get_legend_handles_labels()
-        handles, labels = handles + more[0], labels + more[1]
-    ax.legend(handles, labels, fontsize=8)
+        ax.legend(handles + more[0], labels + more[1], fontsize=8, ncol=2, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.13))  # fmt: skip
+        fig.set_size_inches(9, 6.5)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
