@@ -103,9 +103,7 @@ def _recorder_class():
     class ActivationRecorder(moe_routing.RoutingRecorder):
         """The routing recorder, also copying each MoE layer's FFN input and router logits."""
 
-        def __init__(
-            self, model_path, n_ctx: int = 512, n_threads: int | None = None, inputs: bool = True
-        ) -> None:
+        def __init__(self, model_path, n_ctx: int = 512, n_threads: int | None = None, inputs: bool = True) -> None:
             with _plain_weights():
                 super().__init__(model_path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads)
             #: the f32 tensors copied per MoE layer: the FFN input only when ``inputs``
