@@ -45,16 +45,14 @@ def _status() -> dict:
 
 
 def _cgroup_usage_mb() -> float | None:
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.strip().split(":", 2)
-            if "memory" in controllers.split(","):
-                p = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.usage_in_bytes"
-                try:
-                    return int(p.read_text()) / MiB
-                except OSError:
-                    return None
-    return None
+    """This process's memory cgroup usage (process + page cache), MiB; None without one."""
+    from llamaflash.bench import cgroups
+
+    mount = cgroups._v1_mount("memory")
+    if mount is None:
+        return None
+    usage = cgroups._read_int(mount / cgroups._own_group("memory").lstrip("/") / "memory.usage_in_bytes")
+    return None if usage is None else usage / MiB
 
 
 def worker(opts: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ the model runs as stock llama.cpp and `flash_stats()["decision"]` says why.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..files import expert_sidecar, experts
 from ..planning import expert_plan
@@ -131,14 +131,14 @@ def dense_ranges(moe: experts.MoeModelInfo, header, page: int) -> List[Tuple[int
     return merged
 
 
-def lock_dense_part(model_path: str, moe: experts.MoeModelInfo, header) -> Dict[str, Any]:
-    """Pins llama.cpp's file-backed copy of the model's dense part (dense_ranges) in RAM (mlock), so
+def lock_dense_part(model_path: str, ranges: Sequence[Tuple[int, int]]) -> Dict[str, Any]:
+    """Pins llama.cpp's file-backed copy of the model's dense part (``ranges``: the plan's
+    dense_ranges, file ranges [start, end) in whole pages) in RAM (mlock), so
     that memory pressure from the expert cache can never evict it. llama.cpp maps the base file (its
     default mmap load); the pages of each range are found through /proc/self/maps. Returns what was
     locked; a refused mlock (RLIMIT_MEMLOCK) is reported, not raised: the model still runs, only less
     well under pressure."""
     import ctypes
-    import mmap as _mmap
 
     path = os.path.realpath(model_path)
     maps = []
@@ -151,7 +151,7 @@ def lock_dense_part(model_path: str, moe: experts.MoeModelInfo, header) -> Dict[
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     locked, failed, errno = 0, 0, 0
-    for lo_file, hi_file in dense_ranges(moe, header, _mmap.PAGESIZE):
+    for lo_file, hi_file in ranges:
         for start, end, off in maps:  # a mapping's offset is page-aligned: so are the addresses
             lo, hi = max(lo_file, off), min(hi_file, off + (end - start))
             if lo >= hi:

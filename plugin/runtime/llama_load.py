@@ -221,7 +221,7 @@ def attach_engine(llm: "Llama", plan: ModelPlan, engine) -> None:
     user_drafts = llm._user_draft is None
     if engine.experts is not None:
         llm._experts = engine.experts
-        llm._expert_lock = expert_runtime.lock_dense_part(plan.model.path, plan.model.moe, plan.model.base.header)
+        llm._expert_lock = expert_runtime.lock_dense_part(plan.model.path, plan.engine.lock_ranges)
         llm._flash_sidecar = plan.sidecar.path
         if llm._speculator is not None and user_drafts and plan.speculation.self_draft:
             # cache-conditional routing: each draft token among the resident experts, nothing read
