@@ -226,7 +226,8 @@ def format_moe_table(payload: dict[str, Any]) -> str:
     head = ["budget MiB", "runs as"]
     if measured:
         head += [f"{c} tok/s" for c in configs]
-        head += ["x norepack", "x stock", "same tokens", "hit", "MB/tok", "wait ms/tok", "I/O bound", "of bound"]
+        head += ["x norepack", "x stock", "same tokens", "hit", "resident hit", "MB/tok", "wait ms/tok", "I/O bound"]
+        head += ["of bound"]
     head += ["predicted hit", "predicted MB/tok", "predicted I/O bound"]
     cells = [head]
     for c in pts:
@@ -240,6 +241,7 @@ def format_moe_table(payload: dict[str, Any]) -> str:
                 _f(c["x_stock"], ".2f"),
                 {True: "yes", False: "NO", None: "-"}[c["same_tokens"]],
                 _f(e.get("hit_rate"), ".3f"),
+                _f(e.get("resident_hit_rate"), ".3f"),
                 _f(per_tok / 1e6 if per_tok is not None else None, ".2f"),
                 _f(wait * 1e3 if wait is not None else None, ".1f"),
                 _f(c["io_bound_tps"], ".2f"),
@@ -263,16 +265,17 @@ def format_moe_table(payload: dict[str, Any]) -> str:
         notes.append(
             f"decode tok/s: medians over the ok runs (OOM: killed by the cgroup; stock repacks the experts into "
             f"anonymous memory); x norepack / x stock = {flash_cfg} / stock-norepack, / stock (inf: stock "
-            f"OOM-killed); same tokens: every llamaflash run decoded stock-norepack's tokens. hit, MB/tok, "
-            f"wait: {flash_cfg}'s expert cache (flash_stats()['experts']: hit rate, 10^6 bytes read and seconds "
-            f"waiting on reads per decoded token); I/O bound = {disk.get('disk_mb_s', 0):.0f} MB/s "
+            f"OOM-killed); same tokens: every llamaflash run decoded stock-norepack's tokens. hit, resident hit, "
+            f"MB/tok, wait: {flash_cfg}'s expert cache (flash_stats()['experts']: hit rate counting prefetched "
+            f"experts, the hit rate of the experts resident before the token's prefetch, which is what the plan "
+            f"predicts, 10^6 bytes read and seconds waiting on reads per decoded token); I/O bound = {disk.get('disk_mb_s', 0):.0f} MB/s "
             f"({disk.get('read_kib', 0):.0f} KiB expert reads, depth {disk.get('queue_depth')}, disk profile: "
             f"{disk.get('profile')}) / MB per token; of bound = decode / I/O bound"
         )
     else:
         notes.append("PREDICTIONS ONLY: nothing was measured (" + payload.get("cgroup", {}).get("detail", "") + ")")
     notes.append(
-        f"predicted: the expert plan (plan_experts) at the budget: hit rate = 1 - its miss rate "
+        f"predicted: the expert plan (plan_experts) at the budget: hit rate = 1 - its miss rate without prefetch "
         f"({'LRU on the sidecar routing statistics' if view.get('routing_tokens') else 'uniform routing: the sidecar has no routing statistics'}), "
         f"bytes read per token, and its I/O bound (the disk's rate for expert reads / those bytes; disk "
         f"profile: {view.get('disk_profile')}); no decode speed is predicted beyond that bound"

@@ -84,6 +84,9 @@ def stats(model, plan: Optional[expert_plan.ExpertPlan], moe: Optional[experts.M
     s = dict(model.stats())
     needed = max(1, s["experts_needed"])
     s["hit_rate"] = s["hits"] / needed
+    # the experts that were resident before the token's prefetch reached them: the rate the plan
+    # predicts (plan.miss_rate models the cache without prefetch); prefetched and used ones excluded
+    s["resident_hit_rate"] = (s["hits"] - s["prefetch_used"]) / needed
     s["prefetch_recall"] = (
         s["prefetch_used"] / (s["prefetch_used"] + s["misses"]) if s["prefetch_used"] + s["misses"] else None
     )
