@@ -65,6 +65,10 @@ class ExpertPlan:
     disk_bytes_per_s: float
     predicted_tok_s: float | None
     notes: list[str] = field(default_factory=list)
+    # running as stock (fits): the budget holds stock's need with the planner's margin, so stock's
+    # default layout (experts repacked into anonymous memory, which cannot be reclaimed) is safe
+    # there; otherwise stock runs with plain, file-backed weights (its page cache may shrink)
+    stock_repacked: bool = False
 
     @property
     def pinned_per_layer(self) -> int:
@@ -78,9 +82,8 @@ class ExpertPlan:
                 f"  {k:<22} {v / MiB:8.1f} MiB" + (f" (n_ubatch {self.n_ubatch})" if k == "compute_buffers" else "")
             )
         if self.fits:
-            lines.append(
-                f"  runs as stock llama.cpp (plain weights, n_ubatch {self.n_ubatch}): nothing served from flash"
-            )
+            weights = "its default, repacked weights" if self.stock_repacked else "plain weights"
+            lines.append(f"  runs as stock llama.cpp ({weights}, n_ubatch {self.n_ubatch}): nothing served from flash")
         else:
             lines.append(
                 f"  expert cache           {self.cache_bytes / MiB:8.1f} MiB: {self.n_slots} slots per layer "
@@ -218,11 +221,21 @@ def stock_ubatch(
 
 
 def _stock_plan(
-    budget: int, moe: MoeModelInfo, slot: int, need: dict[str, int], min_budget: int, n_ubatch: int, note: str
+    budget: int,
+    moe: MoeModelInfo,
+    slot: int,
+    need: dict[str, int],
+    min_budget: int,
+    n_ubatch: int,
+    note: str,
+    repacked: bool = False,
 ) -> ExpertPlan:
     """A plan that runs the model as stock llama.cpp (``fits``): no slots, nothing read; ``need`` is
-    stock's memory as counted, ``note`` why stock runs."""
-    return ExpertPlan(budget, True, moe.n_expert, {}, slot, 0, need, min_budget, n_ubatch, 0.0, 0.0, 0.0, None, [note])
+    stock's memory as counted, ``note`` why stock runs, ``repacked`` whether stock's default layout
+    fits (ExpertPlan.stock_repacked)."""
+    return ExpertPlan(
+        budget, True, moe.n_expert, {}, slot, 0, need, min_budget, n_ubatch, 0.0, 0.0, 0.0, None, [note], repacked
+    )
 
 
 def plan_experts(
@@ -311,10 +324,13 @@ def plan_experts(
         min_slots = moe.n_used
     elif stock_u is not None:
         need = stock_need(header, moe, n_ctx, stock_u, logits_all)
+        # repacked experts are anonymous memory of the file's size: safe only with the margin beside them
+        repacked = sum(need.values()) + MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget <= budget
         return _stock_plan(
             budget, moe, slot, need, min_budget, stock_u,
             f"stock fits: the model file and llama.cpp's buffers at n_ubatch {stock_u} "
             f"({sum(need.values()) / MiB:.0f} MiB) fit the budget",
+            repacked,
         )  # fmt: skip
     if n_slots is None:
         n_slots = min(moe.n_expert, (budget - fixed) // (slot * n_layers)) if budget > fixed else 0

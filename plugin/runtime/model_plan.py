@@ -120,7 +120,8 @@ class ModelPlan:
     SpeculativeSettings to run (None: off), ``speculation_off_reason`` where a default turned it off.
     ``offload`` / ``expert_plan``: the planner's OffloadPlan / ExpertPlan. ``check_base_rows``: stock
     with a checksummed sidecar, the base model's FFN rows are checked while llama.cpp reads them.
-    ``stock_fits_budget``: a dense model's budget holds what stock keeps resident (budget_decision).
+    ``stock_fits_budget``: the budget holds what stock keeps resident in its own layout (a dense
+    model: budget_decision; an MoE model: ExpertPlan.stock_repacked).
     ``notice``: the line a host shows the user about the choice (None: nothing to say)."""
 
     model: ModelId
@@ -439,6 +440,9 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
         plan = ModelPlan(model, STOCK, reason, lane_decision.Decision(lane_decision.STOCK, False, reason), sidecar)
         plan.speculation, plan.expert_plan = stock_speculation, budget_plan
         plan.llama_defaults["n_ubatch"] = budget_plan.n_ubatch  # the prefill batch at which stock fits
+        # where stock's default layout fits with the margin, stock's own numerics (repacked weights)
+        # unless speculation or deterministic answers need the batch-invariant ones (llama_load)
+        plan.stock_fits_budget = budget_plan.stock_repacked
         plan.notice = f"llamaflash: '{model.path}': {reason}"
         return plan
     reason = f"experts served from flash: {budget_plan.n_slots} of {model.moe.n_expert} experts per layer cached"
