@@ -20,7 +20,7 @@ Layers (one module each, re-exported here):
 - its report (:mod:`llamaflash.bench.memlimit_report`): :func:`summarize`, :func:`format_table`, :func:`write_plot`,
   :func:`report`.
 
-``llamaflash bench`` (``cli.py``) and ``bench/bench_memlimit.py`` are thin edges over
+``llamaflash bench`` (``cli/cli_budget.py``) and ``bench/bench_memlimit.py`` are thin edges over
 :func:`run_benchmark`.  Only the standard library is used (matplotlib, optional, for the PNG).
 
 Configs: ``stock`` (llama_cpp.Llama); ``llamaflash`` (``llamaflash.Llama(ram_budget_mb=<limit>)``:
