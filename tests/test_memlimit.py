@@ -1,5 +1,6 @@
-"""The memory-limit benchmark harness (llamaflash.bench.memlimit, `llamaflash bench`): page-cache eviction,
-cgroup groups and limits, OOM / timeout / error classification, summary, table, JSON, plot.
+"""The memory-limit benchmark harness (llamaflash.bench.memlimit and its report, memlimit_report;
+`llamaflash bench`): page-cache eviction, cgroup groups and limits, OOM / timeout / error
+classification, summary, table, JSON, plot.
 
 Cgroup tests need root and a cgroup v1 memory controller and are skipped (saying why) without them.
 One end-to-end run uses a tiny synthetic model, never a real one.
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from llamaflash.bench import memlimit
+from llamaflash.bench import memlimit, memlimit_report
 from llamaflash.cli.cli import EXIT_LLAMAFLASH_ERROR, main
 
 MiB = memlimit.MiB
@@ -261,7 +262,7 @@ def test_plot_or_a_clear_message(tmp_path, monkeypatch):
     payload = _payload(memlimit.summarize(runs, ["stock"], [1400, 900, 700]), runs)
     lines: list[str] = []
     with monkeypatch.context() as m:
-        m.setattr(memlimit, "_pyplot", lambda: None)  # as if matplotlib were not installed
+        m.setattr(memlimit_report, "_pyplot", lambda: None)  # as if matplotlib were not installed
         memlimit.report(payload, tmp_path / "a.json", tmp_path / "a.png", echo=lines.append)
     assert (tmp_path / "a.json").is_file() and not (tmp_path / "a.png").exists()
     assert any("matplotlib is not installed" in ln for ln in lines)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from llamaflash.bench import cgroups, memlimit, sweep, sweep_report
+from llamaflash.bench import cgroups, memlimit, memlimit_report, sweep, sweep_report
 from llamaflash.cli.cli import main
 
 SMALL = dict(n_prompt=16, n_gen=4, n_ctx=64, n_batch=64, reps=1, quiet_wait_s=0, timeout_s=120, prompt_set=None)
@@ -62,7 +62,7 @@ def test_without_cgroups_the_sweep_predicts_only(converted, tmp_path):  # noqa: 
 
 def test_the_command_line_sweep_says_what_it_could_not_measure(converted, tmp_path, monkeypatch):  # noqa: F811
     model, sidecar = converted
-    monkeypatch.setattr(memlimit, "_pyplot", lambda: None)  # as without matplotlib
+    monkeypatch.setattr(memlimit_report, "_pyplot", lambda: None)  # as without matplotlib
     out = CliRunner().invoke(
         main,
         [
@@ -173,7 +173,7 @@ def test_an_interrupted_sweep_keeps_its_points_and_resumes(converted, tmp_path, 
     assert rows[0]["same_tokens"] is True
     table = sweep_report.format_table(payload)
     assert "x stock" in table and "PREDICTIONS ONLY" not in table
-    if memlimit._pyplot() is not None:
+    if memlimit_report._pyplot() is not None:
         assert sweep_report.write_plot(tmp_path / "s.png", payload).stat().st_size > 0
 
 
@@ -394,7 +394,7 @@ def test_moe_sweep_reports_hit_rate_and_io_bound(moe_pair, tmp_path, monkeypatch
     assert "hit" in head and "MB/tok" in head and "wait ms/tok" in head and "I/O bound" in head
     assert "OOM" in first and "0.260" in first and "5.92" in first and "2.0" in first  # hit, MB/tok, wait ms
     assert f"{disk_mb_s:.0f} MB/s" in table
-    if memlimit._pyplot() is not None:
+    if memlimit_report._pyplot() is not None:
         assert sweep_report.write_plot(tmp_path / "moe.png", payload).stat().st_size > 0
 
 

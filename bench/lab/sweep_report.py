@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import memlimit
+from . import memlimit, memlimit_report
 from .decode_report import add_expert_io_bound, io_bound_lines
 from .pagecache import MiB
 from .sweep import PREDICTION_TOLERANCE, predicted_for
@@ -33,11 +33,11 @@ PLOT_NEEDS = "the plot needs matplotlib: pip install 'llamaflash[bench]' (the ta
 
 
 def summary(payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """memlimit's per-(budget, config) rows (medians over the ok runs) for the measured runs; for an
+    """memlimit_report's per-(budget, config) rows (medians over the ok runs) for the measured runs; for an
     MoE model each row that served experts with its I/O bound (decode_report.add_expert_io_bound)."""
     configs = payload["identity"]["configs"]
     budgets = sorted(payload["identity"]["budgets_mb"], reverse=True)
-    rows = memlimit.summarize(payload["runs"], configs, budgets) if payload.get("runs") else []
+    rows = memlimit_report.summarize(payload["runs"], configs, budgets) if payload.get("runs") else []
     if payload.get("moe"):
         add_expert_io_bound(rows, payload["moe"].get("disk"))
     return rows
@@ -294,7 +294,7 @@ def write_plot(path: Path, payload: dict[str, Any]) -> Optional[Path]:
     predictions (dashed), the model file's size (vertical line), the budgets where stock was
     OOM-killed (shaded) and where llamaflash runs stock (hatched); for an MoE model also the I/O
     bounds and, on a second axis, the hit rates (:func:`_plot_moe`). None without matplotlib."""
-    plt = memlimit._pyplot()
+    plt = memlimit_report._pyplot()
     if plt is None:
         return None
     pts = curve(payload)

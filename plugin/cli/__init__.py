@@ -1,2 +1,3 @@
-"""The ``llamaflash`` command line (cli; its entry point is :func:`llamaflash.cli.cli.main`): bench and
-plan (cli_budget), run and chat (run_chat), serve, demo, and registry model names (models_by_name)."""
+"""The ``llamaflash`` command line (cli; its entry point is :func:`llamaflash.cli.cli.main`): convert,
+inspect, verify and tune (cli_sidecar), run, chat, serve and models (cli_run; the work in run_chat and serve),
+bench and plan (cli_budget), env (env_cmd), demo, and registry model names (models_by_name)."""
