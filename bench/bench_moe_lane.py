@@ -32,7 +32,9 @@ PROMPT = b"The history of the city begins in the early middle ages, when a small
 
 
 def worker(opts: argparse.Namespace) -> None:
-    common_kwargs = dict(n_ctx=512, n_threads=opts.threads, n_threads_batch=opts.threads, flash_attn=True, verbose=False)
+    common_kwargs = dict(
+        n_ctx=512, n_threads=opts.threads, n_threads_batch=opts.threads, flash_attn=True, verbose=False
+    )
     if opts.worker == "stock-norepack":
         from llama_cpp import Llama
 

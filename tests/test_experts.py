@@ -186,6 +186,44 @@ def test_budget_that_fits_the_model_runs_stock(converted):
     llm.close()
 
 
+def test_a_budget_with_room_for_the_margin_runs_stocks_default_layout(converted):
+    """Where the budget holds stock's need and the planner's margin, the model runs as
+    llama_cpp.Llama(model) does (repacked experts: its default numerics, bit for bit); speculation or
+    deterministic answers keep the plain weights they need."""
+    import llama_cpp
+
+    path = converted("qwen3moe")
+    ref = llama_cpp.Llama(str(path), n_ctx=256, logits_all=True, verbose=False)
+    llm = Llama(str(path), n_ctx=256, logits_all=True, verbose=False, ram_budget_mb=BUDGET_MB)
+    assert llm.flash_mode == "stock" and llm._load_plan.expert_plan.stock_repacked
+    assert llm.flash_stats()["numerics"]["batch_invariant"] is False
+    assert np.array_equal(prefill_logits(llm), prefill_logits(ref))
+    llm.close()
+    ref.close()
+    spec = Llama(str(path), n_ctx=256, verbose=False, ram_budget_mb=BUDGET_MB, flash_speculative=True)
+    assert spec.flash_mode == "stock" and spec.flash_stats()["numerics"]["batch_invariant"] is True
+    spec.close()
+
+
+def test_stock_just_fitting_keeps_plain_weights(tiny_moe_factory):
+    """Without room for the margin beside stock's need, repacked experts (anonymous memory) could not
+    give way to the page cache: the plan runs stock with plain, file-backed weights."""
+    from llamaflash.planning.expert_plan import plan_experts, stock_need
+    from llamaflash.planning.planner import MARGIN_FIXED_BYTES, MARGIN_FRACTION, default_disk
+
+    path = tiny_moe_factory("qwen3moe")
+    header = read_gguf_header(path)
+    moe = read_moe_model(header)
+    MiB = 1024 * 1024
+    need = sum(stock_need(header, moe, 256, 512).values())
+    tight = plan_experts(moe, header, need / MiB, n_ctx=256, disk=default_disk(), n_ubatch=512)
+    assert tight.fits and not tight.stock_repacked
+    roomy_bytes = (need + MARGIN_FIXED_BYTES) / (1 - MARGIN_FRACTION) + MiB
+    roomy = plan_experts(moe, header, roomy_bytes / MiB, n_ctx=256, disk=default_disk(), n_ubatch=512)
+    assert roomy.fits and roomy.stock_repacked
+    assert "repacked" in roomy.explain() and "plain weights" in tight.explain()
+
+
 def test_sidecar_records_a_checksum_per_expert_slice(converted):
     path = converted("llama")
     moe = read_moe_model(read_gguf_header(path))
