@@ -82,7 +82,11 @@ class ExpertPlan:
                 f"  {k:<22} {v / MiB:8.1f} MiB" + (f" (n_ubatch {self.n_ubatch})" if k == "compute_buffers" else "")
             )
         if self.fits:
-            weights = "its default, repacked weights" if self.stock_repacked else "plain weights"
+            weights = (
+                "its default layout: weights repacked where ggml-cpu repacks them"
+                if self.stock_repacked
+                else "plain weights"
+            )
             lines.append(f"  runs as stock llama.cpp ({weights}, n_ubatch {self.n_ubatch}): nothing served from flash")
         else:
             lines.append(
