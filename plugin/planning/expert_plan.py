@@ -277,11 +277,13 @@ def plan_experts(
     )
     n_layers = len(moe.layers)
 
+    margin = int(MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget)  # beside everything the plan counts
+
     def fixed_parts(u: int) -> dict[str, int]:
         parts = moe_llama_share(header, moe, n_ctx, u, logits_all)
         parts["router_copies"] = router_copy_bytes(moe)
         parts["python_runtime"] = RUNTIME_RSS_BYTES
-        parts["margin"] = int(MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget)
+        parts["margin"] = margin
         return parts
 
     user_ubatch = n_ubatch
@@ -329,7 +331,7 @@ def plan_experts(
     elif stock_u is not None:
         need = stock_need(header, moe, n_ctx, stock_u, logits_all)
         # repacked experts are anonymous memory of the file's size: safe only with the margin beside them
-        repacked = sum(need.values()) + MARGIN_FIXED_BYTES + MARGIN_FRACTION * budget <= budget
+        repacked = sum(need.values()) + margin <= budget
         return _stock_plan(
             budget, moe, slot, need, min_budget, stock_u,
             f"stock fits: the model file and llama.cpp's buffers at n_ubatch {stock_u} "
