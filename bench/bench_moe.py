@@ -15,8 +15,11 @@ fresh memory cgroup of that limit, the files evicted first (bench/lab/memlimit.p
   llamaflash-nospec  Llama(ram_budget_mb=limit): experts served from flash through the expert cache
   llamaflash-noprefetch  (with --prefetch-ab) the same with the next-layer prefetch off
                    ($LLAMAFLASH_EXPERT_PREFETCH=0)
-With --prefetch-ab each rep runs stock-norepack and llamaflash-nospec (prefetch on) in one harness call
-and llamaflash-noprefetch in another, the two calls in alternating order from rep to rep.
+  llamaflash-nooverlap   (with --overlap-ab) the same computing a layer's resident experts only
+                   after its misses are read ($LLAMAFLASH_EXPERT_OVERLAP=0)
+With --prefetch-ab (--overlap-ab) each rep runs stock-norepack and llamaflash-nospec in one harness
+call and llamaflash-noprefetch (-nooverlap) in another, the two calls in alternating order from rep
+to rep.
 Per llamaflash row it adds the expert engine's statistics (hit rate, prefetch recall and waste, MB read
 per token, I/O wait per token), the I/O bound (disk bandwidth for expert-sized direct reads, from the
 disk probe, divided by the bytes read per token) and decode as a share of it, the speed-up over
@@ -65,6 +68,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--prefetch-ab",
         action="store_true",
         help="also run llamaflash with the next-layer prefetch off (config llamaflash-noprefetch), alternated",
+    )
+    p.add_argument(
+        "--overlap-ab",
+        action="store_true",
+        help="also run llamaflash computing resident experts only after the misses are read "
+        "(config llamaflash-nooverlap), alternated",
     )
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -157,17 +166,17 @@ def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
 
 
 NO_PREFETCH_CONFIG = "llamaflash-noprefetch"
+NO_OVERLAP_CONFIG = "llamaflash-nooverlap"
 
 
-def prefetch_ab(opts: memlimit.BenchOptions) -> dict:
-    """Per rep: one harness call with ``opts.configs`` (prefetch on) and one with llamaflash-nospec
-    under $LLAMAFLASH_EXPERT_PREFETCH=0, in alternating order; the runs merged into one payload (the
-    second call's config renamed llamaflash-noprefetch). The model's sha256 is computed once."""
+def switch_ab(opts: memlimit.BenchOptions, env: str, off_config: str) -> dict:
+    """Per rep: one harness call with ``opts.configs`` (the engine switch ``env`` on) and one with
+    llamaflash-nospec under ``env``=0, in alternating order; the runs merged into one payload (the
+    second call's config renamed ``off_config``). The model's sha256 is computed once."""
     import dataclasses
     import os
 
     from llamaflash.bench import benchkit
-    from llamaflash.runtime.expert_runtime import PREFETCH_ENV
 
     sha = {}
     plain_sha = benchkit.sha256_file
@@ -178,21 +187,21 @@ def prefetch_ab(opts: memlimit.BenchOptions) -> dict:
             on = dataclasses.replace(opts, reps=1, configs=opts.configs if rep % 2 == 0 else opts.configs[::-1])
             off = dataclasses.replace(opts, reps=1, configs=[memlimit.NO_SPECULATION_CONFIG])
             for which, o in (("on", on), ("off", off)) if rep % 2 == 0 else (("off", off), ("on", on)):
-                os.environ[PREFETCH_ENV] = "1" if which == "on" else "0"
+                os.environ[env] = "1" if which == "on" else "0"
                 part = memlimit.run_benchmark(o)
                 for r in part["runs"]:
                     r["rep"] = rep
                     if which == "off":
-                        r["config"] = NO_PREFETCH_CONFIG
+                        r["config"] = off_config
                     runs.append(r)
                 payload = payload or part
     finally:
-        os.environ.pop(PREFETCH_ENV, None)
+        os.environ.pop(env, None)
         benchkit.sha256_file = plain_sha
     payload["runs"] = runs
-    payload["options"]["configs"] = list(opts.configs) + [NO_PREFETCH_CONFIG]
+    payload["options"]["configs"] = list(opts.configs) + [off_config]
     payload["options"]["reps"] = opts.reps
-    payload["prefetch_ab"] = True
+    payload["switch_ab"] = env
     payload.pop("summary", None)  # per-call summaries; moe_rows summarises the merged runs
     return payload
 
@@ -242,7 +251,16 @@ def main(argv=None) -> int:
         quiet_wait_s=a.quiet_wait,
     )
     print(f"model {model} ({size_mib:.0f} MiB, {a.label}); limits {limits} MiB")
-    payload = prefetch_ab(opts) if a.prefetch_ab else memlimit.run_benchmark(opts)
+    from llamaflash.runtime.expert_runtime import OVERLAP_ENV, PREFETCH_ENV
+
+    if a.prefetch_ab and a.overlap_ab:
+        raise SystemExit("--prefetch-ab and --overlap-ab: one switch per run")
+    if a.prefetch_ab:
+        payload = switch_ab(opts, PREFETCH_ENV, NO_PREFETCH_CONFIG)
+    elif a.overlap_ab:
+        payload = switch_ab(opts, OVERLAP_ENV, NO_OVERLAP_CONFIG)
+    else:
+        payload = memlimit.run_benchmark(opts)
     payload["label"] = a.label
     rows = moe_rows(payload, model, sidecar)
     payload["moe_rows"] = rows

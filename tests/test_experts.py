@@ -97,7 +97,27 @@ def test_logits_bit_identical_to_stock_whatever_the_cache_holds(arch, converted)
         if slots < moe.n_expert:
             assert s["misses"] > 0 and s["multi_round_splits"] > 0  # a 40-token prefill needs > slots experts
             assert 0 < s["read_ahead"] <= s["misses"]  # later rounds read while earlier ones computed
+            assert s["overlapped_splits"] > 0  # decode: resident experts computed while misses were read
         llm.close()
+
+
+def test_computing_resident_experts_during_reads_changes_no_bit(converted, monkeypatch):
+    """The overlap (resident experts in a first pass while the misses are read, the misses in a
+    second) against one pass after every read: the same logits, both equal to stock."""
+    path = converted("qwen3moe")
+    ref = stock(path)
+    ref_decode = decode_logits(ref)
+    ref.close()
+    moe = read_moe_model(read_gguf_header(path))
+    got = {}
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("LLAMAFLASH_EXPERT_OVERLAP", overlap)
+        llm = served(path, moe.n_used + 1)
+        got[overlap] = decode_logits(llm)
+        overlapped = llm.flash_stats()["experts"]["overlapped_splits"]
+        assert overlapped > 0 if overlap == "1" else overlapped == 0
+        llm.close()
+    assert np.array_equal(got["1"], ref_decode) and np.array_equal(got["0"], ref_decode)
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
@@ -105,15 +125,17 @@ def test_k_quant_experts_bit_identical_to_stock_batches(arch, converted):
     """K-quant experts: stock's ggml-cpu computes an expert with 8 or more rows of a batch with a tiled
     kernel whose rounding differs from one vec_dot per output; the lane runs ggml's own MUL_MAT_ID per
     expert over its slot, so prefill batches match stock bit for bit too (40 tokens over 8 experts
-    of which 2 used: about 10 rows per expert)."""
+    of which 2 used: about 10 rows per expert), and so does decode's one node per projection."""
     path = converted(arch, n_embd=256, head_dim=64, n_ff_exp=256, n_ff_shexp=256, quant="Q4_K_M")
     ref = stock(path)
-    ref_prefill = prefill_logits(ref)
+    ref_prefill, ref_decode = prefill_logits(ref), decode_logits(ref, TOKENS[:12])
     ref.close()
     moe = read_moe_model(read_gguf_header(path))
     for slots in (moe.n_used, moe.n_expert):
         llm = served(path, slots)
         assert np.array_equal(prefill_logits(llm), ref_prefill), f"prefill, {slots} slots"
+        # decode: one node per projection (token_products.h), the vec_dots of ggml's node
+        assert np.array_equal(decode_logits(llm, TOKENS[:12]), ref_decode), f"decode, {slots} slots"
         llm.close()
 
 

@@ -307,6 +307,7 @@ ExpertConfig read_experts(const PlanKeys & k, const PlanIdentity & id) {
     c.direct = k.boolean(pk::EXPERTS_DIRECT);
     c.verify = k.boolean(pk::EXPERTS_VERIFY);
     c.prefetch = k.boolean(pk::EXPERTS_PREFETCH);
+    c.overlap = k.boolean(pk::EXPERTS_OVERLAP);
     const std::vector<int64_t> layers = k.ints(pk::EXPERTS_LAYER);
     const int64_t n = static_cast<int64_t>(layers.size());
     const std::vector<int64_t> n_expert = k.ints(pk::EXPERTS_N_EXPERT, n);

@@ -29,6 +29,7 @@ py::dict stats_dict(const ExpertModel & model) {
     d["multi_round_splits"] = l.multi_round_splits;
     d["compute_seconds"] = l.compute_seconds;
     d["split_seconds"] = l.split_seconds;
+    d["overlapped_splits"] = l.overlapped_splits;
     d["draft_splits"] = l.draft_splits;
     d["draft_pairs"] = l.draft_pairs;
     d["draft_substituted"] = l.draft_substituted;
@@ -88,7 +89,8 @@ void bind_experts(py::module_ & m) {
         .def_readwrite("queue_depth", &ExpertConfig::queue_depth)
         .def_readwrite("direct", &ExpertConfig::direct)
         .def_readwrite("verify", &ExpertConfig::verify)
-        .def_readwrite("prefetch", &ExpertConfig::prefetch);
+        .def_readwrite("prefetch", &ExpertConfig::prefetch)
+        .def_readwrite("overlap", &ExpertConfig::overlap);
 
     py::class_<ExpertModel, std::shared_ptr<ExpertModel>>(m, "ExpertModel")
         .def_static(

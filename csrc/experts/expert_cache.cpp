@@ -50,8 +50,11 @@ struct ExpertCache::Layer {
     std::vector<Slot> slots;
     std::vector<int> slot_of;     // expert → slot, -1
     std::vector<char> is_pinned;  // expert → pinned
-    std::vector<FlashReader::Ticket> prefetch_tickets;
-    std::vector<int> prefetch_slots;  // slots filled by those tickets
+    struct EarlyRead {  // one prefetch() or read_ahead() batch in flight
+        FlashReader::Ticket ticket = 0;
+        std::vector<int> slots;  // the slots it fills
+    };
+    std::vector<EarlyRead> early_reads;
     bool demand_pending = false;
     FlashReader::Ticket demand_ticket = 0;
     std::vector<int> demand_slots;
@@ -203,27 +206,31 @@ int ExpertCache::capacity(int position, const std::vector<int> & experts) const 
     return spec.n_slots - pinned_unused;
 }
 
-void ExpertCache::wait_prefetches(Layer & layer) {
-    if (layer.prefetch_tickets.empty()) {
-        return;
-    }
-    const auto t0 = std::chrono::steady_clock::now();
+// Waits for the early reads of `layer` (all, or only those already complete), marks their slots
+// ready, or empty where their batch failed; then throws IoError for the first failure.
+void ExpertCache::settle_early_reads(Layer & layer, bool only_complete) {
     std::string failure;
-    for (FlashReader::Ticket t : layer.prefetch_tickets) {
+    std::vector<Layer::EarlyRead> pending;
+    for (Layer::EarlyRead & r : layer.early_reads) {
+        if (only_complete && !reader_->poll(r.ticket)) {
+            pending.push_back(std::move(r));
+            continue;
+        }
+        bool ok = true;
         try {
-            reader_->wait(t);
+            reader_->wait(r.ticket);
         } catch (const IoError & e) {
+            ok = false;
             if (failure.empty()) {
                 failure = e.what();
             }
         }
-    }
-    stats_.wait_seconds += seconds_since(t0);
-    layer.prefetch_tickets.clear();
-    for (int slot : layer.prefetch_slots) {
-        Slot & s = layer.slots[static_cast<size_t>(slot)];
-        if (s.state == Slot::State::loading) {
-            if (failure.empty()) {
+        for (int slot : r.slots) {
+            Slot & s = layer.slots[static_cast<size_t>(slot)];
+            if (s.state != Slot::State::loading) {
+                continue;
+            }
+            if (ok) {
                 s.state = Slot::State::ready;
             } else {
                 layer.slot_of[static_cast<size_t>(s.expert)] = -1;
@@ -231,10 +238,24 @@ void ExpertCache::wait_prefetches(Layer & layer) {
             }
         }
     }
-    layer.prefetch_slots.clear();
+    layer.early_reads = std::move(pending);
     if (!failure.empty()) {
         throw IoError(failure);
     }
+}
+
+void ExpertCache::wait_prefetches(Layer & layer) {
+    if (layer.early_reads.empty()) {
+        return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+        settle_early_reads(layer, false);
+    } catch (...) {
+        stats_.wait_seconds += seconds_since(t0);
+        throw;
+    }
+    stats_.wait_seconds += seconds_since(t0);
 }
 
 // The least recently used slot that is neither pinned, nor loading, nor holding an expert in `keep`
@@ -309,7 +330,7 @@ void ExpertCache::begin(int position, const std::vector<int> & experts) {
             continue;
         }
         slot = take_victim(layer, keep);
-        if (slot < 0 && !layer.prefetch_tickets.empty()) {  // victims still loading: their reads first
+        if (slot < 0 && !layer.early_reads.empty()) {  // victims still loading: their reads first
             try {
                 wait_prefetches(layer);
             } catch (...) {
@@ -454,8 +475,8 @@ void ExpertCache::submit_early(int position, const std::vector<int> & experts, b
         return;
     }
     try {
-        layer.prefetch_tickets.push_back(reader_->submit(requests));
-        layer.prefetch_slots.insert(layer.prefetch_slots.end(), slots.begin(), slots.end());
+        const FlashReader::Ticket ticket = reader_->submit(requests);
+        layer.early_reads.push_back(Layer::EarlyRead{ticket, std::move(slots)});
     } catch (const std::exception &) {  // not started: forget the slots; a demand read will retry
         for (int slot : slots) {
             Slot & s = layer.slots[static_cast<size_t>(slot)];
@@ -500,6 +521,31 @@ std::vector<int> ExpertCache::resident_experts(int position) const {
         }
     }
     std::sort(out.begin(), out.end());
+    return out;
+}
+
+std::vector<int> ExpertCache::usable_now(int position, const std::vector<int> & experts) {
+    Layer & layer = *layers_[static_cast<size_t>(position)];
+    try {
+        // prefetches already complete (no waiting), then the request's slots they filled, checked
+        settle_early_reads(layer, true);
+        for (int e : experts) {
+            const int slot = layer.slot_of[static_cast<size_t>(e)];
+            if (slot >= 0 && layer.slots[static_cast<size_t>(slot)].state == Slot::State::ready) {
+                check_slot(position, slot);
+            }
+        }
+    } catch (...) {
+        abandon_demand(layer);
+        throw;
+    }
+    std::vector<int> out;
+    for (int e : experts) {
+        const int slot = layer.slot_of[static_cast<size_t>(e)];
+        if (slot >= 0 && layer.slots[static_cast<size_t>(slot)].state == Slot::State::ready) {
+            out.push_back(e);
+        }
+    }
     return out;
 }
 

@@ -66,6 +66,7 @@ struct ExpertConfig {
     bool direct = true;    // O_DIRECT reads (falls back to buffered where refused)
     bool verify = true;    // check every read slice against its checksum
     bool prefetch = true;  // predict the next layer's experts and read them early
+    bool overlap = true;   // compute a request's usable experts while its misses are still read
 };
 
 // Counters since open or the last reset.
@@ -132,6 +133,11 @@ public:
     bool direct() const;
     const char * engine_name() const;
     std::vector<int> resident_experts(int position) const;  // ready slots' experts, sorted
+    // Between begin() and finish(): of `experts` (the request's), those usable now without waiting
+    // for the disk, in the order given: resident, or prefetched by a batch already complete (settled
+    // here and checked). The others become usable at finish(). Throws as finish() does (the
+    // request's demand reads then abandoned).
+    std::vector<int> usable_now(int position, const std::vector<int> & experts);
 
     ExpertCacheStats stats() const { return stats_; }
     void reset_stats() { stats_ = ExpertCacheStats{}; }
@@ -141,6 +147,7 @@ private:
     struct Slot;
     struct Layer;
     void submit_early(int position, const std::vector<int> & experts, bool ahead);  // prefetch / read_ahead
+    void settle_early_reads(Layer & layer, bool only_complete);
     void wait_prefetches(Layer & layer);
     void drop_demand_slots(Layer & layer);  // the request's demand slots emptied (failed or abandoned)
     void abandon_demand(Layer & layer);     // waits out the demand reads, then drops their slots

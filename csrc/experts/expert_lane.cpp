@@ -2,6 +2,7 @@
 #include "experts/expert_lane.h"
 
 #include "backend/weight_registry.h"
+#include "experts/token_products.h"
 #include "ggml-cpu.h"
 #include "io/integrity.h"
 
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <iterator>
 
 namespace llamaflash {
 
@@ -63,6 +65,7 @@ struct ExpertLane::Matmul {
     std::vector<float> gathered;         // [ne0, 1, P]: src1's row of each pair
     std::vector<float> products;         // [ne1, 1, P]: each pair's product
     std::vector<float> staged;           // several rounds: every pair's output, kept across rounds
+    TokenProducts token;                 // one token: the round's pairs computed in one node
 };
 
 namespace {
@@ -257,7 +260,33 @@ ggml_context * ExpertLane::build_round(const ggml_cgraph * split, const ExpertMo
             mm.round = round_.get();
             ggml_tensor * src1_m = mirror(ctx, src1);
             ggml_tensor * after = src1_m;  // what the scatter follows
-            if (n_pairs > 0) {
+            if (n_tokens == 1 && token_products_supported(mm.type)) {
+                // one token: every pair's vec_dots in one node, as ggml's MUL_MAT_ID computes them
+                TokenProducts & tp = mm.token;
+                tp.type = mm.type;
+                tp.ne0 = mm.ne0;
+                tp.ne1 = mm.ne1;
+                tp.row_bytes = mm.row_bytes;
+                tp.slots.clear();
+                tp.weights.clear();
+                for (size_t r = 0; r < round.size(); ++r) {
+                    const uint8_t * w = cache.slot_data(position, round[r], mm.kind);
+                    if (w == nullptr) {
+                        GGML_ABORT("llamaflash: expert %d of layer %d is not resident in its round", round[r],
+                                   spec.layer);
+                    }
+                    for (int64_t p = first[r]; p < first[r + 1]; ++p) {
+                        tp.slots.push_back(round_->pairs[static_cast<size_t>(2 * p)]);
+                        tp.weights.push_back(w);
+                    }
+                }
+                tp.zero_slots.clear();
+                for (size_t z = 0; z < round_->dropped.size(); z += 2) {
+                    tp.zero_slots.push_back(round_->dropped[z]);
+                }
+                m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], &src1_m, 1,
+                                   token_products, GGML_N_TASKS_MAX, &tp);
+            } else if (n_pairs > 0) {
                 mm.gathered.resize(static_cast<size_t>(mm.ne0 * n_pairs));
                 mm.products.resize(static_cast<size_t>(mm.ne1 * n_pairs));
                 ggml_tensor * gathered = ggml_custom_4d(ctx, GGML_TYPE_F32, mm.ne0, 1, n_pairs, 1, &src1_m, 1,
@@ -289,8 +318,10 @@ ggml_context * ExpertLane::build_round(const ggml_cgraph * split, const ExpertMo
                 }
                 after = gathered;
             }
-            m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], &after, 1,
-                               scatter_pairs, GGML_N_TASKS_MAX, &mm);
+            if (m == nullptr) {
+                m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], &after, 1,
+                                   scatter_pairs, GGML_N_TASKS_MAX, &mm);
+            }
             if (staged) {  // products land in a private buffer, copied into the node's memory each round
                 mm.staged.resize(static_cast<size_t>(ggml_nelements(node)));
                 m->data = mm.staged.data();
@@ -406,16 +437,33 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         std::sort(round.begin(), round.end());
         rounds_of.push_back(std::move(round));
     }
-    const bool staged = rounds_of.size() > 1;
+    // Overlap (one round, not a draft): the experts usable before the misses arrive (resident and
+    // checked) are computed in a first pass while the misses are read, the others in a second pass
+    // after finish(). Both passes stage their products, like rounds, so the result is one pass's.
+    const bool may_overlap = model.config().overlap && !draft && rounds_of.size() == 1;
+    bool overlapped = false;
 
     ggml_status status = GGML_STATUS_SUCCESS;
     int rounds = 0;
     double compute_seconds = 0.0;
-    for (const std::vector<int> & round : rounds_of) {
+    auto run_pass = [&](const std::vector<int> & experts, bool staged) {
+        ggml_cgraph * graph = nullptr;
+        ggml_context * ctx = build_round(g, model, match.position, experts, expert_of, n_used, n_tokens,
+                                         draft && rounds == 0, staged, &graph);
+        const auto t0 = std::chrono::steady_clock::now();
+        status = ggml_backend_graph_compute(cpu, graph);
+        compute_seconds += seconds_since(t0);
+        ggml_free(ctx);
+        ++rounds;
+        return status == GGML_STATUS_SUCCESS;
+    };
+    for (size_t r = 0; r < rounds_of.size(); ++r) {
+        const std::vector<int> & round = rounds_of[r];
+        std::vector<int> late = round;  // computed after finish()
         try {
             if (!draft) {  // a draft's experts are all resident and ready
                 cache.begin(match.position, round);
-                if (rounds == 0 && n_tokens == 1 && x != nullptr) {
+                if (r == 0 && n_tokens == 1 && x != nullptr) {
                     std::vector<int> predicted =
                         model.predict_next(match.position, static_cast<const float *>(x->data));
                     // best first: keep as many as the measured precision pays for (a wrong one costs bandwidth)
@@ -425,9 +473,22 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
                         cache.prefetch(match.position + 1, predicted);
                     }
                 }
+                if (may_overlap) {
+                    const std::vector<int> early = cache.usable_now(match.position, round);
+                    if (!early.empty() && early.size() < round.size()) {
+                        overlapped = true;
+                        late.clear();
+                        std::set_difference(round.begin(), round.end(), early.begin(), early.end(),
+                                            std::back_inserter(late));
+                        if (!run_pass(early, true)) {
+                            cache.finish(match.position);  // the misses' reads must end before their slots are reused
+                            break;
+                        }
+                    }
+                }
                 cache.finish(match.position);
-                if (static_cast<size_t>(rounds) + 1 < rounds_of.size()) {
-                    cache.read_ahead(match.position, rounds_of[static_cast<size_t>(rounds) + 1]);
+                if (r + 1 < rounds_of.size()) {
+                    cache.read_ahead(match.position, rounds_of[r + 1]);
                 }
             }
         } catch (const std::exception & e) {
@@ -435,23 +496,15 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
             status = GGML_STATUS_FAILED;
             break;
         }
-        ggml_cgraph * graph = nullptr;
-        ggml_context * ctx = build_round(g, model, match.position, round, expert_of, n_used, n_tokens,
-                                         draft && rounds == 0, staged, &graph);
-        const auto t0 = std::chrono::steady_clock::now();
-        status = ggml_backend_graph_compute(cpu, graph);
-        compute_seconds += seconds_since(t0);
-        ggml_free(ctx);
-        ++rounds;
-        if (status != GGML_STATUS_SUCCESS) {
+        if (!run_pass(late, rounds_of.size() > 1 || overlapped)) {
             break;
         }
     }
     if (draft) {
         model.count_draft_split(n_used * n_tokens, substituted, dropped);
     } else {
-        model.count_split(match.position, n_tokens, static_cast<int64_t>(order.size()), rounds, compute_seconds,
-                          seconds_since(t_begin));
+        model.count_split(match.position, n_tokens, static_cast<int64_t>(order.size()), rounds, overlapped,
+                          compute_seconds, seconds_since(t_begin));
     }
     return status;
 }

@@ -11,7 +11,9 @@
 // writes each product to (k, t). ggml-cpu sees, per expert, the same rows in the same order as in
 // stock and chooses the same kernel (for K-quants with 8 or more rows a tiled kernel that rounds
 // differently from one vec_dot per output), so the logits are bit-identical to stock llama.cpp with
-// plain (not repacked) weights, whichever slots the experts sit in.
+// plain (not repacked) weights, whichever slots the experts sit in. A batch of one token (decode)
+// takes one node per MUL_MAT_ID instead (token_products.h): the vec_dots ggml's node makes for one
+// row per expert, over the slots, without the gather and scatter copies.
 //
 // Rounds. The distinct experts of the batch E = set(ids) are served in one round when they fit
 // ExpertCache::capacity (decode and small batches), else in rounds of at most half the capacity, so
@@ -19,10 +21,13 @@
 // round computes. Each round: begin() submits the round's misses (none when read ahead), the next
 // layer's predicted experts are prefetched (one-token batches), finish() waits and checks, the next
 // round is read ahead, then the whole private graph runs; the custom nodes compute only the pairs of
-// the round's experts. With several rounds each MUL_MAT_ID's products go to a private staging buffer
-// that keeps every pair computed so far, and a copy node puts all of them into the node's memory
-// before the element-wise ops run: ggml-alloc lets ops such as ADD_ID write in place into their
-// input, so every round must start them from exact products. Each pair's final value is the one of
+// the round's experts. With one round (ExpertConfig::overlap), the experts usable when begin()
+// returns (resident and checked) are computed in a first pass before finish(), while the misses are
+// read, and the misses in a second pass after it: the disk's time is spent under that compute.
+// With several rounds or passes each MUL_MAT_ID's products go to a private staging buffer that
+// keeps every pair computed so far, and a copy node puts all of them into the node's memory before
+// the element-wise ops run: ggml-alloc lets ops such as ADD_ID write in place into their input, so
+// every round must start them from exact products. Each pair's final value is the one of
 // the round its expert's down projection ran in, which equals one pass over all experts.
 //
 // Draft mode (ExpertModel::set_draft, the self-draft of speculative decoding): the routing is first

@@ -130,15 +130,16 @@ void ExpertModel::count_draft_split(int64_t pairs, int64_t substituted, int64_t 
     lane_stats_.draft_dropped += static_cast<uint64_t>(dropped);
 }
 
-void ExpertModel::count_split(int position, int64_t n_tokens, int64_t n_experts, int rounds, double compute_seconds,
-                              double split_seconds) {
+void ExpertModel::count_split(int position, int64_t n_tokens, int64_t n_experts, int rounds, bool overlapped,
+                              double compute_seconds, double split_seconds) {
     ++lane_stats_.splits;
     if (position == 0) {
         lane_stats_.tokens += static_cast<uint64_t>(n_tokens);
     }
     lane_stats_.experts += static_cast<uint64_t>(n_experts);
     lane_stats_.rounds += static_cast<uint64_t>(rounds);
-    lane_stats_.multi_round_splits += rounds > 1 ? 1 : 0;
+    lane_stats_.multi_round_splits += rounds > (overlapped ? 2 : 1) ? 1 : 0;  // capacity rounds, not passes
+    lane_stats_.overlapped_splits += overlapped ? 1 : 0;
     lane_stats_.compute_seconds += compute_seconds;
     lane_stats_.split_seconds += split_seconds;
 }

@@ -80,6 +80,7 @@ public:
         uint64_t experts = 0;  // distinct experts per split, summed
         uint64_t rounds = 0;
         uint64_t multi_round_splits = 0;
+        uint64_t overlapped_splits = 0;  // resident experts computed while the split's misses were read
         double compute_seconds = 0.0;    // the private graphs
         double split_seconds = 0.0;      // whole splits: reads, waits, checks and compute
         uint64_t draft_splits = 0;       // draft-mode splits (not counted above)
@@ -87,8 +88,8 @@ public:
         uint64_t draft_substituted = 0;  // pairs routed to a resident expert instead of their own
         uint64_t draft_dropped = 0;      // pairs left without a resident expert (zero products)
     };
-    void count_split(int position, int64_t n_tokens, int64_t n_experts, int rounds, double compute_seconds,
-                     double split_seconds);
+    void count_split(int position, int64_t n_tokens, int64_t n_experts, int rounds, bool overlapped,
+                     double compute_seconds, double split_seconds);
     void count_draft_split(int64_t pairs, int64_t substituted, int64_t dropped);
     LaneStats lane_stats() const { return lane_stats_; }
     void reset_stats();

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 #: Incremented whenever a key's meaning or type changes; the library refuses any other version.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 P = "llamaflash.plan."
 
@@ -114,6 +114,7 @@ EXPERTS_QUEUE_DEPTH = P + "experts.queue_depth"  # uint32
 EXPERTS_DIRECT = P + "experts.direct"  # bool
 EXPERTS_VERIFY = P + "experts.verify"  # bool
 EXPERTS_PREFETCH = P + "experts.prefetch"  # bool
+EXPERTS_OVERLAP = P + "experts.overlap"  # bool
 # per served MoE layer (int64 arrays)
 EXPERTS_LAYER = P + "experts.layer"
 EXPERTS_N_EXPERT = P + "experts.n_expert"

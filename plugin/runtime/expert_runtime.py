@@ -20,17 +20,29 @@ from ..planning import expert_plan
 
 #: flash_mode reported for an MoE model served by the expert engine.
 EXPERTS_MODE = "experts"
-#: environment variable turning the next-layer prefetch off ("0") for measurements; default on
+#: environment variables turning the next-layer prefetch, or computing resident experts while a
+#: layer's misses are read, off ("0") for measurements; default on
 PREFETCH_ENV = "LLAMAFLASH_EXPERT_PREFETCH"
+OVERLAP_ENV = "LLAMAFLASH_EXPERT_OVERLAP"
+
+
+def _switch(name: str, what: str) -> bool:
+    value = os.environ.get(name, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: use 1 ({what}, the default) or 0 (no {what})")
+    return value == "1"
 
 
 def prefetch_enabled() -> bool:
     """Whether the engine prefetches the next layer's predicted experts (``$LLAMAFLASH_EXPERT_PREFETCH``:
     "0" off, "1" or unset on; anything else is refused)."""
-    value = os.environ.get(PREFETCH_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{PREFETCH_ENV}={value!r}: use 1 (prefetch, the default) or 0 (no prefetch)")
-    return value == "1"
+    return _switch(PREFETCH_ENV, "prefetch")
+
+
+def overlap_enabled() -> bool:
+    """Whether a layer's resident experts are computed while its misses are read
+    (``$LLAMAFLASH_EXPERT_OVERLAP``: "0" off, "1" or unset on; anything else is refused)."""
+    return _switch(OVERLAP_ENV, "overlap")
 
 
 def engine_config(
@@ -42,6 +54,7 @@ def engine_config(
     io_engine: str = "auto",
     verify: bool = True,
     prefetch: bool = True,
+    overlap: bool = True,
 ):
     """The native ExpertConfig of a plan, without the routers: the plan file locates each layer's router
     in the base model (plan_file.EnginePlan.routers) and the reader loads it as float32 (the copy
@@ -55,6 +68,7 @@ def engine_config(
     config.io_engine = io_engine
     config.verify = verify
     config.prefetch = prefetch
+    config.overlap = overlap
     layers = []
     for layer in moe.layers:
         spec = _native.ExpertLayerSpec()

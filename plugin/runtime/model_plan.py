@@ -457,6 +457,7 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
         io_engine=request.io_engine,
         verify=request.verify,
         prefetch=expert_runtime.prefetch_enabled(),
+        overlap=expert_runtime.overlap_enabled(),
     )
     routers = {layer.layer: layer.router for layer in model.moe.layers}
     lock_ranges = tuple(expert_runtime.dense_ranges(model.moe, model.base.header, mmap.PAGESIZE))
