@@ -228,6 +228,7 @@ def test_moe_experts_under_a_budget_are_identical_to_stock(tiny_moe_factory, tmp
     ex = exports(r.stdout)
     values = plan_file.read_plan_values(plan)
     assert values[K.KIND] == K.KIND_EXPERTS and set(values[K.EXPERTS_N_SLOTS]) == {3}
+    assert values[K.EXPERTS_PREFETCH] and values[K.EXPERTS_OVERLAP]
     flags = ex["LLAMAFLASH_TOOL_ARGS"]
     stock = host(model, flags, library=False)[0]["tokens"]
     result, lines = host(model, flags, {K.ENV_PLAN: str(plan)})

@@ -66,6 +66,14 @@ def decode_logits(llm, tokens=TOKENS):
     return np.array(out)
 
 
+def chunked_logits(llm, tokens, size):
+    """Every position's logits, the tokens evaluated in batches of ``size``."""
+    llm.reset()
+    for i in range(0, len(tokens), size):
+        llm.eval(tokens[i : i + size])
+    return np.array(llm.scores[: len(tokens)])
+
+
 @pytest.fixture()
 def converted(tmp_path, tiny_moe_factory):
     """``make(arch, **spec) -> model path`` in tmp_path with its expert sidecar beside it."""
@@ -120,23 +128,50 @@ def test_computing_resident_experts_during_reads_changes_no_bit(converted, monke
     assert np.array_equal(got["1"], ref_decode) and np.array_equal(got["0"], ref_decode)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
-def test_k_quant_experts_bit_identical_to_stock_batches(arch, converted):
+@pytest.mark.parametrize(
+    "arch,spec",
+    [
+        ("qwen3moe", dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff_shexp=256, quant="Q4_K_M")),
+        ("llama", dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff_shexp=256, quant="Q4_K_M")),
+        # gpt-oss's release format: MXFP4 experts (vec_dot against q8_0 inputs), Q8_0 elsewhere
+        ("gpt-oss", dict(quant="MXFP4", n_embd=64, n_ff_exp=64, n_head=4, n_head_kv=2, head_dim=16, direct=True)),
+    ],
+)
+def test_quantized_experts_bit_identical_to_stock_batches(arch, spec, converted):
     """K-quant experts: stock's ggml-cpu computes an expert with 8 or more rows of a batch with a tiled
     kernel whose rounding differs from one vec_dot per output; the lane runs ggml's own MUL_MAT_ID per
     expert over its slot, so prefill batches match stock bit for bit too (40 tokens over 8 experts
-    of which 2 used: about 10 rows per expert), and so does decode's one node per projection."""
-    path = converted(arch, n_embd=256, head_dim=64, n_ff_exp=256, n_ff_shexp=256, quant="Q4_K_M")
+    of which 2 used: about 10 rows per expert), and so do decode and small batches, whose experts
+    (fewer than 8 rows each) the lane computes with ggml's vec_dots in one node per projection."""
+    path = converted(arch, **spec)
     ref = stock(path)
     ref_prefill, ref_decode = prefill_logits(ref), decode_logits(ref, TOKENS[:12])
+    ref_chunks = chunked_logits(ref, TOKENS[:20], 5)
     ref.close()
     moe = read_moe_model(read_gguf_header(path))
     for slots in (moe.n_used, moe.n_expert):
         llm = served(path, slots)
         assert np.array_equal(prefill_logits(llm), ref_prefill), f"prefill, {slots} slots"
-        # decode: one node per projection (token_products.h), the vec_dots of ggml's node
+        # decode and 5-token batches (experts of < 8 rows): one node per projection (expert_dots.h)
         assert np.array_equal(decode_logits(llm, TOKENS[:12]), ref_decode), f"decode, {slots} slots"
+        assert np.array_equal(chunked_logits(llm, TOKENS[:20], 5), ref_chunks), f"5-token batches, {slots} slots"
         llm.close()
+
+
+@pytest.mark.parametrize("name", ["LLAMAFLASH_EXPERT_PREFETCH", "LLAMAFLASH_EXPERT_OVERLAP"])
+def test_engine_switches_take_only_0_or_1(name, monkeypatch):
+    from llamaflash.runtime import expert_runtime
+
+    switch = {
+        expert_runtime.PREFETCH_ENV: expert_runtime.prefetch_enabled,
+        expert_runtime.OVERLAP_ENV: expert_runtime.overlap_enabled,
+    }[name]
+    assert switch() is True
+    monkeypatch.setenv(name, "0")
+    assert switch() is False
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=f"{name}='yes': use 1"):
+        switch()
 
 
 def test_expert_statistics_and_prefetch(converted):

@@ -50,7 +50,8 @@ struct ExpertCache::Layer {
     std::vector<Slot> slots;
     std::vector<int> slot_of;     // expert → slot, -1
     std::vector<char> is_pinned;  // expert → pinned
-    struct EarlyRead {  // one prefetch() or read_ahead() batch in flight
+    // one prefetch() or read_ahead() batch in flight
+    struct EarlyRead {
         FlashReader::Ticket ticket = 0;
         std::vector<int> slots;  // the slots it fills
     };

@@ -2,7 +2,7 @@
 #include "experts/expert_lane.h"
 
 #include "backend/weight_registry.h"
-#include "experts/token_products.h"
+#include "experts/expert_dots.h"
 #include "ggml-cpu.h"
 #include "io/integrity.h"
 
@@ -65,7 +65,7 @@ struct ExpertLane::Matmul {
     std::vector<float> gathered;         // [ne0, 1, P]: src1's row of each pair
     std::vector<float> products;         // [ne1, 1, P]: each pair's product
     std::vector<float> staged;           // several rounds: every pair's output, kept across rounds
-    TokenProducts token;                 // one token: the round's pairs computed in one node
+    ExpertDots dots;                     // experts of < 8 rows: the round's pairs in one node
 };
 
 namespace {
@@ -260,32 +260,30 @@ ggml_context * ExpertLane::build_round(const ggml_cgraph * split, const ExpertMo
             mm.round = round_.get();
             ggml_tensor * src1_m = mirror(ctx, src1);
             ggml_tensor * after = src1_m;  // what the scatter follows
-            if (n_tokens == 1 && token_products_supported(mm.type)) {
-                // one token: every pair's vec_dots in one node, as ggml's MUL_MAT_ID computes them
-                TokenProducts & tp = mm.token;
-                tp.type = mm.type;
-                tp.ne0 = mm.ne0;
-                tp.ne1 = mm.ne1;
-                tp.row_bytes = mm.row_bytes;
-                tp.slots.clear();
-                tp.weights.clear();
+            int64_t most_rows = 0;         // of one expert in the round
+            for (size_t r = 0; r < round.size(); ++r) {
+                most_rows = std::max(most_rows, first[r + 1] - first[r]);
+            }
+            if (most_rows < kTiledMinRows && expert_dots_supported(mm.type)) {
+                // every expert below ggml's tiled kernel: its vec_dots for all pairs in one node
+                ExpertDots & d = mm.dots;
+                d.type = mm.type;
+                d.ne0 = mm.ne0;
+                d.ne1 = mm.ne1;
+                d.row_bytes = mm.row_bytes;
+                d.pairs.assign(round_->pairs.begin(), round_->pairs.end());
+                d.weights.clear();
                 for (size_t r = 0; r < round.size(); ++r) {
                     const uint8_t * w = cache.slot_data(position, round[r], mm.kind);
                     if (w == nullptr) {
                         GGML_ABORT("llamaflash: expert %d of layer %d is not resident in its round", round[r],
                                    spec.layer);
                     }
-                    for (int64_t p = first[r]; p < first[r + 1]; ++p) {
-                        tp.slots.push_back(round_->pairs[static_cast<size_t>(2 * p)]);
-                        tp.weights.push_back(w);
-                    }
+                    d.weights.insert(d.weights.end(), static_cast<size_t>(first[r + 1] - first[r]), w);
                 }
-                tp.zero_slots.clear();
-                for (size_t z = 0; z < round_->dropped.size(); z += 2) {
-                    tp.zero_slots.push_back(round_->dropped[z]);
-                }
+                d.zero_pairs.assign(round_->dropped.begin(), round_->dropped.end());
                 m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], &src1_m, 1,
-                                   token_products, GGML_N_TASKS_MAX, &tp);
+                                   expert_dots, GGML_N_TASKS_MAX, &d);
             } else if (n_pairs > 0) {
                 mm.gathered.resize(static_cast<size_t>(mm.ne0 * n_pairs));
                 mm.products.resize(static_cast<size_t>(mm.ne1 * n_pairs));

@@ -11,9 +11,9 @@
 // writes each product to (k, t). ggml-cpu sees, per expert, the same rows in the same order as in
 // stock and chooses the same kernel (for K-quants with 8 or more rows a tiled kernel that rounds
 // differently from one vec_dot per output), so the logits are bit-identical to stock llama.cpp with
-// plain (not repacked) weights, whichever slots the experts sit in. A batch of one token (decode)
-// takes one node per MUL_MAT_ID instead (token_products.h): the vec_dots ggml's node makes for one
-// row per expert, over the slots, without the gather and scatter copies.
+// plain (not repacked) weights, whichever slots the experts sit in. Where every expert of the round
+// has fewer than 8 rows (decode, small batches) each MUL_MAT_ID is one node instead (expert_dots.h):
+// the vec_dots ggml's node makes for such experts, over the slots, without gathers and scatters.
 //
 // Rounds. The distinct experts of the batch E = set(ids) are served in one round when they fit
 // ExpertCache::capacity (decode and small batches), else in rounds of at most half the capacity, so
