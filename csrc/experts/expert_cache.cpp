@@ -527,25 +527,20 @@ std::vector<int> ExpertCache::resident_experts(int position) const {
 
 std::vector<int> ExpertCache::usable_now(int position, const std::vector<int> & experts) {
     Layer & layer = *layers_[static_cast<size_t>(position)];
+    std::vector<int> out;
     try {
-        // prefetches already complete (no waiting), then the request's slots they filled, checked
+        // prefetches already complete (no waiting), then the request's ready slots, checked
         settle_early_reads(layer, true);
         for (int e : experts) {
             const int slot = layer.slot_of[static_cast<size_t>(e)];
             if (slot >= 0 && layer.slots[static_cast<size_t>(slot)].state == Slot::State::ready) {
                 check_slot(position, slot);
+                out.push_back(e);
             }
         }
     } catch (...) {
         abandon_demand(layer);
         throw;
-    }
-    std::vector<int> out;
-    for (int e : experts) {
-        const int slot = layer.slot_of[static_cast<size_t>(e)];
-        if (slot >= 0 && layer.slots[static_cast<size_t>(slot)].state == Slot::State::ready) {
-            out.push_back(e);
-        }
     }
     return out;
 }

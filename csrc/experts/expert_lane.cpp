@@ -435,9 +435,9 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
         std::sort(round.begin(), round.end());
         rounds_of.push_back(std::move(round));
     }
-    // Overlap (one round, not a draft): the experts usable before the misses arrive (resident and
-    // checked) are computed in a first pass while the misses are read, the others in a second pass
-    // after finish(). Both passes stage their products, like rounds, so the result is one pass's.
+    // Overlap (one round, not a draft): the experts usable before the misses arrive
+    // (ExpertCache::usable_now) are computed in a first pass while the misses are read, the others in
+    // a second pass after finish(). Both passes stage their products, like rounds, so the result is one pass's.
     const bool may_overlap = model.config().overlap && !draft && rounds_of.size() == 1;
     bool overlapped = false;
 

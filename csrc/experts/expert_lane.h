@@ -21,9 +21,10 @@
 // round computes. Each round: begin() submits the round's misses (none when read ahead), the next
 // layer's predicted experts are prefetched (one-token batches), finish() waits and checks, the next
 // round is read ahead, then the whole private graph runs; the custom nodes compute only the pairs of
-// the round's experts. With one round (ExpertConfig::overlap), the experts usable when begin()
-// returns (resident and checked) are computed in a first pass before finish(), while the misses are
-// read, and the misses in a second pass after it: the disk's time is spent under that compute.
+// the round's experts. With one round (ExpertConfig::overlap), the experts usable after begin()
+// (resident, or prefetched by a read already complete: ExpertCache::usable_now) are computed in a
+// first pass before finish(), while the misses are read, and the misses in a second pass after it:
+// the disk's time is spent under that compute.
 // With several rounds or passes each MUL_MAT_ID's products go to a private staging buffer that
 // keeps every pair computed so far, and a copy node puts all of them into the node's memory before
 // the element-wise ops run: ggml-alloc lets ops such as ADD_ID write in place into their input, so
