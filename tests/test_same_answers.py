@@ -301,3 +301,47 @@ def test_deterministic_replay_from_scratch_equals_the_continued_conversation(
         fresh = llamaflash.Llama(str(model), deterministic=True, **{**KW, **kw, **batch})
         assert answer(fresh, last_prompt) == continued, f"replayed from scratch with {batch or 'defaults'}"
         fresh.close()
+
+
+def test_deterministic_expert_lane_computes_the_routers_row_by_row(tiny_moe_factory, tmp_path):
+    """In a Q4_K_M mix an MoE's f32 routers are the only matrices tinyBLAS takes from 2 rows on. Under
+    deterministic=True the expert lane computes them too, each row as ggml-cpu computes a row alone:
+    no filler rows (decode steps of one row), and every position's logits equal stock (plain weights,
+    flash attention, the same q8_0 KV cache) evaluating one token per call. Stock's own 7-row batches
+    give other bits (the router's tinyBLAS), which is what the filler rows used to paper over."""
+    from llamaflash.converters.pipeline import convert
+
+    path = tmp_path / "moe.gguf"
+    spec = dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff_shexp=256, quant="Q4_K_M", direct=True)
+    shutil.copyfile(tiny_moe_factory("qwen3moe", **spec), path)
+    convert(path, force=True, progress=False, profile=False)
+    kw = dict(KW, n_ctx=512)
+    llm = llamaflash.Llama(str(path), ram_budget_mb=4000, flash_expert_slots=3, deterministic=True, **kw)
+    assert llm.flash_mode == "experts"
+    assert llm._tinyblas_matrix is None  # the routers are computed row by row
+    assert llm.context_params.type_k == eval_shapes.GGML_TYPE_Q8_0
+    prompt = llm.tokenize(" ".join(f"w{i}" for i in range(40)).encode())
+    llm.eval(prompt)
+    for _ in range(8):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    decode_steps = llm._kv_history.segments[-8:]
+    assert [s.size for s in decode_steps] == [1] * 8
+    ours = np.array(llm.scores[: llm.n_tokens])
+    ids = list(llm.input_ids[: llm.n_tokens])
+    llm.close()
+
+    def stock(**batches):
+        with batch_invariant_weights():
+            s = llama_cpp.Llama(str(path), flash_attn=True, type_k=8, type_v=8, **{**kw, **batches})
+        return s
+
+    one_at_a_time = stock()
+    for t in ids:
+        one_at_a_time.eval([t])
+    ref = np.array(one_at_a_time.scores[: len(ids)])
+    one_at_a_time.close()
+    assert np.array_equal(ours, ref)
+    batched = stock(n_batch=7, n_ubatch=7)
+    batched.eval(ids)
+    assert not np.array_equal(np.array(batched.scores[: len(ids)]), ref), "the reference lost its tinyBLAS router"
+    batched.close()

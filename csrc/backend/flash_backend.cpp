@@ -39,10 +39,9 @@ bool is_served_weight(const ggml_tensor * w, FfnWeightKind * kind = nullptr) {
         }
         return true;
     }
-    if (registry.pending_serves(w->name)) {
-        int layer;
-        FfnWeightKind k;
-        parse_ffn_weight_name(w->name, &layer, &k);
+    int layer;
+    FfnWeightKind k;
+    if (parse_ffn_weight_name(w->name, &layer, &k) && registry.pending_serves(w->name)) {
         if (kind != nullptr) {
             *kind = k;
         }
@@ -59,10 +58,24 @@ bool is_served_expert_weight(const ggml_tensor * w, ExpertTensorKind * kind) {
     WeightRegistry & registry = WeightRegistry::instance();
     if (const BoundWeight * bound = registry.lookup(w)) {
         *kind = bound->expert_kind;
-        return bound->experts != nullptr;
+        return bound->experts != nullptr && !bound->router;
     }
     int layer;
-    return registry.pending_serves(w->name) && parse_expert_weight_name(w->name, &layer, kind);
+    return parse_expert_weight_name(w->name, &layer, kind) && registry.pending_serves(w->name);
+}
+
+// An MoE layer's router (blk.N.ffn_gate_inp) whose MUL_MAT the device computes row by row
+// (ExpertConfig::router_rows): bound, or named by the pending model.
+bool is_served_router(const ggml_tensor * w) {
+    if (w == nullptr || w->buffer == nullptr || !is_phantom_buffer_type(w->buffer->buft)) {
+        return false;
+    }
+    WeightRegistry & registry = WeightRegistry::instance();
+    if (const BoundWeight * bound = registry.lookup(w)) {
+        return bound->router;
+    }
+    int layer;
+    return parse_router_weight_name(w->name, &layer) && registry.pending_serves(w->name);
 }
 
 // The element-wise ops architectures put between the FFN projections: activation, GLU, scaling, bias.
@@ -113,8 +126,8 @@ bool lives_in_phantom_buffer(const ggml_tensor * t) {
     return base->buffer != nullptr && is_phantom_buffer_type(base->buffer->buft);
 }
 
-// The device's claims: the served FFN matmuls and the element-wise ops between them, nothing else.
-// Each served layer's FFN then arrives as one split.
+// The device's claims: the served FFN matmuls and the element-wise ops between them, and served
+// routers' matmuls, nothing else. Each served layer's FFN then arrives as one split (a router: its own).
 bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
     switch (op->op) {
         case GGML_OP_NONE:  // a weight or tensor stored in our buffers: the scheduler asks for leaves too
@@ -123,7 +136,8 @@ bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
         case GGML_OP_PERMUTE:
         case GGML_OP_TRANSPOSE: return lives_in_phantom_buffer(op);
         case GGML_OP_MUL_MAT:
-            return is_served_weight(op->src[0]) && op->src[1] != nullptr && op->src[1]->type == GGML_TYPE_F32;
+            return (is_served_weight(op->src[0]) || is_served_router(op->src[0])) && op->src[1] != nullptr &&
+                   op->src[1]->type == GGML_TYPE_F32;
         case GGML_OP_MUL_MAT_ID: {
             ExpertTensorKind kind;
             return is_served_expert_weight(op->src[0], &kind) && op->src[1]->type == GGML_TYPE_F32 &&

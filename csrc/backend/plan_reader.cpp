@@ -308,6 +308,7 @@ ExpertConfig read_experts(const PlanKeys & k, const PlanIdentity & id) {
     c.verify = k.boolean(pk::EXPERTS_VERIFY);
     c.prefetch = k.boolean(pk::EXPERTS_PREFETCH);
     c.overlap = k.boolean(pk::EXPERTS_OVERLAP);
+    c.router_rows = k.boolean(pk::EXPERTS_ROUTER_ROWS);
     const std::vector<int64_t> layers = k.ints(pk::EXPERTS_LAYER);
     const int64_t n = static_cast<int64_t>(layers.size());
     const std::vector<int64_t> n_expert = k.ints(pk::EXPERTS_N_EXPERT, n);
@@ -349,6 +350,7 @@ ExpertConfig read_experts(const PlanKeys & k, const PlanIdentity & id) {
         if (router_offset[i] >= 0) {
             s.router = read_router(c.base_path, static_cast<uint64_t>(router_offset[i]),
                                    static_cast<ggml_type>(router_type[i]), c.n_embd, s.n_expert);
+            s.router_exact = router_type[i] == GGML_TYPE_F32;
         }
         c.layers.push_back(std::move(s));
     }
@@ -426,7 +428,7 @@ std::shared_ptr<PlanEngine> open_plan(const std::string & path) {
         engine->dense = FlashModel::open(std::move(*plan.dense));
     } else {
         for (const ExpertLayerSpec & s : plan.experts->layers) {
-            engine->expected_weights += static_cast<int>(s.tensors.size());
+            engine->expected_weights += static_cast<int>(s.tensors.size()) + (plan.experts->router_rows ? 1 : 0);
         }
         engine->experts = ExpertModel::open(std::move(*plan.experts));
         engine->lock_ranges = std::move(plan.lock_ranges);

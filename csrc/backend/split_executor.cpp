@@ -129,6 +129,11 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
     if (n_nodes == 0) {
         return GGML_STATUS_SUCCESS;
     }
+    // an MoE layer's router, computed row by row (router_rows.h)
+    const RouterSplit router_split = match_router_split(split);
+    if (router_split.model != nullptr) {
+        return routers_.compute(split, router_split, cpu_);
+    }
     // an MoE layer's routed experts: the expert lane (expert_lane.h)
     const ExpertSplit expert_split = match_expert_split(split);
     if (expert_split.model != nullptr) {

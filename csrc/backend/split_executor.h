@@ -21,6 +21,7 @@
 
 #include "backend/prompt_buffers.h"
 #include "experts/expert_lane.h"
+#include "experts/router_rows.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "lanes/dense_lane.h"
@@ -53,6 +54,7 @@ private:
     DenseLane dense_;
     SparseLane sparse_;
     ExpertLane experts_;
+    RouterRows routers_;
     PromptBuffers prompt_buffers_;            // the compute buffers of the last prompt batch under a budget
     int n_threads_ = GGML_DEFAULT_N_THREADS;  // the internal CPU backend's, kept in step by set_n_threads
 };

@@ -53,6 +53,17 @@ bool parse_expert_weight_name(const char * name, int * layer, ExpertTensorKind *
     return false;
 }
 
+bool parse_router_weight_name(const char * name, int * layer) {
+    int il = -1;
+    int consumed = 0;
+    if (std::sscanf(name, "blk.%d.ffn_gate_inp.weight%n", &il, &consumed) != 1 || consumed == 0 ||
+        name[consumed] != '\0' || il < 0) {
+        return false;
+    }
+    *layer = il;
+    return true;
+}
+
 WeightRegistry & WeightRegistry::instance() {
     static WeightRegistry registry;
     return registry;
@@ -87,6 +98,10 @@ bool WeightRegistry::pending_serves(const char * name) const {
         std::lock_guard<std::mutex> lock(mu_);
         return pending_experts_ && pending_experts_->serves(layer);
     }
+    if (parse_router_weight_name(name, &layer)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        return pending_experts_ && pending_experts_->serves_router(layer);
+    }
     if (!parse_ffn_weight_name(name, &layer, &kind)) {
         return false;
     }
@@ -98,15 +113,17 @@ bool WeightRegistry::bind(const ggml_tensor * tensor, ggml_backend_buffer_t buff
     int layer = -1;
     FfnWeightKind kind;
     ExpertTensorKind expert_kind;
-    if (parse_expert_weight_name(tensor->name, &layer, &expert_kind)) {
+    const bool router = parse_router_weight_name(tensor->name, &layer);
+    if (router || parse_expert_weight_name(tensor->name, &layer, &expert_kind)) {
         std::lock_guard<std::mutex> lock(mu_);
-        if (!pending_experts_ || !pending_experts_->serves(layer)) {
+        if (!pending_experts_ || !(router ? pending_experts_->serves_router(layer) : pending_experts_->serves(layer))) {
             return false;
         }
         BoundWeight w;
         w.layer = layer;
         w.experts = pending_experts_;
         w.expert_kind = expert_kind;
+        w.router = router;
         auto [it, inserted] = bound_.emplace(tensor, Entry{std::move(w), buffer});
         if (inserted) {
             pending_experts_->count_bound();

@@ -27,15 +27,19 @@ namespace llamaflash {
 bool parse_ffn_weight_name(const char * name, int * layer, FfnWeightKind * kind);
 // Parses "blk.<N>.ffn_{gate,up,down,gate_up}_exps.weight" (an MoE layer's routed expert tensors).
 bool parse_expert_weight_name(const char * name, int * layer, ExpertTensorKind * kind);
+// Parses "blk.<N>.ffn_gate_inp.weight" (an MoE layer's router).
+bool parse_router_weight_name(const char * name, int * layer);
 
 // A llama.cpp weight served by llamaflash: an FFN weight of a FlashModel (`model`), or a routed
-// expert tensor of an ExpertModel (`experts`, `expert_kind`). Exactly one of the two is set.
+// expert tensor of an ExpertModel (`experts`, `expert_kind`), or an ExpertModel's router (`experts`,
+// `router`: ExpertConfig::router_rows). Exactly one of `model` and `experts` is set.
 struct BoundWeight {
     std::shared_ptr<FlashModel> model;
     int layer = -1;
     FfnWeightKind kind = FfnWeightKind::gate;
     std::shared_ptr<ExpertModel> experts;
     ExpertTensorKind expert_kind = ExpertTensorKind::up;
+    bool router = false;
 };
 
 class WeightRegistry {

@@ -78,7 +78,8 @@ void bind_experts(py::module_ & m) {
         .def_readwrite("tensors", &ExpertLayerSpec::tensors)
         .def_readwrite("n_slots", &ExpertLayerSpec::n_slots)
         .def_readwrite("pinned", &ExpertLayerSpec::pinned)
-        .def_readwrite("router", &ExpertLayerSpec::router);
+        .def_readwrite("router", &ExpertLayerSpec::router)
+        .def_readwrite("router_exact", &ExpertLayerSpec::router_exact);
 
     py::class_<ExpertConfig>(m, "ExpertConfig")
         .def(py::init<>())
@@ -90,7 +91,8 @@ void bind_experts(py::module_ & m) {
         .def_readwrite("direct", &ExpertConfig::direct)
         .def_readwrite("verify", &ExpertConfig::verify)
         .def_readwrite("prefetch", &ExpertConfig::prefetch)
-        .def_readwrite("overlap", &ExpertConfig::overlap);
+        .def_readwrite("overlap", &ExpertConfig::overlap)
+        .def_readwrite("router_rows", &ExpertConfig::router_rows);
 
     py::class_<ExpertModel, std::shared_ptr<ExpertModel>>(m, "ExpertModel")
         .def_static(

@@ -55,6 +55,7 @@ struct ExpertLayerSpec {
     std::vector<int> pinned;                // never evicted; at most n_slots - n_used
     std::vector<float> router;              // this layer's router [n_expert rows of n_embd] f32, for the
                                             // previous layer's prediction; empty: no prediction
+    bool router_exact = false;              // the file stores the router in f32: `router` is its bytes
 };
 
 struct ExpertConfig {
@@ -67,6 +68,9 @@ struct ExpertConfig {
     bool verify = true;    // check every read slice against its checksum
     bool prefetch = true;  // predict the next layer's experts and read them early
     bool overlap = true;   // compute a request's usable experts while its misses are still read
+    // compute the routers' MUL_MATs too, every row as ggml-cpu computes a row alone (router_rows.h);
+    // needs every layer's router_exact
+    bool router_rows = false;
 };
 
 // Counters since open or the last reset.

@@ -178,7 +178,7 @@ const BoundWeight * bound_expert(const ggml_tensor * node) {
         return nullptr;
     }
     const BoundWeight * b = WeightRegistry::instance().lookup(node->src[0]);
-    return b != nullptr && b->experts ? b : nullptr;
+    return b != nullptr && b->experts && !b->router ? b : nullptr;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {

@@ -48,6 +48,9 @@ void validate(const ExpertConfig & config) {
         if (!l.router.empty() && l.router.size() != static_cast<size_t>(l.n_expert * config.n_embd)) {
             fail(where + "router must be n_expert x n_embd floats");
         }
+        if (config.router_rows && (l.router.empty() || !l.router_exact)) {
+            fail(where + "router_rows needs the layer's router, stored in f32 by the file");
+        }
     }
 }
 

@@ -39,6 +39,8 @@ public:
 
     const ExpertConfig & config() const { return config_; }
     bool serves(int layer) const { return position(layer) >= 0; }
+    // Whether the lane computes this layer's router MUL_MAT too (ExpertConfig::router_rows).
+    bool serves_router(int layer) const { return config_.router_rows && serves(layer); }
     int position(int layer) const;  // index in config().layers, -1 when not served
     const ExpertLayerSpec & layer_spec(int position) const { return config_.layers[position]; }
     const ExpertTensorSpec * tensor(int position, ExpertTensorKind kind) const;

@@ -175,6 +175,7 @@ def _experts_kv(kv: _Kv, config, routers: Dict[int, Any], lock_ranges: Sequence[
     kv.add(K.EXPERTS_VERIFY, bool(config.verify), T.BOOL)
     kv.add(K.EXPERTS_PREFETCH, bool(config.prefetch), T.BOOL)
     kv.add(K.EXPERTS_OVERLAP, bool(config.overlap), T.BOOL)
+    kv.add(K.EXPERTS_ROUTER_ROWS, bool(config.router_rows), T.BOOL)
     layers = list(config.layers)
     kv.ints(K.EXPERTS_LAYER, [s.layer for s in layers])
     kv.ints(K.EXPERTS_N_EXPERT, [s.n_expert for s in layers])

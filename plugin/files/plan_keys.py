@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 #: Incremented whenever a key's meaning or type changes; the library refuses any other version.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 P = "llamaflash.plan."
 
@@ -115,6 +115,7 @@ EXPERTS_DIRECT = P + "experts.direct"  # bool
 EXPERTS_VERIFY = P + "experts.verify"  # bool
 EXPERTS_PREFETCH = P + "experts.prefetch"  # bool
 EXPERTS_OVERLAP = P + "experts.overlap"  # bool
+EXPERTS_ROUTER_ROWS = P + "experts.router_rows"  # bool: the library computes the routers' MUL_MATs row by row
 # per served MoE layer (int64 arrays)
 EXPERTS_LAYER = P + "experts.layer"
 EXPERTS_N_EXPERT = P + "experts.n_expert"

@@ -20,6 +20,8 @@ from ..planning import expert_plan
 
 #: flash_mode reported for an MoE model served by the expert engine.
 EXPERTS_MODE = "experts"
+#: ggml_type of a router stored in float32
+GGML_TYPE_F32 = 0
 #: environment variables turning the next-layer prefetch, or computing resident experts while a
 #: layer's misses are read, off ("0") for measurements; default on
 PREFETCH_ENV = "LLAMAFLASH_EXPERT_PREFETCH"
@@ -45,6 +47,19 @@ def overlap_enabled() -> bool:
     return _switch(OVERLAP_ENV, "overlap")
 
 
+def routers_in_f32(moe: experts.MoeModelInfo) -> bool:
+    """Whether every MoE layer's router is stored in f32, so that the engine's copy is its exact
+    bytes and the expert lane can compute the router's MUL_MAT (ExpertConfig.router_rows)."""
+    return all(layer.router is not None and layer.router.ggml_type == GGML_TYPE_F32 for layer in moe.layers)
+
+
+def router_weight_names(config) -> frozenset:
+    """The routers an ExpertConfig has the expert lane compute row by row (none without router_rows)."""
+    if config is None or not config.router_rows:
+        return frozenset()
+    return frozenset(f"blk.{spec.layer}.ffn_gate_inp.weight" for spec in config.layers)
+
+
 def engine_config(
     model_path: str,
     moe: experts.MoeModelInfo,
@@ -55,10 +70,14 @@ def engine_config(
     verify: bool = True,
     prefetch: bool = True,
     overlap: bool = True,
+    router_rows: bool = False,
 ):
     """The native ExpertConfig of a plan, without the routers: the plan file locates each layer's router
     in the base model (plan_file.EnginePlan.routers) and the reader loads it as float32 (the copy
-    next-layer prediction and draft routing use; expert_plan counts it as router_copies)."""
+    next-layer prediction and draft routing use; expert_plan counts it as router_copies).
+    ``router_rows``: the lane also computes each router's MUL_MAT, every row as ggml-cpu computes a row
+    alone (csrc/experts/router_rows.h; needs routers_in_f32), so that batch-invariant evaluation needs
+    no filler row after a lone token."""
     from .. import _native
 
     stats = {s.layer: s for s in info.layers}
@@ -69,6 +88,7 @@ def engine_config(
     config.verify = verify
     config.prefetch = prefetch
     config.overlap = overlap
+    config.router_rows = router_rows
     layers = []
     for layer in moe.layers:
         spec = _native.ExpertLayerSpec()

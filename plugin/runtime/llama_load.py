@@ -114,6 +114,7 @@ def request_from_arguments(llm: "Llama", model_path, kwargs: Dict[str, Any]) -> 
         batch_invariant=llm._batch_invariant,
         speculation=speculation,
         user_draft=kwargs.get("draft_model") is not None,
+        deterministic=llm._deterministic,
     )
 
 
@@ -128,6 +129,14 @@ def open_engine(plan: ModelPlan) -> Optional["_native.PlanEngine"]:
         warn_unchecked(plan.sidecar.info, plan.model.path)
     with plan_file.in_memory(plan.engine) as path:
         return _native.open_plan(path)
+
+
+def computed_per_row(plan: ModelPlan) -> frozenset:
+    """The matrices llamaflash computes every row of as a lone row (an MoE's routers under
+    deterministic=True), which therefore need no filler row after a lone token."""
+    if plan.engine is None or plan.engine.experts is None:
+        return frozenset()
+    return expert_runtime.router_weight_names(plan.engine.experts)
 
 
 def load_llama(llm: "Llama", plan: ModelPlan, engine, model_path, args: tuple, kwargs: Dict[str, Any]) -> None:
@@ -160,7 +169,7 @@ def load_llama(llm: "Llama", plan: ModelPlan, engine, model_path, args: tuple, k
         kwargs.update(type_k=kv_type, type_v=kv_type)
     llm._kv_may_split = eval_shapes.kv_may_split(kwargs.get("type_k"), kwargs.get("type_v"))
     # a matrix tinyBLAS multiplies from 2 rows on: a lone row gets other bits at every position
-    llm._tinyblas_matrix = tinyblas_matrix(plan.model.base.header)
+    llm._tinyblas_matrix = tinyblas_matrix(plan.model.base.header, per_row=computed_per_row(plan))
     for name, value in plan.llama_defaults.items():
         kwargs.setdefault(name, value)
     kwargs.update(plan.llama_overrides)

@@ -174,16 +174,17 @@ def deterministic_kv_type(header) -> Optional[int]:
 TINYBLAS_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 20, 30})
 
 
-def tinyblas_matrix(header) -> Optional[str]:
+def tinyblas_matrix(header, per_row: frozenset = frozenset()) -> Optional[str]:
     """The name of the first matrix the model multiplies by whose type tinyBLAS takes from 2 rows on
     (a router in f32, an f16 or q8_0 projection), else None. The token table counts only where it is
-    also the output matrix (no output.weight). Where there is one, a row alone and the same row in a
-    batch get other bits, so batch-invariant evaluation never decodes a row alone."""
+    also the output matrix (no output.weight); matrices in ``per_row`` (llamaflash computes every row
+    of them as a lone row) do not count. Where there is one, a row alone and the same row in a batch
+    get other bits, so batch-invariant evaluation never decodes a row alone."""
     if header is None:
         return None
     names = {t.name for t in header.tensors}
     for t in header.tensors:
-        if sum(1 for d in t.shape if d > 1) < 2 or t.ggml_type not in TINYBLAS_TYPES:
+        if sum(1 for d in t.shape if d > 1) < 2 or t.ggml_type not in TINYBLAS_TYPES or t.name in per_row:
             continue
         if t.name == "token_embd.weight" and "output.weight" in names:
             continue  # read by rows (get_rows), not multiplied

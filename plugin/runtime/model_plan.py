@@ -46,7 +46,8 @@ class LoadRequest:
     ``speculation``: the host's ``flash_speculative`` argument; ``user_draft``: a draft model given.
     ``prompt_pages_freed``: the host frees a prompt's compute pages after it (planner.plan_offload).
     ``require_sidecar``: a missing sidecar is an error (else the model runs stock); ``cli``: messages
-    spell options as command-line flags."""
+    spell options as command-line flags. ``deterministic``: answers independent of batching
+    (``deterministic=True``): the expert lane computes an MoE's f32 routers row by row too."""
 
     model_path: str
     sidecar_path: Optional[str] = None
@@ -75,6 +76,7 @@ class LoadRequest:
     prompt_pages_freed: bool = True
     require_sidecar: bool = False
     cli: bool = False
+    deterministic: bool = False
 
     def option(self, name: str) -> str:
         """How messages name an option: ``ram_budget_mb`` or ``--ram-budget-mb``."""
@@ -458,6 +460,7 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
         verify=request.verify,
         prefetch=expert_runtime.prefetch_enabled(),
         overlap=expert_runtime.overlap_enabled(),
+        router_rows=request.deterministic and expert_runtime.routers_in_f32(model.moe),
     )
     routers = {layer.layer: layer.router for layer in model.moe.layers}
     lock_ranges = tuple(expert_runtime.dense_ranges(model.moe, model.base.header, mmap.PAGESIZE))
