@@ -303,12 +303,14 @@ def test_deterministic_replay_from_scratch_equals_the_continued_conversation(
         fresh.close()
 
 
-def test_deterministic_expert_lane_computes_the_routers_row_by_row(tiny_moe_factory, tmp_path):
+@pytest.mark.parametrize("where", ["budget", "in memory"])
+def test_deterministic_expert_lane_computes_the_routers_row_by_row(where, tiny_moe_factory, tmp_path):
     """In a Q4_K_M mix an MoE's f32 routers are the only matrices tinyBLAS takes from 2 rows on. Under
-    deterministic=True the expert lane computes them too, each row as ggml-cpu computes a row alone:
-    no filler rows (decode steps of one row), and every position's logits equal stock (plain weights,
-    flash attention, the same q8_0 KV cache) evaluating one token per call. Stock's own 7-row batches
-    give other bits (the router's tinyBLAS), which is what the filler rows used to paper over."""
+    deterministic=True the expert lane (in memory too: every expert resident) computes them too, each
+    row as ggml-cpu computes a row alone: no filler rows (decode steps of one row), and every
+    position's logits equal stock (plain weights, flash attention, the same q8_0 KV cache) evaluating
+    one token per call. Stock's own 7-row batches give other bits (the router's tinyBLAS), which is
+    what the filler rows used to paper over."""
     from llamaflash.converters.pipeline import convert
 
     path = tmp_path / "moe.gguf"
@@ -316,9 +318,11 @@ def test_deterministic_expert_lane_computes_the_routers_row_by_row(tiny_moe_fact
     shutil.copyfile(tiny_moe_factory("qwen3moe", **spec), path)
     convert(path, force=True, progress=False, profile=False)
     kw = dict(KW, n_ctx=512)
-    llm = llamaflash.Llama(str(path), ram_budget_mb=4000, flash_expert_slots=3, deterministic=True, **kw)
+    budget = dict(ram_budget_mb=4000, flash_expert_slots=3) if where == "budget" else {}
+    llm = llamaflash.Llama(str(path), deterministic=True, **budget, **kw)
     assert llm.flash_mode == "experts"
     assert llm._tinyblas_matrix is None  # the routers are computed row by row
+    assert "one token per call" in llm.flash_stats()["numerics"]["equals_stock"]
     assert llm.context_params.type_k == eval_shapes.GGML_TYPE_Q8_0
     prompt = llm.tokenize(" ".join(f"w{i}" for i in range(40)).encode())
     llm.eval(prompt)

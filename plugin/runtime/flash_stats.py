@@ -83,6 +83,11 @@ def numerics(llm: "Llama") -> Dict[str, Any]:
             f"no stock default: stock llama.cpp with weights not repacked, flash attention on and {kv}, "
             "every batch evaluated in 1..7 rows (llama.cpp's tools cannot be told to)"
         )
+        if llm._tinyblas_matrix is None and not llm._kv_may_split:
+            # no filler rows: every row has the bits of a row evaluated alone (an MoE's routers
+            # computed so by the expert lane)
+            equals += ", which here gives every position the logits of evaluating one token per call"
+
     elif llm._batch_invariant:
         equals = BATCH_INVARIANT_SPECULATIVE if llm._speculator is not None else BATCH_INVARIANT_STOCK
     else:

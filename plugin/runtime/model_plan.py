@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from ..errors import SidecarNotFoundError
+from ..errors import RamBudgetError, SidecarNotFoundError
 from ..files import experts, gguf_model
 from ..files import plan_keys as K
 from ..files.plan_file import EnginePlan, PlanIdentity
@@ -165,12 +165,21 @@ def _moe_stock_reason(model: ModelId, request: LoadRequest) -> Optional[str]:
     why = experts.check_layout(model.moe)
     if why is not None:
         return f"running as stock: {why}"
-    if request.ram_budget_mb is None:
+    if request.ram_budget_mb is None and not _experts_for_determinism(model, request):
         return (
             "running as stock: an MoE model in memory runs as stock llama.cpp (experts are served "
-            f"from flash only under {request.option('ram_budget_mb')})"
+            f"from flash only under {request.option('ram_budget_mb')}, or with deterministic answers)"
         )
     return None
+
+
+def _experts_for_determinism(model: ModelId, request: LoadRequest) -> bool:
+    """Whether an MoE model in memory is served by the expert lane with every expert resident:
+    deterministic answers on f32 routers, which the lane computes row by row (stock would need a
+    filler row after every lone token: eval_shapes)."""
+    from . import expert_runtime
+
+    return request.deterministic and request.ram_budget_mb is None and expert_runtime.routers_in_f32(model.moe)
 
 
 def find_sidecar(model: ModelId, request: LoadRequest) -> Optional[Sidecar]:
@@ -220,6 +229,8 @@ def _find_expert_sidecar(model: ModelId, request: LoadRequest) -> Optional[Sidec
     if _moe_stock_reason(model, request) is not None:
         return None
     path = Path(request.sidecar_path) if request.sidecar_path is not None else default_sidecar_path(model.path)
+    if not path.exists() and request.sidecar_path is None and _experts_for_determinism(model, request):
+        return None  # deterministic answers in memory run as stock without one
     if not path.exists():
         raise SidecarNotFoundError(
             f"{request.option('ram_budget_mb')} needs the expert sidecar of '{model.path}' (none at '{path}'); "
@@ -237,6 +248,8 @@ def decide_mode(model: ModelId, sidecar: Optional[Sidecar], request: LoadRequest
     MoE model with an expert sidecar gets EXPERTS here; :func:`plan_load` may still find stock fits."""
     if model.moe is not None:
         reason = _moe_stock_reason(model, request)
+        if reason is None and sidecar is None:
+            reason = "running as stock: deterministic answers in memory use the expert lane only with an expert sidecar"
         if reason is not None:
             return ModeChoice(STOCK, reason, lane_decision.Decision(lane_decision.STOCK, False, reason))
         return ModeChoice(EXPERTS, "experts served from flash")
@@ -425,18 +438,28 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
         return plan
     info = sidecar.info
     counts = {s.layer: s.counts for s in info.layers} if info.routing_tokens > 0 else None
-    budget_plan = expert_plan.plan_experts(
-        model.moe,
-        model.base.header,
-        request.ram_budget_mb,
-        n_ctx=request.n_ctx,
-        n_ubatch=request.n_ubatch,
-        disk=disk_probe.resolve_profile(request.disk_profile, sidecar.path) or _default_disk(),
-        counts=counts,
-        n_slots=request.expert_slots,
-        logits_all=request.logits_all,
-    )
-    budget = f"{request.option('ram_budget_mb')}={request.ram_budget_mb:g}"
+    in_memory = request.ram_budget_mb is None  # deterministic answers: every expert resident
+    try:
+        budget_plan = expert_plan.plan_experts(
+            model.moe,
+            model.base.header,
+            _machine_memory_mb() if in_memory else request.ram_budget_mb,
+            n_ctx=request.n_ctx,
+            n_ubatch=request.n_ubatch,
+            disk=disk_probe.resolve_profile(request.disk_profile, sidecar.path) or _default_disk(),
+            counts=counts,
+            n_slots=model.moe.n_expert if in_memory else request.expert_slots,
+            logits_all=request.logits_all,
+        )
+    except RamBudgetError as e:
+        if not in_memory:
+            raise
+        reason = f"running as stock: every expert of the model does not fit this machine's memory ({e})"
+        plan = ModelPlan(model, STOCK, reason, lane_decision.Decision(lane_decision.STOCK, False, reason))
+        plan.speculation = stock_speculation
+        plan.notice = f"llamaflash: '{model.path}': {reason}"
+        return plan
+    budget = "in memory" if in_memory else f"{request.option('ram_budget_mb')}={request.ram_budget_mb:g}"
     if budget_plan.fits:
         reason = f"running as stock under {budget}: {budget_plan.notes[0]}"
         plan = ModelPlan(model, STOCK, reason, lane_decision.Decision(lane_decision.STOCK, False, reason), sidecar)
@@ -448,6 +471,8 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
         plan.notice = f"llamaflash: '{model.path}': {reason}"
         return plan
     reason = f"experts served from flash: {budget_plan.n_slots} of {model.moe.n_expert} experts per layer cached"
+    if in_memory:
+        reason = "experts served by the expert lane, every expert resident: deterministic answers (routers row by row)"
     plan = ModelPlan(model, EXPERTS, reason, lane_decision.Decision(EXPERTS, False, reason), sidecar)
     plan.speculation, plan.expert_plan = speculation, budget_plan
     plan.llama_defaults.update(n_batch=budget_plan.n_ubatch, n_ubatch=budget_plan.n_ubatch)
@@ -468,6 +493,15 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
         identity(plan, K.KIND_EXPERTS, request), experts=config, routers=routers, lock_ranges=lock_ranges
     )
     return plan
+
+
+def _machine_memory_mb() -> float:
+    """This machine's memory (MemTotal) in MiB: the budget of an MoE model served in memory."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024.0
+    raise OSError("/proc/meminfo has no MemTotal")
 
 
 def _default_disk() -> Dict[str, Any]:
