@@ -35,8 +35,7 @@ ggml_status RouterRows::compute(const ggml_cgraph * split, const RouterSplit & m
         spec.router.size() != static_cast<size_t>(n_embd * n_expert) || x->type != GGML_TYPE_F32 ||
         x->ne[0] != n_embd || x->nb[0] != sizeof(float) || x->ne[2] != 1 || x->ne[3] != 1 ||
         node->type != GGML_TYPE_F32 || node->nb[0] != sizeof(float) || node->ne[1] != n_tokens) {
-        GGML_ABORT("llamaflash: router '%s' differs from the engine's copy or its MUL_MAT has another shape",
-                   w->name);
+        GGML_ABORT("llamaflash: router '%s' differs from the engine's copy or its MUL_MAT has another shape", w->name);
     }
     // one "expert" (the router, n_expert rows of n_embd), the pairs (k = 0, t) for every token
     dots_.type = GGML_TYPE_F32;
