@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -47,7 +48,7 @@ RUN = textwrap.dedent("""
             kw["sidecar_path"] = sidecar
         if budget:
             kw["ram_budget_mb"] = budget
-        if cfg == "deterministic":
+        if cfg.startswith("deterministic"):
             kw["deterministic"] = True
         llm = llamaflash.Llama(model_path=model, **kw)
     text = open(sys.argv[9]).read()
@@ -137,7 +138,10 @@ def run_one(cfg, model, sidecar, budget, n_prompt, n_gen, n_ctx, n_ubatch, text,
     if budget:
         evict_files([model] + ([sidecar] if sidecar else []))
         group = MemoryCgroup.create(budget << 20)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # deterministic-cli: deterministic=True in the environment `llamaflash run/chat/serve --deterministic`
+    # give the process (ggml-cpu's tiled kernel off: batches of up to 63 rows)
+    env = dict(os.environ, GGML_CPU_TILED_MM="0") if cfg == "deterministic-cli" else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     if group is not None:
         group.add_pid(proc.pid)
     out, err = proc.communicate(timeout=1800)
@@ -163,7 +167,10 @@ def main() -> None:
         "--n-ubatch", type=int, default=0, help="n_batch = n_ubatch for every config (0: each its own default)"
     )
     p.add_argument(
-        "--configs", default="stock,default,deterministic", help="comma-separated, of stock, default, deterministic"
+        "--configs",
+        default="stock,default,deterministic",
+        help="comma-separated, of stock, default, deterministic, deterministic-cli (with the command line's "
+        "GGML_CPU_TILED_MM=0)",
     )
     p.add_argument(
         "--previous-python",
@@ -201,7 +208,7 @@ def main() -> None:
     summary = []
     for budget in sorted({r["budget"] for r in runs}):
         rows = {}
-        for cfg in ("stock", "default", "deterministic", "previous"):
+        for cfg in ("stock", "default", "deterministic", "deterministic-cli", "previous"):
             rs = [r for r in runs if r["budget"] == budget and r["config"] == cfg and r["ok"]]
             if rs:
                 rows[cfg] = {
@@ -210,7 +217,7 @@ def main() -> None:
                     "repeat_same": [r["repeat_same"] for r in rs],
                     "runs": len(rs),
                 }
-        for cfg in ("default", "deterministic"):
+        for cfg in ("default", "deterministic", "deterministic-cli"):
             for base in ("stock", "default", "previous"):
                 if cfg in rows and base in rows and cfg != base:
                     for k in ("prefill_tok_s", "decode_tok_s"):

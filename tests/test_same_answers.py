@@ -13,6 +13,7 @@ so that flash attention's split-KV path for lone rows is exercised.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import llama_cpp
@@ -349,3 +350,77 @@ def test_deterministic_expert_lane_computes_the_routers_row_by_row(where, tiny_m
     batched.eval(ids)
     assert not np.array_equal(np.array(batched.scores[: len(ids)]), ref), "the reference lost its tinyBLAS router"
     batched.close()
+
+
+_UNTILED_SCRIPT = r"""
+import json, sys
+import llama_cpp, numpy as np, llamaflash
+from llamaflash.runtime.speculative import batch_invariant_weights
+path = sys.argv[1]
+kw = dict(n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False, logits_all=True, seed=0)
+prompt = None
+runs = {}
+for n_batch in (64, 16):
+    llm = llamaflash.Llama(path, deterministic=True, n_batch=n_batch, n_ubatch=n_batch, **kw)
+    prompt = prompt or llm.tokenize(" ".join(f"w{i}" for i in range(60)).encode())
+    llm.eval(prompt)
+    runs[n_batch] = dict(
+        rows=llm.flash_stats()["numerics"]["invariant_rows"],
+        sizes=sorted({s.size for s in llm._kv_history.segments}),
+        scores=np.array(llm.scores[: len(prompt)]),
+    )
+    llm.close()
+with batch_invariant_weights():
+    stock = llama_cpp.Llama(path, flash_attn=True, type_k=8, type_v=8, **kw)
+for t in prompt:
+    stock.eval([t])
+ref = np.array(stock.scores[: len(prompt)])
+print(json.dumps({
+    "n_prompt": len(prompt),
+    "rows": [runs[b]["rows"] for b in (64, 16)],
+    "sizes": [runs[b]["sizes"] for b in (64, 16)],
+    "equal_batches": bool(np.array_equal(runs[64]["scores"], runs[16]["scores"])),
+    "equal_one_at_a_time": bool(np.array_equal(runs[64]["scores"], ref)),
+}))
+"""
+
+
+def test_without_the_tiled_kernel_deterministic_batches_take_63_rows(tiny_moe_factory, tmp_path):
+    """With GGML_CPU_TILED_MM=0 in the process's environment (what `llamaflash run/chat/serve
+    --deterministic` set), the probe finds K-quant rows invariant and deterministic batches take up to
+    63 rows (n_batch permitting); every position still equals stock evaluating one token per call, at
+    n_batch 64 and 16 alike. In this test process (the tiled kernel on) batches stay at 7 rows."""
+    import json
+    import subprocess
+    import sys
+
+    from llamaflash import _native
+    from llamaflash.converters.pipeline import convert
+
+    path = tmp_path / "moe.gguf"
+    spec = dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff_shexp=256, quant="Q4_K_M", direct=True)
+    shutil.copyfile(tiny_moe_factory("qwen3moe", **spec), path)
+    convert(path, force=True, progress=False, profile=False)
+    assert _native.kquant_rows_invariant(eval_shapes.MAX_ROWS)
+    if os.environ.get("GGML_CPU_TILED_MM") != "0":
+        assert not _native.kquant_rows_invariant(eval_shapes.UNTILED_MAX_ROWS)
+    env = dict(os.environ, GGML_CPU_TILED_MM="0")
+    done = subprocess.run(
+        [sys.executable, "-c", _UNTILED_SCRIPT, str(path)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["rows"] == [eval_shapes.UNTILED_MAX_ROWS, eval_shapes.UNTILED_MAX_ROWS]
+    assert max(r["sizes"][0]) == min(63, r["n_prompt"]) and max(r["sizes"][1]) == 16
+    assert r["equal_batches"] and r["equal_one_at_a_time"]
+
+
+def test_the_command_line_turns_the_tiled_kernel_off_for_deterministic_answers(monkeypatch):
+    from llamaflash.cli import run_chat
+
+    monkeypatch.delenv("GGML_CPU_TILED_MM", raising=False)
+    run_chat.untiled_for_determinism()
+    assert os.environ["GGML_CPU_TILED_MM"] == "0"
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "1")  # a user's own setting is kept
+    run_chat.untiled_for_determinism()
+    assert os.environ["GGML_CPU_TILED_MM"] == "1"

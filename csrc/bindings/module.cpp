@@ -8,6 +8,7 @@
 #include "io/file_reader.h"
 #include "io/integrity.h"
 #include "model/flash_model.h"
+#include "model/row_invariance.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -48,6 +49,17 @@ PYBIND11_MODULE(_native, m) {
     m.def(
         "end_model_load", [] { WeightRegistry::instance().clear_pending(); },
         "End the load PlanEngine.begin_model_load began: no later model's weights are offered to its engine.");
+
+    m.def(
+        "kquant_rows_invariant",
+        [](int max_rows, int n_threads) {
+            py::gil_scoped_release release;
+            return kquant_rows_invariant(max_rows, n_threads);
+        },
+        py::arg("max_rows"), py::arg("n_threads") = 2,
+        "Whether this process's ggml-cpu gives every row of a K-quant MUL_MAT of up to max_rows rows the "
+        "bits of that row alone (false while its tiled kernel is on: GGML_CPU_TILED_MM unset or not 0 when "
+        "the process's first K-quant matmul ran). See csrc/model/row_invariance.h.");
 
     m.attr("INTEGRITY_ERROR_PREFIX") = std::string(kIntegrityErrorPrefix);
     m.def("crc32c_implementation", &crc32c_implementation,

@@ -11,6 +11,7 @@ any of these.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 import warnings
@@ -90,9 +91,19 @@ def describe_lane(llm) -> str:
     return f"llamaflash {mode} lane"
 
 
+def untiled_for_determinism() -> None:
+    """``--deterministic`` on the command line (every model of the process deterministic): ggml-cpu's
+    tiled K-quant kernel off for this process (``GGML_CPU_TILED_MM=0`` unless the environment sets it),
+    so that deterministic batches take up to 63 rows instead of 7 (eval_shapes.UNTILED_MAX_ROWS).
+    ggml reads the variable at the process's first K-quant matmul: called before any model loads."""
+    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
+
 def load_model(model: str, options: LoadOptions):
     """Resolve ``model`` (a file or a registry name, fetched on first use) and load it, saying on stderr
     what is loading, how long it took and which lane runs it."""
+    if options.deterministic:
+        untiled_for_determinism()
     path = resolve_model(model, progress=True)
     say(f"llamaflash: loading {path} ...")
     start = time.perf_counter()

@@ -45,7 +45,7 @@ from starlette_context.plugins import RequestIdPlugin
 from ..errors import LlamaflashError
 from ..runtime.llama import Llama
 from .models_by_name import check_model, resolve_model
-from .run_chat import describe_lane, plain_notices, say
+from .run_chat import describe_lane, plain_notices, say, untiled_for_determinism
 
 
 class FlashModelSettings(ModelSettings):
@@ -371,6 +371,8 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(argv: Sequence[str]) -> None:
     """``llamaflash serve``: parse, bind, load the first model, serve until Ctrl-C or SIGTERM."""
     server_settings, models = parse_settings(argv)
+    if models and all(getattr(m, "deterministic", False) for m in models):
+        untiled_for_determinism()
     sock = listen(server_settings.host, server_settings.port)
     port = sock.getsockname()[1]
     try:

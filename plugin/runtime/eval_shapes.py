@@ -44,6 +44,10 @@ import numpy as np
 #: rows (plain weights, flash attention; measured with this llama-cpp-python): from 8 rows on, the
 #: K-quant matmuls take the tiled kernel (ggml-cpu/tiled), which sums in another order.
 MAX_ROWS = 7
+#: The same where ggml-cpu's tiled kernel is off in this process (GGML_CPU_TILED_MM=0 before its first
+#: K-quant matmul; `llamaflash run/chat/serve --deterministic` set it) and no matrix takes tinyBLAS:
+#: rows then keep their bits up to flash attention's tiled path, which starts at 64 query rows.
+UNTILED_MAX_ROWS = 63
 
 #: Flash attention over one query row splits the KV by thread count from this many cells
 #: (ggml-cpu ops.cpp, use_split_kv_path: nek1 >= 512); the KV length is padded to 256 cells.

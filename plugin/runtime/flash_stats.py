@@ -81,7 +81,7 @@ def numerics(llm: "Llama") -> Dict[str, Any]:
         kv = "its KV cache as given" if llm._kv_may_split else "a q8_0 KV cache (-ctk q8_0 -ctv q8_0)"
         equals = (
             f"no stock default: stock llama.cpp with weights not repacked, flash attention on and {kv}, "
-            "every batch evaluated in 1..7 rows (llama.cpp's tools cannot be told to)"
+            f"every batch evaluated in 1..{llm._invariant_rows} rows (llama.cpp's tools cannot be told to)"
         )
         if llm._tinyblas_matrix is None and not llm._kv_may_split:
             # no filler rows: every row has the bits of a row evaluated alone (an MoE's routers
@@ -101,6 +101,7 @@ def numerics(llm: "Llama") -> Dict[str, Any]:
         if lossy
         else None,
         "prompt_records": len(llm._prompt_records),
+        "invariant_rows": int(llm._invariant_rows) if deterministic else None,
     }
 
 

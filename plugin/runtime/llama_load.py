@@ -139,6 +139,21 @@ def computed_per_row(plan: ModelPlan) -> frozenset:
     return expert_runtime.router_weight_names(plan.engine.experts)
 
 
+def invariant_rows(llm: "Llama", plan: ModelPlan, kwargs: Dict[str, Any]) -> int:
+    """The most rows of a deterministic evaluation's batches (eval_shapes): UNTILED_MAX_ROWS where
+    ggml-cpu's tiled kernel is off in this process (probed: _native.kquant_rows_invariant), no matrix
+    takes tinyBLAS and no dense lane serves the FFN (their rows are measured up to MAX_ROWS only);
+    else MAX_ROWS."""
+    if not llm._deterministic or llm._tinyblas_matrix is not None:
+        return eval_shapes.MAX_ROWS
+    if plan.engine is not None and plan.engine.dense is not None:
+        return eval_shapes.MAX_ROWS
+    threads = int(kwargs.get("n_threads_batch") or kwargs.get("n_threads") or 2)
+    if not _native.kquant_rows_invariant(eval_shapes.UNTILED_MAX_ROWS, threads):
+        return eval_shapes.MAX_ROWS
+    return eval_shapes.UNTILED_MAX_ROWS
+
+
 def load_llama(llm: "Llama", plan: ModelPlan, engine, model_path, args: tuple, kwargs: Dict[str, Any]) -> None:
     """``llama_cpp.Llama.__init__`` with the plan's llama.cpp settings (its defaults where the caller gave
     none, its overrides always) and, when ``engine`` is given, the engine armed to receive the weights it
@@ -170,6 +185,7 @@ def load_llama(llm: "Llama", plan: ModelPlan, engine, model_path, args: tuple, k
     llm._kv_may_split = eval_shapes.kv_may_split(kwargs.get("type_k"), kwargs.get("type_v"))
     # a matrix tinyBLAS multiplies from 2 rows on: a lone row gets other bits at every position
     llm._tinyblas_matrix = tinyblas_matrix(plan.model.base.header, per_row=computed_per_row(plan))
+    llm._invariant_rows = invariant_rows(llm, plan, kwargs)
     for name, value in plan.llama_defaults.items():
         kwargs.setdefault(name, value)
     kwargs.update(plan.llama_overrides)

@@ -25,7 +25,7 @@ def eval_invariant(llm: "Llama", tokens, all_logits: bool) -> None:
     n_past = llm.n_tokens
     t0 = time.perf_counter()
     # any 1..MAX_ROWS rows are invariant: chunks also fit a smaller n_batch / n_ubatch (an MoE plan's)
-    max_rows = max(3, min(eval_shapes.MAX_ROWS, llm.n_batch, llm.context_params.n_ubatch))
+    max_rows = max(3, min(llm._invariant_rows, llm.n_batch, llm.context_params.n_ubatch))
     # a lone row is padded where another batch may compute the same position (deterministic mode, and
     # speculation verifying drafts in batches) and a row alone gets other bits: past 256 positions over
     # an f16 KV cache (split KV), at any position where a matrix takes tinyBLAS from 2 rows
