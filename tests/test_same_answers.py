@@ -424,3 +424,16 @@ def test_the_command_line_turns_the_tiled_kernel_off_for_deterministic_answers(m
     monkeypatch.setenv("GGML_CPU_TILED_MM", "1")  # a user's own setting is kept
     run_chat.untiled_for_determinism()
     assert os.environ["GGML_CPU_TILED_MM"] == "1"
+
+
+def test_deterministic_moe_in_memory_without_a_sidecar_runs_as_stock(tiny_moe_factory, tmp_path):
+    """No expert sidecar: the expert lane cannot serve it, so stock runs it (with filler rows), saying why."""
+    path = tmp_path / "moe.gguf"
+    spec = dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff_shexp=256, quant="Q4_K_M", direct=True)
+    shutil.copyfile(tiny_moe_factory("qwen3moe", **spec), path)
+    llm = llamaflash.Llama(str(path), deterministic=True, **dict(KW, n_ctx=512))
+    assert llm.flash_mode == "stock"
+    assert "expert sidecar" in llm.flash_stats()["decision"]["reason"]
+    assert llm._tinyblas_matrix == "blk.0.ffn_gate_inp.weight"  # stock computes the routers: filler rows
+    assert answer(llm, "w1 w2 w3") == answer(llm, "w1 w2 w3")
+    llm.close()

@@ -448,13 +448,13 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
             n_ubatch=request.n_ubatch,
             disk=disk_probe.resolve_profile(request.disk_profile, sidecar.path) or _default_disk(),
             counts=counts,
-            n_slots=model.moe.n_expert if in_memory else request.expert_slots,
+            n_slots=(request.expert_slots or model.moe.n_expert) if in_memory else request.expert_slots,
             logits_all=request.logits_all,
         )
     except RamBudgetError as e:
         if not in_memory:
             raise
-        reason = f"running as stock: every expert of the model does not fit this machine's memory ({e})"
+        reason = f"running as stock: the model's experts do not all fit this machine's memory ({e})"
         plan = ModelPlan(model, STOCK, reason, lane_decision.Decision(lane_decision.STOCK, False, reason))
         plan.speculation = stock_speculation
         plan.notice = f"llamaflash: '{model.path}': {reason}"
@@ -472,7 +472,10 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
         return plan
     reason = f"experts served from flash: {budget_plan.n_slots} of {model.moe.n_expert} experts per layer cached"
     if in_memory:
-        reason = "experts served by the expert lane, every expert resident: deterministic answers (routers row by row)"
+        reason = (
+            f"experts served by the expert lane in memory, {budget_plan.n_slots} of {model.moe.n_expert} per layer "
+            "resident: deterministic answers (routers row by row)"
+        )
     plan = ModelPlan(model, EXPERTS, reason, lane_decision.Decision(EXPERTS, False, reason), sidecar)
     plan.speculation, plan.expert_plan = speculation, budget_plan
     plan.llama_defaults.update(n_batch=budget_plan.n_ubatch, n_ubatch=budget_plan.n_ubatch)
