@@ -93,7 +93,7 @@ std::shared_ptr<FlashModel> WeightRegistry::pending() const {
 bool WeightRegistry::pending_serves(const char * name) const {
     int layer = -1;
     FfnWeightKind kind;
-    ExpertTensorKind expert_kind;
+    ExpertTensorKind expert_kind = ExpertTensorKind::up;
     if (parse_expert_weight_name(name, &layer, &expert_kind)) {
         std::lock_guard<std::mutex> lock(mu_);
         return pending_experts_ && pending_experts_->serves(layer);
@@ -112,7 +112,7 @@ bool WeightRegistry::pending_serves(const char * name) const {
 bool WeightRegistry::bind(const ggml_tensor * tensor, ggml_backend_buffer_t buffer) {
     int layer = -1;
     FfnWeightKind kind;
-    ExpertTensorKind expert_kind;
+    ExpertTensorKind expert_kind = ExpertTensorKind::up;
     const bool router = parse_router_weight_name(tensor->name, &layer);
     if (router || parse_expert_weight_name(tensor->name, &layer, &expert_kind)) {
         std::lock_guard<std::mutex> lock(mu_);
