@@ -11,15 +11,14 @@
 // thread barrier) instead of a gather, one MUL_MAT_ID per expert and a scatter.
 #pragma once
 
+#include "model/row_invariance.h"  // kTiledMinRows: where ggml-cpu's MUL_MAT_ID takes its tiled kernel
+
 #include "ggml.h"
 
 #include <cstdint>
 #include <vector>
 
 namespace llamaflash {
-
-// Rows of one expert from which ggml-cpu's MUL_MAT_ID takes its tiled kernel instead of vec_dot.
-constexpr int64_t kTiledMinRows = 8;
 
 struct ExpertDots {
     ggml_type type = GGML_TYPE_F32;        // the weights'

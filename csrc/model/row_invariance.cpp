@@ -12,9 +12,8 @@ namespace llamaflash {
 
 namespace {
 
-constexpr int64_t kProbeK = 256;      // one K-quant super-block per row
-constexpr int64_t kProbeOut = 16;     // output rows of W
-constexpr int64_t kTiledMinRows = 8;  // ggml-cpu's tiled kernel starts at 8 rows of the batch
+constexpr int64_t kProbeK = 256;   // one K-quant super-block per row
+constexpr int64_t kProbeOut = 16;  // output rows of W
 
 // Y = W · X for `rows` rows of X starting at `first`, computed as one MUL_MAT: [kProbeOut, rows].
 std::vector<float> matmul(ggml_type type, const std::vector<uint8_t> & w, const std::vector<float> & x, int64_t first,

@@ -12,7 +12,13 @@
 // K-quant matmul (ggml then decides here, as it would at the first model's).
 #pragma once
 
+#include <cstdint>
+
 namespace llamaflash {
+
+// Rows of a batch from which ggml-cpu multiplies K-quant weights with its tiled kernel (while it is on)
+// instead of one vec_dot per output (ggml-cpu/tiled, ggml_tiled_min_batch).
+constexpr int64_t kTiledMinRows = 8;
 
 // True if every K-quant type gives each row of an n-row MUL_MAT (n = 8 and max_rows) the bits of
 // that row alone, on n_threads threads.

@@ -53,13 +53,6 @@ def routers_in_f32(moe: experts.MoeModelInfo) -> bool:
     return all(layer.router is not None and layer.router.ggml_type == GGML_TYPE_F32 for layer in moe.layers)
 
 
-def router_weight_names(config) -> frozenset:
-    """The routers an ExpertConfig has the expert lane compute row by row (none without router_rows)."""
-    if config is None or not config.router_rows:
-        return frozenset()
-    return frozenset(f"blk.{spec.layer}.ffn_gate_inp.weight" for spec in config.layers)
-
-
 def engine_config(
     model_path: str,
     moe: experts.MoeModelInfo,

@@ -134,9 +134,9 @@ def open_engine(plan: ModelPlan) -> Optional["_native.PlanEngine"]:
 def computed_per_row(plan: ModelPlan) -> frozenset:
     """The matrices llamaflash computes every row of as a lone row (an MoE's routers under
     deterministic=True), which therefore need no filler row after a lone token."""
-    if plan.engine is None or plan.engine.experts is None:
+    if plan.engine is None or plan.engine.experts is None or not plan.engine.experts.router_rows:
         return frozenset()
-    return expert_runtime.router_weight_names(plan.engine.experts)
+    return frozenset(layer.router.name for layer in plan.model.moe.layers)
 
 
 def invariant_rows(llm: "Llama", plan: ModelPlan, kwargs: Dict[str, Any]) -> int:

@@ -173,13 +173,18 @@ def _moe_stock_reason(model: ModelId, request: LoadRequest) -> Optional[str]:
     return None
 
 
-def _experts_for_determinism(model: ModelId, request: LoadRequest) -> bool:
-    """Whether an MoE model in memory is served by the expert lane with every expert resident:
-    deterministic answers on f32 routers, which the lane computes row by row (stock would need a
-    filler row after every lone token: eval_shapes)."""
+def _router_rows(model: ModelId, request: LoadRequest) -> bool:
+    """Whether the expert lane computes the MoE's routers row by row: deterministic answers on f32
+    routers (stock would need a filler row after every lone token: eval_shapes)."""
     from . import expert_runtime
 
-    return request.deterministic and request.ram_budget_mb is None and expert_runtime.routers_in_f32(model.moe)
+    return request.deterministic and expert_runtime.routers_in_f32(model.moe)
+
+
+def _experts_for_determinism(model: ModelId, request: LoadRequest) -> bool:
+    """Whether an MoE model in memory is served by the expert lane with every expert resident, so that
+    it computes the routers row by row."""
+    return request.ram_budget_mb is None and _router_rows(model, request)
 
 
 def find_sidecar(model: ModelId, request: LoadRequest) -> Optional[Sidecar]:
@@ -488,7 +493,7 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
         verify=request.verify,
         prefetch=expert_runtime.prefetch_enabled(),
         overlap=expert_runtime.overlap_enabled(),
-        router_rows=request.deterministic and expert_runtime.routers_in_f32(model.moe),
+        router_rows=_router_rows(model, request),
     )
     routers = {layer.layer: layer.router for layer in model.moe.layers}
     lock_ranges = tuple(expert_runtime.dense_ranges(model.moe, model.base.header, mmap.PAGESIZE))
