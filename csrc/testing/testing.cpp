@@ -8,6 +8,8 @@
 //   activation_roundtrip, DenseFfnGraph
 //                           the ggml dense reference (ffn_dense_ref.h)
 //   measure_read_bandwidth  DRAM read bandwidth (bandwidth.h)
+//   kquant_gemm, kquant_gemm_supported
+//                           the K-quant gemm with vec_dot's bits (kquant_gemm_hooks.h)
 //   inject_fault, pending_buffers
 //                           a FlashReader's fault injection (flash_io.h) and its kept destination buffers
 #include "backend/weight_registry.h"
@@ -15,6 +17,7 @@
 #include "lanes/sparse_ffn.h"
 #include "testing/bandwidth.h"
 #include "testing/ffn_dense_ref.h"
+#include "testing/kquant_gemm_hooks.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -211,6 +214,7 @@ private:
 
 PYBIND11_MODULE(_native_testing, m) {
     m.doc() = "llamaflash test and benchmark hooks (not used by the runtime package)";
+    llamaflash_testing::bind_kquant_gemm_hooks(m);
 
     m.def(
         "inject_fault",
