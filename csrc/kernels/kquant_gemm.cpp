@@ -30,8 +30,8 @@ KernelFn kernel_for(int type, const char * isa) {
         default: return nullptr;
     }
 #else
-    (void) type;
-    (void) isa;
+    (void)type;
+    (void)isa;
     return nullptr;
 #endif
 }
@@ -48,8 +48,8 @@ using gemm::KernelFn;
 constexpr int64_t kMinKernelCols = 4;
 
 // One output per vec_dot call: ggml-cpu's own computation.
-void gemm_by_vec_dot(ggml_type type, int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows,
-                     const void * q, size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
+void gemm_by_vec_dot(ggml_type type, int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
+                     size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
     const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(type)->vec_dot;
     for (int64_t c = 0; c < n_cols; ++c) {
         const void * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c) * q_col_bytes;

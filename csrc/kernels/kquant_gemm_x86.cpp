@@ -25,11 +25,11 @@ namespace gemm {
 
 namespace {
 
-constexpr int kQK = 256;                 // values per superblock
-constexpr size_t kQ4_KBytes = 144;       // d, dmin (fp16), scales[12], qs[128]
-constexpr size_t kQ6_KBytes = 210;       // ql[128], qh[64], scales[16] (int8), d (fp16)
-constexpr size_t kQ8_KBytes = 292;       // d (f32), qs[256] (int8), bsums[16] (int16)
-constexpr size_t kQ8_KBsums = 4 + kQK;   // offset of bsums in a Q8_K block
+constexpr int kQK = 256;                // values per superblock
+constexpr size_t kQ4_KBytes = 144;      // d, dmin (fp16), scales[12], qs[128]
+constexpr size_t kQ6_KBytes = 210;      // ql[128], qh[64], scales[16] (int8), d (fp16)
+constexpr size_t kQ8_KBytes = 292;      // d (f32), qs[256] (int8), bsums[16] (int16)
+constexpr size_t kQ8_KBsums = 4 + kQK;  // offset of bsums in a Q8_K block
 // Weight rows multiplied by one tile of columns before the next tile: the tile's activations
 // (kGemmCols × ne0 / 256 Q8_K blocks) stay in L1 / L2 while the block's rows stream past them.
 constexpr int64_t kRowBlock = 64;
@@ -58,7 +58,7 @@ inline void q4_k_scales_mins(const uint8_t * packed, uint32_t utmp[4]) {
     utmp[0] &= kmask1;
 }
 
-#define LF_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define LF_AVX2   __attribute__((target("avx2,fma,f16c")))
 #define LF_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // ggml's hsum_float_8: ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)).
@@ -96,53 +96,56 @@ LF_AVX2 void q4_k_avx2(int64_t ne0, const void * w, size_t w_row_bytes, int64_t 
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
         for (int64_t c0 = 0; c0 < n_cols; c0 += kGemmCols) {
             for (int64_t r = r0; r < std::min(n_rows, r0 + kRowBlock); ++r) {
-            const uint8_t * x = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
-            const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
-            const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
-            __m256 acc[kGemmCols];
-            __m128 acc_m[kGemmCols];
-            for (int c = 0; c < nc; ++c) {
-                acc[c] = _mm256_setzero_ps();
-                acc_m[c] = _mm_setzero_ps();
-            }
-            for (int64_t i = 0; i < nb; ++i) {
-                const uint8_t * xb = x + static_cast<size_t>(i) * kQ4_KBytes;
-                const float xd = _cvtsh_ss(load_u16(xb)), xdmin = _cvtsh_ss(load_u16(xb + 2));
-                uint32_t utmp[4];
-                q4_k_scales_mins(xb + 4, utmp);
-                const __m256i mins_and_scales =
-                    _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-                const __m128i mins16 = _mm256_extracti128_si256(mins_and_scales, 1);
-                uint8_t sc[8];
-                std::memcpy(sc, utmp, 8);
-                // the weight side of vec_dot's inner loop: nibbles and per-sub-block scales
-                __m256i lo[4], hi[4], sl[4], sh[4];
-                for (int j = 0; j < 4; ++j) {
-                    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 16 + 32 * j));
-                    lo[j] = _mm256_and_si256(bits, m4);
-                    hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                    sl[j] = _mm256_set1_epi16(sc[2 * j]);
-                    sh[j] = _mm256_set1_epi16(sc[2 * j + 1]);
+                const uint8_t * x = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
+                const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
+                const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
+                __m256 acc[kGemmCols];
+                __m128 acc_m[kGemmCols];
+                for (int c = 0; c < nc; ++c) {
+                    acc[c] = _mm256_setzero_ps();
+                    acc_m[c] = _mm_setzero_ps();
+                }
+                for (int64_t i = 0; i < nb; ++i) {
+                    const uint8_t * xb = x + static_cast<size_t>(i) * kQ4_KBytes;
+                    const float xd = _cvtsh_ss(load_u16(xb)), xdmin = _cvtsh_ss(load_u16(xb + 2));
+                    uint32_t utmp[4];
+                    q4_k_scales_mins(xb + 4, utmp);
+                    const __m256i mins_and_scales =
+                        _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+                    const __m128i mins16 = _mm256_extracti128_si256(mins_and_scales, 1);
+                    uint8_t sc[8];
+                    std::memcpy(sc, utmp, 8);
+                    // the weight side of vec_dot's inner loop: nibbles and per-sub-block scales
+                    __m256i lo[4], hi[4], sl[4], sh[4];
+                    for (int j = 0; j < 4; ++j) {
+                        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 16 + 32 * j));
+                        lo[j] = _mm256_and_si256(bits, m4);
+                        hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                        sl[j] = _mm256_set1_epi16(sc[2 * j]);
+                        sh[j] = _mm256_set1_epi16(sc[2 * j + 1]);
+                    }
+                    for (int c = 0; c < nc; ++c) {
+                        const uint8_t * y =
+                            qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
+                        const float yd = load_f32(y);
+                        const __m128i prod = q4_k_min_products(mins16, y);
+                        acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(-yd * xdmin), _mm_cvtepi32_ps(prod), acc_m[c]);
+                        __m256i sumi = _mm256_setzero_si256();
+                        for (int j = 0; j < 4; ++j) {
+                            const __m256i q8l = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 64 * j));
+                            const __m256i q8h =
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 64 * j + 32));
+                            const __m256i p16l = _mm256_madd_epi16(sl[j], _mm256_maddubs_epi16(lo[j], q8l));
+                            const __m256i p16h = _mm256_madd_epi16(sh[j], _mm256_maddubs_epi16(hi[j], q8h));
+                            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+                        }
+                        acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
+                    }
                 }
                 for (int c = 0; c < nc; ++c) {
-                    const uint8_t * y = qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
-                    const float yd = load_f32(y);
-                    const __m128i prod = q4_k_min_products(mins16, y);
-                    acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(-yd * xdmin), _mm_cvtepi32_ps(prod), acc_m[c]);
-                    __m256i sumi = _mm256_setzero_si256();
-                    for (int j = 0; j < 4; ++j) {
-                        const __m256i q8l = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 64 * j));
-                        const __m256i q8h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 64 * j + 32));
-                        const __m256i p16l = _mm256_madd_epi16(sl[j], _mm256_maddubs_epi16(lo[j], q8l));
-                        const __m256i p16h = _mm256_madd_epi16(sh[j], _mm256_maddubs_epi16(hi[j], q8h));
-                        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
-                    }
-                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
+                    out[static_cast<size_t>(c0 + c) * out_col_stride + r] =
+                        hsum_float_8(acc[c]) + hsum_float_4(acc_m[c]);
                 }
-            }
-            for (int c = 0; c < nc; ++c) {
-                out[static_cast<size_t>(c0 + c) * out_col_stride + r] = hsum_float_8(acc[c]) + hsum_float_4(acc_m[c]);
-            }
             }
         }
     }
@@ -155,50 +158,53 @@ LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, 
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
         for (int64_t c0 = 0; c0 < n_cols; c0 += kGemmCols) {
             for (int64_t r = r0; r < std::min(n_rows, r0 + kRowBlock); ++r) {
-            const uint8_t * x = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
-            const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
-            const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
-            __m256 acc[kGemmCols];
-            __m128 acc_m[kGemmCols];
-            for (int c = 0; c < nc; ++c) {
-                acc[c] = _mm256_setzero_ps();
-                acc_m[c] = _mm_setzero_ps();
-            }
-            for (int64_t i = 0; i < nb; ++i) {
-                const uint8_t * xb = x + static_cast<size_t>(i) * kQ4_KBytes;
-                const float xd = _cvtsh_ss(load_u16(xb)), xdmin = _cvtsh_ss(load_u16(xb + 2));
-                uint32_t utmp[4];
-                q4_k_scales_mins(xb + 4, utmp);
-                const __m128i mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, utmp[3], utmp[2]));
-                uint8_t sc[8];
-                std::memcpy(sc, utmp, 8);
-                // chunk j: [32 low nibbles (sub-block 2j) | 32 high nibbles (sub-block 2j + 1)] and
-                // its scales as int16: [sc[2j] × 16 | sc[2j + 1] × 16]
-                __m512i wq[4], ws[4];
-                for (int j = 0; j < 4; ++j) {
-                    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 16 + 32 * j));
-                    wq[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bits, m4)),
-                                               _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), 1);
-                    ws[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(sc[2 * j])),
-                                               _mm256_set1_epi16(sc[2 * j + 1]), 1);
+                const uint8_t * x = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
+                const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
+                const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
+                __m256 acc[kGemmCols];
+                __m128 acc_m[kGemmCols];
+                for (int c = 0; c < nc; ++c) {
+                    acc[c] = _mm256_setzero_ps();
+                    acc_m[c] = _mm_setzero_ps();
+                }
+                for (int64_t i = 0; i < nb; ++i) {
+                    const uint8_t * xb = x + static_cast<size_t>(i) * kQ4_KBytes;
+                    const float xd = _cvtsh_ss(load_u16(xb)), xdmin = _cvtsh_ss(load_u16(xb + 2));
+                    uint32_t utmp[4];
+                    q4_k_scales_mins(xb + 4, utmp);
+                    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, utmp[3], utmp[2]));
+                    uint8_t sc[8];
+                    std::memcpy(sc, utmp, 8);
+                    // chunk j: [32 low nibbles (sub-block 2j) | 32 high nibbles (sub-block 2j + 1)] and
+                    // its scales as int16: [sc[2j] × 16 | sc[2j + 1] × 16]
+                    __m512i wq[4], ws[4];
+                    for (int j = 0; j < 4; ++j) {
+                        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 16 + 32 * j));
+                        wq[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bits, m4)),
+                                                   _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), 1);
+                        ws[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(sc[2 * j])),
+                                                   _mm256_set1_epi16(sc[2 * j + 1]), 1);
+                    }
+                    for (int c = 0; c < nc; ++c) {
+                        const uint8_t * y =
+                            qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
+                        const float yd = load_f32(y);
+                        const __m128i prod = q4_k_min_products(mins16, y);
+                        acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(-yd * xdmin), _mm_cvtepi32_ps(prod), acc_m[c]);
+                        __m512i s = _mm512_setzero_si512();
+                        for (int j = 0; j < 4; ++j) {
+                            const __m512i q8 = _mm512_loadu_si512(y + 4 + 64 * j);
+                            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(wq[j], q8), ws[j]);
+                        }
+                        const __m256i sumi =
+                            _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+                        acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
+                    }
                 }
                 for (int c = 0; c < nc; ++c) {
-                    const uint8_t * y = qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
-                    const float yd = load_f32(y);
-                    const __m128i prod = q4_k_min_products(mins16, y);
-                    acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(-yd * xdmin), _mm_cvtepi32_ps(prod), acc_m[c]);
-                    __m512i s = _mm512_setzero_si512();
-                    for (int j = 0; j < 4; ++j) {
-                        const __m512i q8 = _mm512_loadu_si512(y + 4 + 64 * j);
-                        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(wq[j], q8), ws[j]);
-                    }
-                    const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
+                    out[static_cast<size_t>(c0 + c) * out_col_stride + r] =
+                        hsum_float_8(acc[c]) + hsum_float_4(acc_m[c]);
                 }
-            }
-            for (int c = 0; c < nc; ++c) {
-                out[static_cast<size_t>(c0 + c) * out_col_stride + r] = hsum_float_8(acc[c]) + hsum_float_4(acc_m[c]);
-            }
             }
         }
     }
@@ -214,58 +220,60 @@ LF_AVX2 void q6_k_avx2(int64_t ne0, const void * w, size_t w_row_bytes, int64_t 
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
         for (int64_t c0 = 0; c0 < n_cols; c0 += kGemmCols) {
             for (int64_t r = r0; r < std::min(n_rows, r0 + kRowBlock); ++r) {
-            const uint8_t * x = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
-            const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
-            const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
-            __m256 acc[kGemmCols];
-            for (int c = 0; c < nc; ++c) {
-                acc[c] = _mm256_setzero_ps();
-            }
-            for (int64_t i = 0; i < nb; ++i) {
-                const uint8_t * xb = x + static_cast<size_t>(i) * kQ6_KBytes;
-                const uint8_t * ql = xb;
-                const uint8_t * qh = xb + 128;
-                const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i *>(xb + 192));
-                const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
-                const float xd = _cvtsh_ss(load_u16(xb + 208));
-                // value groups g = 4j + (0..3) of 32 values each, and their int16 scales
-                __m256i wq[8], ws[8];
-                for (int j = 0; j < 2; ++j) {
-                    const __m256i bits1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ql + 64 * j));
-                    const __m256i bits2 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ql + 64 * j + 32));
-                    const __m256i bitsh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh + 32 * j));
-                    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(bitsh, m3), 4);
-                    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(bitsh, _mm256_set1_epi8(12)), 2);
-                    const __m256i h2 = _mm256_and_si256(bitsh, _mm256_set1_epi8(48));
-                    const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(bitsh, _mm256_set1_epi8(-64)), 2);
-                    wq[4 * j + 0] = _mm256_or_si256(_mm256_and_si256(bits1, m15), h0);
-                    wq[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(bits2, m15), h1);
-                    wq[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits1, 4), m15), h2);
-                    wq[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits2, 4), m15), h3);
-                    for (int g = 0; g < 4; ++g) {
-                        const int is = 4 * j + g;  // scales 2·is (values 0..15 of the group), 2·is + 1
-                        const __m128i pair = _mm_unpacklo_epi64(_mm_set1_epi8(static_cast<char>(xb[192 + 2 * is])),
-                                                                _mm_set1_epi8(static_cast<char>(xb[192 + 2 * is + 1])));
-                        ws[is] = _mm256_cvtepi8_epi16(pair);
+                const uint8_t * x = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
+                const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
+                const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
+                __m256 acc[kGemmCols];
+                for (int c = 0; c < nc; ++c) {
+                    acc[c] = _mm256_setzero_ps();
+                }
+                for (int64_t i = 0; i < nb; ++i) {
+                    const uint8_t * xb = x + static_cast<size_t>(i) * kQ6_KBytes;
+                    const uint8_t * ql = xb;
+                    const uint8_t * qh = xb + 128;
+                    const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i *>(xb + 192));
+                    const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+                    const float xd = _cvtsh_ss(load_u16(xb + 208));
+                    // value groups g = 4j + (0..3) of 32 values each, and their int16 scales
+                    __m256i wq[8], ws[8];
+                    for (int j = 0; j < 2; ++j) {
+                        const __m256i bits1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ql + 64 * j));
+                        const __m256i bits2 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ql + 64 * j + 32));
+                        const __m256i bitsh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh + 32 * j));
+                        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(bitsh, m3), 4);
+                        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(bitsh, _mm256_set1_epi8(12)), 2);
+                        const __m256i h2 = _mm256_and_si256(bitsh, _mm256_set1_epi8(48));
+                        const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(bitsh, _mm256_set1_epi8(-64)), 2);
+                        wq[4 * j + 0] = _mm256_or_si256(_mm256_and_si256(bits1, m15), h0);
+                        wq[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(bits2, m15), h1);
+                        wq[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits1, 4), m15), h2);
+                        wq[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits2, 4), m15), h3);
+                        for (int g = 0; g < 4; ++g) {
+                            const int is = 4 * j + g;  // scales 2·is (values 0..15 of the group), 2·is + 1
+                            const __m128i pair =
+                                _mm_unpacklo_epi64(_mm_set1_epi8(static_cast<char>(xb[192 + 2 * is])),
+                                                   _mm_set1_epi8(static_cast<char>(xb[192 + 2 * is + 1])));
+                            ws[is] = _mm256_cvtepi8_epi16(pair);
+                        }
+                    }
+                    for (int c = 0; c < nc; ++c) {
+                        const uint8_t * y =
+                            qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
+                        const float yd = load_f32(y);
+                        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
+                        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+                        __m256i sumi = _mm256_setzero_si256();
+                        for (int g = 0; g < 8; ++g) {
+                            const __m256i q8 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 32 * g));
+                            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ws[g], _mm256_maddubs_epi16(wq[g], q8)));
+                        }
+                        sumi = _mm256_sub_epi32(sumi, q8sclsub);
+                        acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
                     }
                 }
                 for (int c = 0; c < nc; ++c) {
-                    const uint8_t * y = qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
-                    const float yd = load_f32(y);
-                    const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
-                    const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-                    __m256i sumi = _mm256_setzero_si256();
-                    for (int g = 0; g < 8; ++g) {
-                        const __m256i q8 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 32 * g));
-                        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ws[g], _mm256_maddubs_epi16(wq[g], q8)));
-                    }
-                    sumi = _mm256_sub_epi32(sumi, q8sclsub);
-                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
+                    out[static_cast<size_t>(c0 + c) * out_col_stride + r] = hsum_float_8(acc[c]);
                 }
-            }
-            for (int c = 0; c < nc; ++c) {
-                out[static_cast<size_t>(c0 + c) * out_col_stride + r] = hsum_float_8(acc[c]);
-            }
             }
         }
     }
@@ -278,63 +286,65 @@ LF_AVX512 void q6_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, 
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
         for (int64_t c0 = 0; c0 < n_cols; c0 += kGemmCols) {
             for (int64_t r = r0; r < std::min(n_rows, r0 + kRowBlock); ++r) {
-            const uint8_t * x = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
-            const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
-            const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
-            __m256 acc[kGemmCols];
-            for (int c = 0; c < nc; ++c) {
-                acc[c] = _mm256_setzero_ps();
-            }
-            for (int64_t i = 0; i < nb; ++i) {
-                const uint8_t * xb = x + static_cast<size_t>(i) * kQ6_KBytes;
-                const uint8_t * ql = xb;
-                const uint8_t * qh = xb + 128;
-                const int8_t * sc = reinterpret_cast<const int8_t *>(xb + 192);
-                const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(sc)));
-                const float xd = _cvtsh_ss(load_u16(xb + 208));
-                // half j, pair p: value groups 4j + 2p and 4j + 2p + 1 (32 values each) in one register,
-                // groups 0/1 from ql's low nibbles, 2/3 from its high ones; qh's bit pairs 0,1 / 2,3 /
-                // 4,5 / 6,7 are the high bits of groups 0 / 1 / 2 / 3. Scales as int16, 8 lanes each:
-                // [sc[8j + 4p] sc[8j + 4p + 1] sc[8j + 4p + 2] sc[8j + 4p + 3]].
-                __m512i wq[4], ws[4];
-                for (int j = 0; j < 2; ++j) {
-                    const __m512i bits = _mm512_loadu_si512(ql + 64 * j);
-                    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh + 32 * j));
-                    const __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
-                    const __m512i h23 =
-                        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(h, 4)), _mm256_srli_epi16(h, 6), 1);
-                    wq[2 * j] = _mm512_or_si512(_mm512_and_si512(bits, m15),
-                                                _mm512_slli_epi16(_mm512_and_si512(h01, m3), 4));
-                    wq[2 * j + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bits, 4), m15),
-                                                    _mm512_slli_epi16(_mm512_and_si512(h23, m3), 4));
-                    for (int p = 0; p < 2; ++p) {
-                        const int s0 = 8 * j + 4 * p;
-                        const __m256i bytes = _mm256_setr_epi64x(
-                            static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0])),
-                            static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0 + 1])),
-                            static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0 + 2])),
-                            static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0 + 3])));
-                        ws[2 * j + p] = _mm512_cvtepi8_epi16(bytes);
+                const uint8_t * x = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
+                const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
+                const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
+                __m256 acc[kGemmCols];
+                for (int c = 0; c < nc; ++c) {
+                    acc[c] = _mm256_setzero_ps();
+                }
+                for (int64_t i = 0; i < nb; ++i) {
+                    const uint8_t * xb = x + static_cast<size_t>(i) * kQ6_KBytes;
+                    const uint8_t * ql = xb;
+                    const uint8_t * qh = xb + 128;
+                    const int8_t * sc = reinterpret_cast<const int8_t *>(xb + 192);
+                    const __m256i scales_16 =
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(sc)));
+                    const float xd = _cvtsh_ss(load_u16(xb + 208));
+                    // half j, pair p: value groups 4j + 2p and 4j + 2p + 1 (32 values each) in one register,
+                    // groups 0/1 from ql's low nibbles, 2/3 from its high ones; qh's bit pairs 0,1 / 2,3 /
+                    // 4,5 / 6,7 are the high bits of groups 0 / 1 / 2 / 3. Scales as int16, 8 lanes each:
+                    // [sc[8j + 4p] sc[8j + 4p + 1] sc[8j + 4p + 2] sc[8j + 4p + 3]].
+                    __m512i wq[4], ws[4];
+                    for (int j = 0; j < 2; ++j) {
+                        const __m512i bits = _mm512_loadu_si512(ql + 64 * j);
+                        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh + 32 * j));
+                        const __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+                        const __m512i h23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(h, 4)),
+                                                               _mm256_srli_epi16(h, 6), 1);
+                        wq[2 * j] = _mm512_or_si512(_mm512_and_si512(bits, m15),
+                                                    _mm512_slli_epi16(_mm512_and_si512(h01, m3), 4));
+                        wq[2 * j + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bits, 4), m15),
+                                                        _mm512_slli_epi16(_mm512_and_si512(h23, m3), 4));
+                        for (int p = 0; p < 2; ++p) {
+                            const int s0 = 8 * j + 4 * p;
+                            const __m256i bytes = _mm256_setr_epi64x(
+                                static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0])),
+                                static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0 + 1])),
+                                static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0 + 2])),
+                                static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0 + 3])));
+                            ws[2 * j + p] = _mm512_cvtepi8_epi16(bytes);
+                        }
+                    }
+                    for (int c = 0; c < nc; ++c) {
+                        const uint8_t * y =
+                            qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
+                        const float yd = load_f32(y);
+                        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
+                        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+                        __m512i s = _mm512_setzero_si512();
+                        for (int k = 0; k < 4; ++k) {
+                            const __m512i q8 = _mm512_loadu_si512(y + 4 + 64 * k);
+                            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(wq[k], q8), ws[k]);
+                        }
+                        __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+                        sumi = _mm256_sub_epi32(sumi, q8sclsub);
+                        acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
                     }
                 }
                 for (int c = 0; c < nc; ++c) {
-                    const uint8_t * y = qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
-                    const float yd = load_f32(y);
-                    const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
-                    const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-                    __m512i s = _mm512_setzero_si512();
-                    for (int k = 0; k < 4; ++k) {
-                        const __m512i q8 = _mm512_loadu_si512(y + 4 + 64 * k);
-                        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(wq[k], q8), ws[k]);
-                    }
-                    __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-                    sumi = _mm256_sub_epi32(sumi, q8sclsub);
-                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
+                    out[static_cast<size_t>(c0 + c) * out_col_stride + r] = hsum_float_8(acc[c]);
                 }
-            }
-            for (int c = 0; c < nc; ++c) {
-                out[static_cast<size_t>(c0 + c) * out_col_stride + r] = hsum_float_8(acc[c]);
-            }
             }
         }
     }
