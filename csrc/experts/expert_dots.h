@@ -8,7 +8,9 @@
 // where W_e is expert e's [ne1 rows of ne0] matrix. ExpertDots is that computation for the pairs
 // (slot k, token t) of one round, written straight into the MUL_MAT_ID's output [ne1, n_used, T],
 // the weights read from the expert cache's slots: the same bits as ggml's node, in one node (one
-// thread barrier) instead of a gather, one MUL_MAT_ID per expert and a scatter.
+// thread barrier) instead of a gather, one MUL_MAT_ID per expert and a scatter. Weights whose
+// vec_dot_type is Q8_K (the K-quants) take kquant_gemm (kernels/kquant_gemm.h) over all pairs of an
+// expert at once, each thread a share of the expert's rows: still vec_dot's bits per output.
 #pragma once
 
 #include "model/row_invariance.h"  // kTiledMinRows: where ggml-cpu's MUL_MAT_ID takes its tiled kernel
