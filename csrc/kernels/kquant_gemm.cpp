@@ -42,10 +42,11 @@ namespace {
 
 using gemm::KernelFn;
 
-// Columns from which the kernel is faster than one vec_dot per output (measured on AVX-512 VNNI, a
-// 1536 × 1536 weight: Q4_K 0.4× at 1 column, 0.7× at 2, 1.1× at 4, 1.3-1.5× at 8 and more; Q6_K
-// 0.6× at 1, 1.6-1.8× from 4).
-constexpr int64_t kMinKernelCols = 4;
+// Columns from which a kernel is faster than one vec_dot per output. Measured with a 1536 × 1536
+// weight against vec_dot: AVX-512 VNNI Q4_K 0.8× at 1 column, 1.2× at 2, 1.5× at 4, 1.6× from 8;
+// Q6_K 0.9×, 1.3×, 1.6×, 2.0×. AVX2 Q4_K 0.4×, 0.7×, 1.0×, 1.2×; Q6_K 0.7×, 1.0×, 1.3×, 1.5×.
+constexpr int64_t kMinColsAvx512 = 2;
+constexpr int64_t kMinColsAvx2 = 4;
 
 // One output per vec_dot call: ggml-cpu's own computation.
 void gemm_by_vec_dot(ggml_type type, int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
@@ -98,9 +99,10 @@ bool kernel_matches_vec_dot(ggml_type type, KernelFn kernel) {
 struct Picked {
     std::once_flag once;
     KernelFn kernel = nullptr;
+    int64_t min_cols = 0;  // vec_dot below
 };
 
-KernelFn checked_kernel(ggml_type type) {
+const Picked * checked_kernel(ggml_type type) {
     static Picked picked[GGML_TYPE_COUNT];
     if (type < 0 || type >= GGML_TYPE_COUNT) {
         return nullptr;
@@ -110,8 +112,9 @@ KernelFn checked_kernel(ggml_type type) {
         ggml_cpu_init();  // vec_dot's fp16 table, where this build reads fp16 through it
         KernelFn k = gemm::kernel_for(type, "auto");
         p.kernel = k != nullptr && kernel_matches_vec_dot(type, k) ? k : nullptr;
+        p.min_cols = k == gemm::kernel_for(type, "avx512vnni") ? kMinColsAvx512 : kMinColsAvx2;
     });
-    return p.kernel;
+    return p.kernel != nullptr ? &p : nullptr;
 }
 
 }  // namespace
@@ -121,8 +124,9 @@ bool kquant_gemm_supported(ggml_type type) { return checked_kernel(type) != null
 void kquant_gemm(ggml_type type, int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                  size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
     // few columns: vec_dot itself is faster (too few to amortize the unpacking over) and has the bits
-    if (KernelFn kernel = n_cols >= kMinKernelCols ? checked_kernel(type) : nullptr) {
-        kernel(ne0, w, w_row_bytes, n_rows, q, q_col_bytes, n_cols, out, out_col_stride);
+    const Picked * p = checked_kernel(type);
+    if (p != nullptr && n_cols >= p->min_cols) {
+        p->kernel(ne0, w, w_row_bytes, n_rows, q, q_col_bytes, n_cols, out, out_col_stride);
         return;
     }
     gemm_by_vec_dot(type, ne0, w, w_row_bytes, n_rows, q, q_col_bytes, n_cols, out, out_col_stride);

@@ -3,13 +3,15 @@
 //
 // Every kernel walks blocks of kRowBlock weight rows, for each block tiles of up to kGemmCols columns,
 // and for each tile the block's rows: a superblock's weights are unpacked once per (row, tile) and used
-// for each column of the tile. Per output it forms the integer
-// lane totals of ggml-cpu's AVX2 vec_dot (ggml-cpu/arch/x86/quants.c) and then applies the same float
-// operations in the same order (kquant_gemm.h), so every output has vec_dot's bits:
+// for each column of the tile (the tile's activations stay in cache while the block's rows pass). Per
+// output it forms the integer lane totals of ggml-cpu's AVX2 vec_dot (ggml-cpu/arch/x86/quants.c) and
+// then applies the same float operations in the same order (kquant_gemm.h), so every output has
+// vec_dot's bits:
 //  - the AVX2 kernels run vec_dot's own instructions, the weight side hoisted out of the column loop;
 //  - the AVX-512 kernels hold a 32-byte chunk's two sub-blocks in one 64-byte register (lanes 0..7:
 //    the first, 8..15: the second) and multiply-add with vpdpwssd; the two halves are then added
-//    (exact integers), which gives vec_dot's 8 lane totals.
+//    (exact integers), which gives vec_dot's 8 lane totals. They take weight rows in pairs, so that
+//    each column's loads serve two rows.
 #include "kernels/kquant_gemm_kernels.h"
 
 #include "kernels/kquant_gemm.h"
@@ -151,59 +153,89 @@ LF_AVX2 void q4_k_avx2(int64_t ne0, const void * w, size_t w_row_bytes, int64_t 
     }
 }
 
+// One Q4_K superblock unpacked for the AVX-512 kernel: chunk j as [32 low nibbles (sub-block 2j) |
+// 32 high nibbles (sub-block 2j + 1)], its scales as int16 [sc[2j] × 16 | sc[2j + 1] × 16], the mins
+// as 8 int16, and d, dmin.
+struct Q4KBlock512 {
+    __m512i wq[4], ws[4];
+    __m128i mins16;
+    float xd, xdmin;
+};
+
+LF_AVX512 inline __attribute__((always_inline)) void unpack_q4_k_512(const uint8_t * xb, Q4KBlock512 & b) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    b.xd = _cvtsh_ss(load_u16(xb));
+    b.xdmin = _cvtsh_ss(load_u16(xb + 2));
+    uint32_t utmp[4];
+    q4_k_scales_mins(xb + 4, utmp);
+    b.mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, utmp[3], utmp[2]));
+    // scales as int16 in lanes 0..7, each chunk's pair spread by one permutation
+    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, utmp[1], utmp[0])));
+    for (int j = 0; j < 4; ++j) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 16 + 32 * j));
+        b.wq[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bits, m4)),
+                                     _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), 1);
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(2 * j))),
+                                               _mm256_set1_epi16(static_cast<int16_t>(2 * j + 1)), 1);
+        b.ws[j] = _mm512_permutexvar_epi16(idx, sc16);
+    }
+}
+
+// Rows in pairs: each column's Q8_K loads and bsums serve both rows. (Four rows at a time spill the
+// unpacked blocks out of the 32 registers: measured slower.)
 LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                                size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
     const int64_t nb = ne0 / kQK;
-    const __m256i m4 = _mm256_set1_epi8(0xF);
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
+        const int64_t r_end = std::min(n_rows, r0 + kRowBlock);
         for (int64_t c0 = 0; c0 < n_cols; c0 += kGemmCols) {
-            for (int64_t r = r0; r < std::min(n_rows, r0 + kRowBlock); ++r) {
-                const uint8_t * x = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
-                const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
-                const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
-                __m256 acc[kGemmCols];
-                __m128 acc_m[kGemmCols];
+            const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
+            const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
+            for (int64_t r = r0; r < r_end; r += 2) {
+                const bool pair = r + 1 < r_end;  // else row r twice, the second result dropped
+                const uint8_t * x0 = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
+                const uint8_t * x1 = pair ? x0 + w_row_bytes : x0;
+                __m256 acc0[kGemmCols], acc1[kGemmCols];
+                __m128 accm0[kGemmCols], accm1[kGemmCols];
                 for (int c = 0; c < nc; ++c) {
-                    acc[c] = _mm256_setzero_ps();
-                    acc_m[c] = _mm_setzero_ps();
+                    acc0[c] = acc1[c] = _mm256_setzero_ps();
+                    accm0[c] = accm1[c] = _mm_setzero_ps();
                 }
                 for (int64_t i = 0; i < nb; ++i) {
-                    const uint8_t * xb = x + static_cast<size_t>(i) * kQ4_KBytes;
-                    const float xd = _cvtsh_ss(load_u16(xb)), xdmin = _cvtsh_ss(load_u16(xb + 2));
-                    uint32_t utmp[4];
-                    q4_k_scales_mins(xb + 4, utmp);
-                    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, utmp[3], utmp[2]));
-                    uint8_t sc[8];
-                    std::memcpy(sc, utmp, 8);
-                    // chunk j: [32 low nibbles (sub-block 2j) | 32 high nibbles (sub-block 2j + 1)] and
-                    // its scales as int16: [sc[2j] × 16 | sc[2j + 1] × 16]
-                    __m512i wq[4], ws[4];
-                    for (int j = 0; j < 4; ++j) {
-                        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 16 + 32 * j));
-                        wq[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bits, m4)),
-                                                   _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), 1);
-                        ws[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(sc[2 * j])),
-                                                   _mm256_set1_epi16(sc[2 * j + 1]), 1);
-                    }
+                    Q4KBlock512 b0, b1;
+                    unpack_q4_k_512(x0 + static_cast<size_t>(i) * kQ4_KBytes, b0);
+                    unpack_q4_k_512(x1 + static_cast<size_t>(i) * kQ4_KBytes, b1);
                     for (int c = 0; c < nc; ++c) {
                         const uint8_t * y =
                             qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
                         const float yd = load_f32(y);
-                        const __m128i prod = q4_k_min_products(mins16, y);
-                        acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(-yd * xdmin), _mm_cvtepi32_ps(prod), acc_m[c]);
-                        __m512i s = _mm512_setzero_si512();
+                        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
+                        const __m128i q8s =
+                            _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+                        accm0[c] = _mm_fmadd_ps(_mm_set1_ps(-yd * b0.xdmin),
+                                                _mm_cvtepi32_ps(_mm_madd_epi16(b0.mins16, q8s)), accm0[c]);
+                        accm1[c] = _mm_fmadd_ps(_mm_set1_ps(-yd * b1.xdmin),
+                                                _mm_cvtepi32_ps(_mm_madd_epi16(b1.mins16, q8s)), accm1[c]);
+                        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
                         for (int j = 0; j < 4; ++j) {
                             const __m512i q8 = _mm512_loadu_si512(y + 4 + 64 * j);
-                            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(wq[j], q8), ws[j]);
+                            s0 = _mm512_dpwssd_epi32(s0, _mm512_maddubs_epi16(b0.wq[j], q8), b0.ws[j]);
+                            s1 = _mm512_dpwssd_epi32(s1, _mm512_maddubs_epi16(b1.wq[j], q8), b1.ws[j]);
                         }
-                        const __m256i sumi =
-                            _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-                        acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
+                        const __m256i sumi0 =
+                            _mm256_add_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1));
+                        const __m256i sumi1 =
+                            _mm256_add_epi32(_mm512_castsi512_si256(s1), _mm512_extracti64x4_epi64(s1, 1));
+                        acc0[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * b0.xd), _mm256_cvtepi32_ps(sumi0), acc0[c]);
+                        acc1[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * b1.xd), _mm256_cvtepi32_ps(sumi1), acc1[c]);
                     }
                 }
                 for (int c = 0; c < nc; ++c) {
-                    out[static_cast<size_t>(c0 + c) * out_col_stride + r] =
-                        hsum_float_8(acc[c]) + hsum_float_4(acc_m[c]);
+                    float * o = out + static_cast<size_t>(c0 + c) * out_col_stride + r;
+                    o[0] = hsum_float_8(acc0[c]) + hsum_float_4(accm0[c]);
+                    if (pair) {
+                        o[1] = hsum_float_8(acc1[c]) + hsum_float_4(accm1[c]);
+                    }
                 }
             }
         }
@@ -279,71 +311,90 @@ LF_AVX2 void q6_k_avx2(int64_t ne0, const void * w, size_t w_row_bytes, int64_t 
     }
 }
 
+// One Q6_K superblock unpacked for the AVX-512 kernel. Half j, pair p (register 2j + p): value groups
+// 4j + 2p and 4j + 2p + 1 (32 values each), groups 0/1 from ql's low nibbles, 2/3 from its high ones;
+// qh's bit pairs 0,1 / 2,3 / 4,5 / 6,7 are the high bits of groups 0 / 1 / 2 / 3. Scales as int16, 8
+// lanes each: [sc[8j + 4p] sc[8j + 4p + 1] sc[8j + 4p + 2] sc[8j + 4p + 3]].
+struct Q6KBlock512 {
+    __m512i wq[4], ws[4];
+    __m256i scales16;  // the 16 scales as int16, for the 32 · Σ scale · bsums term
+    float xd;
+};
+
+LF_AVX512 inline __attribute__((always_inline)) void unpack_q6_k_512(const uint8_t * xb, Q6KBlock512 & b) {
+    const __m512i m3 = _mm512_set1_epi8(3), m15 = _mm512_set1_epi8(15);
+    const uint8_t * ql = xb;
+    const uint8_t * qh = xb + 128;
+    b.scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(xb + 192)));
+    b.xd = _cvtsh_ss(load_u16(xb + 208));
+    const __m512i sc512 = _mm512_castsi256_si512(b.scales16);
+    for (int j = 0; j < 2; ++j) {
+        const __m512i bits = _mm512_loadu_si512(ql + 64 * j);
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh + 32 * j));
+        const __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+        const __m512i h23 =
+            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(h, 4)), _mm256_srli_epi16(h, 6), 1);
+        b.wq[2 * j] = _mm512_or_si512(_mm512_and_si512(bits, m15), _mm512_slli_epi16(_mm512_and_si512(h01, m3), 4));
+        b.wq[2 * j + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bits, 4), m15),
+                                          _mm512_slli_epi16(_mm512_and_si512(h23, m3), 4));
+        for (int p = 0; p < 2; ++p) {
+            const int16_t s0 = static_cast<int16_t>(8 * j + 4 * p);
+            const __m512i idx = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(s0), _mm_set1_epi16(s0 + 1))),
+                _mm256_setr_m128i(_mm_set1_epi16(s0 + 2), _mm_set1_epi16(s0 + 3)), 1);
+            b.ws[2 * j + p] = _mm512_permutexvar_epi16(idx, sc512);
+        }
+    }
+}
+
+// Rows in pairs, as the Q4_K kernel.
 LF_AVX512 void q6_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                                size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
     const int64_t nb = ne0 / kQK;
-    const __m512i m3 = _mm512_set1_epi8(3), m15 = _mm512_set1_epi8(15);
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
+        const int64_t r_end = std::min(n_rows, r0 + kRowBlock);
         for (int64_t c0 = 0; c0 < n_cols; c0 += kGemmCols) {
-            for (int64_t r = r0; r < std::min(n_rows, r0 + kRowBlock); ++r) {
-                const uint8_t * x = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
-                const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
-                const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
-                __m256 acc[kGemmCols];
+            const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
+            const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
+            for (int64_t r = r0; r < r_end; r += 2) {
+                const bool pair = r + 1 < r_end;  // else row r twice, the second result dropped
+                const uint8_t * x0 = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
+                const uint8_t * x1 = pair ? x0 + w_row_bytes : x0;
+                __m256 acc0[kGemmCols], acc1[kGemmCols];
                 for (int c = 0; c < nc; ++c) {
-                    acc[c] = _mm256_setzero_ps();
+                    acc0[c] = acc1[c] = _mm256_setzero_ps();
                 }
                 for (int64_t i = 0; i < nb; ++i) {
-                    const uint8_t * xb = x + static_cast<size_t>(i) * kQ6_KBytes;
-                    const uint8_t * ql = xb;
-                    const uint8_t * qh = xb + 128;
-                    const int8_t * sc = reinterpret_cast<const int8_t *>(xb + 192);
-                    const __m256i scales_16 =
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(sc)));
-                    const float xd = _cvtsh_ss(load_u16(xb + 208));
-                    // half j, pair p: value groups 4j + 2p and 4j + 2p + 1 (32 values each) in one register,
-                    // groups 0/1 from ql's low nibbles, 2/3 from its high ones; qh's bit pairs 0,1 / 2,3 /
-                    // 4,5 / 6,7 are the high bits of groups 0 / 1 / 2 / 3. Scales as int16, 8 lanes each:
-                    // [sc[8j + 4p] sc[8j + 4p + 1] sc[8j + 4p + 2] sc[8j + 4p + 3]].
-                    __m512i wq[4], ws[4];
-                    for (int j = 0; j < 2; ++j) {
-                        const __m512i bits = _mm512_loadu_si512(ql + 64 * j);
-                        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh + 32 * j));
-                        const __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
-                        const __m512i h23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(h, 4)),
-                                                               _mm256_srli_epi16(h, 6), 1);
-                        wq[2 * j] = _mm512_or_si512(_mm512_and_si512(bits, m15),
-                                                    _mm512_slli_epi16(_mm512_and_si512(h01, m3), 4));
-                        wq[2 * j + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bits, 4), m15),
-                                                        _mm512_slli_epi16(_mm512_and_si512(h23, m3), 4));
-                        for (int p = 0; p < 2; ++p) {
-                            const int s0 = 8 * j + 4 * p;
-                            const __m256i bytes = _mm256_setr_epi64x(
-                                static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0])),
-                                static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0 + 1])),
-                                static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0 + 2])),
-                                static_cast<int64_t>(0x0101010101010101ULL * static_cast<uint8_t>(sc[s0 + 3])));
-                            ws[2 * j + p] = _mm512_cvtepi8_epi16(bytes);
-                        }
-                    }
+                    Q6KBlock512 b0, b1;
+                    unpack_q6_k_512(x0 + static_cast<size_t>(i) * kQ6_KBytes, b0);
+                    unpack_q6_k_512(x1 + static_cast<size_t>(i) * kQ6_KBytes, b1);
                     for (int c = 0; c < nc; ++c) {
                         const uint8_t * y =
                             qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
                         const float yd = load_f32(y);
                         const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
-                        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-                        __m512i s = _mm512_setzero_si512();
+                        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
                         for (int k = 0; k < 4; ++k) {
                             const __m512i q8 = _mm512_loadu_si512(y + 4 + 64 * k);
-                            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(wq[k], q8), ws[k]);
+                            s0 = _mm512_dpwssd_epi32(s0, _mm512_maddubs_epi16(b0.wq[k], q8), b0.ws[k]);
+                            s1 = _mm512_dpwssd_epi32(s1, _mm512_maddubs_epi16(b1.wq[k], q8), b1.ws[k]);
                         }
-                        __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-                        sumi = _mm256_sub_epi32(sumi, q8sclsub);
-                        acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
+                        const __m256i sub0 = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, b0.scales16), 5);
+                        const __m256i sub1 = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, b1.scales16), 5);
+                        const __m256i sumi0 = _mm256_sub_epi32(
+                            _mm256_add_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1)), sub0);
+                        const __m256i sumi1 = _mm256_sub_epi32(
+                            _mm256_add_epi32(_mm512_castsi512_si256(s1), _mm512_extracti64x4_epi64(s1, 1)), sub1);
+                        acc0[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * b0.xd), _mm256_cvtepi32_ps(sumi0), acc0[c]);
+                        acc1[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * b1.xd), _mm256_cvtepi32_ps(sumi1), acc1[c]);
                     }
                 }
                 for (int c = 0; c < nc; ++c) {
-                    out[static_cast<size_t>(c0 + c) * out_col_stride + r] = hsum_float_8(acc[c]);
+                    float * o = out + static_cast<size_t>(c0 + c) * out_col_stride + r;
+                    o[0] = hsum_float_8(acc0[c]);
+                    if (pair) {
+                        o[1] = hsum_float_8(acc1[c]);
+                    }
                 }
             }
         }
