@@ -31,7 +31,7 @@ bool is_served_weight(const ggml_tensor * w, FfnWeightKind * kind = nullptr) {
     }
     WeightRegistry & registry = WeightRegistry::instance();
     if (const BoundWeight * bound = registry.lookup(w)) {
-        if (bound->experts) {
+        if (bound->experts || bound->matmuls) {
             return false;
         }
         if (kind != nullptr) {
@@ -78,6 +78,28 @@ bool is_served_router(const ggml_tensor * w) {
     return parse_router_weight_name(w->name, &layer) && registry.pending_serves(w->name);
 }
 
+// A weight whose MUL_MATs the device computes row by row (matmul_rows.h): bound, or one the pending
+// InvariantMatmuls takes.
+bool is_invariant_matmul_weight(const ggml_tensor * w) {
+    if (w == nullptr || w->buffer == nullptr || !is_phantom_buffer_type(w->buffer->buft)) {
+        return false;
+    }
+    WeightRegistry & registry = WeightRegistry::instance();
+    if (const BoundWeight * bound = registry.lookup(w)) {
+        return bound->matmuls != nullptr;
+    }
+    return registry.pending_serves_matmul(w);
+}
+
+// An InvariantMatmuls FFN gate or up projection (blk.N.ffn_gate / ffn_up): the element-wise ops after
+// it join its split, as for a served FFN.
+bool is_invariant_gate_or_up(const ggml_tensor * w) {
+    int layer;
+    FfnWeightKind kind;
+    return is_invariant_matmul_weight(w) && parse_ffn_weight_name(w->name, &layer, &kind) &&
+           kind != FfnWeightKind::down;
+}
+
 // The element-wise ops architectures put between the FFN projections: activation, GLU, scaling, bias.
 bool is_ffn_elementwise_op(ggml_op op) {
     switch (op) {
@@ -104,7 +126,8 @@ bool derives_from_ffn_projection(const ggml_tensor * t, int depth) {
     }
     if (t->op == GGML_OP_MUL_MAT) {
         FfnWeightKind kind;
-        return is_served_weight(t->src[0], &kind) && kind != FfnWeightKind::down;
+        return (is_served_weight(t->src[0], &kind) && kind != FfnWeightKind::down) ||
+               is_invariant_gate_or_up(t->src[0]);
     }
     if (t->op == GGML_OP_MUL_MAT_ID) {
         ExpertTensorKind kind;
@@ -126,8 +149,9 @@ bool lives_in_phantom_buffer(const ggml_tensor * t) {
     return base->buffer != nullptr && is_phantom_buffer_type(base->buffer->buft);
 }
 
-// The device's claims: the served FFN matmuls and the element-wise ops between them, and served
-// routers' matmuls, nothing else. Each served layer's FFN then arrives as one split (a router: its own).
+// The device's claims: the served FFN matmuls and the element-wise ops between them, served routers'
+// matmuls, and InvariantMatmuls weights' matmuls (with the element-wise ops between an FFN's gate/up
+// and down), nothing else. Each served layer's FFN then arrives as one split (a router: its own).
 bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
     switch (op->op) {
         case GGML_OP_NONE:  // a weight or tensor stored in our buffers: the scheduler asks for leaves too
@@ -136,8 +160,9 @@ bool device_supports_op(ggml_backend_dev_t, const ggml_tensor * op) {
         case GGML_OP_PERMUTE:
         case GGML_OP_TRANSPOSE: return lives_in_phantom_buffer(op);
         case GGML_OP_MUL_MAT:
-            return (is_served_weight(op->src[0]) || is_served_router(op->src[0])) && op->src[1] != nullptr &&
-                   op->src[1]->type == GGML_TYPE_F32;
+            return (is_served_weight(op->src[0]) || is_served_router(op->src[0]) ||
+                    is_invariant_matmul_weight(op->src[0])) &&
+                   op->src[1] != nullptr && op->src[1]->type == GGML_TYPE_F32;
         case GGML_OP_MUL_MAT_ID: {
             ExpertTensorKind kind;
             return is_served_expert_weight(op->src[0], &kind) && op->src[1]->type == GGML_TYPE_F32 &&

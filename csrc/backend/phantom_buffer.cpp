@@ -23,6 +23,12 @@ struct PhantomBuffer {
 
 bool is_weights(ggml_backend_buffer_t buffer) { return buffer->usage == GGML_BACKEND_BUFFER_USAGE_WEIGHTS; }
 
+// A weight whose bytes this buffer holds (an InvariantMatmuls weight, matmul_rows.h), unlike a phantom one.
+bool keeps_bytes(const ggml_tensor * tensor) {
+    const BoundWeight * b = WeightRegistry::instance().lookup(tensor);
+    return b != nullptr && b->matmuls != nullptr;
+}
+
 [[noreturn]] void phantom_read_abort(const ggml_tensor * tensor, const char * how) {
     GGML_ABORT(
         "llamaflash: %s of phantom FFN weight '%s': its bytes live in the llamaflash sidecar, not in "
@@ -44,7 +50,7 @@ void * buffer_get_base(ggml_backend_buffer_t buffer) { return static_cast<Phanto
 
 void buffer_memset_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, uint8_t value, size_t offset,
                           size_t size) {
-    if (is_weights(buffer)) {
+    if (is_weights(buffer) && !keeps_bytes(tensor)) {
         return;  // phantom weights have no bytes here
     }
     std::memset(static_cast<uint8_t *>(tensor->data) + offset, value, size);
@@ -96,24 +102,27 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
                 "serves it",
                 tensor->name);
         }
-        if (offset == 0 && size == ggml_nbytes(tensor)) {
-            release_source_pages(data, size);
+        if (!keeps_bytes(tensor)) {
+            if (offset == 0 && size == ggml_nbytes(tensor)) {
+                release_source_pages(data, size);
+            }
+            return;
         }
-        return;
     }
     std::memcpy(static_cast<uint8_t *>(tensor->data) + offset, data, size);
 }
 
 void buffer_get_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * tensor, void * data, size_t offset,
                        size_t size) {
-    if (is_weights(buffer)) {
+    if (is_weights(buffer) && !keeps_bytes(tensor)) {
         phantom_read_abort(tensor, "read");
     }
     std::memcpy(data, static_cast<const uint8_t *>(tensor->data) + offset, size);
 }
 
 bool buffer_cpy_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * src, ggml_tensor * dst) {
-    if (src->buffer != nullptr && is_phantom_buffer_type(src->buffer->buft) && is_weights(src->buffer)) {
+    if (src->buffer != nullptr && is_phantom_buffer_type(src->buffer->buft) && is_weights(src->buffer) &&
+        !keeps_bytes(src)) {
         phantom_read_abort(src, "copy");
     }
     if (is_weights(buffer)) {

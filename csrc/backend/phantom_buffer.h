@@ -6,7 +6,8 @@
 //  - WEIGHTS buffers: set_tensor copies nothing. The tensor is bound to the model being loaded
 //    (WeightRegistry) and its bytes stay "phantom": never committed, never read. The FFN is computed
 //    from llamaflash's own copy. Reading a phantom weight (get_tensor / cpy_tensor) aborts with a
-//    message: another backend must never compute on it.
+//    message: another backend must never compute on it. Exception: an InvariantMatmuls weight
+//    (matmul_rows.h) keeps its bytes here, written and read as in a COMPUTE buffer.
 //  - COMPUTE buffers: ordinary memory; set/get/memset copy bytes.
 // is_host is false on purpose: the CPU backend can then never use a phantom weight directly.
 #pragma once

@@ -134,6 +134,11 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
     if (router_split.model != nullptr) {
         return routers_.compute(split, router_split, cpu_);
     }
+    // a model's K-quant matmuls, every row as alone (matmul_rows.h)
+    InvariantMatmuls * matmuls = nullptr;
+    if (match_matmul_split(split, &matmuls)) {
+        return matmul_rows_.compute(split, matmuls, cpu_);
+    }
     // an MoE layer's routed experts: the expert lane (expert_lane.h)
     const ExpertSplit expert_split = match_expert_split(split);
     if (expert_split.model != nullptr) {

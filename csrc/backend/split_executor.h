@@ -19,6 +19,7 @@
 //             FFN evaluations, the sparse lane's active neurons.
 #pragma once
 
+#include "backend/matmul_rows.h"
 #include "backend/prompt_buffers.h"
 #include "experts/expert_lane.h"
 #include "experts/router_rows.h"
@@ -55,6 +56,7 @@ private:
     SparseLane sparse_;
     ExpertLane experts_;
     RouterRows routers_;
+    MatmulRows matmul_rows_;
     PromptBuffers prompt_buffers_;            // the compute buffers of the last prompt batch under a budget
     int n_threads_ = GGML_DEFAULT_N_THREADS;  // the internal CPU backend's, kept in step by set_n_threads
 };

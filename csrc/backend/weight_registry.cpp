@@ -79,10 +79,16 @@ void WeightRegistry::set_pending_experts(std::shared_ptr<ExpertModel> model) {
     pending_experts_ = std::move(model);
 }
 
+void WeightRegistry::set_pending_matmuls(std::shared_ptr<InvariantMatmuls> model) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_matmuls_ = std::move(model);
+}
+
 void WeightRegistry::clear_pending() {
     std::lock_guard<std::mutex> lock(mu_);
     pending_.reset();
     pending_experts_.reset();
+    pending_matmuls_.reset();
 }
 
 std::shared_ptr<FlashModel> WeightRegistry::pending() const {
@@ -109,7 +115,26 @@ bool WeightRegistry::pending_serves(const char * name) const {
     return pending_ && pending_->serves_layer(layer);
 }
 
+bool WeightRegistry::pending_serves_matmul(const ggml_tensor * w) const {
+    if (!invariant_matmul_weight(w) || pending_serves(w->name)) {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_matmuls_ != nullptr;
+}
+
 bool WeightRegistry::bind(const ggml_tensor * tensor, ggml_backend_buffer_t buffer) {
+    if (pending_serves_matmul(tensor)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        BoundWeight w;
+        w.matmuls = pending_matmuls_;
+        auto [it, inserted] = bound_.emplace(tensor, Entry{std::move(w), buffer});
+        if (inserted) {
+            pending_matmuls_->bound.fetch_add(1, std::memory_order_relaxed);
+            n_bound_.store(bound_.size(), std::memory_order_relaxed);
+        }
+        return true;
+    }
     int layer = -1;
     FfnWeightKind kind;
     ExpertTensorKind expert_kind = ExpertTensorKind::up;

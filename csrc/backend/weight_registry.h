@@ -10,6 +10,7 @@
 // Thread safety: all members lock one mutex; lookups are a hash-map probe.
 #pragma once
 
+#include "backend/matmul_rows.h"
 #include "experts/expert_model.h"
 #include "model/flash_model.h"
 
@@ -32,7 +33,9 @@ bool parse_router_weight_name(const char * name, int * layer);
 
 // A llama.cpp weight served by llamaflash: an FFN weight of a FlashModel (`model`), or a routed
 // expert tensor of an ExpertModel (`experts`, `expert_kind`), or an ExpertModel's router (`experts`,
-// `router`: ExpertConfig::router_rows). Exactly one of `model` and `experts` is set.
+// `router`: ExpertConfig::router_rows), or a weight whose MUL_MATs llamaflash computes row by row
+// with its bytes kept in the buffer (`matmuls`, matmul_rows.h). Exactly one of `model`, `experts`
+// and `matmuls` is set.
 struct BoundWeight {
     std::shared_ptr<FlashModel> model;
     int layer = -1;
@@ -40,6 +43,7 @@ struct BoundWeight {
     std::shared_ptr<ExpertModel> experts;
     ExpertTensorKind expert_kind = ExpertTensorKind::up;
     bool router = false;
+    std::shared_ptr<InvariantMatmuls> matmuls;
 };
 
 class WeightRegistry {
@@ -49,11 +53,17 @@ public:
     void set_pending(std::shared_ptr<FlashModel> model);
     // An MoE model whose expert tensors the next load places on the device (instead of a FlashModel).
     void set_pending_experts(std::shared_ptr<ExpertModel> model);
+    // A model whose K-quant matmul weights (invariant_matmul_weight) the next load places on the
+    // device, beside a pending FlashModel or ExpertModel or alone; a name a pending FlashModel or
+    // ExpertModel serves stays theirs.
+    void set_pending_matmuls(std::shared_ptr<InvariantMatmuls> model);
     void clear_pending();
     std::shared_ptr<FlashModel> pending() const;
 
     // Name-based: would the pending model serve this weight?
     bool pending_serves(const char * name) const;
+    // Would the pending InvariantMatmuls take this weight (name, type and shape; not bound yet)?
+    bool pending_serves_matmul(const ggml_tensor * w) const;
 
     // Binds `tensor` (a weight llama.cpp placed in our buffer) to the pending model. Returns false if
     // no pending model serves its name.
@@ -76,6 +86,7 @@ private:
     mutable std::mutex mu_;
     std::shared_ptr<FlashModel> pending_;
     std::shared_ptr<ExpertModel> pending_experts_;
+    std::shared_ptr<InvariantMatmuls> pending_matmuls_;
     struct Entry {
         BoundWeight weight;
         ggml_backend_buffer_t buffer;

@@ -14,7 +14,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <string>
+#include <vector>
 
 namespace py = pybind11;
 using namespace llamaflash;
@@ -46,6 +48,45 @@ PYBIND11_MODULE(_native, m) {
     bind_experts(m);
     bind_plan(m);
 
+    py::class_<InvariantMatmuls, std::shared_ptr<InvariantMatmuls>>(
+        m, "InvariantMatmuls",
+        "One model's K-quant weights whose MUL_MATs llamaflash computes row by row (csrc/backend/matmul_rows.h).")
+        .def_property_readonly(
+            "bound", [](const InvariantMatmuls & m) { return m.bound.load(); },
+            "Weights llama.cpp placed on the device for it.")
+        .def_property_readonly(
+            "matmuls", [](const InvariantMatmuls & m) { return m.matmuls.load(); }, "MUL_MAT nodes computed.")
+        .def_property_readonly(
+            "columns", [](const InvariantMatmuls & m) { return m.columns.load(); },
+            "Rows of x (tokens) multiplied, over all of them.");
+    m.def(
+        "invariant_matmul_weight",
+        [](const std::string & name, int type_id, const std::vector<int64_t> & shape) {
+            if (type_id < 0 || type_id >= GGML_TYPE_COUNT || shape.empty() || shape.size() > GGML_MAX_DIMS ||
+                name.size() >= GGML_MAX_NAME) {
+                return false;
+            }
+            ggml_tensor t{};
+            t.type = static_cast<ggml_type>(type_id);
+            for (int i = 0; i < GGML_MAX_DIMS; ++i) {
+                t.ne[i] = i < static_cast<int>(shape.size()) ? shape[static_cast<size_t>(i)] : 1;
+            }
+            std::memcpy(t.name, name.c_str(), name.size() + 1);
+            return invariant_matmul_weight(&t);
+        },
+        py::arg("name"), py::arg("type"), py::arg("shape"),
+        "Whether begin_matmul_rows takes a weight of this GGUF name, ggml type and shape (ne0 first).");
+    m.def(
+        "begin_matmul_rows",
+        [] {
+            register_backend();
+            auto model = std::make_shared<InvariantMatmuls>();
+            WeightRegistry::instance().set_pending_matmuls(model);
+            return model;
+        },
+        "Arm the next model load: its K-quant matmul weights (attention, dense FFN, output; never the token\n"
+        "embedding) go to the llamaflash device, which computes every row of their MUL_MATs as ggml-cpu\n"
+        "computes a row alone. end_model_load ends it. Returns the model's InvariantMatmuls.");
     m.def(
         "end_model_load", [] { WeightRegistry::instance().clear_pending(); },
         "End the load PlanEngine.begin_model_load began: no later model's weights are offered to its engine.");

@@ -264,7 +264,11 @@ ggml_context * ExpertLane::build_round(const ggml_cgraph * split, const ExpertMo
             for (size_t r = 0; r < round.size(); ++r) {
                 most_rows = std::max(most_rows, first[r + 1] - first[r]);
             }
-            if (most_rows < kTiledMinRows && expert_dots_supported(mm.type)) {
+            // rows as alone (the routers computed so: deterministic answers) take ExpertDots at any
+            // row count where kquant_gemm gives it vec_dot's bits fast (K-quants), never ggml's tiled kernel
+            const bool rows_alone =
+                model.config().router_rows && ggml_get_type_traits_cpu(mm.type)->vec_dot_type == GGML_TYPE_Q8_K;
+            if ((most_rows < kTiledMinRows || rows_alone) && expert_dots_supported(mm.type)) {
                 // every expert below ggml's tiled kernel: its vec_dots for all pairs in one node
                 ExpertDots & d = mm.dots;
                 d.type = mm.type;

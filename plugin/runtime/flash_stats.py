@@ -102,6 +102,22 @@ def numerics(llm: "Llama") -> Dict[str, Any]:
         else None,
         "prompt_records": len(llm._prompt_records),
         "invariant_rows": int(llm._invariant_rows) if deterministic else None,
+        "matmuls": matmuls_stats(llm),
+    }
+
+
+def matmuls_stats(llm: "Llama") -> Optional[Dict[str, Any]]:
+    """deterministic=True in memory: the K-quant matmuls llamaflash computes, every row as alone
+    (csrc/backend/matmul_rows.h): weights bound, MUL_MATs computed and their rows; None where ggml-cpu
+    computes them all."""
+    m = llm._matmul_rows
+    if m is None:
+        return None
+    return {
+        "by": "llamaflash (kquant_gemm: vec_dot's bits per output)",
+        "weights": int(m.bound),
+        "computed": int(m.matmuls),
+        "rows": int(m.columns),
     }
 
 

@@ -172,6 +172,7 @@ class Llama(llama_cpp.Llama):
         self._kv_may_split = True  # the KV cache's types may take split-KV attention (load_llama)
         self._tinyblas_matrix: Optional[str] = None  # see eval_shapes.invariant_chunks (load_llama)
         self._invariant_rows = eval_shapes.MAX_ROWS  # a deterministic evaluation's largest batch (load_llama)
+        self._matmul_rows = None  # _native.InvariantMatmuls: K-quant matmuls computed row by row (load_llama)
         self._load_plan: Optional[model_plan.ModelPlan] = None
         self._flash_args = {
             "sidecar_path": sidecar_path,

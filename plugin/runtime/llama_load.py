@@ -23,7 +23,7 @@ import llama_cpp
 from .. import _native
 from ..errors import LlamaflashError
 from ..files import plan_file
-from . import eval_shapes, expert_runtime, offload, speculative
+from . import eval_shapes, expert_runtime, matmul_rows, offload, speculative
 from .llama_settings import (
     _check_argument_types,
     _check_deterministic,
@@ -139,15 +139,19 @@ def computed_per_row(plan: ModelPlan) -> frozenset:
     return frozenset(layer.router.name for layer in plan.model.moe.layers)
 
 
-def invariant_rows(llm: "Llama", plan: ModelPlan, kwargs: Dict[str, Any]) -> int:
-    """The most rows of a deterministic evaluation's batches (eval_shapes): UNTILED_MAX_ROWS where
-    ggml-cpu's tiled kernel is off in this process (probed: _native.kquant_rows_invariant), no matrix
-    takes tinyBLAS and no dense lane serves the FFN (their rows are measured up to MAX_ROWS only);
-    else MAX_ROWS."""
+def invariant_rows(llm: "Llama", plan: ModelPlan, kwargs: Dict[str, Any], rows_alone: bool = False) -> int:
+    """The most rows of a deterministic evaluation's batches (eval_shapes): UNTILED_MAX_ROWS where no
+    matrix takes tinyBLAS, no dense lane serves the FFN (their rows are measured up to MAX_ROWS only)
+    and either llamaflash computes every K-quant matmul row by row (``rows_alone``: the load is armed by
+    _native.begin_matmul_rows, and matmul_rows.all_rows_alone) or
+    ggml-cpu's tiled kernel is off in this process (probed: _native.kquant_rows_invariant); else
+    MAX_ROWS."""
     if not llm._deterministic or llm._tinyblas_matrix is not None:
         return eval_shapes.MAX_ROWS
     if plan.engine is not None and plan.engine.dense is not None:
         return eval_shapes.MAX_ROWS
+    if rows_alone and matmul_rows.all_rows_alone(plan, bool(computed_per_row(plan))):
+        return eval_shapes.UNTILED_MAX_ROWS  # every K-quant matmul llamaflash's, rows as alone
     threads = int(kwargs.get("n_threads_batch") or kwargs.get("n_threads") or 2)
     if not _native.kquant_rows_invariant(eval_shapes.UNTILED_MAX_ROWS, threads):
         return eval_shapes.MAX_ROWS
@@ -185,7 +189,9 @@ def load_llama(llm: "Llama", plan: ModelPlan, engine, model_path, args: tuple, k
     llm._kv_may_split = eval_shapes.kv_may_split(kwargs.get("type_k"), kwargs.get("type_v"))
     # a matrix tinyBLAS multiplies from 2 rows on: a lone row gets other bits at every position
     llm._tinyblas_matrix = tinyblas_matrix(plan.model.base.header, per_row=computed_per_row(plan))
-    llm._invariant_rows = invariant_rows(llm, plan, kwargs)
+    # deterministic in memory: the K-quant matmuls computed by llamaflash, rows as alone (matmul_rows)
+    rows_alone = matmul_rows.applies(llm._deterministic, llm._flash_args["ram_budget_mb"], plan)
+    llm._invariant_rows = invariant_rows(llm, plan, kwargs, rows_alone)
     for name, value in plan.llama_defaults.items():
         kwargs.setdefault(name, value)
     kwargs.update(plan.llama_overrides)
@@ -201,6 +207,8 @@ def load_llama(llm: "Llama", plan: ModelPlan, engine, model_path, args: tuple, k
     if engine is not None:
         _native.register_backend()  # idempotent; the first served model registers the ggml backend
         engine.begin_model_load()
+    if rows_alone:
+        llm._matmul_rows = _native.begin_matmul_rows()  # armed until end_model_load
     try:
         if llm._batch_invariant:
             with speculative.batch_invariant_weights():
@@ -208,8 +216,10 @@ def load_llama(llm: "Llama", plan: ModelPlan, engine, model_path, args: tuple, k
         else:
             llama_cpp.Llama.__init__(llm, model_path, *args, **kwargs)
     finally:
-        if engine is not None:
+        if engine is not None or rows_alone:
             _native.end_model_load()
+    if rows_alone:
+        matmul_rows.check_bound(llm, plan)
     if speculation is not None:
         ref = weakref.ref(llm)
         llm._speculator = speculative.Speculator(speculation, user_draft=user_draft)

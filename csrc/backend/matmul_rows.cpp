@@ -1,0 +1,160 @@
+// matmul_rows.cpp — see matmul_rows.h.
+#include "backend/matmul_rows.h"
+
+#include "backend/weight_registry.h"
+#include "kernels/kquant_gemm.h"
+
+#include "ggml-cpu.h"
+
+#include <cstdio>
+#include <cstring>
+#include <unordered_map>
+#include <vector>
+
+namespace llamaflash {
+
+namespace {
+
+// "blk.<N>.<kind>.weight" with kind one of the attention and dense FFN projections, or "output.weight".
+bool named_matmul_weight(const char * name) {
+    if (std::strcmp(name, "output.weight") == 0) {
+        return true;
+    }
+    int layer = -1;
+    int consumed = 0;
+    char which[16] = {0};
+    if (std::sscanf(name, "blk.%d.%15[a-z_].weight%n", &layer, which, &consumed) != 2 || consumed == 0 ||
+        name[consumed] != '\0' || layer < 0) {
+        return false;
+    }
+    static const char * const kinds[] = {"attn_q",      "attn_k",   "attn_v", "attn_qkv",
+                                         "attn_output", "ffn_gate", "ffn_up", "ffn_down"};
+    for (const char * k : kinds) {
+        if (std::strcmp(which, k) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// The custom op of one MUL_MAT: dst [ne01, ne11, ne12, ne13] f32 contiguous, src[0] = x
+// [ne00, ne11, ne12, ne13] f32, userdata = the weight [ne00, ne01]. Every thread quantizes every
+// column (Q8_K: cheap beside the product) and computes its share of the weight's rows.
+void matmul_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto * w = static_cast<const ggml_tensor *>(userdata);
+    const ggml_tensor * x = dst->src[0];
+    const int64_t ne00 = w->ne[0], ne01 = w->ne[1];
+    const int64_t ne11 = x->ne[1], ne12 = x->ne[2], n_cols = x->ne[1] * x->ne[2] * x->ne[3];
+    const size_t q_bytes = ggml_row_size(GGML_TYPE_Q8_K, ne00);
+    thread_local std::vector<uint8_t> q;
+    q.resize(q_bytes * static_cast<size_t>(n_cols));
+    const auto from_float = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
+    for (int64_t c = 0; c < n_cols; ++c) {
+        const int64_t i1 = c % ne11, i2 = (c / ne11) % ne12, i3 = c / (ne11 * ne12);
+        const char * row = static_cast<const char *>(x->data) + i1 * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3];
+        from_float(reinterpret_cast<const float *>(row), q.data() + static_cast<size_t>(c) * q_bytes, ne00);
+    }
+    // rows in even-sized shares: the kernels take rows in pairs
+    const int64_t r0 = (ne01 * ith / nth) & ~int64_t(1);
+    const int64_t r1 = ith + 1 == nth ? ne01 : (ne01 * (ith + 1) / nth) & ~int64_t(1);
+    if (r1 <= r0) {
+        return;
+    }
+    kquant_gemm(w->type, ne00, static_cast<const uint8_t *>(w->data) + static_cast<size_t>(r0) * w->nb[1], w->nb[1],
+                r1 - r0, q.data(), q_bytes, n_cols, static_cast<float *>(dst->data) + r0, static_cast<size_t>(ne01));
+}
+
+bool contiguous_rows(const ggml_tensor * t) {
+    return t->nb[0] == sizeof(float) && t->nb[1] == t->ne[0] * sizeof(float) && t->nb[2] == t->nb[1] * t->ne[1] &&
+           t->nb[3] == t->nb[2] * t->ne[2];
+}
+
+const BoundWeight * bound_matmul(const ggml_tensor * node) {
+    if (node->op != GGML_OP_MUL_MAT) {
+        return nullptr;
+    }
+    const BoundWeight * b = WeightRegistry::instance().lookup(node->src[0]);
+    return b != nullptr && b->matmuls ? b : nullptr;
+}
+
+}  // namespace
+
+bool invariant_matmul_weight(const ggml_tensor * w) {
+    if (w == nullptr || w->ne[2] != 1 || w->ne[3] != 1 || w->ne[0] % 256 != 0 || !named_matmul_weight(w->name)) {
+        return false;
+    }
+    const ggml_type_traits_cpu * traits = ggml_get_type_traits_cpu(w->type);
+    return traits != nullptr && traits->vec_dot != nullptr && traits->vec_dot_type == GGML_TYPE_Q8_K;
+}
+
+bool match_matmul_split(const ggml_cgraph * split, InvariantMatmuls ** model) {
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    InvariantMatmuls * found = nullptr;
+    for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
+        const ggml_tensor * node = ggml_graph_node(g, i);
+        if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) {
+            continue;
+        }
+        const BoundWeight * b = bound_matmul(node);
+        if (b == nullptr) {
+            return false;
+        }
+        found = b->matmuls.get();
+    }
+    *model = found;
+    return found != nullptr;
+}
+
+ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * model, ggml_backend_t cpu) {
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    const int n_nodes = ggml_graph_n_nodes(g);
+    ggml_cgraph * graph = nullptr;
+    ggml_context * ctx = arena_.begin(n_nodes, &graph);
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> mirror;
+    auto map = [&](const ggml_tensor * src) -> ggml_tensor * {
+        if (src == nullptr) {
+            return nullptr;
+        }
+        auto it = mirror.find(src);
+        if (it != mirror.end()) {
+            return it->second;
+        }
+        ggml_tensor * leaf = leaf_over(ctx, src);  // computed outside the split (or a weight)
+        mirror.emplace(src, leaf);
+        return leaf;
+    };
+    for (int i = 0; i < n_nodes; ++i) {
+        const ggml_tensor * node = ggml_graph_node(g, i);
+        ggml_tensor * m = nullptr;
+        if (const BoundWeight * b = bound_matmul(node)) {
+            const ggml_tensor * w = node->src[0];
+            const ggml_tensor * x = node->src[1];
+            if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || node->type != GGML_TYPE_F32 ||
+                !contiguous_rows(node) || node->ne[0] != w->ne[1] || x->ne[0] != w->ne[0]) {
+                GGML_ABORT("llamaflash: MUL_MAT '%s' over '%s' has a layout the row-invariant matmul does not take",
+                           node->name, w->name);
+            }
+            ggml_tensor * args[1] = {map(x)};
+            m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], args, 1,
+                               matmul_op, GGML_N_TASKS_MAX, const_cast<ggml_tensor *>(w));
+            std::memcpy(m->nb, node->nb, sizeof(m->nb));
+            m->data = node->data;
+            m->buffer = node->buffer;
+            model->matmuls.fetch_add(1, std::memory_order_relaxed);
+            model->columns.fetch_add(ggml_nrows(x), std::memory_order_relaxed);
+            (void)b;
+        } else {
+            m = node_copy(ctx, node);
+            for (int j = 0; j < GGML_MAX_SRC; ++j) {
+                m->src[j] = map(node->src[j]);
+            }
+        }
+        mirror[node] = m;
+        ggml_build_forward_expand(graph, m);
+    }
+    const ggml_status status = ggml_backend_graph_compute(cpu, graph);
+    ggml_free(ctx);
+    return status;
+}
+
+}  // namespace llamaflash

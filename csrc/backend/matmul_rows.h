@@ -1,0 +1,57 @@
+// matmul_rows.h — a model's K-quant weight matmuls computed by llamaflash, every row as ggml-cpu
+// computes a row alone, in batches of any size.
+//
+// ggml-cpu multiplies K-quant weights by a batch of 8 or more rows with its tiled kernel and by fewer
+// with one vec_dot per output; the two give a row other bits, so a position's logits depend on the
+// batch it was computed in. With `deterministic=True` in memory, llamaflash takes a model's 2-D
+// K-quant weights that only MUL_MATs use
+//   blk.N.attn_{q,k,v,qkv,output}.weight, blk.N.ffn_{gate,up,down}.weight, output.weight
+// (types whose vec_dot_type is Q8_K: Q2_K..Q6_K and the IQ types; never token_embd, which GET_ROWS
+// reads on the CPU) into its own buffer with their bytes (InvariantMatmuls: one per model), and
+// computes every MUL_MAT over them, for T rows of x:
+//   q[t]       = from_float(x[:, t])                             Q8_K, as ggml quantizes a row
+//   y[r, t]    = kquant_gemm(W, q)[t][r] = vec_dot(ne0, W[r], q[t])   (kernels/kquant_gemm.h)
+// the bits of ggml-cpu evaluating the rows one at a time, whatever the batch: with every K-quant
+// matmul computed so, batches are row-invariant up to flash attention's tiled size (63 rows)
+// without the process switching ggml's tiled kernel off. The element-wise ops between an FFN's
+// gate/up and down projections join the split (flash_backend.cpp) and run as ggml-cpu's own ops.
+#pragma once
+
+#include "lanes/graph_mirror.h"
+
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#include <atomic>
+#include <cstdint>
+
+namespace llamaflash {
+
+// One model's weights whose MUL_MATs llamaflash computes (WeightRegistry binds them while the model
+// loads), and what was computed.
+struct InvariantMatmuls {
+    std::atomic<int64_t> bound{0};    // weights bound
+    std::atomic<int64_t> matmuls{0};  // MUL_MAT nodes computed
+    std::atomic<int64_t> columns{0};  // rows of x (tokens) over all of them
+};
+
+// Whether `w` is a weight InvariantMatmuls takes: a 2-D tensor of a type whose vec_dot_type is Q8_K,
+// named as above.
+bool invariant_matmul_weight(const ggml_tensor * w);
+
+// True if the split's MUL_MATs are all over bound InvariantMatmuls weights (and it has one); the
+// model is returned in *model.
+bool match_matmul_split(const ggml_cgraph * split, InvariantMatmuls ** model);
+
+class MatmulRows {
+public:
+    // Computes the split on `cpu` (its thread count): its MUL_MATs by kquant_gemm, its other nodes as
+    // ggml-cpu's own ops. Aborts on a MUL_MAT whose output is not contiguous rows (an unsupported
+    // graph pattern, never a silent wrong answer).
+    ggml_status compute(const ggml_cgraph * split, InvariantMatmuls * model, ggml_backend_t cpu);
+
+private:
+    GraphArena arena_;
+};
+
+}  // namespace llamaflash

@@ -1,0 +1,75 @@
+"""deterministic=True in memory: the model's K-quant matmuls computed by llamaflash, every row as alone.
+
+ggml-cpu multiplies K-quant weights by 8 or more rows with its tiled kernel, whose rows have other
+bits than a row alone, so deterministic evaluation was limited to 7-row batches (or the whole process
+had to switch the tiled kernel off). ``_native.begin_matmul_rows`` arms a load so that the model's
+2-D K-quant weights that only MUL_MATs use (attention, dense FFN, output; csrc/backend/matmul_rows.h
+says which, ``_native.invariant_matmul_weight`` answers for one) go to the llamaflash device, which
+computes each of their MUL_MATs with vec_dot's bits per output whatever the batch
+(csrc/kernels/kquant_gemm.h). Where every multiplied K-quant matrix of the model is computed so
+(``all_rows_alone``), deterministic batches take up to ``eval_shapes.UNTILED_MAX_ROWS`` rows.
+
+Only in memory: under a RAM budget the weights would be held twice (the file's pages the planner
+counts and the device's copy), so there the model keeps ggml-cpu's matmuls.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Optional
+
+from .. import _native
+from ..errors import LlamaflashError
+from .llama_settings import TINYBLAS_TYPES
+
+if TYPE_CHECKING:
+    from .model_plan import ModelPlan
+
+
+def taken_weights(header) -> List[str]:
+    """Names of the weights begin_matmul_rows takes from this model (the native rule, per tensor)."""
+    if header is None:
+        return []
+    return [t.name for t in header.tensors if _native.invariant_matmul_weight(t.name, t.ggml_type, list(t.shape))]
+
+
+def applies(deterministic: bool, ram_budget_mb: Optional[int], plan: "ModelPlan") -> bool:
+    """deterministic=True in memory, no dense FFN engine (its lanes take the FFN weights), and some
+    weight to take."""
+    if not deterministic or ram_budget_mb is not None:
+        return False
+    if plan.engine is not None and plan.engine.dense is not None:
+        return False
+    return bool(taken_weights(plan.model.base.header))
+
+
+def all_rows_alone(plan: "ModelPlan", routers_per_row: bool) -> bool:
+    """True if every matrix the model multiplies by, of a type ggml-cpu tiles (not tinyBLAS's: those
+    are judged by llama_settings.tinyblas_matrix), is one begin_matmul_rows takes or, for an MoE,
+    an expert tensor the expert lane computes row by row (``routers_per_row``: the deterministic lane).
+    The token table counts only where it is also the output matrix."""
+    header = plan.model.base.header
+    taken = set(taken_weights(header))
+    names = {t.name for t in header.tensors}
+    for t in header.tensors:
+        if sum(1 for d in t.shape if d > 1) < 2 or t.ggml_type in TINYBLAS_TYPES or t.name in taken:
+            continue
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue  # read by rows (get_rows), not multiplied
+        if t.name.endswith("_exps.weight") and routers_per_row:
+            continue
+        return False
+    return True
+
+
+def check_bound(llm, plan: "ModelPlan") -> None:
+    """After the load: llama.cpp placed every weight begin_matmul_rows takes on the device (else closes
+    and raises LlamaflashError: a model is never computed in part so)."""
+    expected = len(taken_weights(plan.model.base.header))
+    bound = llm._matmul_rows.bound
+    if bound != expected:
+        llm.close()
+        raise LlamaflashError(
+            f"llama.cpp placed {bound} of the {expected} K-quant matmul weights of '{plan.model.path}' on the "
+            "llamaflash device for deterministic=True; the model cannot run row-invariant. Check that llama_cpp "
+            "was not given tensor overrides, or run with deterministic=False."
+        )

@@ -1,0 +1,150 @@
+"""deterministic=True in memory: the K-quant matmuls computed by llamaflash, every row as alone
+(plugin/runtime/matmul_rows.py, csrc/backend/matmul_rows.h).
+
+Reference: stock llama.cpp with plain weights, flash attention and the same q8_0 KV cache evaluating
+one token per call (ggml-cpu's vec_dot for every K-quant output), compared bit for bit at every
+position. With every K-quant matmul computed so, deterministic batches take up to 63 rows in this
+process, whose ggml-cpu keeps its tiled kernel (stock's own 63-row batches then differ: shown).
+Models: tiny synthetic Q4_K_M GGUFs (Q4_K and Q6_K weights), a dense llama and a qwen3moe.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import llama_cpp
+import numpy as np
+import pytest
+
+import llamaflash
+from llamaflash import _native
+from llamaflash.files.gguf_header import read_gguf_header
+from llamaflash.runtime import eval_shapes
+from llamaflash.runtime.matmul_rows import taken_weights
+from llamaflash.runtime.speculative import batch_invariant_weights
+
+KW = dict(n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False, logits_all=True, seed=0)
+Q4_K, Q6_K, Q8_0 = 12, 14, 8
+
+
+@pytest.fixture(scope="module")
+def dense_model(tiny_model_factory, tmp_path_factory):
+    path = tmp_path_factory.mktemp("rows") / "m.gguf"
+    shutil.copy(tiny_model_factory(weight_type="Q4_K_M", n_embd=256, n_ff=512), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe_model(tiny_moe_factory, tmp_path_factory):
+    from llamaflash.converters.pipeline import convert
+
+    path = tmp_path_factory.mktemp("rows-moe") / "moe.gguf"
+    spec = dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff_shexp=256, quant="Q4_K_M", direct=True)
+    shutil.copyfile(tiny_moe_factory("qwen3moe", **spec), path)
+    convert(path, force=True, progress=False, profile=False)
+    return path
+
+
+def _prompt(llm, n_words: int = 70):
+    return llm.tokenize(" ".join(f"w{i}" for i in range(n_words)).encode())
+
+
+def _stock_scores(path, ids, **batches):
+    """Stock with plain weights, flash attention, a q8_0 KV cache; one token per call unless batches."""
+    with batch_invariant_weights():
+        s = llama_cpp.Llama(str(path), flash_attn=True, type_k=8, type_v=8, **{**KW, **batches})
+    if batches:
+        s.eval(ids)
+    else:
+        for t in ids:
+            s.eval([t])
+    scores = np.array(s.scores[: len(ids)])
+    s.close()
+    return scores
+
+
+def _ours(path, n_batch=None, **kw):
+    batches = {} if n_batch is None else dict(n_batch=n_batch, n_ubatch=n_batch)
+    llm = llamaflash.Llama(str(path), deterministic=True, **KW, **batches, **kw)
+    ids = _prompt(llm)
+    llm.eval(ids)
+    for _ in range(4):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    ids = list(llm.input_ids[: llm.n_tokens])
+    scores = np.array(llm.scores[: llm.n_tokens])
+    stats = llm.flash_stats()["numerics"]
+    sizes = sorted({s.size for s in llm._kv_history.segments})
+    llm.close()
+    return ids, scores, stats, sizes
+
+
+def test_which_weights_are_taken():
+    take = _native.invariant_matmul_weight
+    assert take("blk.0.attn_q.weight", Q4_K, [256, 256])
+    assert take("blk.3.ffn_down.weight", Q6_K, [512, 256])
+    assert take("output.weight", Q6_K, [256, 1000])
+    assert not take("token_embd.weight", Q4_K, [256, 1000])  # GET_ROWS on the CPU
+    assert not take("blk.0.attn_q.weight", Q8_0, [256, 256])  # not a Q8_K dot: tinyBLAS's
+    assert not take("blk.0.ffn_gate_exps.weight", Q4_K, [256, 256, 8])  # experts: the expert lane's
+    assert not take("blk.0.attn_norm.weight", 0, [256])
+    assert not take("blk.0.attn_q.weight", Q4_K, [100, 256])  # not whole superblocks
+
+
+def test_dense_model_every_position_equals_stock_one_token_per_call_in_63_row_batches(dense_model):
+    ids, scores, stats, sizes = _ours(dense_model)
+    assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS
+    m = stats["matmuls"]
+    header_names = taken_weights(read_gguf_header(dense_model))
+    assert m["weights"] == len(header_names) > 0 and m["computed"] > 0 and m["rows"] > 0
+    assert max(sizes) == min(63, len(ids) - 4)  # the 70-token prompt in 63 + 7
+    assert "one token per call" in stats["equals_stock"]
+    ref = _stock_scores(dense_model, ids)
+    assert np.array_equal(scores, ref)
+    stock_63 = _stock_scores(dense_model, ids, n_batch=63, n_ubatch=63)
+    assert not np.array_equal(stock_63, ref), "stock's own 63-row batches lost the tiled kernel"
+
+
+@pytest.mark.parametrize("n_batch", [7, 16])
+def test_dense_model_any_batch_size_gives_the_same_bits(dense_model, n_batch):
+    _, default, _, _ = _ours(dense_model)
+    _, other, _, sizes = _ours(dense_model, n_batch=n_batch)
+    assert max(sizes) == n_batch
+    assert np.array_equal(other, default)
+
+
+def test_a_repeated_request_gives_the_same_logprobs(dense_model):
+    llm = llamaflash.Llama(str(dense_model), deterministic=True, **KW)
+    prompt = " ".join(f"w{i}" for i in range(90))
+
+    def answer():
+        c = llm.create_completion(prompt, max_tokens=12, temperature=0.0, logprobs=1)["choices"][0]
+        return c["text"], c["logprobs"]["token_logprobs"]
+
+    first = answer()
+    assert answer() == first
+    llm.create_completion("w5 w6 w7", max_tokens=4, temperature=0.0)
+    assert answer() == first
+    llm.close()
+
+
+def test_moe_in_memory_equals_stock_one_token_per_call_at_any_batch(moe_model):
+    ids, scores, stats, sizes = _ours(moe_model)
+    assert stats["matmuls"] is not None and stats["matmuls"]["computed"] > 0
+    assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS  # experts and routers: the lane's rows
+    assert max(sizes) == min(63, len(ids) - 4)
+    assert np.array_equal(scores, _stock_scores(moe_model, ids))
+    _, small, _, _ = _ours(moe_model, n_batch=16)
+    assert np.array_equal(small, scores)
+
+
+def test_under_a_budget_ggml_keeps_the_matmuls(moe_model):
+    llm = llamaflash.Llama(str(moe_model), deterministic=True, ram_budget_mb=4000, flash_expert_slots=3, **KW)
+    assert llm.flash_mode == "experts"
+    assert llm.flash_stats()["numerics"]["matmuls"] is None
+    llm.close()
+
+
+def test_the_default_keeps_ggml_matmuls(dense_model):
+    llm = llamaflash.Llama(str(dense_model), **KW)
+    assert llm.flash_stats()["numerics"]["matmuls"] is None
+    llm.close()
