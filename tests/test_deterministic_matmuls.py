@@ -34,13 +34,15 @@ def dense_model(tiny_model_factory, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def moe_model(tiny_moe_factory, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3moe", "qwen2moe"])
+def moe_model(request, tiny_moe_factory, tmp_path_factory):
+    """A tiny MoE with its expert sidecar: qwen3moe (routed experts only) and qwen2moe (a shared
+    expert, ffn_*_shexp, beside them)."""
     from llamaflash.converters.pipeline import convert
 
-    path = tmp_path_factory.mktemp("rows-moe") / "moe.gguf"
+    path = tmp_path_factory.mktemp("rows-moe") / f"{request.param}.gguf"
     spec = dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff_shexp=256, quant="Q4_K_M", direct=True)
-    shutil.copyfile(tiny_moe_factory("qwen3moe", **spec), path)
+    shutil.copyfile(tiny_moe_factory(request.param, **spec), path)
     convert(path, force=True, progress=False, profile=False)
     return path
 
@@ -85,7 +87,9 @@ def test_which_weights_are_taken():
     assert take("output.weight", Q6_K, [256, 1000])
     assert not take("token_embd.weight", Q4_K, [256, 1000])  # GET_ROWS on the CPU
     assert not take("blk.0.attn_q.weight", Q8_0, [256, 256])  # not a Q8_K dot: tinyBLAS's
+    assert take("blk.0.ffn_up_shexp.weight", Q4_K, [256, 512])  # a shared expert: dense
     assert not take("blk.0.ffn_gate_exps.weight", Q4_K, [256, 256, 8])  # experts: the expert lane's
+    assert not take("blk.0.ffn_gate_inp_shexp.weight", Q4_K, [256, 256])  # not a projection named here
     assert not take("blk.0.attn_norm.weight", 0, [256])
     assert not take("blk.0.attn_q.weight", Q4_K, [100, 256])  # not whole superblocks
 
@@ -130,6 +134,7 @@ def test_a_repeated_request_gives_the_same_logprobs(dense_model):
 def test_moe_in_memory_equals_stock_one_token_per_call_at_any_batch(moe_model):
     ids, scores, stats, sizes = _ours(moe_model)
     assert stats["matmuls"] is not None and stats["matmuls"]["computed"] > 0
+    assert stats["matmuls"]["weights"] == len(taken_weights(read_gguf_header(moe_model)))
     assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS  # experts and routers: the lane's rows
     assert max(sizes) == min(63, len(ids) - 4)
     assert np.array_equal(scores, _stock_scores(moe_model, ids))

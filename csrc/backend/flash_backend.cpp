@@ -91,13 +91,10 @@ bool is_invariant_matmul_weight(const ggml_tensor * w) {
     return registry.pending_serves_matmul(w);
 }
 
-// An InvariantMatmuls FFN gate or up projection (blk.N.ffn_gate / ffn_up): the element-wise ops after
-// it join its split, as for a served FFN.
+// An InvariantMatmuls FFN or shared-expert gate or up projection: the element-wise ops after it join
+// its split, as for a served FFN.
 bool is_invariant_gate_or_up(const ggml_tensor * w) {
-    int layer;
-    FfnWeightKind kind;
-    return is_invariant_matmul_weight(w) && parse_ffn_weight_name(w->name, &layer, &kind) &&
-           kind != FfnWeightKind::down;
+    return is_invariant_matmul_weight(w) && invariant_gate_or_up_name(w->name);
 }
 
 // The element-wise ops architectures put between the FFN projections: activation, GLU, scaling, bias.

@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <unordered_map>
 #include <vector>
 
@@ -15,26 +16,33 @@ namespace llamaflash {
 
 namespace {
 
-// "blk.<N>.<kind>.weight" with kind one of the attention and dense FFN projections, or "output.weight".
-bool named_matmul_weight(const char * name) {
-    if (std::strcmp(name, "output.weight") == 0) {
-        return true;
-    }
+// The <kind> of "blk.<N>.<kind>.weight" (kind: lower case and '_', at most 15 characters) in *kind.
+bool layer_weight_kind(const char * name, char (&kind)[16]) {
     int layer = -1;
     int consumed = 0;
-    char which[16] = {0};
-    if (std::sscanf(name, "blk.%d.%15[a-z_].weight%n", &layer, which, &consumed) != 2 || consumed == 0 ||
-        name[consumed] != '\0' || layer < 0) {
-        return false;
-    }
-    static const char * const kinds[] = {"attn_q",      "attn_k",   "attn_v", "attn_qkv",
-                                         "attn_output", "ffn_gate", "ffn_up", "ffn_down"};
+    return std::sscanf(name, "blk.%d.%15[a-z_].weight%n", &layer, kind, &consumed) == 2 && consumed != 0 &&
+           name[consumed] == '\0' && layer >= 0;
+}
+
+bool one_of(const char * kind, std::initializer_list<const char *> kinds) {
     for (const char * k : kinds) {
-        if (std::strcmp(which, k) == 0) {
+        if (std::strcmp(kind, k) == 0) {
             return true;
         }
     }
     return false;
+}
+
+// "blk.<N>.<kind>.weight" with kind one of the attention, dense FFN and shared-expert projections, or
+// "output.weight".
+bool named_matmul_weight(const char * name) {
+    if (std::strcmp(name, "output.weight") == 0) {
+        return true;
+    }
+    char kind[16] = {0};
+    return layer_weight_kind(name, kind) &&
+           one_of(kind, {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                         "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"});
 }
 
 // The custom op of one MUL_MAT: dst [ne01, ne11, ne12, ne13] f32 contiguous, src[0] = x
@@ -87,19 +95,30 @@ bool invariant_matmul_weight(const ggml_tensor * w) {
     return traits != nullptr && traits->vec_dot != nullptr && traits->vec_dot_type == GGML_TYPE_Q8_K;
 }
 
+bool invariant_gate_or_up_name(const char * name) {
+    char kind[16] = {0};
+    return layer_weight_kind(name, kind) && one_of(kind, {"ffn_gate", "ffn_up", "ffn_gate_shexp", "ffn_up_shexp"});
+}
+
 bool match_matmul_split(const ggml_cgraph * split, InvariantMatmuls ** model) {
     ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
     InvariantMatmuls * found = nullptr;
+    const ggml_tensor * other = nullptr;  // a MUL_MAT / MUL_MAT_ID over another weight
     for (int i = 0; i < ggml_graph_n_nodes(g); ++i) {
         const ggml_tensor * node = ggml_graph_node(g, i);
         if (node->op != GGML_OP_MUL_MAT && node->op != GGML_OP_MUL_MAT_ID) {
             continue;
         }
-        const BoundWeight * b = bound_matmul(node);
-        if (b == nullptr) {
-            return false;
+        if (const BoundWeight * b = bound_matmul(node)) {
+            found = b->matmuls.get();
+        } else {
+            other = node;
         }
-        found = b->matmuls.get();
+    }
+    if (found != nullptr && other != nullptr) {
+        // another lane would compute the bound weights with ggml-cpu's kernels (other bits from 8 rows)
+        GGML_ABORT("llamaflash: split mixes row-invariant matmuls with '%s' over '%s'; unsupported graph pattern",
+                   other->name, other->src[0]->name);
     }
     *model = found;
     return found != nullptr;

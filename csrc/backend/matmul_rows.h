@@ -5,7 +5,7 @@
 // with one vec_dot per output; the two give a row other bits, so a position's logits depend on the
 // batch it was computed in. With `deterministic=True` in memory, llamaflash takes a model's 2-D
 // K-quant weights that only MUL_MATs use
-//   blk.N.attn_{q,k,v,qkv,output}.weight, blk.N.ffn_{gate,up,down}.weight, output.weight
+//   blk.N.attn_{q,k,v,qkv,output}.weight, blk.N.ffn_{gate,up,down}[_shexp].weight, output.weight
 // (types whose vec_dot_type is Q8_K: Q2_K..Q6_K and the IQ types; never token_embd, which GET_ROWS
 // reads on the CPU) into its own buffer with their bytes (InvariantMatmuls: one per model), and
 // computes every MUL_MAT over them, for T rows of x:
@@ -14,7 +14,7 @@
 // the bits of ggml-cpu evaluating the rows one at a time, whatever the batch: with every K-quant
 // matmul computed so, batches are row-invariant up to flash attention's tiled size (63 rows)
 // without the process switching ggml's tiled kernel off. The element-wise ops between an FFN's
-// gate/up and down projections join the split (flash_backend.cpp) and run as ggml-cpu's own ops.
+// (or shared expert's) gate/up and down projections join the split (flash_backend.cpp) and run as ggml-cpu's own ops.
 #pragma once
 
 #include "lanes/graph_mirror.h"
@@ -39,8 +39,13 @@ struct InvariantMatmuls {
 // named as above.
 bool invariant_matmul_weight(const ggml_tensor * w);
 
+// Whether `name` is a gate or up projection (blk.N.ffn_{gate,up}[_shexp].weight): the element-wise
+// ops between it and its down projection join its split.
+bool invariant_gate_or_up_name(const char * name);
+
 // True if the split's MUL_MATs are all over bound InvariantMatmuls weights (and it has one); the
-// model is returned in *model.
+// model is returned in *model. Aborts on a split that mixes them with other weights' matmuls (an
+// unsupported graph pattern, never a silent wrong answer).
 bool match_matmul_split(const ggml_cgraph * split, InvariantMatmuls ** model);
 
 class MatmulRows {
