@@ -45,23 +45,33 @@ bool named_matmul_weight(const char * name) {
                          "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"});
 }
 
-// The custom op of one MUL_MAT: dst [ne01, ne11, ne12, ne13] f32 contiguous, src[0] = x
-// [ne00, ne11, ne12, ne13] f32, userdata = the weight [ne00, ne01]. Every thread quantizes every
-// column (Q8_K: cheap beside the product) and computes its share of the weight's rows.
-void matmul_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const auto * w = static_cast<const ggml_tensor *>(userdata);
+// The custom op quantizing x for the MUL_MATs that multiply it: dst I8 [q_bytes * n_cols] (q_bytes =
+// ggml_row_size(Q8_K, ne00)), src[0] = x [ne00, ne11, ne12, ne13] f32 with any row strides; column
+// c = i1 + ne11 * (i2 + ne12 * i3) of dst is from_float(x[:, i1, i2, i3]), as ggml-cpu's MUL_MAT
+// quantizes a row of src1. Threads take shares of the columns.
+void quantize_op(ggml_tensor * dst, int ith, int nth, void *) {
     const ggml_tensor * x = dst->src[0];
-    const int64_t ne00 = w->ne[0], ne01 = w->ne[1];
-    const int64_t ne11 = x->ne[1], ne12 = x->ne[2], n_cols = x->ne[1] * x->ne[2] * x->ne[3];
+    const int64_t ne00 = x->ne[0], ne11 = x->ne[1], ne12 = x->ne[2];
+    const int64_t n_cols = x->ne[1] * x->ne[2] * x->ne[3];
     const size_t q_bytes = ggml_row_size(GGML_TYPE_Q8_K, ne00);
-    thread_local std::vector<uint8_t> q;
-    q.resize(q_bytes * static_cast<size_t>(n_cols));
     const auto from_float = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
-    for (int64_t c = 0; c < n_cols; ++c) {
+    auto * q = static_cast<uint8_t *>(dst->data);
+    for (int64_t c = n_cols * ith / nth; c < n_cols * (ith + 1) / nth; ++c) {
         const int64_t i1 = c % ne11, i2 = (c / ne11) % ne12, i3 = c / (ne11 * ne12);
         const char * row = static_cast<const char *>(x->data) + i1 * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3];
-        from_float(reinterpret_cast<const float *>(row), q.data() + static_cast<size_t>(c) * q_bytes, ne00);
+        from_float(reinterpret_cast<const float *>(row), q + static_cast<size_t>(c) * q_bytes, ne00);
     }
+}
+
+// The custom op of one MUL_MAT: dst [ne01, ne11, ne12, ne13] f32 contiguous, src[0] = x quantized
+// (quantize_op), userdata = the weight [ne00, ne01]:
+//   dst[c * ne01 + r] = vec_dot(ne00, W[r], q[c])   (kquant_gemm's bits)
+// Threads take shares of the weight's rows.
+void matmul_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto * w = static_cast<const ggml_tensor *>(userdata);
+    const int64_t ne00 = w->ne[0], ne01 = w->ne[1];
+    const int64_t n_cols = dst->ne[1] * dst->ne[2] * dst->ne[3];
+    const size_t q_bytes = ggml_row_size(GGML_TYPE_Q8_K, ne00);
     // rows in even-sized shares: the kernels take rows in pairs
     const int64_t r0 = (ne01 * ith / nth) & ~int64_t(1);
     const int64_t r1 = ith + 1 == nth ? ne01 : (ne01 * (ith + 1) / nth) & ~int64_t(1);
@@ -69,7 +79,8 @@ void matmul_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         return;
     }
     kquant_gemm(w->type, ne00, static_cast<const uint8_t *>(w->data) + static_cast<size_t>(r0) * w->nb[1], w->nb[1],
-                r1 - r0, q.data(), q_bytes, n_cols, static_cast<float *>(dst->data) + r0, static_cast<size_t>(ne01));
+                r1 - r0, static_cast<const uint8_t *>(dst->src[0]->data), q_bytes, n_cols,
+                static_cast<float *>(dst->data) + r0, static_cast<size_t>(ne01));
 }
 
 bool contiguous_rows(const ggml_tensor * t) {
@@ -127,9 +138,24 @@ bool match_matmul_split(const ggml_cgraph * split, InvariantMatmuls ** model) {
 ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * model, ggml_backend_t cpu) {
     ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
     const int n_nodes = ggml_graph_n_nodes(g);
+    // the quantized x of each distinct x the bound MUL_MATs multiply (gate and up share theirs), laid
+    // out in q_ before any node points into it
+    std::unordered_map<const ggml_tensor *, size_t> q_offset;
+    size_t q_total = 0;
+    for (int i = 0; i < n_nodes; ++i) {
+        const ggml_tensor * node = ggml_graph_node(g, i);
+        if (bound_matmul(node) != nullptr && q_offset.emplace(node->src[1], q_total).second) {
+            const ggml_tensor * x = node->src[1];
+            q_total += ggml_row_size(GGML_TYPE_Q8_K, x->ne[0]) * static_cast<size_t>(ggml_nrows(x));
+        }
+    }
+    if (q_.size() < q_total) {
+        q_.resize(q_total);
+    }
     ggml_cgraph * graph = nullptr;
-    ggml_context * ctx = arena_.begin(n_nodes, &graph);
+    ggml_context * ctx = arena_.begin(2 * n_nodes, &graph);
     std::unordered_map<const ggml_tensor *, ggml_tensor *> mirror;
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> quantized;  // x -> its quantize_op node
     auto map = [&](const ggml_tensor * src) -> ggml_tensor * {
         if (src == nullptr) {
             return nullptr;
@@ -145,7 +171,7 @@ ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * mo
     for (int i = 0; i < n_nodes; ++i) {
         const ggml_tensor * node = ggml_graph_node(g, i);
         ggml_tensor * m = nullptr;
-        if (const BoundWeight * b = bound_matmul(node)) {
+        if (bound_matmul(node) != nullptr) {
             const ggml_tensor * w = node->src[0];
             const ggml_tensor * x = node->src[1];
             if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || node->type != GGML_TYPE_F32 ||
@@ -153,7 +179,16 @@ ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * mo
                 GGML_ABORT("llamaflash: MUL_MAT '%s' over '%s' has a layout the row-invariant matmul does not take",
                            node->name, w->name);
             }
-            ggml_tensor * args[1] = {map(x)};
+            ggml_tensor *& q = quantized[x];
+            if (q == nullptr) {
+                ggml_tensor * args[1] = {map(x)};
+                const int64_t q_bytes = static_cast<int64_t>(ggml_row_size(GGML_TYPE_Q8_K, x->ne[0])) * ggml_nrows(x);
+                q = ggml_custom_4d(ctx, GGML_TYPE_I8, q_bytes, 1, 1, 1, args, 1, quantize_op, GGML_N_TASKS_MAX,
+                                   nullptr);
+                q->data = q_.data() + q_offset.at(x);
+                ggml_build_forward_expand(graph, q);
+            }
+            ggml_tensor * args[1] = {q};
             m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], args, 1,
                                matmul_op, GGML_N_TASKS_MAX, const_cast<ggml_tensor *>(w));
             std::memcpy(m->nb, node->nb, sizeof(m->nb));
@@ -161,7 +196,6 @@ ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * mo
             m->buffer = node->buffer;
             model->matmuls.fetch_add(1, std::memory_order_relaxed);
             model->columns.fetch_add(ggml_nrows(x), std::memory_order_relaxed);
-            (void)b;
         } else {
             m = node_copy(ctx, node);
             for (int j = 0; j < GGML_MAX_SRC; ++j) {

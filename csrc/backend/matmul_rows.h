@@ -24,6 +24,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace llamaflash {
 
@@ -57,6 +58,7 @@ public:
 
 private:
     GraphArena arena_;
+    std::vector<uint8_t> q_;  // the split's x quantized to Q8_K, one block of columns per distinct x
 };
 
 }  // namespace llamaflash
