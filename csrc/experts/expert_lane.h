@@ -14,6 +14,8 @@
 // plain (not repacked) weights, whichever slots the experts sit in. Where every expert of the round
 // has fewer than 8 rows (decode, small batches) each MUL_MAT_ID is one node instead (expert_dots.h):
 // the vec_dots ggml's node makes for such experts, over the slots, without gathers and scatters.
+// With ExpertConfig::router_rows (deterministic answers: every row as alone) K-quant experts take that
+// node at any row count (kquant_gemm: vec_dot's bits per output), never the tiled kernel.
 //
 // Rounds. The distinct experts of the batch E = set(ids) are served in one round when they fit
 // ExpertCache::capacity (decode and small batches), else in rounds of at most half the capacity, so
