@@ -93,8 +93,15 @@ void dots_by_expert(const ExpertDots * d, ggml_tensor * dst, int ith, int nth) {
     std::stable_sort(order.begin(), order.end(), [d](int32_t a, int32_t b) {
         return d->weights[static_cast<size_t>(a)] < d->weights[static_cast<size_t>(b)];
     });
-    thread_local std::vector<uint8_t> q_cols;  // one expert's pairs' src1 rows in Q8_K
-    thread_local std::vector<float> out;       // [column][row of this thread's share]
+    // every src1 row (j, t) at j + t * ne11 in Q8_K, quantized once (gate / up: the n_used slots of a
+    // token share one row); one expert's pairs' rows gathered contiguously for kquant_gemm
+    thread_local std::vector<uint8_t> q_rows;
+    thread_local std::vector<char> q_made;
+    const int64_t n_src_rows = src1->ne[1] * src1->ne[2];
+    q_rows.resize(q_bytes * static_cast<size_t>(n_src_rows));
+    q_made.assign(static_cast<size_t>(n_src_rows), 0);
+    thread_local std::vector<uint8_t> q_cols;
+    thread_local std::vector<float> out;  // [column][row of this thread's share]
     const int64_t n_rows = r_end - r_begin;
     for (int64_t g = 0; g < n_pairs;) {
         const uint8_t * weight = d->weights[static_cast<size_t>(order[static_cast<size_t>(g)])];
@@ -108,9 +115,14 @@ void dots_by_expert(const ExpertDots * d, ggml_tensor * dst, int ith, int nth) {
         for (int64_t c = 0; c < n_cols; ++c) {
             const int64_t p = order[static_cast<size_t>(g + c)];
             const int32_t k = d->pairs[static_cast<size_t>(2 * p)], t = d->pairs[static_cast<size_t>(2 * p + 1)];
-            const char * x = static_cast<const char *>(src1->data) + (k % ne11) * src1->nb[1] + t * src1->nb[2];
-            q_traits->from_float(reinterpret_cast<const float *>(x), q_cols.data() + static_cast<size_t>(c) * q_bytes,
-                                 d->ne0);
+            const int64_t j = k % ne11;
+            uint8_t * qx = q_rows.data() + q_bytes * static_cast<size_t>(j + t * ne11);
+            if (!q_made[static_cast<size_t>(j + t * ne11)]) {
+                const char * x = static_cast<const char *>(src1->data) + j * src1->nb[1] + t * src1->nb[2];
+                q_traits->from_float(reinterpret_cast<const float *>(x), qx, d->ne0);
+                q_made[static_cast<size_t>(j + t * ne11)] = 1;
+            }
+            std::memcpy(q_cols.data() + static_cast<size_t>(c) * q_bytes, qx, q_bytes);
         }
         kquant_gemm(d->type, d->ne0, weight + static_cast<size_t>(r_begin) * d->row_bytes, d->row_bytes, n_rows,
                     q_cols.data(), q_bytes, n_cols, out.data(), static_cast<size_t>(n_rows));
