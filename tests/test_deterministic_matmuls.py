@@ -1,4 +1,4 @@
-"""deterministic=True in memory: the K-quant matmuls computed by llamaflash, every row as alone
+"""deterministic=True: the K-quant matmuls computed by llamaflash, every row as alone
 (plugin/runtime/matmul_rows.py, csrc/backend/matmul_rows.h).
 
 Reference: stock llama.cpp with plain weights, flash attention and the same q8_0 KV cache evaluating
@@ -10,6 +10,7 @@ Models: tiny synthetic Q4_K_M GGUFs (Q4_K and Q6_K weights), a dense llama and a
 
 from __future__ import annotations
 
+import mmap
 import shutil
 
 import llama_cpp
@@ -142,10 +143,27 @@ def test_moe_in_memory_equals_stock_one_token_per_call_at_any_batch(moe_model):
     assert np.array_equal(small, scores)
 
 
-def test_under_a_budget_ggml_keeps_the_matmuls(moe_model):
+def test_under_a_budget_equals_stock_one_token_per_call_with_the_weights_held_once(moe_model):
+    """Experts from flash through 3 slots per layer: the matmuls are llamaflash's too (63-row
+    batches), and the dense part's lock leaves out the weights the device holds a copy of."""
+    ids, scores, stats, sizes = _ours(moe_model, ram_budget_mb=4000, flash_expert_slots=3)
+    assert stats["matmuls"] is not None and stats["matmuls"]["computed"] > 0
+    assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS
+    assert max(sizes) == min(63, len(ids) - 4)
+    assert np.array_equal(scores, _stock_scores(moe_model, ids))
+    _, small, _, _ = _ours(moe_model, n_batch=7, ram_budget_mb=4000, flash_expert_slots=3)
+    assert np.array_equal(small, scores)
+
     llm = llamaflash.Llama(str(moe_model), deterministic=True, ram_budget_mb=4000, flash_expert_slots=3, **KW)
     assert llm.flash_mode == "experts"
-    assert llm.flash_stats()["numerics"]["matmuls"] is None
+    header = read_gguf_header(moe_model)
+    page = mmap.PAGESIZE
+    for t in header.tensors:
+        if t.name in set(taken_weights(header)):
+            inner = (-(-t.offset // page) * page, (t.offset + t.nbytes) // page * page)
+            for a, b in llm._load_plan.engine.lock_ranges:
+                assert b <= inner[0] or a >= inner[1], f"{t.name}'s pages are locked as well as copied"
+    assert llm._expert_lock["dense_locked_bytes"] > 0
     llm.close()
 
 
@@ -153,3 +171,19 @@ def test_the_default_keeps_ggml_matmuls(dense_model):
     llm = llamaflash.Llama(str(dense_model), **KW)
     assert llm.flash_stats()["numerics"]["matmuls"] is None
     llm.close()
+
+
+def test_no_sidecar_notice_for_deterministic_in_memory(dense_model, monkeypatch):
+    """deterministic=True in memory needs no sidecar (llamaflash computes the matmuls): no "running as
+    stock without acceleration" warning; the default still says it."""
+    import warnings
+
+    from llamaflash.runtime import notices
+
+    for deterministic, expected in ((True, 0), (False, 1)):
+        monkeypatch.setattr(notices, "_warned_no_sidecar", False)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            llamaflash.Llama(str(dense_model), deterministic=deterministic, **KW).close()
+        said = [w for w in seen if "no sidecar" in str(w.message)]
+        assert len(said) == expected, [str(w.message) for w in said]

@@ -102,12 +102,20 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
                 "serves it",
                 tensor->name);
         }
+        const bool whole = offset == 0 && size == ggml_nbytes(tensor);
         if (!keeps_bytes(tensor)) {
-            if (offset == 0 && size == ggml_nbytes(tensor)) {
+            if (whole) {
                 release_source_pages(data, size);
             }
             return;
         }
+        // a weight whose bytes this buffer keeps: once copied, the file's pages are not needed here
+        // either (the copy replaces them; they stay clean page cache)
+        std::memcpy(static_cast<uint8_t *>(tensor->data) + offset, data, size);
+        if (whole) {
+            release_source_pages(data, size);
+        }
+        return;
     }
     std::memcpy(static_cast<uint8_t *>(tensor->data) + offset, data, size);
 }

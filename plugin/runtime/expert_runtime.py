@@ -13,7 +13,7 @@ the model runs as stock llama.cpp and `flash_stats()["decision"]` says why.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 from ..files import expert_sidecar, experts
 from ..planning import expert_plan
@@ -138,10 +138,13 @@ def stats(model, plan: Optional[expert_plan.ExpertPlan], moe: Optional[experts.M
     return s
 
 
-def dense_ranges(moe: experts.MoeModelInfo, header, page: int) -> List[Tuple[int, int]]:
+def dense_ranges(
+    moe: experts.MoeModelInfo, header, page: int, held_elsewhere: Collection[str] = ()
+) -> List[Tuple[int, int]]:
     """The file ranges [start, end) of the model's dense part that stay locked in RAM under a budget:
-    every tensor but the routed experts and, where an output matrix exists, the token embedding table
-    (read by rows; its pages come and go as tokens need them). Each tensor's range is widened to
+    every tensor but the routed experts, those in ``held_elsewhere`` (weights whose bytes the
+    llamaflash device holds in its own memory: matmul_rows) and, where an output matrix exists, the
+    token embedding table (read by rows; its pages come and go as tokens need them). Each tensor's range is widened to
     whole pages of ``page`` bytes (mlock locks pages) and ranges that then touch are merged; sorted.
     The one definition for llamaflash.Llama (lock_dense_part) and the plan file of the tools' library
     (`llamaflash env`, which locks the same ranges after load)."""
@@ -150,7 +153,10 @@ def dense_ranges(moe: experts.MoeModelInfo, header, page: int) -> List[Tuple[int
     spans = sorted(
         (t.offset // page * page, -(-(t.offset + t.nbytes) // page) * page)
         for t in header.tensors
-        if t.nbytes > 0 and t.name not in expert_names and (tied or t.name != "token_embd.weight")
+        if t.nbytes > 0
+        and t.name not in expert_names
+        and t.name not in held_elsewhere
+        and (tied or t.name != "token_embd.weight")
     )
     merged: List[Tuple[int, int]] = []
     for a, b in spans:

@@ -189,8 +189,8 @@ def load_llama(llm: "Llama", plan: ModelPlan, engine, model_path, args: tuple, k
     llm._kv_may_split = eval_shapes.kv_may_split(kwargs.get("type_k"), kwargs.get("type_v"))
     # a matrix tinyBLAS multiplies from 2 rows on: a lone row gets other bits at every position
     llm._tinyblas_matrix = tinyblas_matrix(plan.model.base.header, per_row=computed_per_row(plan))
-    # deterministic in memory: the K-quant matmuls computed by llamaflash, rows as alone (matmul_rows)
-    rows_alone = matmul_rows.applies(llm._deterministic, llm._flash_args["ram_budget_mb"], plan)
+    # deterministic: the K-quant matmuls computed by llamaflash, rows as alone (matmul_rows)
+    rows_alone = matmul_rows.applies(llm._deterministic, plan)
     llm._invariant_rows = invariant_rows(llm, plan, kwargs, rows_alone)
     for name, value in plan.llama_defaults.items():
         kwargs.setdefault(name, value)

@@ -9,13 +9,16 @@ computes each of their MUL_MATs with vec_dot's bits per output whatever the batc
 (csrc/kernels/kquant_gemm.h). Where every multiplied K-quant matrix of the model is computed so
 (``all_rows_alone``), deterministic batches take up to ``eval_shapes.UNTILED_MAX_ROWS`` rows.
 
-Only in memory: under a RAM budget the weights would be held twice (the file's pages the planner
-counts and the device's copy), so there the model keeps ggml-cpu's matmuls.
+In memory and under a RAM budget alike the weights are held once: the device's copy replaces the
+file's pages (a mapped load's pages of them are dropped from the process once copied, and an MoE's
+dense-part lock leaves them out: model_plan), so the planner's count of the model's resident part
+stays what it was. Not with a dense FFN engine: its lanes take the FFN weights and compute their
+rows up to ``eval_shapes.MAX_ROWS`` only.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List
 
 from .. import _native
 from ..errors import LlamaflashError
@@ -32,10 +35,10 @@ def taken_weights(header) -> List[str]:
     return [t.name for t in header.tensors if _native.invariant_matmul_weight(t.name, t.ggml_type, list(t.shape))]
 
 
-def applies(deterministic: bool, ram_budget_mb: Optional[int], plan: "ModelPlan") -> bool:
-    """deterministic=True in memory, no dense FFN engine (its lanes take the FFN weights), and some
-    weight to take."""
-    if not deterministic or ram_budget_mb is not None:
+def applies(deterministic: bool, plan: "ModelPlan") -> bool:
+    """deterministic=True, no dense FFN engine (its lanes take the FFN weights), and some weight to
+    take."""
+    if not deterministic:
         return False
     if plan.engine is not None and plan.engine.dense is not None:
         return False

@@ -216,7 +216,8 @@ def find_sidecar(model: ModelId, request: LoadRequest) -> Optional[Sidecar]:
                 raise SidecarNotFoundError(
                     f"no sidecar for '{model.path}' at '{path}'; create it with `llamaflash convert {model.path}`"
                 )
-            warn_no_sidecar(model.path, path)
+            if not request.deterministic:  # deterministic in memory needs none (matmul_rows)
+                warn_no_sidecar(model.path, path)
             path = None
     if path is None and request.ram_budget_mb is not None:
         raise SidecarNotFoundError(
@@ -433,7 +434,7 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
     """An MoE model: stock (no speculative self-draft: nothing to draft with), or its routed experts
     from flash by the expert plan for the budget; every other weight stays with llama.cpp."""
     from ..planning import disk_probe, expert_plan
-    from . import expert_runtime
+    from . import expert_runtime, matmul_rows
 
     speculation = speculative.SpeculativeSettings.from_argument(request.speculation)
     stock_speculation = dataclasses.replace(speculation, self_draft=False) if speculation is not None else None
@@ -496,7 +497,10 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
         router_rows=_router_rows(model, request),
     )
     routers = {layer.layer: layer.router for layer in model.moe.layers}
-    lock_ranges = tuple(expert_runtime.dense_ranges(model.moe, model.base.header, mmap.PAGESIZE))
+    # deterministic answers: the K-quant matmul weights live in the llamaflash device's own memory
+    # (matmul_rows), so their pages in the file's mapping are not locked as well
+    held = matmul_rows.taken_weights(model.base.header) if request.deterministic else ()
+    lock_ranges = tuple(expert_runtime.dense_ranges(model.moe, model.base.header, mmap.PAGESIZE, held))
     plan.engine = EnginePlan(
         identity(plan, K.KIND_EXPERTS, request), experts=config, routers=routers, lock_ranges=lock_ranges
     )
