@@ -187,3 +187,56 @@ def test_no_sidecar_notice_for_deterministic_in_memory(dense_model, monkeypatch)
             llamaflash.Llama(str(dense_model), deterministic=deterministic, **KW).close()
         said = [w for w in seen if "no sidecar" in str(w.message)]
         assert len(said) == expected, [str(w.message) for w in said]
+
+
+@pytest.fixture(scope="module")
+def dense_converted(tiny_model_factory, tmp_path_factory):
+    """A Q4_K_M dense model (n_ff 512: 16 clusters of 32 per layer) with its calibrated sidecar."""
+    from synth import FAST_CONVERT
+
+    from llamaflash.converters import convert
+
+    d = tmp_path_factory.mktemp("rows-dense-engine")
+    model = d / "m.gguf"
+    shutil.copy(tiny_model_factory(weight_type="Q4_K_M", n_embd=256, n_ff=512), model)
+    sidecar = convert(model, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
+    return model, sidecar
+
+
+def test_dense_lane_equals_stock_one_token_per_call_in_63_row_batches(dense_converted):
+    """The exact dense lane (flash_mode="dense") computes the FFN's MUL_MATs rows as alone, beside the
+    attention's: every position equals stock evaluating one token per call."""
+    model, sidecar = dense_converted
+    ids, scores, stats, sizes = _ours(model, sidecar_path=str(sidecar), flash_mode="dense")
+    assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS
+    assert max(sizes) == 63
+    header = read_gguf_header(model)
+    n_ffn = sum(1 for n in taken_weights(header) if ".ffn_" in n)
+    assert n_ffn > 0 and stats["matmuls"]["weights"] == len(taken_weights(header)) - n_ffn  # the lane keeps them
+    assert np.array_equal(scores, _stock_scores(model, ids))
+
+
+@pytest.mark.parametrize("n_batch", [7, 16])
+def test_sparse_lane_in_memory_takes_63_row_batches_with_the_bits_of_any_other(dense_converted, n_batch):
+    """The sparse lane (lossy) in memory: its gate product computed rows as alone, its own dots per
+    row; a prompt in batches of 63, 16 or 7 gives every position the same bits."""
+    model, sidecar = dense_converted
+    kw = dict(sidecar_path=str(sidecar), flash_mode="sparse")
+    ids, scores, stats, sizes = _ours(model, **kw)
+    assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS and max(sizes) == 63
+    assert stats["lossless"] is False
+    other_ids, other, _, other_sizes = _ours(model, n_batch=n_batch, **kw)
+    assert max(other_sizes) == n_batch
+    assert other_ids == ids and np.array_equal(other, scores)
+
+
+def test_offload_keeps_7_row_batches_and_ggml_matmuls(dense_converted, forced_plan):
+    """Flash offload of a dense model: the sparse lane's partial sums for 63 rows would not fit the
+    budget's plan, so batches stay at 7 rows with ggml-cpu's matmuls."""
+    from offload_helpers import make_plan
+
+    model, sidecar = dense_converted
+    forced_plan(make_plan(sidecar, 4, prefetch_layers=1))
+    _, _, stats, sizes = _ours(model, sidecar_path=str(sidecar), ram_budget_mb=64)
+    assert stats["invariant_rows"] == eval_shapes.MAX_ROWS and max(sizes) == 7
+    assert stats["matmuls"] is None

@@ -98,6 +98,38 @@ const BoundWeight * bound_matmul(const ggml_tensor * node) {
 
 }  // namespace
 
+size_t quantized_x_bytes(const ggml_tensor * x) {
+    return ggml_row_size(GGML_TYPE_Q8_K, x->ne[0]) * static_cast<size_t>(ggml_nrows(x));
+}
+
+ggml_tensor * quantize_x_node(ggml_context * ctx, ggml_tensor * x, void * q_data) {
+    ggml_tensor * args[1] = {x};
+    ggml_tensor * q = ggml_custom_4d(ctx, GGML_TYPE_I8, static_cast<int64_t>(quantized_x_bytes(x)), 1, 1, 1, args, 1,
+                                     quantize_op, GGML_N_TASKS_MAX, nullptr);
+    q->data = q_data;
+    return q;
+}
+
+ggml_tensor * rows_alone_matmul_node(ggml_context * ctx, const ggml_tensor * node, const ggml_tensor * w,
+                                     ggml_tensor * q, InvariantMatmuls * model) {
+    const ggml_tensor * x = node->src[1];
+    if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || node->type != GGML_TYPE_F32 ||
+        !contiguous_rows(node) || node->ne[0] != w->ne[1] || x->ne[0] != w->ne[0] || w->type != node->src[0]->type ||
+        w->ne[2] != 1 || w->ne[3] != 1) {
+        GGML_ABORT("llamaflash: MUL_MAT '%s' over '%s' has a layout the row-invariant matmul does not take", node->name,
+                   node->src[0]->name);
+    }
+    ggml_tensor * args[1] = {q};
+    ggml_tensor * m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], args, 1,
+                                     matmul_op, GGML_N_TASKS_MAX, const_cast<ggml_tensor *>(w));
+    std::memcpy(m->nb, node->nb, sizeof(m->nb));
+    m->data = node->data;
+    m->buffer = node->buffer;
+    model->matmuls.fetch_add(1, std::memory_order_relaxed);
+    model->columns.fetch_add(ggml_nrows(x), std::memory_order_relaxed);
+    return m;
+}
+
 bool invariant_matmul_weight(const ggml_tensor * w) {
     if (w == nullptr || w->ne[2] != 1 || w->ne[3] != 1 || w->ne[0] % 256 != 0 || !named_matmul_weight(w->name)) {
         return false;
@@ -145,8 +177,7 @@ ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * mo
     for (int i = 0; i < n_nodes; ++i) {
         const ggml_tensor * node = ggml_graph_node(g, i);
         if (bound_matmul(node) != nullptr && q_offset.emplace(node->src[1], q_total).second) {
-            const ggml_tensor * x = node->src[1];
-            q_total += ggml_row_size(GGML_TYPE_Q8_K, x->ne[0]) * static_cast<size_t>(ggml_nrows(x));
+            q_total += quantized_x_bytes(node->src[1]);
         }
     }
     if (q_.size() < q_total) {
@@ -172,30 +203,13 @@ ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * mo
         const ggml_tensor * node = ggml_graph_node(g, i);
         ggml_tensor * m = nullptr;
         if (bound_matmul(node) != nullptr) {
-            const ggml_tensor * w = node->src[0];
             const ggml_tensor * x = node->src[1];
-            if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || node->type != GGML_TYPE_F32 ||
-                !contiguous_rows(node) || node->ne[0] != w->ne[1] || x->ne[0] != w->ne[0]) {
-                GGML_ABORT("llamaflash: MUL_MAT '%s' over '%s' has a layout the row-invariant matmul does not take",
-                           node->name, w->name);
-            }
             ggml_tensor *& q = quantized[x];
             if (q == nullptr) {
-                ggml_tensor * args[1] = {map(x)};
-                const int64_t q_bytes = static_cast<int64_t>(ggml_row_size(GGML_TYPE_Q8_K, x->ne[0])) * ggml_nrows(x);
-                q = ggml_custom_4d(ctx, GGML_TYPE_I8, q_bytes, 1, 1, 1, args, 1, quantize_op, GGML_N_TASKS_MAX,
-                                   nullptr);
-                q->data = q_.data() + q_offset.at(x);
+                q = quantize_x_node(ctx, map(x), q_.data() + q_offset.at(x));
                 ggml_build_forward_expand(graph, q);
             }
-            ggml_tensor * args[1] = {q};
-            m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], args, 1,
-                               matmul_op, GGML_N_TASKS_MAX, const_cast<ggml_tensor *>(w));
-            std::memcpy(m->nb, node->nb, sizeof(m->nb));
-            m->data = node->data;
-            m->buffer = node->buffer;
-            model->matmuls.fetch_add(1, std::memory_order_relaxed);
-            model->columns.fetch_add(ggml_nrows(x), std::memory_order_relaxed);
+            m = rows_alone_matmul_node(ctx, node, node->src[0], q, model);
         } else {
             m = node_copy(ctx, node);
             for (int j = 0; j < GGML_MAX_SRC; ++j) {

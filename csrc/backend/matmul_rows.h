@@ -49,6 +49,22 @@ bool invariant_gate_or_up_name(const char * name);
 // unsupported graph pattern, never a silent wrong answer).
 bool match_matmul_split(const ggml_cgraph * split, InvariantMatmuls ** model);
 
+// The nodes a private graph computes a row-invariant MUL_MAT with, for MatmulRows and the FFN lanes
+// (dense_lane.h) of a model whose load armed InvariantMatmuls:
+//   q = quantize_x_node(ctx, x, q_data)        x f32 [ne0, ne1, ne2, ne3] (any row strides) → its
+//       rows as Q8_K columns at q_data (quantized_x_bytes(x) bytes, caller-owned, live through the
+//       compute); threads take shares of the columns
+//   y = rows_alone_matmul_node(ctx, node, w, q, model)
+//       the MUL_MAT `node` (W·x) computed from q into node's memory, y[c·ne01 + r] = vec_dot(W[r],
+//       q[c]) (kquant_gemm); `w` holds the weight's bytes (the bound weight, or a lane's resident
+//       copy of it), same type and shape as node->src[0]. Threads take shares of W's rows. Counts the
+//       MUL_MAT and its columns in `model`. Aborts on a layout it does not take (an unsupported
+//       graph pattern, never a silent wrong answer).
+size_t quantized_x_bytes(const ggml_tensor * x);
+ggml_tensor * quantize_x_node(ggml_context * ctx, ggml_tensor * x, void * q_data);
+ggml_tensor * rows_alone_matmul_node(ggml_context * ctx, const ggml_tensor * node, const ggml_tensor * w,
+                                     ggml_tensor * q, InvariantMatmuls * model);
+
 class MatmulRows {
 public:
     // Computes the split on `cpu` (its thread count): its MUL_MATs by kquant_gemm, its other nodes as

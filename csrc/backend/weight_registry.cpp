@@ -165,6 +165,9 @@ bool WeightRegistry::bind(const ggml_tensor * tensor, ggml_backend_buffer_t buff
     }
     auto [it, inserted] = bound_.emplace(tensor, Entry{BoundWeight{pending_, layer, kind}, buffer});
     if (inserted) {
+        if (pending_matmuls_ != nullptr) {
+            pending_->set_invariant_matmuls(pending_matmuls_);  // its lanes' matmuls row-invariant too
+        }
         pending_->count_bound();
         n_bound_.store(bound_.size(), std::memory_order_relaxed);
     }

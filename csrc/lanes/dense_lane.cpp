@@ -1,6 +1,7 @@
 // dense_lane.cpp — see dense_lane.h.
 #include "lanes/dense_lane.h"
 
+#include "backend/matmul_rows.h"
 #include "backend/weight_registry.h"
 #include "lanes/graph_mirror.h"
 #include "lanes/sparse_lane.h"
@@ -63,6 +64,28 @@ void DenseLane::begin(ggml_context * ctx, const ggml_cgraph * split) {
     n_fused_ = 0;
     model_ = nullptr;
     evaluations_.clear();
+    // the quantized x of each distinct x the split's row-invariant MUL_MATs multiply, laid out before
+    // any node points into q_
+    quantized_.clear();
+    q_offset_.clear();
+    size_t q_total = 0;
+    for (int i = 0; i < n_nodes_; ++i) {
+        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
+        if (rows_alone(node) != nullptr && q_offset_.emplace(node->src[1], q_total).second) {
+            q_total += quantized_x_bytes(node->src[1]);
+        }
+    }
+    if (q_.size() < q_total) {
+        q_.resize(q_total);
+    }
+}
+
+InvariantMatmuls * DenseLane::rows_alone(const ggml_tensor * node) {
+    if (node->op != GGML_OP_MUL_MAT || !invariant_matmul_weight(node->src[0])) {
+        return nullptr;
+    }
+    const BoundWeight * bound = WeightRegistry::instance().lookup(node->src[0]);
+    return bound != nullptr && bound->model != nullptr ? bound->model->invariant_matmuls() : nullptr;
 }
 
 ggml_tensor * DenseLane::map_src(const ggml_tensor * src) {
@@ -90,9 +113,19 @@ ggml_tensor * DenseLane::map_src(const ggml_tensor * src) {
 }
 
 ggml_tensor * DenseLane::mirror_node(const ggml_tensor * node) {
-    ggml_tensor * m = node_copy(ctx_, node);
-    for (int j = 0; j < GGML_MAX_SRC; ++j) {
-        m->src[j] = node->src[j] != nullptr ? map_src(node->src[j]) : nullptr;
+    ggml_tensor * m = nullptr;
+    if (InvariantMatmuls * matmuls = rows_alone(node)) {
+        ggml_tensor *& q = quantized_[node->src[1]];
+        if (q == nullptr) {
+            q = quantize_x_node(ctx_, map_src(node->src[1]), q_.data() + q_offset_.at(node->src[1]));
+        }
+        m = rows_alone_matmul_node(ctx_, node, map_src(node->src[0]), q, matmuls);
+        std::memcpy(m->name, node->name, sizeof(m->name));
+    } else {
+        m = node_copy(ctx_, node);
+        for (int j = 0; j < GGML_MAX_SRC; ++j) {
+            m->src[j] = node->src[j] != nullptr ? map_src(node->src[j]) : nullptr;
+        }
     }
     if (node->op == GGML_OP_MUL_MAT && model_ != nullptr) {
         if (const BoundWeight * bound = WeightRegistry::instance().lookup(node->src[0])) {
@@ -185,8 +218,9 @@ bool DenseLane::try_chunks(ggml_cgraph * graph) {
         return false;
     }
     const int64_t n_tokens = ffn.x->ne[1];
-    if (n_tokens <= kDenseChunkTokens || ffn.x->ne[2] != 1 || ffn.x->ne[3] != 1) {
-        return false;
+    if (n_tokens <= kDenseChunkTokens || ffn.x->ne[2] != 1 || ffn.x->ne[3] != 1 ||
+        ffn.model->invariant_matmuls() != nullptr) {
+        return false;  // row-invariant matmuls: the whole batch at once (mirror_node)
     }
     std::vector<const ggml_tensor *> inner;  // every node but down, in split order
     for (int i = 0; i < n_nodes_; ++i) {

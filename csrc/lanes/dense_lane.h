@@ -32,6 +32,12 @@
 // quantizes src1 per row and picks the kernel by ne11 >= 8 / groups of 4 rows), so the values are
 // those of the unchunked mirror; tests/test_dense_chunks.py checks it bit for bit.
 //
+// Row-invariant matmuls: for a model with InvariantMatmuls (FlashModel::invariant_matmuls, a
+// deterministic load), every MUL_MAT over a bound K-quant weight (invariant_matmul_weight) is
+// mirrored as matmul_rows.h's nodes over the resident weight (x quantized once per split, then
+// kquant_gemm: each row's bits as alone, whatever the batch) and splits are not chunked. Fused
+// gate/up stays (at most kMaxFusedTokens < 8 rows: ggml's vec_dot, the same bits).
+//
 // Use per split: begin(), then either append_all() (the whole split, dense) or, for the sparse
 // lane, map_src()/mirror_node() of the few nodes it needs from ggml.
 #pragma once
@@ -48,6 +54,7 @@ namespace llamaflash {
 
 class FlashModel;
 struct GluFfnPattern;
+struct InvariantMatmuls;
 
 // Splits over at most this many tokens are mirrored whole.
 constexpr int64_t kDenseChunkTokens = 64;
@@ -91,6 +98,8 @@ private:
     // split is not one or has too few tokens.
     bool try_chunks(ggml_cgraph * graph);
     ggml_tensor * chunk_node(const ggml_tensor * node, int64_t t0, int64_t n, float * scratch);
+    // The model's InvariantMatmuls when `node` is a MUL_MAT mirror_node computes row-invariantly.
+    static InvariantMatmuls * rows_alone(const ggml_tensor * node);
 
     ggml_context * ctx_ = nullptr;
     const ggml_cgraph * split_ = nullptr;
@@ -101,6 +110,10 @@ private:
     FlashModel * model_ = nullptr;
     std::vector<std::pair<int, int64_t>> evaluations_;
     std::vector<float> chunk_scratch_;  // [3][n_ff · C] of the chunked splits, reused
+    // row-invariant matmuls: the split's x quantized (Q8_K columns), one block per distinct x
+    std::vector<uint8_t> q_;
+    std::unordered_map<const ggml_tensor *, size_t> q_offset_;
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> quantized_;  // x -> its quantize node
 };
 
 }  // namespace llamaflash

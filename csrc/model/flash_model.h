@@ -30,6 +30,8 @@
 
 namespace llamaflash {
 
+struct InvariantMatmuls;  // backend/matmul_rows.h
+
 class FlashModel {
 public:
     // Validates `config` (EngineConfig::validate) and opens the model, in this order: dense weights
@@ -85,6 +87,12 @@ public:
     void set_non_finite(const std::string & message);
     std::string take_non_finite();
 
+    // Set while a load armed InvariantMatmuls (matmul_rows.h: deterministic answers) binds this
+    // model's weights: then the lanes compute every MUL_MAT over a K-quant FFN weight with each row's
+    // bits as alone, whatever the batch (dense_lane.h), counted there. nullptr: ggml-cpu's kernels.
+    void set_invariant_matmuls(std::shared_ptr<InvariantMatmuls> matmuls) { invariant_matmuls_ = std::move(matmuls); }
+    InvariantMatmuls * invariant_matmuls() const { return invariant_matmuls_.get(); }
+
     // number of llama.cpp weight tensors bound to this model (3 per served layer when loaded)
     void count_bound() { bound_.fetch_add(1, std::memory_order_relaxed); }
     int bound_count() const { return bound_.load(); }
@@ -103,6 +111,7 @@ private:
     std::mutex non_finite_mutex_;
     std::string non_finite_;
     std::atomic<int> bound_{0};
+    std::shared_ptr<InvariantMatmuls> invariant_matmuls_;
 };
 
 }  // namespace llamaflash

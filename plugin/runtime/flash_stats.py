@@ -107,9 +107,10 @@ def numerics(llm: "Llama") -> Dict[str, Any]:
 
 
 def matmuls_stats(llm: "Llama") -> Optional[Dict[str, Any]]:
-    """deterministic=True in memory: the K-quant matmuls llamaflash computes, every row as alone
-    (csrc/backend/matmul_rows.h): weights bound, MUL_MATs computed and their rows; None where ggml-cpu
-    computes them all."""
+    """deterministic=True: the K-quant matmuls llamaflash computes, every row as alone
+    (csrc/backend/matmul_rows.h; a dense FFN lane's too, csrc/lanes/dense_lane.h): weights bound to the
+    device (not those the lane keeps), MUL_MATs computed and their rows; None where ggml-cpu computes
+    them all."""
     m = llm._matmul_rows
     if m is None:
         return None

@@ -74,7 +74,8 @@ Everything `llama_cpp.Llama` accepts and does keeps working. Added keyword argum
                  the first time it was evaluated, whatever ran in between (plugin/runtime/eval_shapes.py:
                  a prompt evaluated before is brought back with the batch shapes it had then, and a prompt
                  the cache holds whole samples from its recorded logits). True: batch-invariant, every
-                 evaluation in batches of 1..7 rows over plain weights with flash attention and a q8_0 KV
+                 evaluation in batches of 1..7 rows (up to 63 where llamaflash computes every K-quant
+                 matmul: plugin/runtime/matmul_rows.py) over plain weights with flash attention and a q8_0 KV
                  cache (unless type_k / type_v are given), so an answer no longer depends on the cache's
                  history or on n_batch / n_ubatch: a conversation replayed from scratch gives the answer it
                  got continued in the KV cache. Costs prefill speed, and the q8_0 KV cache a little

@@ -87,8 +87,10 @@ def request_from_arguments(llm: "Llama", model_path, kwargs: Dict[str, Any]) -> 
     llm._batch_invariant = (budget is not None or llm._deterministic) if invariant is None else invariant
     if llm._batch_invariant and not max_sparse_given:
         # every row of a batch-invariant chunk (up to MAX_ROWS, a lone decode row evaluated with a
-        # filler row after it) goes to the lane a token decoded alone goes to
-        a["flash_max_sparse_tokens"] = eval_shapes.MAX_ROWS
+        # filler row after it; deterministic: up to UNTILED_MAX_ROWS where the matmuls are
+        # llamaflash's, invariant_rows) goes to the lane a token decoded alone goes to
+        rows = eval_shapes.UNTILED_MAX_ROWS if llm._deterministic else eval_shapes.MAX_ROWS
+        a["flash_max_sparse_tokens"] = rows
     return LoadRequest(
         model_path=os.fspath(model_path),
         sidecar_path=a["sidecar_path"],
@@ -141,19 +143,24 @@ def computed_per_row(plan: ModelPlan) -> frozenset:
 
 def invariant_rows(llm: "Llama", plan: ModelPlan, kwargs: Dict[str, Any], rows_alone: bool = False) -> int:
     """The most rows of a deterministic evaluation's batches (eval_shapes): UNTILED_MAX_ROWS where no
-    matrix takes tinyBLAS, no dense lane serves the FFN (their rows are measured up to MAX_ROWS only)
-    and either llamaflash computes every K-quant matmul row by row (``rows_alone``: the load is armed by
-    _native.begin_matmul_rows, and matmul_rows.all_rows_alone) or
-    ggml-cpu's tiled kernel is off in this process (probed: _native.kquant_rows_invariant); else
-    MAX_ROWS."""
+    matrix takes tinyBLAS, a dense FFN engine (if any) computes every batch of up to that many rows on
+    one lane, and either llamaflash computes every K-quant matmul row by row (``rows_alone``: the load
+    is armed by _native.begin_matmul_rows, and matmul_rows.all_rows_alone) or ggml-cpu's tiled kernel
+    is off in this process and no dense engine serves the FFN (probed: _native.kquant_rows_invariant);
+    else MAX_ROWS."""
     if not llm._deterministic or llm._tinyblas_matrix is not None:
         return eval_shapes.MAX_ROWS
-    if plan.engine is not None and plan.engine.dense is not None:
-        return eval_shapes.MAX_ROWS
+    dense = plan.engine.dense if plan.engine is not None else None
+    if dense is not None:
+        # the sparse lane (lossy) takes batches up to max_tokens, the dense lane bigger ones: a
+        # token must meet the same lane in every batch
+        one_lane = not dense.sparse.enabled or dense.sparse.max_tokens >= eval_shapes.UNTILED_MAX_ROWS
+        if not (rows_alone and one_lane):
+            return eval_shapes.MAX_ROWS
     if rows_alone and matmul_rows.all_rows_alone(plan, bool(computed_per_row(plan))):
         return eval_shapes.UNTILED_MAX_ROWS  # every K-quant matmul llamaflash's, rows as alone
     threads = int(kwargs.get("n_threads_batch") or kwargs.get("n_threads") or 2)
-    if not _native.kquant_rows_invariant(eval_shapes.UNTILED_MAX_ROWS, threads):
+    if dense is not None or not _native.kquant_rows_invariant(eval_shapes.UNTILED_MAX_ROWS, threads):
         return eval_shapes.MAX_ROWS
     return eval_shapes.UNTILED_MAX_ROWS
 

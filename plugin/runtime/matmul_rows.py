@@ -1,4 +1,4 @@
-"""deterministic=True in memory: the model's K-quant matmuls computed by llamaflash, every row as alone.
+"""deterministic=True: the model's K-quant matmuls computed by llamaflash, every row as alone.
 
 ggml-cpu multiplies K-quant weights by 8 or more rows with its tiled kernel, whose rows have other
 bits than a row alone, so deterministic evaluation was limited to 7-row batches (or the whole process
@@ -6,19 +6,20 @@ had to switch the tiled kernel off). ``_native.begin_matmul_rows`` arms a load s
 2-D K-quant weights that only MUL_MATs use (attention, dense FFN, output; csrc/backend/matmul_rows.h
 says which, ``_native.invariant_matmul_weight`` answers for one) go to the llamaflash device, which
 computes each of their MUL_MATs with vec_dot's bits per output whatever the batch
-(csrc/kernels/kquant_gemm.h). Where every multiplied K-quant matrix of the model is computed so
+(csrc/kernels/kquant_gemm.h). With a dense FFN engine its lanes keep the FFN weights of the layers
+they serve and compute their MUL_MATs the same way (csrc/lanes/dense_lane.h; the sparse lane's own
+dots are per row anyway). Where every multiplied K-quant matrix of the model is computed so
 (``all_rows_alone``), deterministic batches take up to ``eval_shapes.UNTILED_MAX_ROWS`` rows.
 
 In memory and under a RAM budget alike the weights are held once: the device's copy replaces the
 file's pages (a mapped load's pages of them are dropped from the process once copied, and an MoE's
 dense-part lock leaves them out: model_plan), so the planner's count of the model's resident part
-stays what it was. Not with a dense FFN engine: its lanes take the FFN weights and compute their
-rows up to ``eval_shapes.MAX_ROWS`` only.
+stays what it was.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional, Set
 
 from .. import _native
 from ..errors import LlamaflashError
@@ -28,30 +29,48 @@ if TYPE_CHECKING:
     from .model_plan import ModelPlan
 
 
-def taken_weights(header) -> List[str]:
-    """Names of the weights begin_matmul_rows takes from this model (the native rule, per tensor)."""
+def eligible_weights(header) -> List[str]:
+    """Names of the weights whose MUL_MATs llamaflash computes row-invariantly under deterministic=True
+    (the native rule, per tensor): begin_matmul_rows takes them, or a dense FFN engine serves them."""
     if header is None:
         return []
     return [t.name for t in header.tensors if _native.invariant_matmul_weight(t.name, t.ggml_type, list(t.shape))]
 
 
+def _engine_ffn_weights(plan: "ModelPlan") -> Set[str]:
+    """The FFN weights a dense engine serves (its lanes compute them; llama.cpp hands them to it)."""
+    dense = plan.engine.dense if plan.engine is not None else None
+    if dense is None:
+        return set()
+    return {n for spec in dense.layers for n in (spec.base_gate_name, spec.base_up_name, spec.base_down_name)}
+
+
+def taken_weights(header, plan: Optional["ModelPlan"] = None) -> List[str]:
+    """Names of the weights begin_matmul_rows takes from this model: the eligible ones but those a
+    dense engine of ``plan`` serves."""
+    served = _engine_ffn_weights(plan) if plan is not None else set()
+    return [n for n in eligible_weights(header) if n not in served]
+
+
 def applies(deterministic: bool, plan: "ModelPlan") -> bool:
-    """deterministic=True, no dense FFN engine (its lanes take the FFN weights), and some weight to
-    take."""
-    if not deterministic:
-        return False
-    if plan.engine is not None and plan.engine.dense is not None:
-        return False
-    return bool(taken_weights(plan.model.base.header))
+    """deterministic=True, some weight whose matmuls llamaflash computes row-invariantly, and not flash
+    offload of a dense model: there the sparse lane takes every row of a deterministic batch, and its
+    per-(cluster, token) partial sums for 63 rows (104 MiB on Qwen2.5-1.5B, against the 11 MiB the
+    planner counts for 7-row verify batches) do not fit the budget's plan, so offload keeps 7-row
+    batches and ggml-cpu's matmuls (docs/SAME_ANSWERS.md)."""
+    from .model_plan import OFFLOAD
+
+    return deterministic and plan.mode != OFFLOAD and bool(eligible_weights(plan.model.base.header))
 
 
 def all_rows_alone(plan: "ModelPlan", routers_per_row: bool) -> bool:
     """True if every matrix the model multiplies by, of a type ggml-cpu tiles (not tinyBLAS's: those
-    are judged by llama_settings.tinyblas_matrix), is one begin_matmul_rows takes or, for an MoE,
+    are judged by llama_settings.tinyblas_matrix), is eligible (begin_matmul_rows takes it, or a dense
+    FFN engine's lanes compute it so) or, for an MoE,
     an expert tensor the expert lane computes row by row (``routers_per_row``: the deterministic lane).
     The token table counts only where it is also the output matrix."""
     header = plan.model.base.header
-    taken = set(taken_weights(header))
+    taken = set(eligible_weights(header))
     names = {t.name for t in header.tensors}
     for t in header.tensors:
         if sum(1 for d in t.shape if d > 1) < 2 or t.ggml_type in TINYBLAS_TYPES or t.name in taken:
@@ -67,7 +86,7 @@ def all_rows_alone(plan: "ModelPlan", routers_per_row: bool) -> bool:
 def check_bound(llm, plan: "ModelPlan") -> None:
     """After the load: llama.cpp placed every weight begin_matmul_rows takes on the device (else closes
     and raises LlamaflashError: a model is never computed in part so)."""
-    expected = len(taken_weights(plan.model.base.header))
+    expected = len(taken_weights(plan.model.base.header, plan))
     bound = llm._matmul_rows.bound
     if bound != expected:
         llm.close()
