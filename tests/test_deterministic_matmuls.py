@@ -10,7 +10,6 @@ Models: tiny synthetic Q4_K_M GGUFs (Q4_K and Q6_K weights), a dense llama and a
 
 from __future__ import annotations
 
-import mmap
 import shutil
 
 import llama_cpp
@@ -137,15 +136,16 @@ def test_moe_in_memory_equals_stock_one_token_per_call_at_any_batch(moe_model):
     assert stats["matmuls"] is not None and stats["matmuls"]["computed"] > 0
     assert stats["matmuls"]["weights"] == len(taken_weights(read_gguf_header(moe_model)))
     assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS  # experts and routers: the lane's rows
+    assert stats["matmuls"]["in_place"] == 0  # in memory: copies (anonymous memory streams faster)
     assert max(sizes) == min(63, len(ids) - 4)
     assert np.array_equal(scores, _stock_scores(moe_model, ids))
     _, small, _, _ = _ours(moe_model, n_batch=16)
     assert np.array_equal(small, scores)
 
 
-def test_under_a_budget_equals_stock_one_token_per_call_with_the_weights_held_once(moe_model):
+def test_under_a_budget_equals_stock_one_token_per_call_with_the_weights_read_in_place(moe_model):
     """Experts from flash through 3 slots per layer: the matmuls are llamaflash's too (63-row
-    batches), and the dense part's lock leaves out the weights the device holds a copy of."""
+    batches), their weights read in place from the model file's mapping (held once)."""
     ids, scores, stats, sizes = _ours(moe_model, ram_budget_mb=4000, flash_expert_slots=3)
     assert stats["matmuls"] is not None and stats["matmuls"]["computed"] > 0
     assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS
@@ -153,18 +153,7 @@ def test_under_a_budget_equals_stock_one_token_per_call_with_the_weights_held_on
     assert np.array_equal(scores, _stock_scores(moe_model, ids))
     _, small, _, _ = _ours(moe_model, n_batch=7, ram_budget_mb=4000, flash_expert_slots=3)
     assert np.array_equal(small, scores)
-
-    llm = llamaflash.Llama(str(moe_model), deterministic=True, ram_budget_mb=4000, flash_expert_slots=3, **KW)
-    assert llm.flash_mode == "experts"
-    header = read_gguf_header(moe_model)
-    page = mmap.PAGESIZE
-    for t in header.tensors:
-        if t.name in set(taken_weights(header)):
-            inner = (-(-t.offset // page) * page, (t.offset + t.nbytes) // page * page)
-            for a, b in llm._load_plan.engine.lock_ranges:
-                assert b <= inner[0] or a >= inner[1], f"{t.name}'s pages are locked as well as copied"
-    assert llm._expert_lock["dense_locked_bytes"] > 0
-    llm.close()
+    assert stats["matmuls"]["in_place"] == stats["matmuls"]["weights"]  # the file's pages, not a copy
 
 
 def test_the_default_keeps_ggml_matmuls(dense_model):
@@ -230,13 +219,25 @@ def test_sparse_lane_in_memory_takes_63_row_batches_with_the_bits_of_any_other(d
     assert other_ids == ids and np.array_equal(other, scores)
 
 
-def test_offload_keeps_7_row_batches_and_ggml_matmuls(dense_converted, forced_plan):
-    """Flash offload of a dense model: the sparse lane's partial sums for 63 rows would not fit the
-    budget's plan, so batches stay at 7 rows with ggml-cpu's matmuls."""
+def test_offload_chunks_are_the_batch_the_planner_counts_scratch_for():
+    from llamaflash.planning import plan_budget
+
+    assert _native.SPARSE_CHUNK_TOKENS == plan_budget.VERIFY_ROWS
+
+
+@pytest.mark.parametrize("n_batch", [7, 16])
+def test_offload_takes_63_row_batches_with_the_bits_of_any_other(dense_converted, forced_plan, n_batch):
+    """Flash offload (the sparse lane, lossy, rows through the neuron cache): 63-row batches, which
+    the lane computes in chunks of 7 tokens (the scratch the planner counts), and a prompt evaluated
+    in batches of 7 or 16 gives every position the same bits."""
     from offload_helpers import make_plan
 
     model, sidecar = dense_converted
     forced_plan(make_plan(sidecar, 4, prefetch_layers=1))
-    _, _, stats, sizes = _ours(model, sidecar_path=str(sidecar), ram_budget_mb=64)
-    assert stats["invariant_rows"] == eval_shapes.MAX_ROWS and max(sizes) == 7
-    assert stats["matmuls"] is None
+    kw = dict(sidecar_path=str(sidecar), ram_budget_mb=64)
+    ids, scores, stats, sizes = _ours(model, **kw)
+    assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS and max(sizes) == 63
+    assert stats["lossless"] is False and stats["matmuls"]["computed"] > 0
+    other_ids, other, _, other_sizes = _ours(model, n_batch=n_batch, **kw)
+    assert max(other_sizes) == n_batch
+    assert other_ids == ids and np.array_equal(other, scores)

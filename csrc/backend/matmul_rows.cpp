@@ -6,6 +6,10 @@
 
 #include "ggml-cpu.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <cstdio>
 #include <cstring>
 #include <initializer_list>
@@ -88,6 +92,18 @@ bool contiguous_rows(const ggml_tensor * t) {
            t->nb[3] == t->nb[2] * t->ne[2];
 }
 
+// The weight `w` over the memory holding its bytes: the model file's mapping where it is read in
+// place (BoundWeight::bytes), else the device's buffer (w itself).
+const ggml_tensor * weight_bytes(ggml_context * ctx, const ggml_tensor * w) {
+    const BoundWeight * b = WeightRegistry::instance().lookup(w);
+    if (b == nullptr || b->bytes == nullptr) {
+        return w;
+    }
+    ggml_tensor * in_place = leaf_over(ctx, w);
+    in_place->data = const_cast<uint8_t *>(b->bytes);
+    return in_place;
+}
+
 const BoundWeight * bound_matmul(const ggml_tensor * node) {
     if (node->op != GGML_OP_MUL_MAT) {
         return nullptr;
@@ -97,6 +113,40 @@ const BoundWeight * bound_matmul(const ggml_tensor * node) {
 }
 
 }  // namespace
+
+InvariantMatmuls::~InvariantMatmuls() {
+    for (auto & [path, map] : files_) {
+        munmap(map.base, map.size);
+    }
+}
+
+const uint8_t * InvariantMatmuls::file_bytes(const std::string & path, uint64_t offset, size_t size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = files_.find(path);
+    if (it == files_.end()) {
+        FileMap map;
+        const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        struct stat st{};
+        if (fd >= 0 && fstat(fd, &st) == 0 && st.st_size > 0) {
+            void * base = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+            if (base != MAP_FAILED) {
+                map.base = base;
+                map.size = static_cast<size_t>(st.st_size);
+            }
+        }
+        if (fd >= 0) {
+            close(fd);
+        }
+        if (map.base == nullptr) {
+            return nullptr;
+        }
+        it = files_.emplace(path, map).first;
+    }
+    if (offset > it->second.size || size > it->second.size - offset) {
+        return nullptr;
+    }
+    return static_cast<const uint8_t *>(it->second.base) + offset;
+}
 
 size_t quantized_x_bytes(const ggml_tensor * x) {
     return ggml_row_size(GGML_TYPE_Q8_K, x->ne[0]) * static_cast<size_t>(ggml_nrows(x));
@@ -209,7 +259,7 @@ ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * mo
                 q = quantize_x_node(ctx, map(x), q_.data() + q_offset.at(x));
                 ggml_build_forward_expand(graph, q);
             }
-            m = rows_alone_matmul_node(ctx, node, node->src[0], q, model);
+            m = rows_alone_matmul_node(ctx, node, weight_bytes(ctx, node->src[0]), q, model);
         } else {
             m = node_copy(ctx, node);
             for (int j = 0; j < GGML_MAX_SRC; ++j) {

@@ -24,16 +24,44 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
 #include <vector>
 
 namespace llamaflash {
 
 // One model's weights whose MUL_MATs llamaflash computes (WeightRegistry binds them while the model
-// loads), and what was computed.
+// loads), and what was computed. With `read_in_place`, a weight llama.cpp hands in from its mapping
+// of the model file is read in place, from this model's own read-only mapping of that file (the same
+// page-cache pages: nothing is held twice, and a budget's lock of the file's pages covers them;
+// under a memory limit they stay reclaimable as the planner counts them); any other is copied into
+// the device's buffer (anonymous memory, which the kernel may back with huge pages: faster to
+// stream in memory), and a mapped source's pages are then dropped from the process.
 struct InvariantMatmuls {
-    std::atomic<int64_t> bound{0};    // weights bound
-    std::atomic<int64_t> matmuls{0};  // MUL_MAT nodes computed
-    std::atomic<int64_t> columns{0};  // rows of x (tokens) over all of them
+    explicit InvariantMatmuls(bool read_in_place) : read_in_place(read_in_place) {}
+    ~InvariantMatmuls();
+    InvariantMatmuls(const InvariantMatmuls &) = delete;
+    InvariantMatmuls & operator=(const InvariantMatmuls &) = delete;
+
+    // The bytes [offset, offset + size) of the file at `path`, through this model's read-only shared
+    // mapping of it (made at the first call per file, kept until the model is freed); nullptr if the
+    // file cannot be mapped or is shorter.
+    const uint8_t * file_bytes(const std::string & path, uint64_t offset, size_t size);
+
+    const bool read_in_place;
+    std::atomic<int64_t> bound{0};     // weights bound
+    std::atomic<int64_t> in_place{0};  // of them, read in place from the model file's mapping
+    std::atomic<int64_t> matmuls{0};   // MUL_MAT nodes computed
+    std::atomic<int64_t> columns{0};   // rows of x (tokens) over all of them
+
+private:
+    struct FileMap {
+        void * base = nullptr;
+        size_t size = 0;
+    };
+    std::mutex mu_;
+    std::map<std::string, FileMap> files_;
 };
 
 // Whether `w` is a weight InvariantMatmuls takes: a 2-D tensor of a type whose vec_dot_type is Q8_K,

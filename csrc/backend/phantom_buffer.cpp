@@ -6,9 +6,11 @@
 
 #include <sys/mman.h>
 #include <unistd.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <string>
 
 namespace llamaflash {
 
@@ -57,27 +59,66 @@ void buffer_memset_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, ui
 }
 
 // True if [begin, end) lies inside one shared, read-only, file-backed mapping (llama.cpp's mmap of
-// the GGUF). Anything else (a caller's heap staging buffer) must not be madvised.
-bool in_shared_file_mapping(uintptr_t begin, uintptr_t end) {
+// the GGUF): then, if asked, the file's path and the file offset of `begin`. Anything else (a
+// caller's heap staging buffer) must not be madvised.
+bool in_shared_file_mapping(uintptr_t begin, uintptr_t end, std::string * path = nullptr,
+                            uint64_t * file_offset = nullptr) {
     FILE * maps = std::fopen("/proc/self/maps", "r");
     if (maps == nullptr) {
         return false;
     }
     bool found = false;
-    char line[512];
+    char line[4096 + 128];
     while (std::fgets(line, sizeof line, maps) != nullptr) {
-        unsigned long lo = 0, hi = 0, inode = 0;
+        unsigned long lo = 0, hi = 0, offset = 0, inode = 0;
         char perms[8] = {0};
-        if (std::sscanf(line, "%lx-%lx %7s %*s %*s %lu", &lo, &hi, perms, &inode) != 4) {
+        int name_at = 0;
+        if (std::sscanf(line, "%lx-%lx %7s %lx %*s %lu %n", &lo, &hi, perms, &offset, &inode, &name_at) != 5) {
             continue;
         }
         if (begin >= lo && end <= hi) {
             found = inode != 0 && perms[1] == '-' && perms[3] == 's';
+            if (found && path != nullptr) {
+                std::string name(line + name_at);
+                while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) {
+                    name.pop_back();
+                }
+                *path = name;
+                *file_offset = offset + (begin - lo);
+                found = !name.empty() && name[0] == '/' && name.find(" (deleted)") == std::string::npos;
+            }
             break;
         }
     }
     std::fclose(maps);
     return found;
+}
+
+// An InvariantMatmuls weight handed in whole from a shared mapping of the model file: bound to the
+// same bytes through the model's own mapping of that file (read in place, nothing copied). False:
+// the caller copies it.
+bool bind_in_place(const ggml_tensor * tensor, const void * data, size_t size) {
+    const BoundWeight * b = WeightRegistry::instance().lookup(tensor);
+    const auto begin = reinterpret_cast<uintptr_t>(data);
+    std::string path;
+    uint64_t offset = 0;
+    if (b == nullptr || b->matmuls == nullptr || !b->matmuls->read_in_place ||
+        !in_shared_file_mapping(begin, begin + size, &path, &offset)) {
+        return false;
+    }
+    const uint8_t * bytes = b->matmuls->file_bytes(path, offset, size);
+    if (bytes == nullptr || std::memcmp(bytes, data, std::min<size_t>(size, 4096)) != 0) {
+        return false;  // not the same file after all (replaced meanwhile): keep a copy
+    }
+    WeightRegistry::instance().set_bytes(tensor, bytes);
+    b->matmuls->in_place.fetch_add(1, std::memory_order_relaxed);
+    return true;
+}
+
+// Where a kept weight's bytes are: in place in the model file's mapping, or in the buffer.
+const uint8_t * kept_bytes(const ggml_tensor * tensor) {
+    const BoundWeight * b = WeightRegistry::instance().lookup(tensor);
+    return b != nullptr && b->bytes != nullptr ? b->bytes : static_cast<const uint8_t *>(tensor->data);
 }
 
 // Advises the kernel that a page-aligned interior of [data, data + size) is not needed: llama.cpp
@@ -109,11 +150,13 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
             }
             return;
         }
-        // a weight whose bytes this buffer keeps: once copied, the file's pages are not needed here
-        // either (the copy replaces them; they stay clean page cache)
-        std::memcpy(static_cast<uint8_t *>(tensor->data) + offset, data, size);
-        if (whole) {
-            release_source_pages(data, size);
+        // a weight whose bytes the device keeps: read in place from the model file where llama.cpp
+        // maps it, else copied into this buffer
+        if (!(whole && bind_in_place(tensor, data, size))) {
+            std::memcpy(static_cast<uint8_t *>(tensor->data) + offset, data, size);
+            if (whole) {
+                release_source_pages(data, size);  // the copy replaces them (they stay clean page cache)
+            }
         }
         return;
     }
@@ -122,8 +165,12 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
 
 void buffer_get_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * tensor, void * data, size_t offset,
                        size_t size) {
-    if (is_weights(buffer) && !keeps_bytes(tensor)) {
-        phantom_read_abort(tensor, "read");
+    if (is_weights(buffer)) {
+        if (!keeps_bytes(tensor)) {
+            phantom_read_abort(tensor, "read");
+        }
+        std::memcpy(data, kept_bytes(tensor) + offset, size);
+        return;
     }
     std::memcpy(data, static_cast<const uint8_t *>(tensor->data) + offset, size);
 }
@@ -135,6 +182,10 @@ bool buffer_cpy_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * src, gg
     }
     if (is_weights(buffer)) {
         return false;
+    }
+    if (src->buffer != nullptr && is_phantom_buffer_type(src->buffer->buft) && is_weights(src->buffer)) {
+        std::memcpy(dst->data, kept_bytes(src), ggml_nbytes(src));
+        return true;
     }
     if (src->buffer != nullptr && ggml_backend_buffer_is_host(src->buffer)) {
         std::memcpy(dst->data, src->data, ggml_nbytes(src));

@@ -5,8 +5,10 @@
 #include "ggml-cpu.h"
 #include "model/flash_model.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <string>
 
@@ -48,6 +50,20 @@ std::string first_non_finite(const ggml_cgraph * split) {
         }
     }
     return std::string();
+}
+
+// Rows [t0, t0 + n) of `t` (a [ne0, T] f32 tensor of the split, or a node: op, sources and flags
+// kept), over the same memory.
+ggml_tensor * token_rows(ggml_context * ctx, const ggml_tensor * t, int64_t t0, int64_t n) {
+    ggml_tensor * v = t->op == GGML_OP_NONE ? leaf_over(ctx, t) : node_copy(ctx, t);
+    if (t->op != GGML_OP_NONE) {
+        std::memcpy(v->src, t->src, sizeof(v->src));
+    }
+    v->ne[1] = n;
+    v->nb[2] = v->nb[1] * n;  // ne[2] = ne[3] = 1 (checked by the caller)
+    v->nb[3] = v->nb[2];
+    v->data = static_cast<char *>(t->data) + t0 * t->nb[1];
+    return v;
 }
 
 // The split's lane and the served layer it computes.
@@ -144,13 +160,16 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
     if (expert_split.model != nullptr) {
         return experts_.compute(split, expert_split, cpu_);
     }
+    // 1. lane
+    const Route r = route(split, WeightRegistry::instance());
+    const bool sparse = r.sparse != nullptr;
+    if (sparse && r.model->offload() != nullptr && r.ffn.x->ne[1] > kSparseChunkTokens) {
+        return compute_sparse_chunks(split, r.ffn, *r.sparse, t_begin);
+    }
+    // 2. build
     ggml_cgraph * graph = nullptr;
     ggml_context * ctx = arena_.begin(n_nodes, &graph);
     dense_.begin(ctx, split);
-
-    // 1. lane, 2. build
-    const Route r = route(split, WeightRegistry::instance());
-    const bool sparse = r.sparse != nullptr;
     if (sparse) {
         append_sparse(ctx, graph, r.ffn, *r.sparse);
     } else {
@@ -203,6 +222,65 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
         counted->stats().count_split(seconds, seconds_between(t_begin, t0));
     }
     ggml_free(ctx);
+    return status;
+}
+
+ggml_status SplitExecutor::compute_sparse_chunks(const ggml_cgraph * split, const GluFfnPattern & ffn,
+                                                 const SparseLayerView & view,
+                                                 std::chrono::steady_clock::time_point t_begin) {
+    FlashModel * model = ffn.model;
+    OffloadState * offload = model->offload();
+    const int pos = model->layer_position(ffn.layer);
+    const int64_t n_tokens = ffn.x->ne[1];
+    const int n_nodes = ggml_graph_n_nodes(const_cast<ggml_cgraph *>(split));
+    const auto rows_only = [&](const ggml_tensor * t) {
+        return t->ne[1] == n_tokens && t->ne[2] == 1 && t->ne[3] == 1;
+    };
+    if (!rows_only(ffn.x) || !rows_only(ffn.gate) || !rows_only(ffn.up) || !rows_only(ffn.down)) {
+        GGML_ABORT("llamaflash: layer %d's FFN split has a layout the sparse lane's token chunks do not take",
+                   ffn.layer);
+    }
+    ggml_status status = GGML_STATUS_SUCCESS;
+    double seconds = 0.0;
+    const auto t_build = std::chrono::steady_clock::now();
+    for (int64_t t0 = 0; t0 < n_tokens && status == GGML_STATUS_SUCCESS; t0 += kSparseChunkTokens) {
+        const int64_t n = std::min(kSparseChunkTokens, n_tokens - t0);
+        ggml_cgraph * graph = nullptr;
+        ggml_context * ctx = arena_.begin(n_nodes + 4, &graph);
+        dense_.begin(ctx, split);
+        GluFfnPattern chunk = ffn;
+        chunk.x = token_rows(ctx, ffn.x, t0, n);
+        ggml_tensor * gate = token_rows(ctx, ffn.gate, t0, n);
+        gate->src[1] = const_cast<ggml_tensor *>(chunk.x);
+        chunk.gate = gate;
+        chunk.up = token_rows(ctx, ffn.up, t0, n);
+        chunk.down = token_rows(ctx, ffn.down, t0, n);
+        append_sparse(ctx, graph, chunk, view);
+        const bool runnable = offload->before_split(pos, true, false);
+        const auto t0_run = std::chrono::steady_clock::now();
+        status = runnable ? ggml_backend_graph_compute(cpu_, graph) : GGML_STATUS_FAILED;
+        const double s = seconds_between(t0_run, std::chrono::steady_clock::now());
+        seconds += s;
+        if (!offload->after_split(pos, true, sparse_.take_failure()) || !runnable) {
+            status = GGML_STATUS_FAILED;
+        }
+        const std::vector<int32_t> & counts = sparse_.active_counts();
+        if (sparse_.draft()) {
+            model->stats().count_draft_split(pos, static_cast<int64_t>(counts.size()), s);
+        } else {
+            model->stats().count_sparse_call(pos, counts.data(), static_cast<int64_t>(counts.size()), s);
+            model->stats().count_ffn_eval(pos, static_cast<int64_t>(counts.size()));
+        }
+        ggml_free(ctx);
+    }
+    if (status == GGML_STATUS_SUCCESS) {
+        const std::string where = first_non_finite(split);
+        if (!where.empty()) {
+            model->set_non_finite("layer " + std::to_string(ffn.layer) + "'s FFN output: " + where);
+            status = GGML_STATUS_FAILED;
+        }
+    }
+    model->stats().count_split(seconds, seconds_between(t_begin, t_build));
     return status;
 }
 

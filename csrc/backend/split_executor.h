@@ -15,6 +15,12 @@
 //             the context's thread count; offload → OffloadState::after_split (page release, I/O
 //             error → GGML_STATUS_FAILED).
 //             A prompt batch under a budget also records its compute buffers (prompt_buffers.h).
+//             Under flash offload a sparse split over more than kSparseChunkTokens tokens (a
+//             deterministic batch of up to 63 rows) runs as chunks of kSparseChunkTokens tokens, one
+//             after the other: the sparse lane's scratch holds one partial sum per (cluster, token),
+//             and the planner counts it for kSparseChunkTokens tokens (plan_budget.VERIFY_ROWS). A
+//             chunk's clusters are mostly resident after the chunk before it (the cold region holds a
+//             layer's clusters), so the batch still reads each about once.
 //   4. count  into the model's FlashStats (flash_stats.h): the split and its times, the lane call,
 //             FFN evaluations, the sparse lane's active neurons.
 #pragma once
@@ -29,10 +35,15 @@
 #include "lanes/graph_mirror.h"
 #include "lanes/sparse_lane.h"
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
 namespace llamaflash {
+
+// The most tokens the sparse lane computes at once under flash offload: the planner counts the lane's
+// scratch for this many (plugin/planning/plan_budget.py VERIFY_ROWS, the largest verify batch).
+constexpr int64_t kSparseChunkTokens = 7;
 
 class SplitExecutor {
 public:
@@ -47,6 +58,11 @@ public:
     ggml_status compute(const ggml_cgraph * split);
 
 private:
+    // A sparse split under flash offload over more than kSparseChunkTokens tokens, computed as
+    // consecutive chunks of kSparseChunkTokens (each planned, read, computed and counted as a split of
+    // its own; its tokens' results are those of the whole batch, sparse_lane.h by cluster).
+    ggml_status compute_sparse_chunks(const ggml_cgraph * split, const GluFfnPattern & ffn,
+                                      const SparseLayerView & view, std::chrono::steady_clock::time_point t_begin);
     void append_sparse(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
                        const SparseLayerView & view);
 

@@ -174,6 +174,14 @@ bool WeightRegistry::bind(const ggml_tensor * tensor, ggml_backend_buffer_t buff
     return true;
 }
 
+void WeightRegistry::set_bytes(const ggml_tensor * tensor, const uint8_t * bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = bound_.find(tensor);
+    if (it != bound_.end() && it->second.weight.matmuls != nullptr) {
+        it->second.weight.bytes = bytes;
+    }
+}
+
 const BoundWeight * WeightRegistry::lookup(const ggml_tensor * tensor) const {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = bound_.find(tensor);

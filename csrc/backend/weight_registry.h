@@ -44,6 +44,9 @@ struct BoundWeight {
     ExpertTensorKind expert_kind = ExpertTensorKind::up;
     bool router = false;
     std::shared_ptr<InvariantMatmuls> matmuls;
+    // An InvariantMatmuls weight read in place: its bytes in the model file's mapping
+    // (InvariantMatmuls::file_bytes); nullptr: in the buffer, at the tensor's data.
+    const uint8_t * bytes = nullptr;
 };
 
 class WeightRegistry {
@@ -69,6 +72,8 @@ public:
     // no pending model serves its name.
     bool bind(const ggml_tensor * tensor, ggml_backend_buffer_t buffer);
 
+    // An InvariantMatmuls weight's bytes are read in place at `bytes` (BoundWeight::bytes).
+    void set_bytes(const ggml_tensor * tensor, const uint8_t * bytes);
     // nullptr if `tensor` is not a bound phantom weight. The pointer stays valid until unbind_buffer().
     const BoundWeight * lookup(const ggml_tensor * tensor) const;
 

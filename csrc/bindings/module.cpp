@@ -3,6 +3,7 @@
 // llamaflash._native_testing (testing/testing.cpp). Python owns lifetimes: FlashModel is held by
 // shared_ptr (llamaflash.Llama keeps one; the weight registry keeps one per llama.cpp buffer bound to it).
 #include "backend/flash_backend.h"
+#include "backend/split_executor.h"
 #include "backend/weight_registry.h"
 #include "io/crc32c.h"
 #include "io/file_reader.h"
@@ -55,6 +56,9 @@ PYBIND11_MODULE(_native, m) {
             "bound", [](const InvariantMatmuls & m) { return m.bound.load(); },
             "Weights llama.cpp placed on the device for it.")
         .def_property_readonly(
+            "in_place", [](const InvariantMatmuls & m) { return m.in_place.load(); },
+            "Of them, read in place from the model file's mapping (the others were copied).")
+        .def_property_readonly(
             "matmuls", [](const InvariantMatmuls & m) { return m.matmuls.load(); }, "MUL_MAT nodes computed.")
         .def_property_readonly(
             "columns", [](const InvariantMatmuls & m) { return m.columns.load(); },
@@ -78,15 +82,17 @@ PYBIND11_MODULE(_native, m) {
         "Whether begin_matmul_rows takes a weight of this GGUF name, ggml type and shape (ne0 first).");
     m.def(
         "begin_matmul_rows",
-        [] {
+        [](bool read_in_place) {
             register_backend();
-            auto model = std::make_shared<InvariantMatmuls>();
+            auto model = std::make_shared<InvariantMatmuls>(read_in_place);
             WeightRegistry::instance().set_pending_matmuls(model);
             return model;
         },
+        py::arg("read_in_place"),
         "Arm the next model load: its K-quant matmul weights (attention, dense FFN, output; never the token\n"
         "embedding) go to the llamaflash device, which computes every row of their MUL_MATs as ggml-cpu\n"
-        "computes a row alone. end_model_load ends it. Returns the model's InvariantMatmuls.");
+        "computes a row alone. read_in_place: weights llama.cpp maps from the model file are read there\n"
+        "(under a memory limit), else copied. end_model_load ends it. Returns the model's InvariantMatmuls.");
     m.def(
         "end_model_load", [] { WeightRegistry::instance().clear_pending(); },
         "End the load PlanEngine.begin_model_load began: no later model's weights are offered to its engine.");
@@ -103,6 +109,9 @@ PYBIND11_MODULE(_native, m) {
         "the process's first K-quant matmul ran). See csrc/model/row_invariance.h.");
 
     m.attr("INTEGRITY_ERROR_PREFIX") = std::string(kIntegrityErrorPrefix);
+    // the most tokens the sparse lane computes at once under flash offload (split_executor.h); the
+    // planner counts the lane's scratch for as many (plan_budget.VERIFY_ROWS)
+    m.attr("SPARSE_CHUNK_TOKENS") = kSparseChunkTokens;
     m.def("crc32c_implementation", &crc32c_implementation,
           "What computes CRC-32C on this machine: 'sse4.2' (the crc32 instruction) or 'table' (portable).");
     m.def(

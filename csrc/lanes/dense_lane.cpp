@@ -68,6 +68,7 @@ void DenseLane::begin(ggml_context * ctx, const ggml_cgraph * split) {
     // any node points into q_
     quantized_.clear();
     q_offset_.clear();
+    q_extra_.clear();
     size_t q_total = 0;
     for (int i = 0; i < n_nodes_; ++i) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
@@ -117,7 +118,15 @@ ggml_tensor * DenseLane::mirror_node(const ggml_tensor * node) {
     if (InvariantMatmuls * matmuls = rows_alone(node)) {
         ggml_tensor *& q = quantized_[node->src[1]];
         if (q == nullptr) {
-            q = quantize_x_node(ctx_, map_src(node->src[1]), q_.data() + q_offset_.at(node->src[1]));
+            auto at = q_offset_.find(node->src[1]);
+            uint8_t * q_data = nullptr;
+            if (at != q_offset_.end()) {
+                q_data = q_.data() + at->second;
+            } else {  // an x that is not the split's own (a token chunk's rows): memory of its own
+                q_extra_.emplace_back(quantized_x_bytes(node->src[1]));
+                q_data = q_extra_.back().data();
+            }
+            q = quantize_x_node(ctx_, map_src(node->src[1]), q_data);
         }
         m = rows_alone_matmul_node(ctx_, node, map_src(node->src[0]), q, matmuls);
         std::memcpy(m->name, node->name, sizeof(m->name));

@@ -114,6 +114,7 @@ private:
     std::vector<uint8_t> q_;
     std::unordered_map<const ggml_tensor *, size_t> q_offset_;
     std::unordered_map<const ggml_tensor *, ggml_tensor *> quantized_;  // x -> its quantize node
+    std::vector<std::vector<uint8_t>> q_extra_;  // quantized x of tensors mirrored from outside the split
 };
 
 }  // namespace llamaflash

@@ -36,7 +36,8 @@ from .plan_llama_share import MiB, llama_share, vocabulary_size
 UBATCH_CHOICES = (512, 256, 128, 64, 32)
 UBATCH_BUDGET_SHARE = 0.10
 #: The largest speculative verify batch (speculative.BATCH_INVARIANT_MAX): its logits rows, and the
-#: sparse lane's per-(cluster, token) partial sums for it, are counted.
+#: sparse lane's per-(cluster, token) partial sums for it, are counted. Also the most tokens the lane
+#: computes at once under offload (_native.SPARSE_CHUNK_TOKENS; bigger batches go in chunks).
 VERIFY_ROWS = BATCH_INVARIANT_MAX
 #: The compute buffers a decode step or a verify batch touches once a prompt's pages are freed are
 #: counted as those of a batch of this many tokens (an upper bound for VERIFY_ROWS and one token).

@@ -142,9 +142,9 @@ def dense_ranges(
     moe: experts.MoeModelInfo, header, page: int, held_elsewhere: Collection[str] = ()
 ) -> List[Tuple[int, int]]:
     """The file ranges [start, end) of the model's dense part that stay locked in RAM under a budget:
-    every tensor but the routed experts, those in ``held_elsewhere`` (weights whose bytes the
-    llamaflash device holds in its own memory: matmul_rows) and, where an output matrix exists, the
-    token embedding table (read by rows; its pages come and go as tokens need them). Each tensor's range is widened to
+    every tensor but the routed experts, those in ``held_elsewhere`` (weights the llamaflash device
+    holds a copy of: matmul_rows) and, where an output matrix exists, the token embedding table (read
+    by rows; its pages come and go as tokens need them). Each tensor's range is widened to
     whole pages of ``page`` bytes (mlock locks pages) and ranges that then touch are merged; sorted.
     The one definition for llamaflash.Llama (lock_dense_part) and the plan file of the tools' library
     (`llamaflash env`, which locks the same ranges after load)."""

@@ -117,6 +117,7 @@ def matmuls_stats(llm: "Llama") -> Optional[Dict[str, Any]]:
     return {
         "by": "llamaflash (kquant_gemm: vec_dot's bits per output)",
         "weights": int(m.bound),
+        "in_place": int(m.in_place),  # read from the model file's mapping, not copied
         "computed": int(m.matmuls),
         "rows": int(m.columns),
     }

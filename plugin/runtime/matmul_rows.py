@@ -11,10 +11,12 @@ they serve and compute their MUL_MATs the same way (csrc/lanes/dense_lane.h; the
 dots are per row anyway). Where every multiplied K-quant matrix of the model is computed so
 (``all_rows_alone``), deterministic batches take up to ``eval_shapes.UNTILED_MAX_ROWS`` rows.
 
-In memory and under a RAM budget alike the weights are held once: the device's copy replaces the
-file's pages (a mapped load's pages of them are dropped from the process once copied, and an MoE's
-dense-part lock leaves them out: model_plan), so the planner's count of the model's resident part
-stays what it was.
+The weights are held once. Under a RAM budget, where llama.cpp maps the model file (its default),
+the device reads each weight in place through its own mapping of the file: the same page-cache pages
+the planner counts (reclaimable under the limit as before; an MoE's dense-part lock covers them). In
+memory, and for an unmapped load, they are copied into the device's buffer (anonymous memory, which
+the kernel may back with huge pages: decode streams it faster) and a mapped source's pages are dropped
+from the process; an MoE's dense-part lock then leaves them out (model_plan).
 """
 
 from __future__ import annotations
@@ -53,14 +55,8 @@ def taken_weights(header, plan: Optional["ModelPlan"] = None) -> List[str]:
 
 
 def applies(deterministic: bool, plan: "ModelPlan") -> bool:
-    """deterministic=True, some weight whose matmuls llamaflash computes row-invariantly, and not flash
-    offload of a dense model: there the sparse lane takes every row of a deterministic batch, and its
-    per-(cluster, token) partial sums for 63 rows (104 MiB on Qwen2.5-1.5B, against the 11 MiB the
-    planner counts for 7-row verify batches) do not fit the budget's plan, so offload keeps 7-row
-    batches and ggml-cpu's matmuls (docs/SAME_ANSWERS.md)."""
-    from .model_plan import OFFLOAD
-
-    return deterministic and plan.mode != OFFLOAD and bool(eligible_weights(plan.model.base.header))
+    """deterministic=True and some weight whose matmuls llamaflash computes row-invariantly."""
+    return deterministic and bool(eligible_weights(plan.model.base.header))
 
 
 def all_rows_alone(plan: "ModelPlan", routers_per_row: bool) -> bool:
