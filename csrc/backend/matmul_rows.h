@@ -36,8 +36,8 @@ namespace llamaflash {
 // of the model file is read in place, from this model's own read-only mapping of that file (the same
 // page-cache pages: nothing is held twice, and a budget's lock of the file's pages covers them;
 // under a memory limit they stay reclaimable as the planner counts them); any other is copied into
-// the device's buffer (anonymous memory, which the kernel may back with huge pages: faster to
-// stream in memory), and a mapped source's pages are then dropped from the process.
+// the device's buffer (in memory measured faster to decode from than the file's mapping), and a
+// mapped source's pages are then dropped from the process.
 struct InvariantMatmuls {
     explicit InvariantMatmuls(bool read_in_place) : read_in_place(read_in_place) {}
     ~InvariantMatmuls();

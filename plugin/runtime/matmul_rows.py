@@ -14,9 +14,9 @@ dots are per row anyway). Where every multiplied K-quant matrix of the model is 
 The weights are held once. Under a RAM budget, where llama.cpp maps the model file (its default),
 the device reads each weight in place through its own mapping of the file: the same page-cache pages
 the planner counts (reclaimable under the limit as before; an MoE's dense-part lock covers them). In
-memory, and for an unmapped load, they are copied into the device's buffer (anonymous memory, which
-the kernel may back with huge pages: decode streams it faster) and a mapped source's pages are dropped
-from the process; an MoE's dense-part lock then leaves them out (model_plan).
+memory, and for an unmapped load, they are copied into the device's buffer (in memory measured
+faster to decode from than the file's mapping, docs/SAME_ANSWERS.md) and a mapped source's pages are
+dropped from the process; an MoE's dense-part lock then leaves them out (model_plan).
 """
 
 from __future__ import annotations
