@@ -3,11 +3,12 @@
 //
 // ggml-cpu multiplies K-quant weights by a batch of 8 or more rows with its tiled kernel and by fewer
 // with one vec_dot per output; the two give a row other bits, so a position's logits depend on the
-// batch it was computed in. With `deterministic=True` in memory, llamaflash takes a model's 2-D
-// K-quant weights that only MUL_MATs use
+// batch it was computed in. With `deterministic=True`, llamaflash takes a model's 2-D K-quant
+// weights that only MUL_MATs use
 //   blk.N.attn_{q,k,v,qkv,output}.weight, blk.N.ffn_{gate,up,down}[_shexp].weight, output.weight
 // (types whose vec_dot_type is Q8_K: Q2_K..Q6_K and the IQ types; never token_embd, which GET_ROWS
-// reads on the CPU) into its own buffer with their bytes (InvariantMatmuls: one per model), and
+// reads on the CPU; FFN weights a FlashModel serves stay its lanes') onto its device, with their
+// bytes (InvariantMatmuls: one per model; read in place or copied, below), and
 // computes every MUL_MAT over them, for T rows of x:
 //   q[t]       = from_float(x[:, t])                             Q8_K, as ggml quantizes a row
 //   y[r, t]    = kquant_gemm(W, q)[t][r] = vec_dot(ne0, W[r], q[t])   (kernels/kquant_gemm.h)
