@@ -92,15 +92,14 @@ bool contiguous_rows(const ggml_tensor * t) {
            t->nb[3] == t->nb[2] * t->ne[2];
 }
 
-// The weight `w` over the memory holding its bytes: the model file's mapping where it is read in
-// place (BoundWeight::bytes), else the device's buffer (w itself).
-const ggml_tensor * weight_bytes(ggml_context * ctx, const ggml_tensor * w) {
-    const BoundWeight * b = WeightRegistry::instance().lookup(w);
-    if (b == nullptr || b->bytes == nullptr) {
+// The bound weight `w` over the memory holding its bytes (BoundWeight::bytes_of): the model file's
+// mapping where it is read in place, else the device's buffer (w itself).
+const ggml_tensor * weight_bytes(ggml_context * ctx, const ggml_tensor * w, const BoundWeight & b) {
+    if (b.bytes == nullptr) {
         return w;
     }
     ggml_tensor * in_place = leaf_over(ctx, w);
-    in_place->data = const_cast<uint8_t *>(b->bytes);
+    in_place->data = const_cast<uint8_t *>(b.bytes_of(w));
     return in_place;
 }
 
@@ -220,23 +219,10 @@ bool match_matmul_split(const ggml_cgraph * split, InvariantMatmuls ** model) {
 ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * model, ggml_backend_t cpu) {
     ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
     const int n_nodes = ggml_graph_n_nodes(g);
-    // the quantized x of each distinct x the bound MUL_MATs multiply (gate and up share theirs), laid
-    // out in q_ before any node points into it
-    std::unordered_map<const ggml_tensor *, size_t> q_offset;
-    size_t q_total = 0;
-    for (int i = 0; i < n_nodes; ++i) {
-        const ggml_tensor * node = ggml_graph_node(g, i);
-        if (bound_matmul(node) != nullptr && q_offset.emplace(node->src[1], q_total).second) {
-            q_total += quantized_x_bytes(node->src[1]);
-        }
-    }
-    if (q_.size() < q_total) {
-        q_.resize(q_total);
-    }
     ggml_cgraph * graph = nullptr;
     ggml_context * ctx = arena_.begin(2 * n_nodes, &graph);
     std::unordered_map<const ggml_tensor *, ggml_tensor *> mirror;
-    std::unordered_map<const ggml_tensor *, ggml_tensor *> quantized;  // x -> its quantize_op node
+    quantized_.begin();
     auto map = [&](const ggml_tensor * src) -> ggml_tensor * {
         if (src == nullptr) {
             return nullptr;
@@ -252,14 +238,10 @@ ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * mo
     for (int i = 0; i < n_nodes; ++i) {
         const ggml_tensor * node = ggml_graph_node(g, i);
         ggml_tensor * m = nullptr;
-        if (bound_matmul(node) != nullptr) {
+        if (const BoundWeight * b = bound_matmul(node)) {
             const ggml_tensor * x = node->src[1];
-            ggml_tensor *& q = quantized[x];
-            if (q == nullptr) {
-                q = quantize_x_node(ctx, map(x), q_.data() + q_offset.at(x));
-                ggml_build_forward_expand(graph, q);
-            }
-            m = rows_alone_matmul_node(ctx, node, weight_bytes(ctx, node->src[0]), q, model);
+            ggml_tensor * q = quantized_.of(ctx, x, [&] { return map(x); });
+            m = rows_alone_matmul_node(ctx, node, weight_bytes(ctx, node->src[0], *b), q, model);
         } else {
             m = node_copy(ctx, node);
             for (int j = 0; j < GGML_MAX_SRC; ++j) {

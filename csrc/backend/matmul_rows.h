@@ -23,11 +23,13 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace llamaflash {
@@ -94,6 +96,36 @@ ggml_tensor * quantize_x_node(ggml_context * ctx, ggml_tensor * x, void * q_data
 ggml_tensor * rows_alone_matmul_node(ggml_context * ctx, const ggml_tensor * node, const ggml_tensor * w,
                                      ggml_tensor * q, InvariantMatmuls * model);
 
+// One private graph's quantize_x_node per distinct x (gate and up share theirs), with the memory for
+// them: blocks reused from split to split, each handed out once per split (begin()).
+class QuantizedX {
+public:
+    void begin() {
+        nodes_.clear();
+        used_ = 0;
+    }
+    // The quantize node of the split's tensor `x`, made at the first call per x over mirror() (its
+    // mirror in ctx, asked for only then).
+    template <class Mirror>
+    ggml_tensor * of(ggml_context * ctx, const ggml_tensor * x, Mirror mirror) {
+        ggml_tensor *& q = nodes_[x];
+        if (q == nullptr) {
+            if (used_ == blocks_.size()) {
+                blocks_.emplace_back();
+            }
+            std::vector<uint8_t> & block = blocks_[used_++];
+            block.resize(std::max(block.size(), quantized_x_bytes(x)));
+            q = quantize_x_node(ctx, mirror(), block.data());
+        }
+        return q;
+    }
+
+private:
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> nodes_;
+    std::vector<std::vector<uint8_t>> blocks_;  // moving the outer vector keeps each block's memory
+    size_t used_ = 0;
+};
+
 class MatmulRows {
 public:
     // Computes the split on `cpu` (its thread count): its MUL_MATs by kquant_gemm, its other nodes as
@@ -103,7 +135,7 @@ public:
 
 private:
     GraphArena arena_;
-    std::vector<uint8_t> q_;  // the split's x quantized to Q8_K, one block of columns per distinct x
+    QuantizedX quantized_;
 };
 
 }  // namespace llamaflash

@@ -115,12 +115,6 @@ bool bind_in_place(const ggml_tensor * tensor, const void * data, size_t size) {
     return true;
 }
 
-// Where a kept weight's bytes are: in place in the model file's mapping, or in the buffer.
-const uint8_t * kept_bytes(const ggml_tensor * tensor) {
-    const BoundWeight * b = WeightRegistry::instance().lookup(tensor);
-    return b != nullptr && b->bytes != nullptr ? b->bytes : static_cast<const uint8_t *>(tensor->data);
-}
-
 // Advises the kernel that a page-aligned interior of [data, data + size) is not needed: llama.cpp
 // hands weights in from its own mmap of the GGUF; dropping the page-table entries keeps those FFN
 // pages out of this process's RSS (they remain clean, reclaimable page cache). Only done when the
@@ -166,25 +160,29 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
 void buffer_get_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * tensor, void * data, size_t offset,
                        size_t size) {
     if (is_weights(buffer)) {
-        if (!keeps_bytes(tensor)) {
+        const BoundWeight * b = WeightRegistry::instance().lookup(tensor);
+        if (b == nullptr || b->matmuls == nullptr) {
             phantom_read_abort(tensor, "read");
         }
-        std::memcpy(data, kept_bytes(tensor) + offset, size);
+        std::memcpy(data, b->bytes_of(tensor) + offset, size);
         return;
     }
     std::memcpy(data, static_cast<const uint8_t *>(tensor->data) + offset, size);
 }
 
 bool buffer_cpy_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * src, ggml_tensor * dst) {
-    if (src->buffer != nullptr && is_phantom_buffer_type(src->buffer->buft) && is_weights(src->buffer) &&
-        !keeps_bytes(src)) {
-        phantom_read_abort(src, "copy");
+    const BoundWeight * kept = nullptr;  // src: a weight of ours that has bytes
+    if (src->buffer != nullptr && is_phantom_buffer_type(src->buffer->buft) && is_weights(src->buffer)) {
+        kept = WeightRegistry::instance().lookup(src);
+        if (kept == nullptr || kept->matmuls == nullptr) {
+            phantom_read_abort(src, "copy");
+        }
     }
     if (is_weights(buffer)) {
         return false;
     }
-    if (src->buffer != nullptr && is_phantom_buffer_type(src->buffer->buft) && is_weights(src->buffer)) {
-        std::memcpy(dst->data, kept_bytes(src), ggml_nbytes(src));
+    if (kept != nullptr) {
+        std::memcpy(dst->data, kept->bytes_of(src), ggml_nbytes(src));
         return true;
     }
     if (src->buffer != nullptr && ggml_backend_buffer_is_host(src->buffer)) {

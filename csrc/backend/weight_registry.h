@@ -47,6 +47,10 @@ struct BoundWeight {
     // An InvariantMatmuls weight read in place: its bytes in the model file's mapping
     // (InvariantMatmuls::file_bytes); nullptr: in the buffer, at the tensor's data.
     const uint8_t * bytes = nullptr;
+    // Where the bytes of `tensor` (this weight) are.
+    const uint8_t * bytes_of(const ggml_tensor * tensor) const {
+        return bytes != nullptr ? bytes : static_cast<const uint8_t *>(tensor->data);
+    }
 };
 
 class WeightRegistry {

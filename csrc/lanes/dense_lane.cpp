@@ -64,29 +64,17 @@ void DenseLane::begin(ggml_context * ctx, const ggml_cgraph * split) {
     n_fused_ = 0;
     model_ = nullptr;
     evaluations_.clear();
-    // the quantized x of each distinct x the split's row-invariant MUL_MATs multiply, laid out before
-    // any node points into q_
-    quantized_.clear();
-    q_offset_.clear();
-    q_extra_.clear();
-    size_t q_total = 0;
-    for (int i = 0; i < n_nodes_; ++i) {
-        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(split), i);
-        if (rows_alone(node) != nullptr && q_offset_.emplace(node->src[1], q_total).second) {
-            q_total += quantized_x_bytes(node->src[1]);
-        }
-    }
-    if (q_.size() < q_total) {
-        q_.resize(q_total);
-    }
+    quantized_.begin();
 }
 
 InvariantMatmuls * DenseLane::rows_alone(const ggml_tensor * node) {
-    if (node->op != GGML_OP_MUL_MAT || !invariant_matmul_weight(node->src[0])) {
+    if (node->op != GGML_OP_MUL_MAT) {
         return nullptr;
     }
     const BoundWeight * bound = WeightRegistry::instance().lookup(node->src[0]);
-    return bound != nullptr && bound->model != nullptr ? bound->model->invariant_matmuls() : nullptr;
+    InvariantMatmuls * matmuls =
+        bound != nullptr && bound->model != nullptr ? bound->model->invariant_matmuls() : nullptr;
+    return matmuls != nullptr && invariant_matmul_weight(node->src[0]) ? matmuls : nullptr;
 }
 
 ggml_tensor * DenseLane::map_src(const ggml_tensor * src) {
@@ -116,18 +104,7 @@ ggml_tensor * DenseLane::map_src(const ggml_tensor * src) {
 ggml_tensor * DenseLane::mirror_node(const ggml_tensor * node) {
     ggml_tensor * m = nullptr;
     if (InvariantMatmuls * matmuls = rows_alone(node)) {
-        ggml_tensor *& q = quantized_[node->src[1]];
-        if (q == nullptr) {
-            auto at = q_offset_.find(node->src[1]);
-            uint8_t * q_data = nullptr;
-            if (at != q_offset_.end()) {
-                q_data = q_.data() + at->second;
-            } else {  // an x that is not the split's own (a token chunk's rows): memory of its own
-                q_extra_.emplace_back(quantized_x_bytes(node->src[1]));
-                q_data = q_extra_.back().data();
-            }
-            q = quantize_x_node(ctx_, map_src(node->src[1]), q_data);
-        }
+        ggml_tensor * q = quantized_.of(ctx_, node->src[1], [&] { return map_src(node->src[1]); });
         m = rows_alone_matmul_node(ctx_, node, map_src(node->src[0]), q, matmuls);
         std::memcpy(m->name, node->name, sizeof(m->name));
     } else {

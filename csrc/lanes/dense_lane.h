@@ -42,6 +42,7 @@
 // lane, map_src()/mirror_node() of the few nodes it needs from ggml.
 #pragma once
 
+#include "backend/matmul_rows.h"
 #include "ggml.h"
 #include "model/engine_config.h"
 
@@ -54,7 +55,6 @@ namespace llamaflash {
 
 class FlashModel;
 struct GluFfnPattern;
-struct InvariantMatmuls;
 
 // Splits over at most this many tokens are mirrored whole.
 constexpr int64_t kDenseChunkTokens = 64;
@@ -110,11 +110,7 @@ private:
     FlashModel * model_ = nullptr;
     std::vector<std::pair<int, int64_t>> evaluations_;
     std::vector<float> chunk_scratch_;  // [3][n_ff · C] of the chunked splits, reused
-    // row-invariant matmuls: the split's x quantized (Q8_K columns), one block per distinct x
-    std::vector<uint8_t> q_;
-    std::unordered_map<const ggml_tensor *, size_t> q_offset_;
-    std::unordered_map<const ggml_tensor *, ggml_tensor *> quantized_;  // x -> its quantize node
-    std::vector<std::vector<uint8_t>> q_extra_;  // quantized x of tensors mirrored from outside the split
+    QuantizedX quantized_;              // row-invariant matmuls: the split's x quantized (Q8_K columns)
 };
 
 }  // namespace llamaflash

@@ -215,9 +215,7 @@ def load_llama(llm: "Llama", plan: ModelPlan, engine, model_path, args: tuple, k
         _native.register_backend()  # idempotent; the first served model registers the ggml backend
         engine.begin_model_load()
     if rows_alone:
-        # under a budget the weights stay the file's pages the planner counts (read in place); in
-        # memory a copy, which streams faster (matmul_rows)
-        in_place = llm._flash_args["ram_budget_mb"] is not None
+        in_place = matmul_rows.reads_in_place(llm._flash_args["ram_budget_mb"])
         llm._matmul_rows = _native.begin_matmul_rows(read_in_place=in_place)  # armed until end_model_load
     try:
         if llm._batch_invariant:

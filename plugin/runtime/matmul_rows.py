@@ -54,6 +54,12 @@ def taken_weights(header, plan: Optional["ModelPlan"] = None) -> List[str]:
     return [n for n in eligible_weights(header) if n not in served]
 
 
+def reads_in_place(ram_budget_mb: Optional[float]) -> bool:
+    """Whether the device reads the weights in place from the model file's mapping (under a budget:
+    the pages the planner counts) rather than copying them (in memory)."""
+    return ram_budget_mb is not None
+
+
 def applies(deterministic: bool, plan: "ModelPlan") -> bool:
     """deterministic=True and some weight whose matmuls llamaflash computes row-invariantly."""
     return deterministic and bool(eligible_weights(plan.model.base.header))

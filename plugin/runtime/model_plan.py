@@ -497,9 +497,10 @@ def _plan_experts(model: ModelId, sidecar, choice: ModeChoice, request: LoadRequ
         router_rows=_router_rows(model, request),
     )
     routers = {layer.layer: layer.router for layer in model.moe.layers}
-    # deterministic in memory: the K-quant matmul weights are copied to the llamaflash device
-    # (matmul_rows), so their pages in the file's mapping are not locked as well
-    held = matmul_rows.taken_weights(model.base.header) if request.deterministic and in_memory else ()
+    # deterministic with the K-quant matmul weights copied to the llamaflash device (matmul_rows):
+    # their pages in the file's mapping are not locked as well
+    copied = request.deterministic and not matmul_rows.reads_in_place(request.ram_budget_mb)
+    held = matmul_rows.taken_weights(model.base.header) if copied else ()
     lock_ranges = tuple(expert_runtime.dense_ranges(model.moe, model.base.header, mmap.PAGESIZE, held))
     plan.engine = EnginePlan(
         identity(plan, K.KIND_EXPERTS, request), experts=config, routers=routers, lock_ranges=lock_ranges
