@@ -38,9 +38,10 @@ struct ExpertCache::Slot {
     enum class State { empty, loading, ready } state = State::empty;
     uint64_t last_use = 0;
     bool pinned = false;
-    bool prefetched = false;  // filled by prefetch and not yet used
-    bool ahead = false;       // filled by read_ahead for the layer's next request: a demand read issued early
-    bool unchecked = false;   // read, checksum not yet checked
+    bool prefetched = false;   // filled by prefetch and not yet used
+    bool ahead = false;        // filled by read_ahead for the layer's next request: a demand read issued early
+    bool unchecked = false;    // read, checksum not yet checked
+    uint64_t read_ticket = 0;  // while loading: the FlashReader batch filling it
 };
 
 struct ExpertCache::Layer {
@@ -228,8 +229,8 @@ void ExpertCache::settle_early_reads(Layer & layer, bool only_complete) {
         }
         for (int slot : r.slots) {
             Slot & s = layer.slots[static_cast<size_t>(slot)];
-            if (s.state != Slot::State::loading) {
-                continue;
+            if (s.state != Slot::State::loading || s.read_ticket != r.ticket) {
+                continue;  // made ready by wait_used_early_reads, or refilled by a later batch since
             }
             if (ok) {
                 s.state = Slot::State::ready;
@@ -252,6 +253,39 @@ void ExpertCache::wait_prefetches(Layer & layer) {
     const auto t0 = std::chrono::steady_clock::now();
     try {
         settle_early_reads(layer, false);
+    } catch (...) {
+        stats_.wait_seconds += seconds_since(t0);
+        throw;
+    }
+    stats_.wait_seconds += seconds_since(t0);
+}
+
+void ExpertCache::wait_used_early_reads(int position) {
+    Layer & layer = *layers_[static_cast<size_t>(position)];
+    if (layer.early_reads.empty()) {
+        return;
+    }
+    const size_t per_slot = config_.layers[static_cast<size_t>(position)].tensors.size();
+    const auto t0 = std::chrono::steady_clock::now();
+    bool failed = false;
+    try {
+        for (const Layer::EarlyRead & r : layer.early_reads) {
+            for (size_t j = 0; j < r.slots.size() && !failed; ++j) {
+                Slot & s = layer.slots[static_cast<size_t>(r.slots[j])];
+                if (s.state != Slot::State::loading || s.read_ticket != r.ticket || s.last_use != clock_) {
+                    continue;  // not this request's
+                }
+                for (size_t k = 0; k < per_slot && !failed; ++k) {
+                    failed = !reader_->wait_request(r.ticket, j * per_slot + k);
+                }
+                if (!failed) {
+                    s.state = Slot::State::ready;
+                }
+            }
+        }
+        // a failed read: settle every batch (its slots dropped, the IoError thrown); else forget the
+        // batches already complete and leave the others reading
+        settle_early_reads(layer, !failed);
     } catch (...) {
         stats_.wait_seconds += seconds_since(t0);
         throw;
@@ -362,6 +396,9 @@ void ExpertCache::begin(int position, const std::vector<int> & experts) {
     if (!requests.empty()) {
         try {
             layer.demand_ticket = reader_->submit(requests);
+            for (int slot : layer.demand_slots) {
+                layer.slots[static_cast<size_t>(slot)].read_ticket = layer.demand_ticket;
+            }
         } catch (...) {
             drop_demand_slots(layer);
             throw;
@@ -373,9 +410,9 @@ void ExpertCache::begin(int position, const std::vector<int> & experts) {
 void ExpertCache::finish(int position) {
     Layer & layer = *layers_[static_cast<size_t>(position)];
     try {
-        // this layer's prefetches (started while the previous layer computed), then the prefetched
-        // slots this request uses, checked while its demand reads are still in flight
-        wait_prefetches(layer);
+        // the reads of this layer's prefetched slots that this request uses (started while the previous
+        // layer computed), then those slots, checked while its demand reads are still in flight
+        wait_used_early_reads(position);
         for (size_t i = 0; i < layer.slots.size(); ++i) {
             Slot & s = layer.slots[i];
             if (s.unchecked && s.state == Slot::State::ready && s.last_use == clock_) {
@@ -477,6 +514,9 @@ void ExpertCache::submit_early(int position, const std::vector<int> & experts, b
     }
     try {
         const FlashReader::Ticket ticket = reader_->submit(requests);
+        for (int slot : slots) {
+            layer.slots[static_cast<size_t>(slot)].read_ticket = ticket;
+        }
         layer.early_reads.push_back(Layer::EarlyRead{ticket, std::move(slots)});
     } catch (const std::exception &) {  // not started: forget the slots; a demand read will retry
         for (int slot : slots) {

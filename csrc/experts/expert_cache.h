@@ -8,12 +8,13 @@
 // Policy: `pinned` experts (the most popular on calibration text, chosen by the planner) are read at
 // open and never evicted; the other slots are LRU by last use. The experts of the current request
 // are never evicted while it is served. A prefetch (the next layer's predicted experts) fills LRU
-// victims asynchronously; the next request of that layer first waits for its layer's prefetches.
+// victims asynchronously; the next request of that layer waits for those of them it uses.
 //
 // A request is served in two steps so that reads overlap: begin() finds hits (resident, or still
 // being prefetched) and submits the misses (one batch) at once, waiting for the layer's prefetches
 // only when their slots are the only victims left; then the caller may prefetch another layer; then
-// finish() waits for the layer's prefetches, checks the prefetched slots the request uses while the
+// finish() waits for the reads of the prefetched slots the request uses (a prefetched expert it does
+// not use is not waited for), checks those slots while the
 // demand reads are in flight, and checks each demand expert against its CRC-32C as soon as its
 // reads are in, while the later ones are still read. A request may not hold more experts than
 // capacity(): the expert lane splits larger sets into rounds.
@@ -153,6 +154,9 @@ private:
     void submit_early(int position, const std::vector<int> & experts, bool ahead);  // prefetch / read_ahead
     void settle_early_reads(Layer & layer, bool only_complete);
     void wait_prefetches(Layer & layer);
+    // Waits for the early reads of the slots the current request of `position` uses (last used at
+    // this clock), marks them ready and leaves the layer's other early reads in flight.
+    void wait_used_early_reads(int position);
     void drop_demand_slots(Layer & layer);  // the request's demand slots emptied (failed or abandoned)
     void abandon_demand(Layer & layer);     // waits out the demand reads, then drops their slots
     int take_victim(Layer & layer, const std::vector<char> & keep);
