@@ -47,7 +47,7 @@ if ! .venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ 
   .venv/bin/python -m pip install -q "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
   if has_amx_build; then
     echo "[setup] pip's cached llama-cpp-python wheel has the AMX kernels: rebuilding it without them"
-    .venv/bin/python -m pip cache remove llama_cpp_python >/dev/null
+    .venv/bin/python -m pip cache remove llama_cpp_python >/dev/null 2>&1 || true  # pip may run without a cache
     .venv/bin/python -m pip install -q --force-reinstall --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
   fi
 fi
