@@ -25,10 +25,11 @@ struct PhantomBuffer {
 
 bool is_weights(ggml_backend_buffer_t buffer) { return buffer->usage == GGML_BACKEND_BUFFER_USAGE_WEIGHTS; }
 
-// A weight whose bytes this buffer holds (an InvariantMatmuls weight, matmul_rows.h), unlike a phantom one.
-bool keeps_bytes(const ggml_tensor * tensor) {
+// A weight whose bytes the device keeps (an InvariantMatmuls weight, matmul_rows.h: BoundWeight::bytes_of
+// says where), unlike a phantom one; nullptr for a phantom weight.
+const BoundWeight * kept_weight(const ggml_tensor * tensor) {
     const BoundWeight * b = WeightRegistry::instance().lookup(tensor);
-    return b != nullptr && b->matmuls != nullptr;
+    return b != nullptr && b->matmuls != nullptr ? b : nullptr;
 }
 
 [[noreturn]] void phantom_read_abort(const ggml_tensor * tensor, const char * how) {
@@ -52,7 +53,7 @@ void * buffer_get_base(ggml_backend_buffer_t buffer) { return static_cast<Phanto
 
 void buffer_memset_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, uint8_t value, size_t offset,
                           size_t size) {
-    if (is_weights(buffer) && !keeps_bytes(tensor)) {
+    if (is_weights(buffer) && kept_weight(tensor) == nullptr) {
         return;  // phantom weights have no bytes here
     }
     std::memset(static_cast<uint8_t *>(tensor->data) + offset, value, size);
@@ -97,21 +98,19 @@ bool in_shared_file_mapping(uintptr_t begin, uintptr_t end, std::string * path =
 // An InvariantMatmuls weight handed in whole from a shared mapping of the model file: bound to the
 // same bytes through the model's own mapping of that file (read in place, nothing copied). False:
 // the caller copies it.
-bool bind_in_place(const ggml_tensor * tensor, const void * data, size_t size) {
-    const BoundWeight * b = WeightRegistry::instance().lookup(tensor);
+bool bind_in_place(const ggml_tensor * tensor, const BoundWeight & b, const void * data, size_t size) {
     const auto begin = reinterpret_cast<uintptr_t>(data);
     std::string path;
     uint64_t offset = 0;
-    if (b == nullptr || b->matmuls == nullptr || !b->matmuls->read_in_place ||
-        !in_shared_file_mapping(begin, begin + size, &path, &offset)) {
+    if (!b.matmuls->read_in_place || !in_shared_file_mapping(begin, begin + size, &path, &offset)) {
         return false;
     }
-    const uint8_t * bytes = b->matmuls->file_bytes(path, offset, size);
+    const uint8_t * bytes = b.matmuls->file_bytes(path, offset, size);
     if (bytes == nullptr || std::memcmp(bytes, data, std::min<size_t>(size, 4096)) != 0) {
         return false;  // not the same file after all (replaced meanwhile): keep a copy
     }
     WeightRegistry::instance().set_bytes(tensor, bytes);
-    b->matmuls->in_place.fetch_add(1, std::memory_order_relaxed);
+    b.matmuls->in_place.fetch_add(1, std::memory_order_relaxed);
     return true;
 }
 
@@ -138,7 +137,8 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
                 tensor->name);
         }
         const bool whole = offset == 0 && size == ggml_nbytes(tensor);
-        if (!keeps_bytes(tensor)) {
+        const BoundWeight * kept = kept_weight(tensor);
+        if (kept == nullptr) {
             if (whole) {
                 release_source_pages(data, size);
             }
@@ -146,7 +146,7 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
         }
         // a weight whose bytes the device keeps: read in place from the model file where llama.cpp
         // maps it, else copied into this buffer
-        if (!(whole && bind_in_place(tensor, data, size))) {
+        if (!(whole && bind_in_place(tensor, *kept, data, size))) {
             std::memcpy(static_cast<uint8_t *>(tensor->data) + offset, data, size);
             if (whole) {
                 release_source_pages(data, size);  // the copy replaces them (they stay clean page cache)
@@ -160,11 +160,11 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
 void buffer_get_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * tensor, void * data, size_t offset,
                        size_t size) {
     if (is_weights(buffer)) {
-        const BoundWeight * b = WeightRegistry::instance().lookup(tensor);
-        if (b == nullptr || b->matmuls == nullptr) {
+        const BoundWeight * kept = kept_weight(tensor);
+        if (kept == nullptr) {
             phantom_read_abort(tensor, "read");
         }
-        std::memcpy(data, b->bytes_of(tensor) + offset, size);
+        std::memcpy(data, kept->bytes_of(tensor) + offset, size);
         return;
     }
     std::memcpy(data, static_cast<const uint8_t *>(tensor->data) + offset, size);
@@ -173,8 +173,8 @@ void buffer_get_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * tensor,
 bool buffer_cpy_tensor(ggml_backend_buffer_t buffer, const ggml_tensor * src, ggml_tensor * dst) {
     const BoundWeight * kept = nullptr;  // src: a weight of ours that has bytes
     if (src->buffer != nullptr && is_phantom_buffer_type(src->buffer->buft) && is_weights(src->buffer)) {
-        kept = WeightRegistry::instance().lookup(src);
-        if (kept == nullptr || kept->matmuls == nullptr) {
+        kept = kept_weight(src);
+        if (kept == nullptr) {
             phantom_read_abort(src, "copy");
         }
     }

@@ -52,6 +52,20 @@ std::string first_non_finite(const ggml_cgraph * split) {
     return std::string();
 }
 
+// `status`, or GGML_STATUS_FAILED (kept in the model) where the split's FFN output of `layer` holds a
+// NaN or infinity: it would otherwise flow on silently (generation then just stops).
+ggml_status checked_finite(const ggml_cgraph * split, FlashModel & model, int layer, ggml_status status) {
+    if (status != GGML_STATUS_SUCCESS) {
+        return status;
+    }
+    const std::string where = first_non_finite(split);
+    if (where.empty()) {
+        return status;
+    }
+    model.set_non_finite("layer " + std::to_string(layer) + "'s FFN output: " + where);
+    return GGML_STATUS_FAILED;
+}
+
 // Rows [t0, t0 + n) of `t` (a [ne0, T] f32 tensor of the split, or a node: op, sources and flags
 // kept), over the same memory.
 ggml_tensor * token_rows(ggml_context * ctx, const ggml_tensor * t, int64_t t0, int64_t n) {
@@ -192,24 +206,14 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
     if (!ok || !runnable) {  // an I/O or checksum error in the offload lane: the split's result is not valid
         status = GGML_STATUS_FAILED;
     }
-    if (status == GGML_STATUS_SUCCESS && r.model != nullptr) {
-        // a NaN or infinity would otherwise flow on silently (generation then just stops)
-        const std::string where = first_non_finite(split);
-        if (!where.empty()) {
-            r.model->set_non_finite("layer " + std::to_string(r.layer) + "'s FFN output: " + where);
-            status = GGML_STATUS_FAILED;
-        }
+    if (r.model != nullptr) {
+        status = checked_finite(split, *r.model, r.layer, status);
     }
 
     // 4. count
     FlashModel * counted = sparse ? r.model : dense_.model();
-    if (sparse && sparse_.draft()) {
-        r.model->stats().count_draft_split(pos, static_cast<int64_t>(sparse_.active_counts().size()), seconds);
-    } else if (sparse) {
-        const std::vector<int32_t> & counts = sparse_.active_counts();
-        const int64_t n_tokens = static_cast<int64_t>(counts.size());
-        r.model->stats().count_sparse_call(pos, counts.data(), n_tokens, seconds);
-        r.model->stats().count_ffn_eval(pos, n_tokens);
+    if (sparse) {
+        count_sparse_call(*r.model, pos, seconds);
     } else {
         for (const auto & [layer, n_tokens] : dense_.evaluations()) {
             counted->stats().count_ffn_eval(counted->layer_position(layer), n_tokens);
@@ -264,24 +268,23 @@ ggml_status SplitExecutor::compute_sparse_chunks(const ggml_cgraph * split, cons
         if (!offload->after_split(pos, true, sparse_.take_failure()) || !runnable) {
             status = GGML_STATUS_FAILED;
         }
-        const std::vector<int32_t> & counts = sparse_.active_counts();
-        if (sparse_.draft()) {
-            model->stats().count_draft_split(pos, static_cast<int64_t>(counts.size()), s);
-        } else {
-            model->stats().count_sparse_call(pos, counts.data(), static_cast<int64_t>(counts.size()), s);
-            model->stats().count_ffn_eval(pos, static_cast<int64_t>(counts.size()));
-        }
+        count_sparse_call(*model, pos, s);
         ggml_free(ctx);
     }
-    if (status == GGML_STATUS_SUCCESS) {
-        const std::string where = first_non_finite(split);
-        if (!where.empty()) {
-            model->set_non_finite("layer " + std::to_string(ffn.layer) + "'s FFN output: " + where);
-            status = GGML_STATUS_FAILED;
-        }
-    }
+    status = checked_finite(split, *model, ffn.layer, status);
     model->stats().count_split(seconds, seconds_between(t_begin, t_build));
     return status;
+}
+
+void SplitExecutor::count_sparse_call(FlashModel & model, int pos, double seconds) {
+    const std::vector<int32_t> & counts = sparse_.active_counts();
+    const int64_t n_tokens = static_cast<int64_t>(counts.size());
+    if (sparse_.draft()) {
+        model.stats().count_draft_split(pos, n_tokens, seconds);
+    } else {
+        model.stats().count_sparse_call(pos, counts.data(), n_tokens, seconds);
+        model.stats().count_ffn_eval(pos, n_tokens);
+    }
 }
 
 }  // namespace llamaflash

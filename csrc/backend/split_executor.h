@@ -59,12 +59,14 @@ public:
 
 private:
     // A sparse split under flash offload over more than kSparseChunkTokens tokens, computed as
-    // consecutive chunks of kSparseChunkTokens (each planned, read, computed and counted as a split of
-    // its own; its tokens' results are those of the whole batch, sparse_lane.h by cluster).
+    // consecutive chunks of kSparseChunkTokens (each planned, read, computed and counted as a lane call
+    // of its own; its tokens' results are those of the whole batch, sparse_lane.h by cluster).
     ggml_status compute_sparse_chunks(const ggml_cgraph * split, const GluFfnPattern & ffn,
                                       const SparseLayerView & view, std::chrono::steady_clock::time_point t_begin);
     void append_sparse(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
                        const SparseLayerView & view);
+    // Counts the sparse lane's call just computed (a draft's, or its active neurons and FFN evaluations).
+    void count_sparse_call(FlashModel & model, int pos, double seconds);
 
     ggml_backend_t cpu_ = nullptr;
     GraphArena arena_;  // metadata memory of the private graph, reused across calls
