@@ -214,6 +214,40 @@ def test_batch_equals_token_by_token(by_cluster):
         assert ct[0] == counts[t]
 
 
+@pytest.mark.parametrize(
+    "up_type, down_t_type",
+    [(T.Q4_K, T.Q4_K), (T.Q6_K, T.Q4_K), (T.Q4_K, T.Q6_K), (T.Q4_K, T.Q8_0), (T.Q4_0, T.Q4_K)],
+)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("up_apart", [False, True])
+def test_cluster_batch_equals_token_by_token_kquants(up_type, down_t_type, isa, up_apart):
+    """Several tokens by cluster take the batched path (u by kquant_gemm over the union of the tokens'
+    rows where it computes the up type itself, the down_t rows of the union added to every token with
+    h = 0 where a token does not select a row): each token's y is the bits it gets alone, at any batch
+    size and thread count, also with tokens selecting nothing in a cluster and a threshold that keeps
+    every neuron. up_apart: the up rows in a row-major matrix of their own (the base model's ffn_up, as
+    the lane reads them), which kquant_gemm takes; inside the bundles, vec_dot per selected row."""
+    rng = np.random.default_rng(21)
+    layer = random_layer(rng, 512, 300, T.Q4_K, up_type, down_t_type, "silu")
+    up = layer.bundles[:, layer.gate_row_bytes : layer.gate_row_bytes + layer.up_row_bytes]
+    kw = {"up_rows": np.ascontiguousarray(up)} if up_apart else {}
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    x[:, rng.integers(0, 512, 3)] *= 30.0  # outlier channels, as hidden states have
+    g, a, _ = layer.act_g_u(x)
+    g32 = g.astype(np.float32)
+    g32[4, :64] = 0.0  # token 4 selects nothing in the first clusters
+    for thr in (gap_threshold(a, 0.3), gap_threshold(a, 0.05), -1.0):
+        alone = [layer.run(x[t : t + 1], thr, gate_values=g32[t : t + 1], isa=isa, **kw) for t in range(9)]
+        for n_tokens in (2, 5, 9):
+            for n_threads in (1, 2):
+                y, counts = layer.run(x[:n_tokens], thr, n_threads=n_threads, gate_values=g32[:n_tokens], isa=isa, **kw)
+                for t in range(n_tokens):
+                    np.testing.assert_array_equal(y[t], alone[t][0][0], err_msg=f"thr {thr} T {n_tokens} token {t}")
+                    assert counts[t] == alone[t][1][0]
+        if thr >= 0:
+            assert_close(alone[0][0], layer.reference(x[:1], np.abs(a[:1]) > thr), 1e-5)
+
+
 def test_kernel_object_reuses_scratch():
     rng = np.random.default_rng(7)
     layer = random_layer(rng, 64, 128, T.Q4_0, T.Q4_0, T.Q8_0, "silu")

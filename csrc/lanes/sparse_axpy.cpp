@@ -167,6 +167,16 @@ AxpyFn pick_axpy(ggml_type type, SparseIsa isa) {
     return nullptr;  // generic path: to_float into a row buffer, then axpy
 }
 
+AxpyBatchFn pick_axpy_batch(ggml_type type, SparseIsa isa) {
+#if LLAMAFLASH_X86
+    if (type == GGML_TYPE_Q4_K && isa == SparseIsa::avx512) return axpy::axpy_batch_q4_k_avx512;
+#else
+    (void)type;
+    (void)isa;
+#endif
+    return nullptr;
+}
+
 SparseIsa sparse_ffn_best_isa() {
 #if LLAMAFLASH_X86
     static const SparseIsa best = [] {

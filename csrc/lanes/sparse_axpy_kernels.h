@@ -4,6 +4,8 @@
 // kernel has the AxpyFn contract: acc[0..n_embd) += Σ_{r < n} h[r] · dequant(rows[r]).
 #pragma once
 
+#include "lanes/sparse_axpy.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -78,6 +80,8 @@ void axpy_q6_k_avx512(float * acc, const uint8_t * const * rows, const float * h
 void axpy_q4_k_avx2(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd);
 void axpy_q6_k_avx2(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd);
 void axpy_q2_k_avx2(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd);
+void axpy_batch_q4_k_avx512(float * const * acc, int n_tokens, const uint8_t * const * rows, const float * const * h,
+                            int n, int64_t n_embd, float * scratch);
 #endif  // LLAMAFLASH_X86
 
 }  // namespace axpy

@@ -1,8 +1,8 @@
 // sparse_axpy_x86.cpp — the AVX2 and AVX-512 kernels of the fused down_t accumulation (sparse_axpy.h;
 // entry points and block layouts in sparse_axpy_kernels.h), each compiled for its ISA with a target
 // attribute and chosen at run time by pick_axpy (sparse_axpy.cpp). A pass adds R (1..4) rows into acc in
-// one load/store of it; for a given (n, ISA) the summation order is fixed; the AVX2 and AVX-512 K-quant
-// passes sum in the same order, so they round alike.
+// one load/store of it (Q4_K: every row of the call); for a given (n, ISA) the summation order is fixed;
+// the AVX2 and AVX-512 K-quant kernels sum in the same order, so they round alike.
 #include "lanes/sparse_axpy_kernels.h"
 
 #if LLAMAFLASH_X86
@@ -139,51 +139,6 @@ __attribute__((target("avx2,f16c,fma"))) void q4_pass_avx2(float * acc, const ui
         }
     }
 }
-// R rows (1..4) of Q4_K in one pass over acc, one 256-value super-block at a time (16 zmm of acc).
-// The min terms are summed over the R rows per sub-block first and subtracted once per pass.
-template <int R>
-__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_pass_avx512(float * acc, const uint8_t * const * rows,
-                                                                           const float * h, int64_t nb) {
-    const __m256i low = _mm256_set1_epi8(15);
-    for (int64_t b = 0; b < nb; ++b) {
-        float * a = acc + b * kQK;
-        __m512 y[16];
-        for (int k = 0; k < 16; ++k) {
-            y[k] = _mm512_loadu_ps(a + 16 * k);
-        }
-        __m256 min_sum = _mm256_setzero_ps();  // Σ_r dmin_r·h_r·m_r[k], k = sub-block
-        for (int r = 0; r < R; ++r) {
-            const uint8_t * blk = rows[r] + b * kQ4_KBytes;
-            uint8_t sm[16];
-            q4_k_scales_mins(blk + 4, sm);
-            const __m128i sm8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(sm));
-            const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8)),
-                                            _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r]));
-            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
-            min_sum = _mm256_fmadd_ps(mn, _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)) * h[r]), min_sum);
-            alignas(32) float scale[8];
-            _mm256_store_ps(scale, sc);
-            for (int c = 0; c < 4; ++c) {
-                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 16 + 32 * c));
-                const __m256i lo = _mm256_and_si256(q, low);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                // 16 nibbles of sub-block 2c (low) or 2c + 1 (high) -> 16 floats, times that sub-block's scale
-                const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                          _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-                for (int k = 0; k < 4; ++k) {
-                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[k]));
-                    y[4 * c + k] = _mm512_fmadd_ps(v, _mm512_set1_ps(scale[2 * c + k / 2]), y[4 * c + k]);
-                }
-            }
-        }
-        alignas(32) float mins[8];
-        _mm256_store_ps(mins, min_sum);
-        for (int k = 0; k < 16; ++k) {
-            _mm512_storeu_ps(a + 16 * k, _mm512_sub_ps(y[k], _mm512_set1_ps(mins[k / 2])));
-        }
-    }
-}
-
 // R rows (1..4) of Q6_K in one pass over acc, one 256-value super-block at a time (16 zmm of acc).
 template <int R>
 __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q6_k_pass_avx512(float * acc, const uint8_t * const * rows,
@@ -239,55 +194,6 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q6_k_pass_avx512(float
 // AVX2 versions of the two K-quant passes above: the same per-value summation order (acc, then each
 // row's FMA in row order, then Q4_K's summed mins), so they round exactly as the AVX-512 passes.
 // 16 ymm registers do not hold a 256-value super-block: acc is walked in 32/64-value pieces.
-
-// R rows (1..4) of Q4_K: per 64-value chunk c (sub-blocks 2c, 2c + 1), 8 ymm of acc.
-template <int R>
-__attribute__((target("avx2,f16c,fma"))) void q4_k_pass_avx2(float * acc, const uint8_t * const * rows, const float * h,
-                                                             int64_t nb) {
-    const __m256i low = _mm256_set1_epi8(15);
-    for (int64_t b = 0; b < nb; ++b) {
-        float * a = acc + b * kQK;
-        alignas(32) float scale[R][8];         // d·h·sc[k] per row and sub-block
-        __m256 min_sum = _mm256_setzero_ps();  // Σ_r dmin_r·h_r·m_r[k]
-        for (int r = 0; r < R; ++r) {
-            const uint8_t * blk = rows[r] + b * kQ4_KBytes;
-            uint8_t sm[16];
-            q4_k_scales_mins(blk + 4, sm);
-            const __m128i sm8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(sm));
-            _mm256_store_ps(scale[r], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8)),
-                                                    _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r])));
-            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
-            min_sum = _mm256_fmadd_ps(mn, _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)) * h[r]), min_sum);
-        }
-        alignas(32) float mins[8];
-        _mm256_store_ps(mins, min_sum);
-        for (int c = 0; c < 4; ++c) {
-            float * ac = a + 64 * c;
-            __m256 y[8];
-            for (int k = 0; k < 8; ++k) {
-                y[k] = _mm256_loadu_ps(ac + 8 * k);
-            }
-            for (int r = 0; r < R; ++r) {
-                const __m256i q =
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i *>(rows[r] + b * kQ4_KBytes + 16 + 32 * c));
-                const __m256i lo = _mm256_and_si256(q, low);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                          _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-                for (int p = 0; p < 4; ++p) {
-                    const __m256 s = _mm256_set1_ps(scale[r][2 * c + p / 2]);
-                    const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
-                    const __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(parts[p], 8)));
-                    y[2 * p] = _mm256_fmadd_ps(v0, s, y[2 * p]);
-                    y[2 * p + 1] = _mm256_fmadd_ps(v1, s, y[2 * p + 1]);
-                }
-            }
-            for (int k = 0; k < 8; ++k) {
-                _mm256_storeu_ps(ac + 8 * k, _mm256_sub_ps(y[k], _mm256_set1_ps(mins[2 * c + k / 4])));
-            }
-        }
-    }
-}
 
 // R rows (1..4) of Q6_K: per 32 values l + 32j of half n (scales 8n + 2j, 8n + 2j + 1), 4 ymm of acc.
 template <int R>
@@ -400,6 +306,186 @@ __attribute__((target("avx2,f16c,fma"))) void f16_pass_avx2(float * acc, const u
 
 }  // namespace
 
+// Q4_K, every row of the call per 256-value super-block (16 zmm of acc): per value, acc then each
+// row's FMA in row order; the min terms Σ_r dmin_r·h_r·m_r[k] (FMA in row order, per sub-block k) are
+// subtracted once at the end. So a row with h = 0 changes nothing, and the rows can be grouped in any
+// way: the batched kernel below computes each token exactly as this one does.
+__attribute__((target("avx512f,avx512bw,f16c,fma"))) void axpy_q4_k_avx512(float * acc, const uint8_t * const * rows,
+                                                                           const float * h, int n, int64_t n_embd) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < n_embd / kQK; ++b) {
+        float * a = acc + b * kQK;
+        __m512 y[16];
+        for (int k = 0; k < 16; ++k) {
+            y[k] = _mm512_loadu_ps(a + 16 * k);
+        }
+        __m256 min_sum = _mm256_setzero_ps();  // Σ_r dmin_r·h_r·m_r[k], k = sub-block
+        for (int r = 0; r < n; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ4_KBytes;
+            uint8_t sm[16];
+            q4_k_scales_mins(blk + 4, sm);
+            const __m128i sm8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(sm));
+            const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8)),
+                                            _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r]));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
+            min_sum = _mm256_fmadd_ps(mn, _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)) * h[r]), min_sum);
+            alignas(32) float scale[8];
+            _mm256_store_ps(scale, sc);
+            for (int c = 0; c < 4; ++c) {
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 16 + 32 * c));
+                const __m256i lo = _mm256_and_si256(q, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                // 16 nibbles of sub-block 2c (low) or 2c + 1 (high) -> 16 floats, times that sub-block's scale
+                const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                          _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+                for (int k = 0; k < 4; ++k) {
+                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[k]));
+                    y[4 * c + k] = _mm512_fmadd_ps(v, _mm512_set1_ps(scale[2 * c + k / 2]), y[4 * c + k]);
+                }
+            }
+        }
+        alignas(32) float mins[8];
+        _mm256_store_ps(mins, min_sum);
+        for (int k = 0; k < 16; ++k) {
+            _mm512_storeu_ps(a + 16 * k, _mm512_sub_ps(y[k], _mm512_set1_ps(mins[k / 2])));
+        }
+    }
+}
+
+// TT tokens (1..4) of the batched Q4_K sum, per super-block and 64-value chunk c (4 zmm per token, from
+// +0 as axpy_q4_k_avx512 from a zeroed acc, stored over acc): each row's 64 values are converted once and
+// added to every token's sum, with that token's scale, in row order; then each token's min terms are
+// subtracted. Per token the same
+// operations as axpy_q4_k_avx512: float(sc[k])·(d·h) is the scale it computes lane by lane.
+// smf [n][8] and dh [TT][n]: the caller's scratch.
+template <int TT>
+__attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_tile_avx512(float * const * acc,
+                                                                           const uint8_t * const * rows,
+                                                                           const float * const * h, int n, int64_t nb,
+                                                                           float * smf, float * dh) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 min_sum[TT];
+        for (int t = 0; t < TT; ++t) {
+            min_sum[t] = _mm256_setzero_ps();
+        }
+        for (int r = 0; r < n; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ4_KBytes;
+            uint8_t sm[16];
+            q4_k_scales_mins(blk + 4, sm);
+            const __m128i sm8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(sm));
+            _mm256_storeu_ps(smf + 8 * r, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8)));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
+            const float d = _cvtsh_ss(load_u16(blk)), dmin = _cvtsh_ss(load_u16(blk + 2));
+            for (int t = 0; t < TT; ++t) {
+                dh[t * n + r] = d * h[t][r];
+                min_sum[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dmin * h[t][r]), min_sum[t]);
+            }
+        }
+        alignas(32) float mins[TT][8];
+        for (int t = 0; t < TT; ++t) {
+            _mm256_store_ps(mins[t], min_sum[t]);
+        }
+        for (int c = 0; c < 4; ++c) {
+            __m512 y[TT][4];
+            for (int t = 0; t < TT; ++t) {
+                for (int k = 0; k < 4; ++k) {
+                    y[t][k] = _mm512_setzero_ps();
+                }
+            }
+            for (int r = 0; r < n; ++r) {
+                const __m256i q =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i *>(rows[r] + b * kQ4_KBytes + 16 + 32 * c));
+                const __m256i lo = _mm256_and_si256(q, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                const __m512 v[4] = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1)))};
+                const float s_lo = smf[8 * r + 2 * c], s_hi = smf[8 * r + 2 * c + 1];
+                for (int t = 0; t < TT; ++t) {
+                    const float dt = dh[t * n + r];
+                    const __m512 a_lo = _mm512_set1_ps(s_lo * dt), a_hi = _mm512_set1_ps(s_hi * dt);
+                    y[t][0] = _mm512_fmadd_ps(v[0], a_lo, y[t][0]);
+                    y[t][1] = _mm512_fmadd_ps(v[1], a_lo, y[t][1]);
+                    y[t][2] = _mm512_fmadd_ps(v[2], a_hi, y[t][2]);
+                    y[t][3] = _mm512_fmadd_ps(v[3], a_hi, y[t][3]);
+                }
+            }
+            for (int t = 0; t < TT; ++t) {
+                for (int k = 0; k < 4; ++k) {
+                    _mm512_storeu_ps(acc[t] + b * kQK + 64 * c + 16 * k,
+                                     _mm512_sub_ps(y[t][k], _mm512_set1_ps(mins[t][2 * c + k / 2])));
+                }
+            }
+        }
+    }
+}
+
+void axpy_batch_q4_k_avx512(float * const * acc, int n_tokens, const uint8_t * const * rows, const float * const * h,
+                            int n, int64_t n_embd, float * scratch) {
+    float * smf = scratch;         // [n][8]
+    float * dh = scratch + 8 * n;  // [4][n]
+    const int64_t nb = n_embd / kQK;
+    int t = 0;
+    for (; t + 4 <= n_tokens; t += 4) q4_k_tile_avx512<4>(acc + t, rows, h + t, n, nb, smf, dh);
+    switch (n_tokens - t) {
+        case 3: q4_k_tile_avx512<3>(acc + t, rows, h + t, n, nb, smf, dh); break;
+        case 2: q4_k_tile_avx512<2>(acc + t, rows, h + t, n, nb, smf, dh); break;
+        case 1: q4_k_tile_avx512<1>(acc + t, rows, h + t, n, nb, smf, dh); break;
+        default: break;
+    }
+}
+
+// Q4_K, every row of the call per super-block: per 64-value chunk c (sub-blocks 2c, 2c + 1), 8 ymm of
+// acc; the rows' scales of the super-block first (up to kAxpyMaxRows rows, the AxpyFn contract).
+__attribute__((target("avx2,f16c,fma"))) void axpy_q4_k_avx2(float * acc, const uint8_t * const * rows, const float * h,
+                                                             int n, int64_t n_embd) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < n_embd / kQK; ++b) {
+        float * a = acc + b * kQK;
+        alignas(32) float scale[kAxpyMaxRows][8];  // d·h·sc[k] per row and sub-block
+        __m256 min_sum = _mm256_setzero_ps();      // Σ_r dmin_r·h_r·m_r[k]
+        for (int r = 0; r < n; ++r) {
+            const uint8_t * blk = rows[r] + b * kQ4_KBytes;
+            uint8_t sm[16];
+            q4_k_scales_mins(blk + 4, sm);
+            const __m128i sm8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(sm));
+            _mm256_store_ps(scale[r], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8)),
+                                                    _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * h[r])));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
+            min_sum = _mm256_fmadd_ps(mn, _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)) * h[r]), min_sum);
+        }
+        alignas(32) float mins[8];
+        _mm256_store_ps(mins, min_sum);
+        for (int c = 0; c < 4; ++c) {
+            float * ac = a + 64 * c;
+            __m256 y[8];
+            for (int k = 0; k < 8; ++k) {
+                y[k] = _mm256_loadu_ps(ac + 8 * k);
+            }
+            for (int r = 0; r < n; ++r) {
+                const __m256i q =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i *>(rows[r] + b * kQ4_KBytes + 16 + 32 * c));
+                const __m256i lo = _mm256_and_si256(q, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                          _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+                for (int p = 0; p < 4; ++p) {
+                    const __m256 s = _mm256_set1_ps(scale[r][2 * c + p / 2]);
+                    const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
+                    const __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(parts[p], 8)));
+                    y[2 * p] = _mm256_fmadd_ps(v0, s, y[2 * p]);
+                    y[2 * p + 1] = _mm256_fmadd_ps(v1, s, y[2 * p + 1]);
+                }
+            }
+            for (int k = 0; k < 8; ++k) {
+                _mm256_storeu_ps(ac + 8 * k, _mm256_sub_ps(y[k], _mm256_set1_ps(mins[2 * c + k / 4])));
+            }
+        }
+    }
+}
+
 constexpr int kRowsPerPass = 4;
 
 // n rows in passes of 4, then the remainder: PASS<R>(acc, rows, h, arg)
@@ -423,9 +509,7 @@ LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx512, q4_0_pass_avx512, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx512, q4_1_pass_avx512, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_q4_0_avx2, q4_0_pass_avx2, n_embd / 32)
 LLAMAFLASH_DEFINE_AXPY(axpy_q4_1_avx2, q4_1_pass_avx2, n_embd / 32)
-LLAMAFLASH_DEFINE_AXPY(axpy_q4_k_avx512, q4_k_pass_avx512, n_embd / kQK)
 LLAMAFLASH_DEFINE_AXPY(axpy_q6_k_avx512, q6_k_pass_avx512, n_embd / kQK)
-LLAMAFLASH_DEFINE_AXPY(axpy_q4_k_avx2, q4_k_pass_avx2, n_embd / kQK)
 LLAMAFLASH_DEFINE_AXPY(axpy_q6_k_avx2, q6_k_pass_avx2, n_embd / kQK)
 #undef LLAMAFLASH_DEFINE_AXPY
 

@@ -36,7 +36,12 @@
 //
 // Batches: n_tokens > 1 runs every token through a cluster before the next cluster, so a row in
 // the union of the tokens' active sets is read from memory once per batch and computed once per
-// token that selects it; each token's result is the same as computed alone.
+// token that selects it; each token's result is the same as computed alone. The cluster phase
+// computes a cluster for all the tokens at once: u_i by kquant_gemm (vec_dot's bits per output) over
+// runs of the union's up rows where it computes the up type itself and the rows are contiguous
+// (up_rows, cache slots), and the down_t rows of the union into every token's partial by the batched
+// axpy (AxpyBatchFn: each row unpacked once for all tokens, h = 0 where a token does not select it)
+// where the type has one; the operations per token are those of the token alone.
 //
 // Threads: the phase API below runs on the caller's threads (the sparse lane: the ggml graph's
 // own workers, as custom ops; no thread pool of its own, which would fight ggml's spinning workers).
@@ -165,6 +170,8 @@ private:
     int32_t * counts_ = nullptr;         // [n_tokens] when the caller wants no counts
     float * cluster_partial_ = nullptr;  // cluster phase: [n_clusters][n_tokens][embd_pad] partial y
     uint8_t * listed_ = nullptr;         // cluster phase: [n_clusters] 1 once listed in this call
+    float * tile_ = nullptr;             // cluster phase, several tokens: [cap_threads] batch tiles
+    size_t tile_floats_ = 0;             // floats of one thread's tile
     int64_t cap_clusters_ = 0;
     size_t embd_pad_ = 0;
     int64_t cap_tokens_ = 0;

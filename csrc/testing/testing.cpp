@@ -160,6 +160,17 @@ public:
         }
     }
 
+    // The up rows from a separate [n_ff, up_row_bytes] array (SparseFfnLayer::up_rows: the base model's
+    // row-major ffn_up), not from the bundles.
+    void use_up_rows(const py::object & up_rows) {
+        up_rows_ = byte_view(up_rows, "up_rows");
+        if (up_rows_.size < static_cast<size_t>(L_.n_ff) * L_.up_row_bytes) {
+            throw py::value_error("up_rows holds fewer than n_ff * up_row_bytes bytes");
+        }
+        L_.up_rows = up_rows_.data;
+        L_.up_stride = L_.up_row_bytes;
+    }
+
     // Returns (y [n_tokens, n_embd], active_counts [n_tokens]) or, with return_mask, also the
     // active mask [n_tokens, n_ff] (uint8); with n_iter > 0 instead a list of n_iter wall times (s).
     py::object run(const F32Array & x, float threshold, int n_threads, int cluster_size, const std::string & isa,
@@ -205,7 +216,7 @@ public:
     }
 
 private:
-    ByteView bundles_, down_t_;
+    ByteView bundles_, down_t_, up_rows_;
     SparseFfnLayer L_;
     SparseFfnScratch scratch_;
 };
@@ -246,6 +257,8 @@ PYBIND11_MODULE(_native_testing, m) {
              py::arg("bundles"), py::arg("bundle_stride"), py::arg("gate_type"), py::arg("up_type"),
              py::arg("gate_row_bytes"), py::arg("up_row_bytes"), py::arg("down_t"), py::arg("down_t_type"),
              py::arg("down_t_row_bytes"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"))
+        .def("use_up_rows", &SparseFfnKernelPy::use_up_rows, py::arg("up_rows"),
+             "read the up rows from this uint8 [n_ff, up_row_bytes] array instead of the bundles")
         .def(
             "forward",
             [](SparseFfnKernelPy & k, const F32Array & x, float threshold, int n_threads, int cluster_size,
@@ -276,9 +289,10 @@ PYBIND11_MODULE(_native_testing, m) {
            size_t up_row_bytes, const py::object & down_t, int down_t_type, size_t down_t_row_bytes, int64_t n_embd,
            int64_t n_ff, const std::string & activation, const F32Array & x, float threshold, int n_threads,
            int cluster_size, const std::string & isa, bool return_mask, const py::object & gate_values,
-           const py::object & up_values) {
+           const py::object & up_values, const py::object & up_rows) {
             SparseFfnKernelPy k(bundles, bundle_stride, gate_type, up_type, gate_row_bytes, up_row_bytes, down_t,
                                 down_t_type, down_t_row_bytes, n_embd, n_ff, activation);
+            if (!up_rows.is_none()) k.use_up_rows(up_rows);
             return k.run(x, threshold, n_threads, cluster_size, isa, return_mask, 0, gate_values, up_values);
         },
         py::arg("bundles"), py::arg("bundle_stride"), py::arg("gate_type"), py::arg("up_type"),
@@ -286,9 +300,11 @@ PYBIND11_MODULE(_native_testing, m) {
         py::arg("down_t_row_bytes"), py::arg("n_embd"), py::arg("n_ff"), py::arg("activation"), py::arg("x"),
         py::arg("threshold") = 0.0f, py::arg("n_threads") = 1, py::arg("cluster_size") = 32, py::arg("isa") = "auto",
         py::arg("return_mask") = false, py::arg("gate_values") = py::none(), py::arg("up_values") = py::none(),
+        py::arg("up_rows") = py::none(),
         "Sparse FFN of one layer (csrc/lanes/sparse_ffn.h) -> (y [n_tokens, n_embd], active_counts [n_tokens])\n"
         "(+ active_mask [n_tokens, n_ff] with return_mask). gate_values / up_values: optional float32\n"
-        "[n_tokens, n_ff] precomputed g / u (bundle order); the gate / up rows are then not read.");
+        "[n_tokens, n_ff] precomputed g / u (bundle order); the gate / up rows are then not read. up_rows:\n"
+        "optional uint8 [n_ff, up_row_bytes], the up rows apart from the bundles (SparseFfnLayer::up_rows).");
     m.def(
         "measure_read_bandwidth",
         [](size_t buffer_bytes, int n_threads, int repetitions) {
