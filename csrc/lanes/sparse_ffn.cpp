@@ -159,7 +159,7 @@ struct ScratchRegions {
     size_t total() const { return xq + partial + tmp + counts + cluster_partial + listed + tile + kAlign; }
 };
 
-// Floats of one thread's batch tile (cluster phase, several tokens, SparseFfnImpl::BatchTile): h and u
+// Floats of one thread's batch tile (cluster phase, several tokens: accumulate_cluster_batch): h and u
 // f32 [n_tokens][kMaxCluster], the selection u8 [n_tokens][kMaxCluster], the batched axpy's scratch.
 size_t tile_floats(int64_t tokens) {
     const size_t per_token = kMaxCluster;
