@@ -66,7 +66,8 @@ constexpr size_t kQ2_KBytes = 84;
 
 #if LLAMAFLASH_X86
 // sparse_axpy_x86.cpp: AVX-512 (F+BW+F16C+FMA) and AVX2 (+F16C+FMA) kernels, up to 4 rows per load/store
-// of acc (Q4_K / Q6_K round alike on both); Q2_K has one AVX2 kernel (one row at a time), AVX-512 CPUs too.
+// of acc (Q4_K: every row of the call; Q4_K / Q6_K round alike on both); Q2_K has one AVX2 kernel (one row
+// at a time), AVX-512 CPUs too; the batched Q4_K sum (AxpyBatchFn) on AVX-512.
 void axpy_q8_0_avx512(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd);
 void axpy_q8_0_avx2(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd);
 void axpy_f16_avx512(float * acc, const uint8_t * const * rows, const float * h, int n, int64_t n_embd);
