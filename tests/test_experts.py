@@ -190,15 +190,16 @@ def test_expert_statistics_and_prefetch(converted):
     llm.close()
 
 
-def test_damaged_expert_is_refused_and_llama_stays_usable(converted):
+@pytest.mark.parametrize("where", ["head", "tail"])  # a slice is checked in one piece per thread
+def test_damaged_expert_is_refused_and_llama_stays_usable(converted, where):
     path = converted("qwen3moe")
     moe = read_moe_model(read_gguf_header(path))
     ref = prefill_logits(stock(path))
     down = next(t for t in moe.layers[1].tensors if t.kind == "down")
     data = bytearray(path.read_bytes())
-    at = down.slice_offset(3) + 17
+    at = down.slice_offset(3) + (17 if where == "head" else down.expert_bytes - 9)
     original = bytes(data[at : at + 8])
-    llm = served(path, moe.n_expert)  # every expert read on first use
+    llm = served(path, moe.n_expert, n_threads=2)  # every expert read on first use, checked by 2 threads
     with open(path, "r+b") as f:  # damaged after load, in place (same size)
         f.seek(at)
         f.write(bytes(b ^ 0x5A for b in original))
@@ -208,6 +209,39 @@ def test_damaged_expert_is_refused_and_llama_stays_usable(converted):
         f.seek(at)
         f.write(original)
     assert np.array_equal(prefill_logits(llm), ref)  # the damaged slot was dropped and read again
+    llm.close()
+
+
+def test_damaged_experts_fail_a_decode_step_before_any_wrong_logit(converted):
+    """Prefetched experts are computed before finish() checks them (in the first pass, while the
+    misses are read): a damaged one must fail its step, never give logits that differ from stock's."""
+    path = converted("qwen3moe")
+    moe = read_moe_model(read_gguf_header(path))
+    ref = stock(path)
+    ref_decode = decode_logits(ref)
+    ref.close()
+    llm = served(path, moe.n_used + 1, n_threads=2)  # few slots: misses, prefetches, overlapped passes
+    down = next(t for t in moe.layers[1].tensors if t.kind == "down")
+    original = path.read_bytes()
+    with open(path, "r+b") as f:  # every expert of layer 1 damaged after load (pinned ones were read)
+        for e in range(moe.n_expert):
+            at = down.slice_offset(e) + down.expert_bytes // 2
+            f.seek(at)
+            f.write(bytes(b ^ 0xA5 for b in original[at : at + 4]))
+    llm.reset()
+    decoded = 0
+    with pytest.raises(SidecarIntegrityError, match="layer 1 expert"):
+        for i, t in enumerate(TOKENS):  # a step that needs a damaged expert read fails
+            llm.eval([t])
+            assert np.array_equal(np.array(llm.scores[llm.n_tokens - 1]), ref_decode[i]), f"token {i}"
+            decoded += 1
+    assert decoded < len(TOKENS)
+    with open(path, "r+b") as f:  # restored in place: prefetches of the failed step may still read it
+        for e in range(moe.n_expert):
+            at = down.slice_offset(e) + down.expert_bytes // 2
+            f.seek(at)
+            f.write(original[at : at + 4])
+    assert np.array_equal(decode_logits(llm), ref_decode)  # usable again, every damaged slot read again
     llm.close()
 
 

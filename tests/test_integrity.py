@@ -58,6 +58,27 @@ def test_crc32c_matches_its_definition_in_every_implementation():
         _native.crc32c_rows(b"12345", 2)
 
 
+def test_crc32c_of_pieces_combines_to_the_whole():
+    # the expert cache checks a slice as pieces on several threads, joined by crc32c_combine
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, size=884_736 + 13, dtype=np.uint8).tobytes()
+    whole = int(_native.crc32c_rows(data, len(data))[0])
+    for cut in (0, 1, 7, 191, 4096, 442_368, len(data) - 1, len(data)):
+        a, b = data[:cut], data[cut:]
+        crc_a = int(_native.crc32c_rows(a, len(a))[0]) if a else 0
+        crc_b = int(_native.crc32c_rows(b, len(b))[0]) if b else 0
+        if not a:
+            assert crc_b == whole
+            continue
+        assert _native.crc32c_combine(crc_a, crc_b, len(b)) == whole, cut
+    small = b"123456789"
+    pieces = [int(_native.crc32c_rows(small[i : i + 1], 1)[0]) for i in range(len(small))]
+    crc = pieces[0]
+    for p in pieces[1:]:
+        crc = _native.crc32c_combine(crc, p, 1)
+    assert crc == 0xE3069283
+
+
 def test_the_converter_checksums_every_row_the_engine_reads(converted):
     model, sidecar = converted
     info = validate_pair(model, sidecar)

@@ -172,7 +172,7 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
     // an MoE layer's routed experts: the expert lane (expert_lane.h)
     const ExpertSplit expert_split = match_expert_split(split);
     if (expert_split.model != nullptr) {
-        return experts_.compute(split, expert_split, cpu_);
+        return experts_.compute(split, expert_split, cpu_, n_threads_);
     }
     // 1. lane
     const Route r = route(split, WeightRegistry::instance());

@@ -151,6 +151,9 @@ PYBIND11_MODULE(_native, m) {
         "CRC-32C (Castagnoli) of each `row_bytes`-byte row of a C-contiguous buffer, as uint32 (crc32c.h). "
         "impl: 'auto', 'table' (portable) or 'hardware' (SSE4.2; ValueError without it).");
 
+    m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
+          "CRC-32C of A followed by B from CRC-32C(A), CRC-32C(B) and B's length in bytes (crc32c.h).");
+
     m.def(
         "quantize_rows",
         [](int type, const F32Array & values) {

@@ -108,8 +108,14 @@ ExpertCache::ExpertCache(const ExpertConfig & config) : config_(config) {
         for (const ReadRequest & r : requests) {
             stats_.bytes_read += r.length;
         }
-        for (const auto & [p, slot] : filled) {
-            check_slot(p, slot);
+        for (size_t p = 0; p < config.layers.size(); ++p) {
+            std::vector<int> slots;
+            for (const auto & [q, slot] : filled) {
+                if (q == static_cast<int>(p)) {
+                    slots.push_back(slot);
+                }
+            }
+            check_slots(static_cast<int>(p), slots);
         }
     }
 }
@@ -162,37 +168,80 @@ const uint8_t * ExpertCache::slot_data(int position, int expert, ExpertTensorKin
     return nullptr;
 }
 
-void ExpertCache::check_slot(int position, int slot) {
+// Every unchecked slot of `slots` against its checksums. The work: each checked slice cut into
+// check_threads_ pieces of about equal length, the pieces' CRC-32C computed by that many OpenMP
+// threads (the runtime ggml-cpu's workers use), then joined per slice (crc32c_combine) and compared
+// in slot order on the calling thread. A mismatch drops its slot and throws; the slots after it stay
+// unchecked.
+void ExpertCache::check_slots(int position, const std::vector<int> & slots) {
     Layer & layer = *layers_[static_cast<size_t>(position)];
-    Slot & s = layer.slots[static_cast<size_t>(slot)];
-    if (!s.unchecked) {
-        return;
+    std::vector<int> todo;
+    for (int slot : slots) {
+        Slot & s = layer.slots[static_cast<size_t>(slot)];
+        if (s.unchecked && !config_.verify) {
+            s.unchecked = false;
+        }
+        if (s.unchecked) {
+            todo.push_back(slot);
+        }
     }
-    s.unchecked = false;
-    if (!config_.verify) {
+    if (todo.empty()) {
         return;
     }
     const ExpertLayerSpec & spec = config_.layers[static_cast<size_t>(position)];
     const auto t0 = std::chrono::steady_clock::now();
-    for (const ExpertTensorSpec & t : spec.tensors) {
-        if (t.checksums.empty()) {
-            continue;
+    struct Piece {
+        const uint8_t * data;
+        size_t bytes;
+        uint32_t crc;
+    };
+    const size_t n_pieces = static_cast<size_t>(std::max(1, check_threads_));
+    std::vector<Piece> pieces;  // slot-major, then tensor, then piece
+    for (int slot : todo) {
+        const int expert = layer.slots[static_cast<size_t>(slot)].expert;
+        for (const ExpertTensorSpec & t : spec.tensors) {
+            if (t.checksums.empty()) {
+                continue;
+            }
+            const uint8_t * data = slot_data(position, expert, t.kind);
+            for (size_t k = 0; k < n_pieces; ++k) {
+                const size_t from = t.expert_bytes * k / n_pieces, to = t.expert_bytes * (k + 1) / n_pieces;
+                pieces.push_back(Piece{data + from, to - from, 0});
+            }
         }
-        const uint8_t * data = slot_data(position, s.expert, t.kind);
-        uint32_t got = 0;  // one row: the slice (three interleaved lanes with the instruction)
-        crc32c_rows(data, 1, t.expert_bytes, t.expert_bytes, &got);
-        stats_.verified_bytes += t.expert_bytes;
-        if (got != t.checksums[static_cast<size_t>(s.expert)]) {
-            const uint64_t offset = t.offset + t.expert_bytes * static_cast<uint64_t>(s.expert);
-            layer.slot_of[static_cast<size_t>(s.expert)] = -1;
-            const int expert = s.expert;
-            s = Slot{};
-            throw std::runtime_error(std::string(kIntegrityErrorPrefix) + "'" + config_.base_path + "': layer " +
-                                     std::to_string(spec.layer) + " expert " + std::to_string(expert) +
-                                     " (tensor kind " + std::to_string(static_cast<int>(t.kind)) + ", " +
-                                     std::to_string(t.expert_bytes) + " bytes at offset " + std::to_string(offset) +
-                                     ") does not match its checksum: the model file differs from the one "
-                                     "the sidecar was made for; re-copy it or re-run `llamaflash convert --force`");
+    }
+    const int64_t n = static_cast<int64_t>(pieces.size());
+#pragma omp parallel for num_threads(check_threads_) schedule(static) if (check_threads_ > 1 && n > 1)
+    for (int64_t i = 0; i < n; ++i) {
+        Piece & piece = pieces[static_cast<size_t>(i)];
+        crc32c_rows(piece.data, 1, piece.bytes, piece.bytes, &piece.crc);
+    }
+    size_t next = 0;
+    for (int slot : todo) {
+        Slot & s = layer.slots[static_cast<size_t>(slot)];
+        s.unchecked = false;
+        for (const ExpertTensorSpec & t : spec.tensors) {
+            if (t.checksums.empty()) {
+                continue;
+            }
+            uint32_t got = pieces[next++].crc;
+            for (size_t k = 1; k < n_pieces; ++k, ++next) {
+                got = crc32c_combine(got, pieces[next].crc, pieces[next].bytes);
+            }
+            stats_.verified_bytes += t.expert_bytes;
+            if (got != t.checksums[static_cast<size_t>(s.expert)]) {
+                const uint64_t offset = t.offset + t.expert_bytes * static_cast<uint64_t>(s.expert);
+                layer.slot_of[static_cast<size_t>(s.expert)] = -1;
+                const int expert = s.expert;
+                s = Slot{};
+                stats_.verify_seconds += seconds_since(t0);
+                throw std::runtime_error(std::string(kIntegrityErrorPrefix) + "'" + config_.base_path + "': layer " +
+                                         std::to_string(spec.layer) + " expert " + std::to_string(expert) +
+                                         " (tensor kind " + std::to_string(static_cast<int>(t.kind)) + ", " +
+                                         std::to_string(t.expert_bytes) + " bytes at offset " + std::to_string(offset) +
+                                         ") does not match its checksum: the model file differs from the one "
+                                         "the sidecar was made for; re-copy it or re-run `llamaflash convert --force`");
+            }
         }
     }
     stats_.verify_seconds += seconds_since(t0);
@@ -413,12 +462,14 @@ void ExpertCache::finish(int position) {
         // the reads of this layer's prefetched slots that this request uses (started while the previous
         // layer computed), then those slots, checked while its demand reads are still in flight
         wait_used_early_reads(position);
+        std::vector<int> used;
         for (size_t i = 0; i < layer.slots.size(); ++i) {
-            Slot & s = layer.slots[i];
+            const Slot & s = layer.slots[i];
             if (s.unchecked && s.state == Slot::State::ready && s.last_use == clock_) {
-                check_slot(position, static_cast<int>(i));
+                used.push_back(static_cast<int>(i));
             }
         }
+        check_slots(position, used);
     } catch (...) {
         abandon_demand(layer);
         throw;
@@ -441,7 +492,7 @@ void ExpertCache::finish(int position) {
                 break;
             }
             layer.slots[static_cast<size_t>(slot)].state = Slot::State::ready;
-            check_slot(position, slot);
+            check_slots(position, {slot});
         }
         const auto t0 = std::chrono::steady_clock::now();
         layer.demand_pending = false;
@@ -569,12 +620,11 @@ std::vector<int> ExpertCache::usable_now(int position, const std::vector<int> & 
     Layer & layer = *layers_[static_cast<size_t>(position)];
     std::vector<int> out;
     try {
-        // prefetches already complete (no waiting), then the request's ready slots, checked
+        // prefetches already complete (no waiting), then the request's ready slots
         settle_early_reads(layer, true);
         for (int e : experts) {
             const int slot = layer.slot_of[static_cast<size_t>(e)];
             if (slot >= 0 && layer.slots[static_cast<size_t>(slot)].state == Slot::State::ready) {
-                check_slot(position, slot);
                 out.push_back(e);
             }
         }

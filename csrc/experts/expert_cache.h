@@ -14,10 +14,15 @@
 // being prefetched) and submits the misses (one batch) at once, waiting for the layer's prefetches
 // only when their slots are the only victims left; then the caller may prefetch another layer; then
 // finish() waits for the reads of the prefetched slots the request uses (a prefetched expert it does
-// not use is not waited for), checks those slots while the
-// demand reads are in flight, and checks each demand expert against its CRC-32C as soon as its
-// reads are in, while the later ones are still read. A request may not hold more experts than
-// capacity(): the expert lane splits larger sets into rounds.
+// not use is not waited for), checks every slot the request uses that was read and not yet checked
+// while the demand reads are in flight (the CPU is otherwise idle then), and checks each demand
+// expert against its CRC-32C as soon as its reads are in, while the later ones are still read. A
+// check runs on set_check_threads() threads, each slice cut into that many pieces. A request may not
+// hold more experts than capacity(): the expert lane splits larger sets into rounds.
+//
+// Checked before use: a request's results may be computed from slots usable_now() returned before
+// finish() has checked them, but finish() throws on a mismatch before the request is done, so a
+// result computed from unchecked bytes is never used (the caller fails the whole computation).
 //
 // Results never depend on the cache: an expert's bytes are the file's whichever slot holds them.
 // Thread safety: one request at a time per cache (the caller serialises; ExpertLane locks).
@@ -25,6 +30,7 @@
 
 #include "io/flash_io.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -140,9 +146,12 @@ public:
     std::vector<int> resident_experts(int position) const;  // ready slots' experts, sorted
     // Between begin() and finish(): of `experts` (the request's), those usable now without waiting
     // for the disk, in the order given: resident, or prefetched by a batch already complete (settled
-    // here and checked). The others become usable at finish(). Throws as finish() does (the
-    // request's demand reads then abandoned).
+    // here, checked by finish()). The others become usable at finish(). Throws IoError for a failed
+    // prefetch (the request's demand reads then abandoned).
     std::vector<int> usable_now(int position, const std::vector<int> & experts);
+
+    // Threads that checksum what was read (OpenMP; the caller's compute threads, idle meanwhile).
+    void set_check_threads(int n) { check_threads_ = std::max(1, n); }
 
     ExpertCacheStats stats() const { return stats_; }
     void reset_stats() { stats_ = ExpertCacheStats{}; }
@@ -161,7 +170,7 @@ private:
     void abandon_demand(Layer & layer);     // waits out the demand reads, then drops their slots
     int take_victim(Layer & layer, const std::vector<char> & keep);
     std::vector<ReadRequest> slot_requests(int position, int slot, int expert);
-    void check_slot(int position, int slot);
+    void check_slots(int position, const std::vector<int> & slots);
 
     const ExpertConfig & config_;
     std::unique_ptr<FlashReader> reader_;
@@ -171,6 +180,7 @@ private:
     uint64_t lifetime_prefetched_ = 0;  // not reset with the statistics: the prefetch policy's evidence
     uint64_t lifetime_prefetch_used_ = 0;
     uint64_t prefetch_calls_ = 0;
+    int check_threads_ = 1;
 };
 
 // Sizes the planner uses, computed as the cache lays slots out: one expert's slot for tensors of

@@ -349,7 +349,8 @@ ggml_context * ExpertLane::build_round(const ggml_cgraph * split, const ExpertMo
     return ctx;
 }
 
-ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu) {
+ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu,
+                                int n_threads) {
     ExpertModel & model = *match.model;
     const ExpertLayerSpec & spec = model.layer_spec(match.position);
     ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
@@ -393,6 +394,7 @@ ggml_status ExpertLane::compute(const ggml_cgraph * split, const ExpertSplit & m
 
     std::lock_guard<std::mutex> lock(model.lane_mutex());
     ExpertCache & cache = model.cache();
+    cache.set_check_threads(n_threads);
     const bool draft = model.draft();
     int64_t substituted = 0, dropped = 0;
     if (draft) {  // resident experts only: one round, nothing read

@@ -26,7 +26,8 @@
 // the round's experts. With one round (ExpertConfig::overlap), the experts usable after begin()
 // (resident, or prefetched by a read already complete: ExpertCache::usable_now) are computed in a
 // first pass before finish(), while the misses are read, and the misses in a second pass after it:
-// the disk's time is spent under that compute.
+// the disk's time is spent under that compute. finish() checks the first pass's prefetched experts
+// (while the misses are still read); a mismatch fails the split, so that pass's output is never used.
 // With several rounds or passes each MUL_MAT_ID's products go to a private staging buffer that
 // keeps every pair computed so far, and a copy node puts all of them into the node's memory before
 // the element-wise ops run: ggml-alloc lets ops such as ADD_ID write in place into their input, so
@@ -67,9 +68,10 @@ public:
     ExpertLane(const ExpertLane &) = delete;
     ExpertLane & operator=(const ExpertLane &) = delete;
 
-    // Computes every node of `split` (a matched expert split) on `cpu` (its threads). On an I/O or
-    // checksum failure the model keeps the error and GGML_STATUS_FAILED is returned.
-    ggml_status compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu);
+    // Computes every node of `split` (a matched expert split) on `cpu`, whose n_threads threads also
+    // check what the cache reads. On an I/O or checksum failure the model keeps the error and
+    // GGML_STATUS_FAILED is returned.
+    ggml_status compute(const ggml_cgraph * split, const ExpertSplit & match, ggml_backend_t cpu, int n_threads);
 
     // One MUL_MAT_ID node's work, and the pairs of a round (public for the node functions).
     struct Matmul;

@@ -57,17 +57,37 @@ uint32_t update_table(uint32_t crc, const uint8_t * p, size_t n) {
 // Feeding `len` zero bytes to the CRC register is a linear map z_len on 32-bit registers (the
 // register of crc(A ‖ B) is z_len(register after A) ⊕ register of B started from 0, len = |B|).
 // ShiftTable holds it as four byte tables: z_len(r) = t[0][r & 0xFF] ⊕ t[1][(r >> 8) & 0xFF] ⊕
-// t[2][(r >> 16) & 0xFF] ⊕ t[3][r >> 24]. Built from the images of the 32 unit registers.
+// t[2][(r >> 16) & 0xFF] ⊕ t[3][r >> 24]. Built from the images of the 32 unit registers, which
+// z_len = z_1^len gives by squaring (O(32² log len), whatever the length).
 struct ShiftTable {
+    using Images = uint32_t[32];  // a linear map on registers: the images of the 32 unit registers
+
+    static uint32_t apply(const Images & f, uint32_t r) {
+        uint32_t v = 0;
+        for (int i = 0; r != 0; ++i, r >>= 1) {
+            if (r & 1u) v ^= f[i];
+        }
+        return v;
+    }
+    static void compose(const Images & f, const Images & g, Images & out) {  // out = f ∘ g
+        Images h;
+        for (int i = 0; i < 32; ++i) h[i] = apply(f, g[i]);
+        std::memcpy(out, h, sizeof(h));
+    }
+
     size_t len = 0;
     uint32_t t[4][256];
     explicit ShiftTable(size_t n) : len(n) {
         const Tables & T = tables();
-        uint32_t image[32];
+        Images image, power;  // z_len (built up), z_1^(2^k)
         for (int i = 0; i < 32; ++i) {
-            uint32_t r = 1u << i;
-            for (size_t k = 0; k < n; ++k) r = (r >> 8) ^ T.t[0][r & 0xFF];
-            image[i] = r;
+            image[i] = 1u << i;
+            const uint32_t r = 1u << i;
+            power[i] = (r >> 8) ^ T.t[0][r & 0xFF];  // one zero byte
+        }
+        for (size_t m = n; m != 0; m >>= 1) {
+            if (m & 1u) compose(power, image, image);
+            if (m > 1) compose(power, power, power);
         }
         for (int k = 0; k < 4; ++k) {
             for (uint32_t b = 0; b < 256; ++b) {
@@ -182,6 +202,16 @@ void crc32c_rows(const uint8_t * data, int64_t n_rows, size_t row_bytes, size_t 
         const uint32_t head = update_hw_3(0xFFFFFFFFu, row, lane, *z);
         out[r] = ~update_hw(head, row + 3 * lane, row_bytes - 3 * lane);
     }
+}
+
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b) {
+    // crc(A ‖ B) = ~(z(~crc_a) ⊕ reg_B) with reg_B = ~crc_b ⊕ z(0xFFFFFFFF) (B's register from 0),
+    // which z's linearity turns into z(crc_a) ⊕ crc_b
+    if (len_b == 0) return crc_a;
+    const ShiftTable * z = shift_table(len_b);
+    if (z != nullptr) return (*z)(crc_a) ^ crc_b;
+    const ShiftTable once(len_b);
+    return once(crc_a) ^ crc_b;
 }
 
 const char * crc32c_implementation() { return has_hw() ? "sse4.2" : "table"; }

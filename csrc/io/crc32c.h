@@ -24,6 +24,10 @@ uint32_t crc32c(const void * data, size_t n, Crc32cImpl impl = Crc32cImpl::autom
 void crc32c_rows(const uint8_t * data, int64_t n_rows, size_t row_bytes, size_t stride, uint32_t * out,
                  Crc32cImpl impl = Crc32cImpl::automatic);
 
+// crc32c(A ‖ B) from crc32c(A), crc32c(B) and |B| (pieces of one slice checksummed apart, by
+// several threads, then joined).
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b);
+
 // "sse4.2" or "table": what Crc32cImpl::automatic runs on this machine.
 const char * crc32c_implementation();
 
