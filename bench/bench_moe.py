@@ -21,14 +21,18 @@ With --prefetch-ab (--overlap-ab) each rep runs stock-norepack and llamaflash-no
 call and llamaflash-noprefetch (-nooverlap) in another, the two calls in alternating order from rep
 to rep.
 Per llamaflash row it adds the expert engine's statistics (hit rate, prefetch recall and waste, MB read
-per token, I/O wait per token), the I/O bound (disk bandwidth for expert-sized direct reads, from the
-disk probe, divided by the bytes read per token) and decode as a share of it, the speed-up over
-stock-norepack, and the routing statistics recorded in the sidecar.
+per token, I/O wait per token), the I/O bound (disk bandwidth for expert-sized direct reads over the
+model, measured right before each run (--disk-probe-s; this VM's disk varies over the day), divided by
+the bytes read per token) and decode as a share of it ("of"), the bound with the compute that cannot
+overlap (1 / max(read time, stock-norepack's in-memory step) where the call ran stock-norepack above the
+file's size; "of all"), the speed-up over stock-norepack, and the routing statistics recorded in the
+sidecar.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -75,6 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also run llamaflash computing resident experts only after the misses are read "
         "(config llamaflash-nooverlap), alternated",
     )
+    p.add_argument(
+        "--disk-probe-s",
+        type=float,
+        default=1.5,
+        help="before each run, measure expert-sized direct reads over the model for this long: the I/O bound's "
+        "rate (0: the saved disk profile's)",
+    )
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -91,6 +102,34 @@ def disk_mb_s(sidecar: Path, read_bytes: float, depth: int) -> tuple[float, str]
     return disk_throughput(profile, read_bytes, depth) / 1e6, str(profile.get("saved_at", profile.get("source")))
 
 
+def expert_read_rate(model: str, request_bytes: int, region: tuple[int, int], depth: int, seconds: float) -> dict:
+    """The disk's throughput now for the expert lane's reads: random direct reads of one expert
+    tensor's slice (rounded up to the alignment) at ``depth`` over the model's expert region
+    (offset, bytes). Direct I/O: the page cache is neither used nor disturbed."""
+    from llamaflash import _native
+
+    reader = _native.FlashReader(model, "auto", depth, True)
+    try:
+        a = reader.alignment
+        size = (request_bytes + a - 1) // a * a
+        m = reader.measure_random_reads(size, depth, seconds, region[0], region[1])
+    finally:
+        reader.close()
+    return {"mb_s": m["bytes"] / m["seconds"] / 1e6, "request_bytes": size, "depth": depth, "seconds": m["seconds"]}
+
+
+def expert_region(model: Path) -> tuple[int, int, float]:
+    """(offset, bytes) spanning every routed expert tensor of ``model``, and one tensor's slice bytes."""
+    from llamaflash.files.experts import read_moe_model
+    from llamaflash.files.gguf_header import read_gguf_header
+
+    moe = read_moe_model(read_gguf_header(model))
+    tensors = [t for layer in moe.layers for t in layer.tensors]
+    start = min(t.offset for t in tensors)
+    end = max(t.offset + t.expert_bytes * layer.n_expert for layer in moe.layers for t in layer.tensors)
+    return start, end - start, moe.layers[0].expert_bytes / len(moe.layers[0].tensors)
+
+
 def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
     """Per (limit, config): decode/prefill medians, the expert statistics and the I/O bound."""
     from llamaflash.bench.decode_report import expert_columns
@@ -103,6 +142,18 @@ def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
     info = expert_sidecar.read_expert_sidecar(sidecar)
     tensor_bytes = moe.layers[0].expert_bytes / len(moe.layers[0].tensors)
     mb_s, profile = disk_mb_s(sidecar, tensor_bytes, EXPERT_READ_DEPTH)
+    # the bound with the compute that cannot overlap: a token takes at least stock-norepack's in-memory
+    # step (its runs of this payload at a limit above the file) and its reads at the rate measured
+    # before the run
+    in_memory = [
+        r["decode_tps"]
+        for r in payload["runs"]
+        if r.get("ok")
+        and r["config"] == "stock-norepack"
+        and r.get("decode_tps")
+        and r["limit_mb"]
+        and r["limit_mb"] * MiB >= model.stat().st_size
+    ]
     rows = []
     for limit in payload["limits_mb"]:
         by_config = {}
@@ -126,16 +177,24 @@ def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
                 else None,
                 "tokens": ok[0].get("tokens") if ok else None,
             }
+            rates = [r["disk_before"]["mb_s"] for r in ok if r.get("disk_before")]
+            row["disk_mb_s_in_run"] = median(rates) if rates else None
             experts = expert_columns(ok)
             if experts:
                 per_tok = experts["bytes_read_per_token"]
+                rate = row["disk_mb_s_in_run"] or mb_s
                 row["experts"] = experts
-                row["io_bound_tps"] = mb_s * 1e6 / per_tok if per_tok else None
+                row["io_bound_tps"] = rate * 1e6 / per_tok if per_tok else None
+                row["io_bound_tps_profile"] = mb_s * 1e6 / per_tok if per_tok else None
                 row["of_io_bound"] = (
                     row["decode_tps"] / row["io_bound_tps"] if row["io_bound_tps"] and row["decode_tps"] else None
                 )
             by_config[config] = row
             rows.append(row)
+        for row in by_config.values():
+            if in_memory and row.get("io_bound_tps") and row.get("decode_tps"):
+                row["bound_tps"] = 1.0 / max(1.0 / row["io_bound_tps"], 1.0 / median(in_memory))
+                row["of_bound"] = row["decode_tps"] / row["bound_tps"]
         ref = by_config.get("stock-norepack")
         for config, row in by_config.items():
             if ref and ref.get("decode_tps") and row.get("decode_tps"):
@@ -147,8 +206,9 @@ def moe_rows(payload: dict, model: Path, sidecar: Path) -> list[dict]:
                 row["tokens_compared"] = n
     payload["moe"] = {
         "label": payload.get("label"),
-        "disk_mb_s": mb_s,
+        "disk_mb_s": mb_s,  # the saved profile's (bound of rows without an in-run measurement)
         "disk_profile": profile,
+        "disk_mb_s_in_run": [r["disk_before"]["mb_s"] for r in payload["runs"] if r.get("disk_before")],
         "read_bytes": tensor_bytes,
         "architecture": moe.architecture,
         "n_layer": len(moe.layers),
@@ -209,7 +269,7 @@ def switch_ab(opts: memlimit.BenchOptions, env: str, off_config: str) -> dict:
 def format_rows(rows: list[dict]) -> str:
     out = [
         f"{'limit':>6} {'config':<18} {'decode':>7} {'x':>6} {'prefill':>8} {'hit':>5} {'MB/tok':>7} "
-        f"{'bound':>6} {'of':>5} {'recall':>6} {'waste':>6} {'wait/tok':>8} {'same':>5} status"
+        f"{'disk':>6} {'bound':>6} {'of':>5} {'of all':>6} {'recall':>6} {'waste':>6} {'wait/tok':>8} {'same':>5} status"
     ]
     for r in rows:
         e = r.get("experts") or {}
@@ -221,7 +281,8 @@ def format_rows(rows: list[dict]) -> str:
             f"{r['limit_mb']!s:>6} {r['config']:<18} {f(r['decode_tps'], '7.2f')} {f(r.get('x_stock_norepack'), '6.2f')} "
             f"{f(r['prefill_tps'], '8.1f')} {f(e.get('hit_rate'), '5.2f')} "
             f"{f((e.get('bytes_read_per_token') or 0) / 1e6 if e else None, '7.1f')} "
-            f"{f(r.get('io_bound_tps'), '6.2f')} {f(r.get('of_io_bound'), '5.2f')} "
+            f"{f(r.get('disk_mb_s_in_run'), '6.0f')} {f(r.get('io_bound_tps'), '6.2f')} {f(r.get('of_io_bound'), '5.2f')} "
+            f"{f(r.get('of_bound'), '6.2f')} "
             f"{f(e.get('prefetch_recall'), '6.2f')} {f(e.get('prefetch_waste'), '6.2f')} "
             f"{f(e.get('io_wait_per_token_s'), '8.3f')} {str(r.get('tokens_equal_stock_norepack', '-')):>5} "
             f"{','.join(r['status'])}"
@@ -250,6 +311,13 @@ def main(argv=None) -> int:
         timeout_s=a.timeout,
         quiet_wait_s=a.quiet_wait,
     )
+    if a.disk_probe_s > 0:
+        from llamaflash.planning.expert_plan import EXPERT_READ_DEPTH
+
+        start, span, tensor_bytes = expert_region(model)
+        opts.disk_probe = functools.partial(
+            expert_read_rate, str(model), int(tensor_bytes), (start, span), EXPERT_READ_DEPTH, a.disk_probe_s
+        )
     print(f"model {model} ({size_mib:.0f} MiB, {a.label}); limits {limits} MiB")
     from llamaflash.runtime.expert_runtime import OVERLAP_ENV, PREFETCH_ENV
 

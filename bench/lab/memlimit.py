@@ -114,6 +114,9 @@ class BenchOptions:
     # (llamaflash.bench.prompt_sets) in the model's chat template, decoded by llm.generate (speculative
     # where the config speculates), n_gen tokens or EOS per prompt
     prompt_set: str | None = None
+    # measured right before each run (after the quiet wait), kept as run["disk_before"]: e.g. the disk's
+    # throughput for the reads the run will make, whose rate varies over the day on a shared VM
+    disk_probe: Callable[[], dict[str, Any]] | None = None
 
     def validate(self) -> None:
         if not self.configs:
@@ -355,15 +358,18 @@ def _run_all(
                     spec["n_ubatch"] = opts.flash_n_ubatch
                 files = [model_path] + ([sidecar] if config in flash_configs else [])
                 busy = benchkit.wait_until_quiet(opts.quiet_wait_s) if opts.quiet_wait_s > 0 else None
+                disk = opts.disk_probe() if opts.disk_probe is not None else None
                 r = run_one(spec, limit, files, opts.timeout_s)
                 r["machine_busy_before"] = busy
+                if disk is not None:
+                    r["disk_before"] = disk
                 runs.append(r)
                 echo(_run_line(r))
 
     rows = summarize(runs, opts.configs, limits)
     return {
         "benchmark": "memlimit",
-        "options": asdict(opts),
+        "options": {k: v for k, v in asdict(opts).items() if k != "disk_probe"},
         "cgroup": {"available": cg_ok, "detail": cg_why},
         "limits_mb": limits,
         "machine": machine,
