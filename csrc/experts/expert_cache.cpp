@@ -1,5 +1,8 @@
-// expert_cache.cpp — see expert_cache.h.
+// expert_cache.cpp — see expert_cache.h: slot layout, checks, requests (begin, usable_now, finish),
+// victims. Prefetch and read-ahead: expert_cache_early_reads.cpp.
 #include "experts/expert_cache.h"
+
+#include "experts/expert_cache_internal.h"
 
 #include "io/crc32c.h"
 #include "io/integrity.h"
@@ -9,58 +12,17 @@
 
 namespace llamaflash {
 
-namespace {
-
-uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
-
-// Region of one expert slice in a slot: its covering aligned extent, whatever the slice's offset
-// modulo the alignment (round_up(len, A) + A >= round_up(r + len, A) for every r < A).
-uint64_t region_bytes(uint64_t expert_bytes, uint64_t alignment) {
-    return round_up(expert_bytes, alignment) + alignment;
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-}  // namespace
+using expert_cache_detail::region_bytes;
+using expert_cache_detail::round_up;
+using expert_cache_detail::seconds_since;
 
 size_t expert_slot_bytes(const std::vector<uint64_t> & expert_bytes, size_t alignment) {
     uint64_t total = 0;
     for (uint64_t b : expert_bytes) {
-        total += region_bytes(b, alignment);
+        total += expert_cache_detail::region_bytes(b, alignment);
     }
     return static_cast<size_t>(total);
 }
-
-struct ExpertCache::Slot {
-    int expert = -1;
-    enum class State { empty, loading, ready } state = State::empty;
-    uint64_t last_use = 0;
-    bool pinned = false;
-    bool prefetched = false;   // filled by prefetch and not yet used
-    bool ahead = false;        // filled by read_ahead for the layer's next request: a demand read issued early
-    bool unchecked = false;    // read, checksum not yet checked
-    uint64_t read_ticket = 0;  // while loading: the FlashReader batch filling it
-};
-
-struct ExpertCache::Layer {
-    std::vector<uint64_t> region_offset;  // per tensor index: offset of its region within a slot
-    size_t slot_stride = 0;
-    AlignedBuffer memory;
-    std::vector<Slot> slots;
-    std::vector<int> slot_of;     // expert → slot, -1
-    std::vector<char> is_pinned;  // expert → pinned
-    // one prefetch() or read_ahead() batch in flight
-    struct EarlyRead {
-        FlashReader::Ticket ticket = 0;
-        std::vector<int> slots;  // the slots it fills
-    };
-    std::vector<EarlyRead> early_reads;
-    bool demand_pending = false;
-    FlashReader::Ticket demand_ticket = 0;
-    std::vector<int> demand_slots;
-};
 
 ExpertCache::ExpertCache(const ExpertConfig & config) : config_(config) {
     FlashReaderOptions options;
@@ -84,7 +46,7 @@ ExpertCache::ExpertCache(const ExpertConfig & config) : config_(config) {
     }
     // pinned experts: read now, one batch for all layers, checked
     std::vector<ReadRequest> requests;
-    std::vector<std::pair<int, int>> filled;  // (position, slot)
+    std::vector<std::vector<int>> filled(config.layers.size());  // per position: its pinned slots
     for (size_t p = 0; p < config.layers.size(); ++p) {
         Layer & layer = *layers_[p];
         int slot = 0;
@@ -99,7 +61,7 @@ ExpertCache::ExpertCache(const ExpertConfig & config) : config_(config) {
             for (const ReadRequest & r : slot_requests(static_cast<int>(p), slot, e)) {
                 requests.push_back(r);
             }
-            filled.emplace_back(static_cast<int>(p), slot);
+            filled[p].push_back(slot);
             ++slot;
         }
     }
@@ -108,14 +70,8 @@ ExpertCache::ExpertCache(const ExpertConfig & config) : config_(config) {
         for (const ReadRequest & r : requests) {
             stats_.bytes_read += r.length;
         }
-        for (size_t p = 0; p < config.layers.size(); ++p) {
-            std::vector<int> slots;
-            for (const auto & [q, slot] : filled) {
-                if (q == static_cast<int>(p)) {
-                    slots.push_back(slot);
-                }
-            }
-            check_slots(static_cast<int>(p), slots);
+        for (size_t p = 0; p < filled.size(); ++p) {
+            check_slots(static_cast<int>(p), filled[p]);
         }
     }
 }
@@ -255,91 +211,6 @@ int ExpertCache::capacity(int position, const std::vector<int> & experts) const 
         pinned_unused -= layer.is_pinned[static_cast<size_t>(e)] ? 1 : 0;
     }
     return spec.n_slots - pinned_unused;
-}
-
-// Waits for the early reads of `layer` (all, or only those already complete), marks their slots
-// ready, or empty where their batch failed; then throws IoError for the first failure.
-void ExpertCache::settle_early_reads(Layer & layer, bool only_complete) {
-    std::string failure;
-    std::vector<Layer::EarlyRead> pending;
-    for (Layer::EarlyRead & r : layer.early_reads) {
-        if (only_complete && !reader_->poll(r.ticket)) {
-            pending.push_back(std::move(r));
-            continue;
-        }
-        bool ok = true;
-        try {
-            reader_->wait(r.ticket);
-        } catch (const IoError & e) {
-            ok = false;
-            if (failure.empty()) {
-                failure = e.what();
-            }
-        }
-        for (int slot : r.slots) {
-            Slot & s = layer.slots[static_cast<size_t>(slot)];
-            if (s.state != Slot::State::loading || s.read_ticket != r.ticket) {
-                continue;  // made ready by wait_used_early_reads, or refilled by a later batch since
-            }
-            if (ok) {
-                s.state = Slot::State::ready;
-            } else {
-                layer.slot_of[static_cast<size_t>(s.expert)] = -1;
-                s = Slot{};
-            }
-        }
-    }
-    layer.early_reads = std::move(pending);
-    if (!failure.empty()) {
-        throw IoError(failure);
-    }
-}
-
-void ExpertCache::wait_prefetches(Layer & layer) {
-    if (layer.early_reads.empty()) {
-        return;
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    try {
-        settle_early_reads(layer, false);
-    } catch (...) {
-        stats_.wait_seconds += seconds_since(t0);
-        throw;
-    }
-    stats_.wait_seconds += seconds_since(t0);
-}
-
-void ExpertCache::wait_used_early_reads(int position) {
-    Layer & layer = *layers_[static_cast<size_t>(position)];
-    if (layer.early_reads.empty()) {
-        return;
-    }
-    const size_t per_slot = config_.layers[static_cast<size_t>(position)].tensors.size();
-    const auto t0 = std::chrono::steady_clock::now();
-    bool failed = false;
-    try {
-        for (const Layer::EarlyRead & r : layer.early_reads) {
-            for (size_t j = 0; j < r.slots.size() && !failed; ++j) {
-                Slot & s = layer.slots[static_cast<size_t>(r.slots[j])];
-                if (s.state != Slot::State::loading || s.read_ticket != r.ticket || s.last_use != clock_) {
-                    continue;  // not this request's
-                }
-                for (size_t k = 0; k < per_slot && !failed; ++k) {
-                    failed = !reader_->wait_request(r.ticket, j * per_slot + k);
-                }
-                if (!failed) {
-                    s.state = Slot::State::ready;
-                }
-            }
-        }
-        // a failed read: settle every batch (its slots dropped, the IoError thrown); else forget the
-        // batches already complete and leave the others reading
-        settle_early_reads(layer, !failed);
-    } catch (...) {
-        stats_.wait_seconds += seconds_since(t0);
-        throw;
-    }
-    stats_.wait_seconds += seconds_since(t0);
 }
 
 // The least recently used slot that is neither pinned, nor loading, nor holding an expert in `keep`
@@ -513,80 +384,6 @@ void ExpertCache::abandon_demand(Layer & layer) {
         }
     }
     drop_demand_slots(layer);
-}
-
-void ExpertCache::prefetch(int position, const std::vector<int> & experts) { submit_early(position, experts, false); }
-
-void ExpertCache::read_ahead(int position, const std::vector<int> & experts) { submit_early(position, experts, true); }
-
-void ExpertCache::submit_early(int position, const std::vector<int> & experts, bool ahead) {
-    Layer & layer = *layers_[static_cast<size_t>(position)];
-    std::vector<char> keep(layer.slot_of.size(), 0);
-    for (int e : experts) {
-        keep[static_cast<size_t>(e)] = 1;
-    }
-    if (ahead) {  // the current request's experts stay: it is computed while these are read
-        for (const Slot & s : layer.slots) {
-            if (s.expert >= 0 && s.last_use == clock_) {
-                keep[static_cast<size_t>(s.expert)] = 1;
-            }
-        }
-    }
-    std::vector<ReadRequest> requests;
-    std::vector<int> slots;
-    for (int e : experts) {
-        if (layer.slot_of[static_cast<size_t>(e)] >= 0) {
-            continue;
-        }
-        const int slot = take_victim(layer, keep);
-        if (slot < 0) {
-            break;
-        }
-        Slot & s = layer.slots[static_cast<size_t>(slot)];
-        s.expert = e;
-        s.state = Slot::State::loading;
-        s.unchecked = true;
-        s.prefetched = !ahead;
-        s.ahead = ahead;
-        s.last_use = clock_;
-        layer.slot_of[static_cast<size_t>(e)] = slot;
-        for (const ReadRequest & r : slot_requests(position, slot, e)) {
-            requests.push_back(r);
-            stats_.bytes_read += r.length;
-        }
-        slots.push_back(slot);
-        if (!ahead) {
-            ++stats_.prefetched;
-            ++lifetime_prefetched_;
-        }
-    }
-    if (requests.empty()) {
-        return;
-    }
-    try {
-        const FlashReader::Ticket ticket = reader_->submit(requests);
-        for (int slot : slots) {
-            layer.slots[static_cast<size_t>(slot)].read_ticket = ticket;
-        }
-        layer.early_reads.push_back(Layer::EarlyRead{ticket, std::move(slots)});
-    } catch (const std::exception &) {  // not started: forget the slots; a demand read will retry
-        for (int slot : slots) {
-            Slot & s = layer.slots[static_cast<size_t>(slot)];
-            layer.slot_of[static_cast<size_t>(s.expert)] = -1;
-            s = Slot{};
-        }
-    }
-}
-
-int ExpertCache::prefetch_count(int n_used) {
-    constexpr uint64_t kPrefetchWarmup = 64;
-    constexpr uint64_t kPrefetchProbe = 16;
-    ++prefetch_calls_;
-    if (lifetime_prefetched_ < kPrefetchWarmup || prefetch_calls_ % kPrefetchProbe == 0) {
-        return n_used;
-    }
-    const double precision = static_cast<double>(lifetime_prefetch_used_) / static_cast<double>(lifetime_prefetched_);
-    return precision >= 0.5 ? n_used : static_cast<int>(n_used * precision);
 }
 
 size_t ExpertCache::slot_bytes(int position) const { return layers_[static_cast<size_t>(position)]->slot_stride; }
