@@ -14,9 +14,9 @@ from llamaflash import _native_testing as T
 from llamaflash.bench import moe_direct
 
 TYPES = {"Q4_K": 12, "Q6_K": 14}
-#: (ne0, weight rows, columns): one superblock; tiles with a remainder; a row block and a half;
-#: a long row (ffn_down of a 1.5B model)
-SHAPES = [(256, 3, 1), (512, 7, 9), (1536, 97, 17), (8960, 16, 63), (2048, 5, 4), (768, 130, 3)]
+#: (ne0, weight rows, columns): one superblock; tiles with a remainder (8- and 16-column tiles); a row
+#: block and a half; a long row (ffn_down of a 1.5B model)
+SHAPES = [(256, 3, 1), (512, 7, 9), (1536, 97, 17), (8960, 16, 63), (2048, 5, 4), (768, 130, 3), (1024, 9, 33)]
 
 
 def _case(rng: np.random.Generator, type_name: str, ne0: int, rows: int, cols: int):
@@ -49,9 +49,9 @@ def test_every_kernel_has_vec_dots_bits(type_name):
 def test_a_column_has_the_same_bits_in_any_batch(type_name):
     tid = TYPES[type_name]
     rng = np.random.default_rng(3)
-    w, x = _case(rng, type_name, 1024, 33, 21)
+    w, x = _case(rng, type_name, 1024, 33, 40)
     whole = T.kquant_gemm(w, tid, 1024, x)
-    for n in (1, 2, 5, 8, 9, 16):
+    for n in (1, 2, 5, 8, 9, 16, 17, 33):
         part = T.kquant_gemm(w, tid, 1024, x[:n])
         np.testing.assert_array_equal(_bits(part), _bits(whole[:n]))
 

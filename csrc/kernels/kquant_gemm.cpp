@@ -62,9 +62,10 @@ void gemm_by_vec_dot(ggml_type type, int64_t ne0, const void * w, size_t w_row_b
 }
 
 // Random weights of `type` (quantized from random floats by ggml itself) and random activations:
-// does `kernel` give every output vec_dot's bits, for every column count up to 2·kGemmCols + 1?
+// does `kernel` give every output vec_dot's bits, for every column count up to two of the widest
+// tiles and one more?
 bool kernel_matches_vec_dot(ggml_type type, KernelFn kernel) {
-    constexpr int64_t ne0 = 4 * 256, n_rows = 5, max_cols = 2 * kGemmCols + 1;
+    constexpr int64_t ne0 = 4 * 256, n_rows = 5, max_cols = 2 * gemm::kWidestTileCols + 1;
     const ggml_type_traits_cpu * traits = ggml_get_type_traits_cpu(type);
     if (traits->vec_dot == nullptr || traits->vec_dot_type != GGML_TYPE_Q8_K) {
         return false;

@@ -34,12 +34,14 @@
 
 namespace llamaflash {
 
-// Columns one unpacked weight block is reused for.
+// Columns one unpacked weight block is reused for (the AVX-512 Q4_K kernel: 16,
+// kquant_gemm_kernels.h).
 constexpr int kGemmCols = 8;
 
 // True if kquant_gemm computes this weight type with its own kernel (Q4_K, Q6_K on x86 with AVX2),
 // having found it bit-identical to this process's ggml-cpu vec_dot (probed on first call per type:
-// random blocks, column counts 1..2·kGemmCols + 1). False: kquant_gemm calls vec_dot per output.
+// random blocks, column counts from 1 to two of the widest kernel tile and one more). False:
+// kquant_gemm calls vec_dot per output.
 bool kquant_gemm_supported(ggml_type type);
 
 // out[c * out_col_stride + r] = vec_dot(ne0, W row r, q column c) for r < n_rows, c < n_cols.

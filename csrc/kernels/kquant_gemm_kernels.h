@@ -15,6 +15,11 @@
 namespace llamaflash {
 namespace gemm {
 
+// Columns the AVX-512 Q4_K kernel reuses one unpacked weight block for (its tile; kGemmCols elsewhere).
+constexpr int kQ4KTileCols = 16;
+// The widest tile of any kernel (the probe checks column counts up to two tiles and one more).
+constexpr int kWidestTileCols = 16;
+
 // out[c * out_col_stride + r] = vec_dot(ne0, W row r, q column c), r < n_rows, c < n_cols.
 using KernelFn = void (*)(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                           size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride);

@@ -1,8 +1,8 @@
 // kquant_gemm_x86.cpp — the x86 kernels of kquant_gemm (kquant_gemm.h): Q4_K and Q6_K times Q8_K, for
 // AVX2 and for AVX-512 with VNNI, each compiled for its ISA with a target attribute.
 //
-// Every kernel walks blocks of kRowBlock weight rows, for each block tiles of up to kGemmCols columns,
-// and for each tile the block's rows: a superblock's weights are unpacked once per (row, tile) and used
+// Every kernel walks blocks of kRowBlock weight rows, for each block tiles of up to kGemmCols columns
+// (the AVX-512 Q4_K kernel: kQ4KTileCols), and for each tile the block's rows: a superblock's weights are unpacked once per (row, tile) and used
 // for each column of the tile (the tile's activations stay in cache while the block's rows pass). Per
 // output it forms the integer lane totals of ggml-cpu's AVX2 vec_dot (ggml-cpu/arch/x86/quants.c) and
 // then applies the same float operations in the same order (kquant_gemm.h), so every output has
@@ -11,7 +11,8 @@
 //  - the AVX-512 kernels hold a 32-byte chunk's two sub-blocks in one 64-byte register (lanes 0..7:
 //    the first, 8..15: the second) and multiply-add with vpdpwssd; the two halves are then added
 //    (exact integers), which gives vec_dot's 8 lane totals. They take weight rows in pairs, so that
-//    each column's loads serve two rows.
+//    each column's loads serve two rows (the Q4_K kernel also runs both rows' float steps in one
+//    register, lane by lane vec_dot's).
 #include "kernels/kquant_gemm_kernels.h"
 
 #include "kernels/kquant_gemm.h"
@@ -21,6 +22,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace llamaflash {
 namespace gemm {
@@ -163,78 +165,143 @@ struct Q4KBlock512 {
 };
 
 LF_AVX512 inline __attribute__((always_inline)) void unpack_q4_k_512(const uint8_t * xb, Q4KBlock512 & b) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    b.xd = _cvtsh_ss(load_u16(xb));
-    b.xdmin = _cvtsh_ss(load_u16(xb + 2));
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    // d and dmin: the two fp16 values converted together
+    const __m128 dd =
+        _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u16(xb) | (uint32_t{load_u16(xb + 2)} << 16))));
+    b.xd = _mm_cvtss_f32(dd);
+    b.xdmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
     uint32_t utmp[4];
     q4_k_scales_mins(xb + 4, utmp);
     b.mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, utmp[3], utmp[2]));
     // scales as int16 in lanes 0..7, each chunk's pair spread by one permutation
     const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, utmp[1], utmp[0])));
     for (int j = 0; j < 4; ++j) {
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 16 + 32 * j));
-        b.wq[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bits, m4)),
-                                     _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), 1);
+        // the chunk's 32 bytes in both halves; the upper half shifted down a nibble, then both masked
+        const __m512i bits =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 16 + 32 * j)));
+        b.wq[j] = _mm512_and_si512(_mm512_mask_srli_epi16(bits, 0xFFFF0000u, bits, 4), m4);
         const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(2 * j))),
                                                _mm256_set1_epi16(static_cast<int16_t>(2 * j + 1)), 1);
         b.ws[j] = _mm512_permutexvar_epi16(idx, sc16);
     }
 }
 
-// Rows in pairs: each column's Q8_K loads and bsums serve both rows. (Four rows at a time spill the
-// unpacked blocks out of the 32 registers: measured slower.)
+// The column side of one superblock for a tile of kQ4KTileCols columns, built once per call and read by
+// every row pair: hadd(bsums) (the 8 int16 sums vec_dot forms per superblock), q8.d and -q8.d per
+// column (unused columns 0). With them a row's q8.d·d for the tile's columns is one vector product
+// (IEEE products are rounded lane by lane: the scalar product's bits), each column's value read back
+// by a broadcast load.
+struct Q8KColumns {
+    __m128i q8s[kQ4KTileCols];
+    alignas(32) float yd[kQ4KTileCols];
+    alignas(32) float nyd[kQ4KTileCols];
+};
+
+// Tables [tile][superblock] for n_cols columns, in a buffer the calling thread keeps.
+LF_AVX512 const Q8KColumns * q8k_columns(const uint8_t * q, size_t q_col_bytes, int64_t n_cols, int64_t nb) {
+    thread_local std::vector<Q8KColumns> tables;
+    const int64_t n_tiles = (n_cols + kQ4KTileCols - 1) / kQ4KTileCols;
+    if (tables.size() < static_cast<size_t>(n_tiles * nb)) {
+        tables.resize(static_cast<size_t>(n_tiles * nb));
+    }
+    for (int64_t tile = 0; tile < n_tiles; ++tile) {
+        for (int64_t i = 0; i < nb; ++i) {
+            Q8KColumns & t = tables[static_cast<size_t>(tile * nb + i)];
+            for (int c = 0; c < kQ4KTileCols; ++c) {
+                const int64_t col = tile * kQ4KTileCols + c;
+                if (col >= n_cols) {
+                    t.q8s[c] = _mm_setzero_si128();
+                    t.yd[c] = t.nyd[c] = 0.0f;
+                    continue;
+                }
+                const uint8_t * y = q + static_cast<size_t>(col) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
+                const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
+                t.q8s[c] = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+                t.yd[c] = load_f32(y);
+                t.nyd[c] = -t.yd[c];
+            }
+        }
+    }
+    return tables.data();
+}
+
+// Rows in pairs: each column's Q8_K loads serve both rows, and both rows' float steps run in one
+// register (acc: lanes 0..7 row r, 8..15 row r + 1; accm: lanes 0..3 and 4..7), lane by lane the
+// operations vec_dot applies to each. (Four rows at a time spill the unpacked blocks out of the 32
+// registers: measured slower.) Per (row pair, column, superblock): the integer totals by
+// vpmaddubsw + vpdpwssd in two chains (exact integers, so the split changes no bit), folded to each
+// row's 8 lanes by one add of the two 256-bit halves.
 LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                                size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
     const int64_t nb = ne0 / kQK;
+    const Q8KColumns * const tables = q8k_columns(static_cast<const uint8_t *>(q), q_col_bytes, n_cols, nb);
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
         const int64_t r_end = std::min(n_rows, r0 + kRowBlock);
-        for (int64_t c0 = 0; c0 < n_cols; c0 += kGemmCols) {
-            const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
+        for (int64_t c0 = 0; c0 < n_cols; c0 += kQ4KTileCols) {
+            const int nc = static_cast<int>(std::min<int64_t>(kQ4KTileCols, n_cols - c0));
             const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
+            const Q8KColumns * tile = tables + (c0 / kQ4KTileCols) * nb;
             for (int64_t r = r0; r < r_end; r += 2) {
                 const bool pair = r + 1 < r_end;  // else row r twice, the second result dropped
                 const uint8_t * x0 = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
                 const uint8_t * x1 = pair ? x0 + w_row_bytes : x0;
-                __m256 acc0[kGemmCols], acc1[kGemmCols];
-                __m128 accm0[kGemmCols], accm1[kGemmCols];
+                __m512 acc[kQ4KTileCols];
+                __m256 accm[kQ4KTileCols];
                 for (int c = 0; c < nc; ++c) {
-                    acc0[c] = acc1[c] = _mm256_setzero_ps();
-                    accm0[c] = accm1[c] = _mm_setzero_ps();
+                    acc[c] = _mm512_setzero_ps();
+                    accm[c] = _mm256_setzero_ps();
                 }
                 for (int64_t i = 0; i < nb; ++i) {
                     Q4KBlock512 b0, b1;
                     unpack_q4_k_512(x0 + static_cast<size_t>(i) * kQ4_KBytes, b0);
                     unpack_q4_k_512(x1 + static_cast<size_t>(i) * kQ4_KBytes, b1);
+                    const __m256i mins16 = _mm256_inserti128_si256(_mm256_castsi128_si256(b0.mins16), b1.mins16, 1);
+                    const Q8KColumns & t = tile[i];
+                    // per column: q8.d·d and -q8.d·dmin of each row
+                    alignas(32) float dx0[kQ4KTileCols], dx1[kQ4KTileCols], dm0[kQ4KTileCols], dm1[kQ4KTileCols];
+                    for (int g = 0; g < nc; g += 8) {
+                        const __m256 yd = _mm256_load_ps(t.yd + g), nyd = _mm256_load_ps(t.nyd + g);
+                        _mm256_store_ps(dx0 + g, _mm256_mul_ps(yd, _mm256_set1_ps(b0.xd)));
+                        _mm256_store_ps(dx1 + g, _mm256_mul_ps(yd, _mm256_set1_ps(b1.xd)));
+                        _mm256_store_ps(dm0 + g, _mm256_mul_ps(nyd, _mm256_set1_ps(b0.xdmin)));
+                        _mm256_store_ps(dm1 + g, _mm256_mul_ps(nyd, _mm256_set1_ps(b1.xdmin)));
+                    }
                     for (int c = 0; c < nc; ++c) {
                         const uint8_t * y =
                             qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
-                        const float yd = load_f32(y);
-                        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
-                        const __m128i q8s =
-                            _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
-                        accm0[c] = _mm_fmadd_ps(_mm_set1_ps(-yd * b0.xdmin),
-                                                _mm_cvtepi32_ps(_mm_madd_epi16(b0.mins16, q8s)), accm0[c]);
-                        accm1[c] = _mm_fmadd_ps(_mm_set1_ps(-yd * b1.xdmin),
-                                                _mm_cvtepi32_ps(_mm_madd_epi16(b1.mins16, q8s)), accm1[c]);
+                        // the minimum's term: madd(mins, hadd(bsums)), both rows
+                        const __m256i q8s = _mm256_broadcastsi128_si256(t.q8s[c]);
+                        const __m256 dm =
+                            _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(dm0[c])), _mm_set1_ps(dm1[c]), 1);
+                        accm[c] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(_mm256_madd_epi16(mins16, q8s)), accm[c]);
                         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-                        for (int j = 0; j < 4; ++j) {
+                        __m512i u0 = _mm512_setzero_si512(), u1 = _mm512_setzero_si512();
+                        for (int j = 0; j < 4; j += 2) {
                             const __m512i q8 = _mm512_loadu_si512(y + 4 + 64 * j);
+                            const __m512i q8n = _mm512_loadu_si512(y + 4 + 64 * (j + 1));
                             s0 = _mm512_dpwssd_epi32(s0, _mm512_maddubs_epi16(b0.wq[j], q8), b0.ws[j]);
                             s1 = _mm512_dpwssd_epi32(s1, _mm512_maddubs_epi16(b1.wq[j], q8), b1.ws[j]);
+                            u0 = _mm512_dpwssd_epi32(u0, _mm512_maddubs_epi16(b0.wq[j + 1], q8n), b0.ws[j + 1]);
+                            u1 = _mm512_dpwssd_epi32(u1, _mm512_maddubs_epi16(b1.wq[j + 1], q8n), b1.ws[j + 1]);
                         }
-                        const __m256i sumi0 =
-                            _mm256_add_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1));
-                        const __m256i sumi1 =
-                            _mm256_add_epi32(_mm512_castsi512_si256(s1), _mm512_extracti64x4_epi64(s1, 1));
-                        acc0[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * b0.xd), _mm256_cvtepi32_ps(sumi0), acc0[c]);
-                        acc1[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * b1.xd), _mm256_cvtepi32_ps(sumi1), acc1[c]);
+                        s0 = _mm512_add_epi32(s0, u0);
+                        s1 = _mm512_add_epi32(s1, u1);
+                        // [lo(s0) | lo(s1)] + [hi(s0) | hi(s1)]: each row's 8 lane totals
+                        const __m512i sumi =
+                            _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
+                        const __m512 dx = _mm512_castpd_ps(
+                            _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(dx0[c]))),
+                                               _mm256_castps_pd(_mm256_set1_ps(dx1[c])), 1));
+                        acc[c] = _mm512_fmadd_ps(dx, _mm512_cvtepi32_ps(sumi), acc[c]);
                     }
                 }
                 for (int c = 0; c < nc; ++c) {
                     float * o = out + static_cast<size_t>(c0 + c) * out_col_stride + r;
-                    o[0] = hsum_float_8(acc0[c]) + hsum_float_4(accm0[c]);
+                    o[0] = hsum_float_8(_mm512_castps512_ps256(acc[c])) + hsum_float_4(_mm256_castps256_ps128(accm[c]));
                     if (pair) {
-                        o[1] = hsum_float_8(acc1[c]) + hsum_float_4(accm1[c]);
+                        o[1] = hsum_float_8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[c]), 1))) +
+                               hsum_float_4(_mm256_extractf128_ps(accm[c], 1));
                     }
                 }
             }
