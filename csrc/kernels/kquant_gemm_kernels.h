@@ -15,8 +15,9 @@
 namespace llamaflash {
 namespace gemm {
 
-// Columns the AVX-512 Q4_K kernel reuses one unpacked weight block for (its tile; kGemmCols elsewhere).
+// Columns the AVX-512 kernels reuse one unpacked weight block for (their tiles; kGemmCols elsewhere).
 constexpr int kQ4KTileCols = 16;
+constexpr int kQ6KTileCols = 16;
 // The widest tile of any kernel (the probe checks column counts up to two tiles and one more).
 constexpr int kWidestTileCols = 16;
 

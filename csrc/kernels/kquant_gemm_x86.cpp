@@ -2,7 +2,7 @@
 // AVX2 and for AVX-512 with VNNI, each compiled for its ISA with a target attribute.
 //
 // Every kernel walks blocks of kRowBlock weight rows, for each block tiles of up to kGemmCols columns
-// (the AVX-512 Q4_K kernel: kQ4KTileCols), and for each tile the block's rows: a superblock's weights are unpacked once per (row, tile) and used
+// (the AVX-512 kernels: kQ4KTileCols, kQ6KTileCols), and for each tile the block's rows: a superblock's weights are unpacked once per (row, tile) and used
 // for each column of the tile (the tile's activations stay in cache while the block's rows pass). Per
 // output it forms the integer lane totals of ggml-cpu's AVX2 vec_dot (ggml-cpu/arch/x86/quants.c) and
 // then applies the same float operations in the same order (kquant_gemm.h), so every output has
@@ -414,53 +414,103 @@ LF_AVX512 inline __attribute__((always_inline)) void unpack_q6_k_512(const uint8
     }
 }
 
-// Rows in pairs, as the Q4_K kernel.
+// The column side of one superblock for a tile of kQ6KTileCols columns, built once per call: each
+// column's 16 bsums and q8.d (unused columns 0).
+struct Q6KColumns {
+    __m256i bsums[kQ6KTileCols];
+    alignas(32) float yd[kQ6KTileCols];
+};
+
+// Tables [tile][superblock] for n_cols columns, in a buffer the calling thread keeps.
+LF_AVX512 const Q6KColumns * q6k_columns(const uint8_t * q, size_t q_col_bytes, int64_t n_cols, int64_t nb) {
+    thread_local std::vector<Q6KColumns> tables;
+    const int64_t n_tiles = (n_cols + kQ6KTileCols - 1) / kQ6KTileCols;
+    if (tables.size() < static_cast<size_t>(n_tiles * nb)) {
+        tables.resize(static_cast<size_t>(n_tiles * nb));
+    }
+    for (int64_t tile = 0; tile < n_tiles; ++tile) {
+        for (int64_t i = 0; i < nb; ++i) {
+            Q6KColumns & t = tables[static_cast<size_t>(tile * nb + i)];
+            for (int c = 0; c < kQ6KTileCols; ++c) {
+                const int64_t col = tile * kQ6KTileCols + c;
+                if (col >= n_cols) {
+                    t.bsums[c] = _mm256_setzero_si256();
+                    t.yd[c] = 0.0f;
+                    continue;
+                }
+                const uint8_t * y = q + static_cast<size_t>(col) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
+                t.bsums[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
+                t.yd[c] = load_f32(y);
+            }
+        }
+    }
+    return tables.data();
+}
+
+// Rows in pairs, as the Q4_K kernel: both rows' integer totals folded, less 32 · Σ scale · bsums, in one
+// register (lanes 0..7 row r, 8..15 row r + 1), then one conversion and one multiply-add for both.
 LF_AVX512 void q6_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                                size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
     const int64_t nb = ne0 / kQK;
+    const Q6KColumns * const tables = q6k_columns(static_cast<const uint8_t *>(q), q_col_bytes, n_cols, nb);
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
         const int64_t r_end = std::min(n_rows, r0 + kRowBlock);
-        for (int64_t c0 = 0; c0 < n_cols; c0 += kGemmCols) {
-            const int nc = static_cast<int>(std::min<int64_t>(kGemmCols, n_cols - c0));
+        for (int64_t c0 = 0; c0 < n_cols; c0 += kQ6KTileCols) {
+            const int nc = static_cast<int>(std::min<int64_t>(kQ6KTileCols, n_cols - c0));
             const uint8_t * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c0) * q_col_bytes;
+            const Q6KColumns * tile = tables + (c0 / kQ6KTileCols) * nb;
             for (int64_t r = r0; r < r_end; r += 2) {
                 const bool pair = r + 1 < r_end;  // else row r twice, the second result dropped
                 const uint8_t * x0 = static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes;
                 const uint8_t * x1 = pair ? x0 + w_row_bytes : x0;
-                __m256 acc0[kGemmCols], acc1[kGemmCols];
+                __m512 acc[kQ6KTileCols];
                 for (int c = 0; c < nc; ++c) {
-                    acc0[c] = acc1[c] = _mm256_setzero_ps();
+                    acc[c] = _mm512_setzero_ps();
                 }
                 for (int64_t i = 0; i < nb; ++i) {
                     Q6KBlock512 b0, b1;
                     unpack_q6_k_512(x0 + static_cast<size_t>(i) * kQ6_KBytes, b0);
                     unpack_q6_k_512(x1 + static_cast<size_t>(i) * kQ6_KBytes, b1);
+                    const __m512i scales16 = _mm512_inserti64x4(_mm512_castsi256_si512(b0.scales16), b1.scales16, 1);
+                    const Q6KColumns & t = tile[i];
+                    alignas(32) float dx0[kQ6KTileCols], dx1[kQ6KTileCols];
+                    for (int g = 0; g < nc; g += 8) {
+                        const __m256 yd = _mm256_load_ps(t.yd + g);
+                        _mm256_store_ps(dx0 + g, _mm256_mul_ps(yd, _mm256_set1_ps(b0.xd)));
+                        _mm256_store_ps(dx1 + g, _mm256_mul_ps(yd, _mm256_set1_ps(b1.xd)));
+                    }
                     for (int c = 0; c < nc; ++c) {
                         const uint8_t * y =
                             qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
-                        const float yd = load_f32(y);
-                        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
                         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-                        for (int k = 0; k < 4; ++k) {
+                        __m512i u0 = _mm512_setzero_si512(), u1 = _mm512_setzero_si512();
+                        for (int k = 0; k < 4; k += 2) {
                             const __m512i q8 = _mm512_loadu_si512(y + 4 + 64 * k);
+                            const __m512i q8n = _mm512_loadu_si512(y + 4 + 64 * (k + 1));
                             s0 = _mm512_dpwssd_epi32(s0, _mm512_maddubs_epi16(b0.wq[k], q8), b0.ws[k]);
                             s1 = _mm512_dpwssd_epi32(s1, _mm512_maddubs_epi16(b1.wq[k], q8), b1.ws[k]);
+                            u0 = _mm512_dpwssd_epi32(u0, _mm512_maddubs_epi16(b0.wq[k + 1], q8n), b0.ws[k + 1]);
+                            u1 = _mm512_dpwssd_epi32(u1, _mm512_maddubs_epi16(b1.wq[k + 1], q8n), b1.ws[k + 1]);
                         }
-                        const __m256i sub0 = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, b0.scales16), 5);
-                        const __m256i sub1 = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, b1.scales16), 5);
-                        const __m256i sumi0 = _mm256_sub_epi32(
-                            _mm256_add_epi32(_mm512_castsi512_si256(s0), _mm512_extracti64x4_epi64(s0, 1)), sub0);
-                        const __m256i sumi1 = _mm256_sub_epi32(
-                            _mm256_add_epi32(_mm512_castsi512_si256(s1), _mm512_extracti64x4_epi64(s1, 1)), sub1);
-                        acc0[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * b0.xd), _mm256_cvtepi32_ps(sumi0), acc0[c]);
-                        acc1[c] = _mm256_fmadd_ps(_mm256_set1_ps(yd * b1.xd), _mm256_cvtepi32_ps(sumi1), acc1[c]);
+                        s0 = _mm512_add_epi32(s0, u0);
+                        s1 = _mm512_add_epi32(s1, u1);
+                        // 32 · Σ scale · bsums of both rows: the column's bsums in both halves
+                        const __m512i sub =
+                            _mm512_slli_epi32(_mm512_madd_epi16(_mm512_broadcast_i64x4(t.bsums[c]), scales16), 5);
+                        const __m512i sumi = _mm512_sub_epi32(
+                            _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE)),
+                            sub);
+                        const __m512 dx = _mm512_castpd_ps(
+                            _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(dx0[c]))),
+                                               _mm256_castps_pd(_mm256_set1_ps(dx1[c])), 1));
+                        acc[c] = _mm512_fmadd_ps(dx, _mm512_cvtepi32_ps(sumi), acc[c]);
                     }
                 }
                 for (int c = 0; c < nc; ++c) {
                     float * o = out + static_cast<size_t>(c0 + c) * out_col_stride + r;
-                    o[0] = hsum_float_8(acc0[c]);
+                    o[0] = hsum_float_8(_mm512_castps512_ps256(acc[c]));
                     if (pair) {
-                        o[1] = hsum_float_8(acc1[c]);
+                        o[1] = hsum_float_8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[c]), 1)));
                     }
                 }
             }
