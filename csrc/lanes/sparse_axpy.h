@@ -36,7 +36,7 @@ using AxpyFn = void (*)(float * acc, const uint8_t * const * rows, const float *
 // h = 0 where a token does not select a row. scratch: axpy_batch_scratch_floats(n) floats.
 using AxpyBatchFn = void (*)(float * const * acc, int n_tokens, const uint8_t * const * rows, const float * const * h,
                              int n, int64_t n_embd, float * scratch);
-constexpr size_t axpy_batch_scratch_floats(int n) { return static_cast<size_t>(12) * n; }
+constexpr size_t axpy_batch_scratch_floats(int n) { return static_cast<size_t>(24) * n; }
 
 // The fused accumulation for `type` on `isa` (not auto_): Q8_0, Q4_0, Q4_1, F16, Q4_K / Q6_K
 // (n_embd a multiple of 256; AVX2 and AVX-512 round alike), Q2_K (AVX2 on AVX2 and AVX-512; the

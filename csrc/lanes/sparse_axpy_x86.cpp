@@ -8,6 +8,8 @@
 #if LLAMAFLASH_X86
 #include <immintrin.h>
 
+#include <algorithm>
+
 namespace llamaflash {
 namespace axpy {
 
@@ -352,18 +354,25 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void axpy_q4_k_avx512(float
     }
 }
 
-// TT tokens (1..4) of the batched Q4_K sum, per super-block and 64-value chunk c (4 zmm per token, from
-// +0 as axpy_q4_k_avx512 from a zeroed acc, stored over acc): each row's 64 values are converted once and
-// added to every token's sum, with that token's scale, in row order; then each token's min terms are
-// subtracted. Per token the same
-// operations as axpy_q4_k_avx512: float(sc[k])·(d·h) is the scale it computes lane by lane.
-// smf [n][8] and dh [TT][n]: the caller's scratch.
+// TT tokens (1..kTileTokens) of the batched Q4_K sum, per super-block and 32-value sub-block s (2 zmm
+// per token, from +0 as axpy_q4_k_avx512 from a zeroed acc, stored over acc): each row's 32 values are
+// converted once and added to every token's sum in row order, with that token's scale read from a table
+// (a broadcast load, no shuffle); then each token's min terms are subtracted. Per token the operations
+// of axpy_q4_k_avx512: the table holds float(sc[s])·(d·h), the product it computes lane by lane, and
+// the min terms are the same FMAs in the same order. Eight tokens in one pass over the rows (the
+// caller's groups of 8), so each row is unpacked once per group.
+constexpr int kTileTokens = 8;
+
 template <int TT>
 __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_tile_avx512(float * const * acc,
                                                                            const uint8_t * const * rows,
                                                                            const float * const * h, int n, int64_t nb,
-                                                                           float * smf, float * dh) {
-    const __m256i low = _mm256_set1_epi8(15);
+                                                                           float * scratch) {
+    static_assert(TT >= 1 && TT <= kTileTokens, "tokens per tile");
+    float * const smf = scratch;     // [n][8] the rows' scales as floats
+    float * const dh = smf + 8 * n;  // [n][8] d·h per row and token (tokens >= TT: 0)
+    float * const tab = dh + 8 * n;  // [n][8] float(sc[s])·(d·h) of one sub-block
+    const __m512i low = _mm512_set1_epi32(15);
     for (int64_t b = 0; b < nb; ++b) {
         __m256 min_sum[TT];
         for (int t = 0; t < TT; ++t) {
@@ -377,8 +386,10 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_tile_avx512(float
             _mm256_storeu_ps(smf + 8 * r, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8)));
             const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm8, 8)));
             const float d = _cvtsh_ss(load_u16(blk)), dmin = _cvtsh_ss(load_u16(blk + 2));
+            for (int t = 0; t < kTileTokens; ++t) {
+                dh[8 * r + t] = t < TT ? d * h[t][r] : 0.0f;
+            }
             for (int t = 0; t < TT; ++t) {
-                dh[t * n + r] = d * h[t][r];
                 min_sum[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(dmin * h[t][r]), min_sum[t]);
             }
         }
@@ -386,37 +397,36 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_tile_avx512(float
         for (int t = 0; t < TT; ++t) {
             _mm256_store_ps(mins[t], min_sum[t]);
         }
-        for (int c = 0; c < 4; ++c) {
-            __m512 y[TT][4];
+        for (int s = 0; s < 8; ++s) {
+            // sub-block s: the low (s even) or high (s odd) nibbles of bytes 16 + 32·(s / 2) .. + 32
+            for (int r = 0; r < n; ++r) {
+                _mm256_storeu_ps(tab + 8 * r,
+                                 _mm256_mul_ps(_mm256_set1_ps(smf[8 * r + s]), _mm256_loadu_ps(dh + 8 * r)));
+            }
+            const size_t at = 16 + 32 * static_cast<size_t>(s / 2);
+            const int shift = 4 * (s & 1);
+            __m512 y[TT][2];
             for (int t = 0; t < TT; ++t) {
-                for (int k = 0; k < 4; ++k) {
-                    y[t][k] = _mm512_setzero_ps();
-                }
+                y[t][0] = y[t][1] = _mm512_setzero_ps();
             }
             for (int r = 0; r < n; ++r) {
-                const __m256i q =
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i *>(rows[r] + b * kQ4_KBytes + 16 + 32 * c));
-                const __m256i lo = _mm256_and_si256(q, low);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                const __m512 v[4] = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))),
-                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))),
-                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))),
-                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1)))};
-                const float s_lo = smf[8 * r + 2 * c], s_hi = smf[8 * r + 2 * c + 1];
+                const uint8_t * q = rows[r] + b * kQ4_KBytes + at;
+                const __m512i w0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(q)));
+                const __m512i w1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(q + 16)));
+                const __m512 v0 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w0, shift), low));
+                const __m512 v1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w1, shift), low));
+                const float * a = tab + 8 * r;
                 for (int t = 0; t < TT; ++t) {
-                    const float dt = dh[t * n + r];
-                    const __m512 a_lo = _mm512_set1_ps(s_lo * dt), a_hi = _mm512_set1_ps(s_hi * dt);
-                    y[t][0] = _mm512_fmadd_ps(v[0], a_lo, y[t][0]);
-                    y[t][1] = _mm512_fmadd_ps(v[1], a_lo, y[t][1]);
-                    y[t][2] = _mm512_fmadd_ps(v[2], a_hi, y[t][2]);
-                    y[t][3] = _mm512_fmadd_ps(v[3], a_hi, y[t][3]);
+                    const __m512 at_t = _mm512_set1_ps(a[t]);
+                    y[t][0] = _mm512_fmadd_ps(v0, at_t, y[t][0]);
+                    y[t][1] = _mm512_fmadd_ps(v1, at_t, y[t][1]);
                 }
             }
             for (int t = 0; t < TT; ++t) {
-                for (int k = 0; k < 4; ++k) {
-                    _mm512_storeu_ps(acc[t] + b * kQK + 64 * c + 16 * k,
-                                     _mm512_sub_ps(y[t][k], _mm512_set1_ps(mins[t][2 * c + k / 2])));
-                }
+                float * out = acc[t] + b * kQK + 32 * s;
+                const __m512 m = _mm512_set1_ps(mins[t][s]);
+                _mm512_storeu_ps(out, _mm512_sub_ps(y[t][0], m));
+                _mm512_storeu_ps(out + 16, _mm512_sub_ps(y[t][1], m));
             }
         }
     }
@@ -424,16 +434,18 @@ __attribute__((target("avx512f,avx512bw,f16c,fma"))) void q4_k_tile_avx512(float
 
 void axpy_batch_q4_k_avx512(float * const * acc, int n_tokens, const uint8_t * const * rows, const float * const * h,
                             int n, int64_t n_embd, float * scratch) {
-    float * smf = scratch;         // [n][8]
-    float * dh = scratch + 8 * n;  // [4][n]
     const int64_t nb = n_embd / kQK;
-    int t = 0;
-    for (; t + 4 <= n_tokens; t += 4) q4_k_tile_avx512<4>(acc + t, rows, h + t, n, nb, smf, dh);
-    switch (n_tokens - t) {
-        case 3: q4_k_tile_avx512<3>(acc + t, rows, h + t, n, nb, smf, dh); break;
-        case 2: q4_k_tile_avx512<2>(acc + t, rows, h + t, n, nb, smf, dh); break;
-        case 1: q4_k_tile_avx512<1>(acc + t, rows, h + t, n, nb, smf, dh); break;
-        default: break;
+    for (int t = 0; t < n_tokens; t += kTileTokens) {
+        switch (std::min(kTileTokens, n_tokens - t)) {
+            case 8: q4_k_tile_avx512<8>(acc + t, rows, h + t, n, nb, scratch); break;
+            case 7: q4_k_tile_avx512<7>(acc + t, rows, h + t, n, nb, scratch); break;
+            case 6: q4_k_tile_avx512<6>(acc + t, rows, h + t, n, nb, scratch); break;
+            case 5: q4_k_tile_avx512<5>(acc + t, rows, h + t, n, nb, scratch); break;
+            case 4: q4_k_tile_avx512<4>(acc + t, rows, h + t, n, nb, scratch); break;
+            case 3: q4_k_tile_avx512<3>(acc + t, rows, h + t, n, nb, scratch); break;
+            case 2: q4_k_tile_avx512<2>(acc + t, rows, h + t, n, nb, scratch); break;
+            default: q4_k_tile_avx512<1>(acc + t, rows, h + t, n, nb, scratch); break;
+        }
     }
 }
 
