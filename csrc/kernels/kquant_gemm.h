@@ -34,8 +34,7 @@
 
 namespace llamaflash {
 
-// Columns one unpacked weight block is reused for (the AVX-512 Q4_K kernel: 16,
-// kquant_gemm_kernels.h).
+// Columns one unpacked weight block is reused for (the AVX-512 kernels: 16, kquant_gemm_kernels.h).
 constexpr int kGemmCols = 8;
 
 // True if kquant_gemm computes this weight type with its own kernel (Q4_K, Q6_K on x86 with AVX2),
@@ -48,6 +47,8 @@ bool kquant_gemm_supported(ggml_type type);
 //   w          n_rows rows of w_row_bytes (= ggml_row_size(type, ne0)), ne0 % 256 == 0
 //   q          n_cols rows of Q8_K blocks (from_float of the f32 rows), q_col_bytes apart
 // Any type with a vec_dot whose vec_dot_type is Q8_K. Single-threaded: callers split rows or columns.
+// The AVX-512 kernels keep per-thread tables of the columns' Q8_K sums and scales (grown to the largest
+// call: (n_cols / 16 rounded up) · (ne0 / 256) · 384 bytes for Q4_K, 576 for Q6_K).
 void kquant_gemm(ggml_type type, int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                  size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride);
 
