@@ -187,44 +187,53 @@ LF_AVX512 inline __attribute__((always_inline)) void unpack_q4_k_512(const uint8
     }
 }
 
+// Tables [tile][superblock], TileCols columns each, for n_cols columns, in a buffer the calling thread
+// keeps (one per table type): Fill{}(table, c, y) writes column c of a superblock's table from that
+// column's Q8_K block y, or zeros where y is nullptr (columns past n_cols).
+template <class Table, int TileCols, class Fill>
+const Table * column_tables(const uint8_t * q, size_t q_col_bytes, int64_t n_cols, int64_t nb) {
+    thread_local std::vector<Table> tables;
+    const int64_t n_tiles = (n_cols + TileCols - 1) / TileCols;
+    if (tables.size() < static_cast<size_t>(n_tiles * nb)) {
+        tables.resize(static_cast<size_t>(n_tiles * nb));
+    }
+    for (int64_t tile = 0; tile < n_tiles; ++tile) {
+        for (int64_t i = 0; i < nb; ++i) {
+            Table & t = tables[static_cast<size_t>(tile * nb + i)];
+            for (int c = 0; c < TileCols; ++c) {
+                const int64_t col = tile * TileCols + c;
+                Fill{}(t, c,
+                       col < n_cols ? q + static_cast<size_t>(col) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes
+                                    : nullptr);
+            }
+        }
+    }
+    return tables.data();
+}
+
 // The column side of one superblock for a tile of kQ4KTileCols columns, built once per call and read by
 // every row pair: hadd(bsums) (the 8 int16 sums vec_dot forms per superblock), q8.d and -q8.d per
-// column (unused columns 0). With them a row's q8.d·d for the tile's columns is one vector product
-// (IEEE products are rounded lane by lane: the scalar product's bits), each column's value read back
-// by a broadcast load.
+// column. With them a row's q8.d·d for the tile's columns is one vector product (IEEE products are
+// rounded lane by lane: the scalar product's bits), each column's value read back by a broadcast load.
 struct Q8KColumns {
     __m128i q8s[kQ4KTileCols];
     alignas(32) float yd[kQ4KTileCols];
     alignas(32) float nyd[kQ4KTileCols];
 };
 
-// Tables [tile][superblock] for n_cols columns, in a buffer the calling thread keeps.
-LF_AVX512 const Q8KColumns * q8k_columns(const uint8_t * q, size_t q_col_bytes, int64_t n_cols, int64_t nb) {
-    thread_local std::vector<Q8KColumns> tables;
-    const int64_t n_tiles = (n_cols + kQ4KTileCols - 1) / kQ4KTileCols;
-    if (tables.size() < static_cast<size_t>(n_tiles * nb)) {
-        tables.resize(static_cast<size_t>(n_tiles * nb));
-    }
-    for (int64_t tile = 0; tile < n_tiles; ++tile) {
-        for (int64_t i = 0; i < nb; ++i) {
-            Q8KColumns & t = tables[static_cast<size_t>(tile * nb + i)];
-            for (int c = 0; c < kQ4KTileCols; ++c) {
-                const int64_t col = tile * kQ4KTileCols + c;
-                if (col >= n_cols) {
-                    t.q8s[c] = _mm_setzero_si128();
-                    t.yd[c] = t.nyd[c] = 0.0f;
-                    continue;
-                }
-                const uint8_t * y = q + static_cast<size_t>(col) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
-                const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
-                t.q8s[c] = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
-                t.yd[c] = load_f32(y);
-                t.nyd[c] = -t.yd[c];
-            }
+struct Q8KColumnsFill {
+    LF_AVX512 void operator()(Q8KColumns & t, int c, const uint8_t * y) const {
+        if (y == nullptr) {
+            t.q8s[c] = _mm_setzero_si128();
+            t.yd[c] = t.nyd[c] = 0.0f;
+            return;
         }
+        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
+        t.q8s[c] = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+        t.yd[c] = load_f32(y);
+        t.nyd[c] = -t.yd[c];
     }
-    return tables.data();
-}
+};
 
 // Rows in pairs: each column's Q8_K loads serve both rows, and both rows' float steps run in one
 // register (acc: lanes 0..7 row r, 8..15 row r + 1; accm: lanes 0..3 and 4..7), lane by lane the
@@ -235,7 +244,8 @@ LF_AVX512 const Q8KColumns * q8k_columns(const uint8_t * q, size_t q_col_bytes, 
 LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                                size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
     const int64_t nb = ne0 / kQK;
-    const Q8KColumns * const tables = q8k_columns(static_cast<const uint8_t *>(q), q_col_bytes, n_cols, nb);
+    const Q8KColumns * const tables = column_tables<Q8KColumns, kQ4KTileCols, Q8KColumnsFill>(
+        static_cast<const uint8_t *>(q), q_col_bytes, n_cols, nb);
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
         const int64_t r_end = std::min(n_rows, r0 + kRowBlock);
         for (int64_t c0 = 0; c0 < n_cols; c0 += kQ4KTileCols) {
@@ -415,44 +425,27 @@ LF_AVX512 inline __attribute__((always_inline)) void unpack_q6_k_512(const uint8
 }
 
 // The column side of one superblock for a tile of kQ6KTileCols columns, built once per call: each
-// column's 16 bsums and q8.d (unused columns 0).
+// column's 16 bsums and q8.d.
 struct Q6KColumns {
     __m256i bsums[kQ6KTileCols];
     alignas(32) float yd[kQ6KTileCols];
 };
 
-// Tables [tile][superblock] for n_cols columns, in a buffer the calling thread keeps.
-LF_AVX512 const Q6KColumns * q6k_columns(const uint8_t * q, size_t q_col_bytes, int64_t n_cols, int64_t nb) {
-    thread_local std::vector<Q6KColumns> tables;
-    const int64_t n_tiles = (n_cols + kQ6KTileCols - 1) / kQ6KTileCols;
-    if (tables.size() < static_cast<size_t>(n_tiles * nb)) {
-        tables.resize(static_cast<size_t>(n_tiles * nb));
+struct Q6KColumnsFill {
+    LF_AVX512 void operator()(Q6KColumns & t, int c, const uint8_t * y) const {
+        t.bsums[c] = y != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums))
+                                  : _mm256_setzero_si256();
+        t.yd[c] = y != nullptr ? load_f32(y) : 0.0f;
     }
-    for (int64_t tile = 0; tile < n_tiles; ++tile) {
-        for (int64_t i = 0; i < nb; ++i) {
-            Q6KColumns & t = tables[static_cast<size_t>(tile * nb + i)];
-            for (int c = 0; c < kQ6KTileCols; ++c) {
-                const int64_t col = tile * kQ6KTileCols + c;
-                if (col >= n_cols) {
-                    t.bsums[c] = _mm256_setzero_si256();
-                    t.yd[c] = 0.0f;
-                    continue;
-                }
-                const uint8_t * y = q + static_cast<size_t>(col) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
-                t.bsums[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + kQ8_KBsums));
-                t.yd[c] = load_f32(y);
-            }
-        }
-    }
-    return tables.data();
-}
+};
 
 // Rows in pairs, as the Q4_K kernel: both rows' integer totals folded, less 32 · Σ scale · bsums, in one
 // register (lanes 0..7 row r, 8..15 row r + 1), then one conversion and one multiply-add for both.
 LF_AVX512 void q6_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                                size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
     const int64_t nb = ne0 / kQK;
-    const Q6KColumns * const tables = q6k_columns(static_cast<const uint8_t *>(q), q_col_bytes, n_cols, nb);
+    const Q6KColumns * const tables = column_tables<Q6KColumns, kQ6KTileCols, Q6KColumnsFill>(
+        static_cast<const uint8_t *>(q), q_col_bytes, n_cols, nb);
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
         const int64_t r_end = std::min(n_rows, r0 + kRowBlock);
         for (int64_t c0 = 0; c0 < n_cols; c0 += kQ6KTileCols) {
