@@ -191,7 +191,7 @@ LF_AVX512 inline __attribute__((always_inline)) void unpack_q4_k_512(const uint8
 // keeps (one per table type): Fill{}(table, c, y) writes column c of a superblock's table from that
 // column's Q8_K block y, or zeros where y is nullptr (columns past n_cols).
 template <class Table, int TileCols, class Fill>
-const Table * column_tables(const uint8_t * q, size_t q_col_bytes, int64_t n_cols, int64_t nb) {
+LF_AVX512 const Table * column_tables(const uint8_t * q, size_t q_col_bytes, int64_t n_cols, int64_t nb) {
     thread_local std::vector<Table> tables;
     const int64_t n_tiles = (n_cols + TileCols - 1) / TileCols;
     if (tables.size() < static_cast<size_t>(n_tiles * nb)) {
