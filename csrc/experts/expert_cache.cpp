@@ -88,6 +88,23 @@ ExpertCache::~ExpertCache() {
     }
 }
 
+uint64_t ExpertCache::start_slot_read(int position, int slot, int expert, std::vector<ReadRequest> & requests) {
+    Layer & layer = *layers_[static_cast<size_t>(position)];
+    Slot & s = layer.slots[static_cast<size_t>(slot)];
+    s.expert = expert;
+    s.state = Slot::State::loading;
+    s.unchecked = true;
+    s.last_use = clock_;
+    layer.slot_of[static_cast<size_t>(expert)] = slot;
+    uint64_t bytes = 0;
+    for (const ReadRequest & r : slot_requests(position, slot, expert)) {
+        requests.push_back(r);
+        bytes += r.length;
+    }
+    stats_.bytes_read += bytes;
+    return bytes;
+}
+
 std::vector<ReadRequest> ExpertCache::slot_requests(int position, int slot, int expert) {
     const ExpertLayerSpec & spec = config_.layers[static_cast<size_t>(position)];
     Layer & layer = *layers_[static_cast<size_t>(position)];
@@ -299,17 +316,7 @@ void ExpertCache::begin(int position, const std::vector<int> & experts) {
             throw std::logic_error("expert cache: request larger than the layer's capacity");
         }
         ++stats_.misses;
-        Slot & s = layer.slots[static_cast<size_t>(slot)];
-        s.expert = e;
-        s.state = Slot::State::loading;
-        s.unchecked = true;
-        s.last_use = clock_;
-        layer.slot_of[static_cast<size_t>(e)] = slot;
-        for (const ReadRequest & r : slot_requests(position, slot, e)) {
-            requests.push_back(r);
-            stats_.bytes_read += r.length;
-            stats_.demand_bytes += r.length;
-        }
+        stats_.demand_bytes += start_slot_read(position, slot, e, requests);
         layer.demand_slots.push_back(slot);
     }
     layer.demand_pending = false;

@@ -170,6 +170,9 @@ private:
     void abandon_demand(Layer & layer);     // waits out the demand reads, then drops their slots
     int take_victim(Layer & layer, const std::vector<char> & keep);
     std::vector<ReadRequest> slot_requests(int position, int slot, int expert);
+    // Slot `slot` of `position`'s layer starts reading `expert` (loading, unchecked, used at this
+    // clock); its reads are appended to `requests` and counted in bytes_read. Returns their bytes.
+    uint64_t start_slot_read(int position, int slot, int expert, std::vector<ReadRequest> & requests);
     void check_slots(int position, const std::vector<int> & slots);
 
     const ExpertConfig & config_;

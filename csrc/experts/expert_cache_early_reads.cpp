@@ -121,18 +121,10 @@ void ExpertCache::submit_early(int position, const std::vector<int> & experts, b
         if (slot < 0) {
             break;
         }
+        start_slot_read(position, slot, e, requests);
         Slot & s = layer.slots[static_cast<size_t>(slot)];
-        s.expert = e;
-        s.state = Slot::State::loading;
-        s.unchecked = true;
         s.prefetched = !ahead;
         s.ahead = ahead;
-        s.last_use = clock_;
-        layer.slot_of[static_cast<size_t>(e)] = slot;
-        for (const ReadRequest & r : slot_requests(position, slot, e)) {
-            requests.push_back(r);
-            stats_.bytes_read += r.length;
-        }
         slots.push_back(slot);
         if (!ahead) {
             ++stats_.prefetched;

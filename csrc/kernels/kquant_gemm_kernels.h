@@ -19,7 +19,7 @@ namespace gemm {
 constexpr int kQ4KTileCols = 16;
 constexpr int kQ6KTileCols = 16;
 // The widest tile of any kernel (the probe checks column counts up to two tiles and one more).
-constexpr int kWidestTileCols = 16;
+constexpr int kWidestTileCols = kQ4KTileCols > kQ6KTileCols ? kQ4KTileCols : kQ6KTileCols;
 
 // out[c * out_col_stride + r] = vec_dot(ne0, W row r, q column c), r < n_rows, c < n_cols.
 using KernelFn = void (*)(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
