@@ -2,6 +2,7 @@
 #include "kernels/kquant_gemm.h"
 
 #include "kernels/kquant_gemm_kernels.h"
+#include "kernels/row_prefetch.h"
 
 #include "ggml-cpu.h"
 
@@ -49,15 +50,18 @@ using gemm::KernelFn;
 constexpr int64_t kMinColsAvx512 = 2;
 constexpr int64_t kMinColsAvx2 = 4;
 
-// One output per vec_dot call: ggml-cpu's own computation.
+// One output per vec_dot call: ggml-cpu's own computation, the rows read ahead (row_prefetch.h).
 void gemm_by_vec_dot(ggml_type type, int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                      size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
     const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(type)->vec_dot;
+    const uint8_t * rows = static_cast<const uint8_t *>(w);
+    const uint8_t * rows_end = rows + static_cast<size_t>(n_rows) * w_row_bytes;
     for (int64_t c = 0; c < n_cols; ++c) {
         const void * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c) * q_col_bytes;
         for (int64_t r = 0; r < n_rows; ++r) {
-            vec_dot(static_cast<int>(ne0), out + static_cast<size_t>(c) * out_col_stride + r, 0,
-                    static_cast<const uint8_t *>(w) + static_cast<size_t>(r) * w_row_bytes, 0, qc, 0, 1);
+            const uint8_t * row = rows + static_cast<size_t>(r) * w_row_bytes;
+            prefetch_row_ahead(row, w_row_bytes, rows_end);
+            vec_dot(static_cast<int>(ne0), out + static_cast<size_t>(c) * out_col_stride + r, 0, row, 0, qc, 0, 1);
         }
     }
 }

@@ -25,6 +25,8 @@
 // Whether that holds is probed once per type against the vec_dot of the ggml-cpu loaded in this
 // process (a build whose vec_dot sums otherwise, e.g. without AVX2, is never matched). Where it does
 // not, or for another type, kquant_gemm calls that vec_dot itself: the bits are vec_dot's either way.
+// So does one column (decode), where vec_dot is faster than the kernels; that loop reads the rows
+// ahead (row_prefetch.h): a one-column product waits on the memory stream, not on arithmetic.
 #pragma once
 
 #include "ggml.h"

@@ -4,6 +4,7 @@
 // reduction. Not part of any public interface.
 #pragma once
 
+#include "kernels/row_prefetch.h"  // prefetch_l2
 #include "lanes/sparse_ffn.h"
 
 #include "ggml-cpu.h"
@@ -15,14 +16,6 @@
 namespace llamaflash {
 
 constexpr int kMaxCluster = 256;  // neurons per work unit, at most (SparseFfnParams::cluster_size)
-
-// Prefetch [p, p + bytes) into L2 (a down_t row is 26 lines for n_embd 1536 Q8_0: into L1 it would
-// evict the partial y and quantized x while a whole cluster's rows are in flight).
-inline void prefetch_l2(const uint8_t * p, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(p + off, 0, 2);
-    }
-}
 
 // The selection rule (see sparse_ffn.h): true when neuron with gate value g is active, with a =
 // act(g). g_lo is the exact prefilter bound (prefilter_bound); thr < 0 keeps every neuron.
