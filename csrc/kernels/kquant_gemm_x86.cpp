@@ -40,7 +40,7 @@ constexpr size_t kQ8_KBsums = 4 + kQK;  // offset of bsums in a Q8_K block
 // (kGemmCols × ne0 / 256 Q8_K blocks) stay in L1 / L2 while the block's rows stream past them.
 constexpr int64_t kRowBlock = 64;
 // Up to this many columns the AVX-512 kernels read the weights ahead (row_prefetch.h): with so few
-// columns per unpacked block they wait on the memory stream. Measured single-threaded over 113-151 MB
+// columns per unpacked block they wait on the memory stream. Measured single-threaded over 113-165 MB
 // of expert rows (out of cache): Q6_K 0.62-0.73× the time at 2 and 3 columns, Q4_K 0.88× at 2 and
 // 0.94-1.09× at 3; from 7 columns no consistent gain.
 constexpr int64_t kReadAheadMaxCols = 3;

@@ -6,11 +6,11 @@
 // to the hardware prefetcher alone; asking for the bytes kPrefetchAheadBytes ahead of the row about to
 // be computed keeps more of it in flight. The arithmetic is untouched: the same calls, the same bits.
 //
-// Measured single-threaded on the 2-core Intel Xeon (AVX-512 VNNI), vec_dot over 113-151 MB of
+// Measured single-threaded on the 2-core Intel Xeon (AVX-512 VNNI), vec_dot over 113-165 MB of
 // Q4_K / Q6_K expert rows (out of cache): 0.56-0.58× the time with 4 KiB ahead, 0.56-0.63× with 8 KiB,
 // 0.67-0.77× with the non-temporal hint; over one 442 KB expert already in cache 1.07-1.13× the time.
-// Decode of the synthetic half-size Qwen3-30B-A3B in memory, deterministic: 19.7-22.2 tok/s against
-// 15.0-16.2 without (docs/BENCHMARKS.md).
+// Deterministic decode in memory (every matmul's rows by vec_dot): 1.09-1.31× stock's on the synthetic
+// half-size Qwen3-30B-A3B, where it was 0.85-0.90×; 1.41× on Qwen2.5-1.5B (docs/BENCHMARKS.md).
 #pragma once
 
 #include <cstddef>
@@ -32,10 +32,11 @@ inline void prefetch_l2(const uint8_t * p, size_t bytes) {
 // Prefetch (for reading, into every cache level) the row_bytes that lie kPrefetchAheadBytes after
 // `row`, stopping at `end` (one past the last byte of the rows this loop reads).
 inline void prefetch_row_ahead(const uint8_t * row, size_t row_bytes, const uint8_t * end) {
-    const uint8_t * ahead = row + kPrefetchAheadBytes;
-    const uint8_t * stop = ahead + row_bytes < end ? ahead + row_bytes : end;
-    for (const uint8_t * a = ahead; a < stop; a += kCacheLineBytes) {
-        __builtin_prefetch(a, 0, 3);
+    const size_t left = static_cast<size_t>(end - row);  // bytes from `row` to the end, row < end
+    if (left <= kPrefetchAheadBytes) return;
+    const size_t stop = left - kPrefetchAheadBytes < row_bytes ? left - kPrefetchAheadBytes : row_bytes;
+    for (size_t off = 0; off < stop; off += kCacheLineBytes) {
+        __builtin_prefetch(row + kPrefetchAheadBytes + off, 0, 3);
     }
 }
 
