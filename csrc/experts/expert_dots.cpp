@@ -3,7 +3,6 @@
 
 #include "ggml-cpu.h"
 #include "kernels/kquant_gemm.h"
-#include "kernels/row_prefetch.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -27,7 +26,7 @@ bool expert_dots_supported(ggml_type type) {
 
 namespace {
 
-// One vec_dot per output, the outputs (pairs × rows) split over the threads, the rows read ahead.
+// One vec_dot per output, the outputs (pairs × rows) split over the threads.
 void dots_by_vec_dot(const ExpertDots * d, ggml_tensor * dst, int ith, int nth) {
     const ggml_tensor * src1 = dst->src[0];
     const ggml_type_traits_cpu * traits = ggml_get_type_traits_cpu(d->type);
@@ -64,12 +63,10 @@ void dots_by_vec_dot(const ExpertDots * d, ggml_tensor * dst, int ith, int nth) 
             q = qx;
         }
         const uint8_t * weight = d->weights[static_cast<size_t>(p)];
-        const uint8_t * weight_end = weight + static_cast<size_t>(row_end) * d->row_bytes;
         float * out = reinterpret_cast<float *>(static_cast<char *>(dst->data) + k * dst->nb[1] + t * dst->nb[2]);
         for (int64_t i = w - p * d->ne1; i < row_end; ++i) {
-            const uint8_t * row = weight + static_cast<size_t>(i) * d->row_bytes;
-            prefetch_row_ahead(row, d->row_bytes, weight_end);
-            traits->vec_dot(static_cast<int>(d->ne0), out + i, 0, row, 0, q, 0, 1);
+            traits->vec_dot(static_cast<int>(d->ne0), out + i, 0, weight + static_cast<size_t>(i) * d->row_bytes, 0, q,
+                            0, 1);
         }
         w = p * d->ne1 + row_end;
     }
