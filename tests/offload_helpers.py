@@ -8,6 +8,7 @@ import types
 
 import numpy as np
 
+from llamaflash import _native
 from llamaflash.files.sidecar import read_layer_vectors, read_sidecar
 
 # offload runs batch-invariant (flash attention, plain weights; plugin/runtime/speculative.py): so do the
@@ -30,7 +31,12 @@ def make_plan(sidecar, hot_per_layer: int, prefetch_layers: int = 1, extra_cold:
         probs.append((1 - np.prod(1 - padded.reshape(nc, C), axis=1)).astype(np.float32))
         hot.append(np.argsort(-padded.reshape(nc, C).sum(1))[:hot_per_layer].astype(np.int32))
     n_clusters = max(len(p) for p in probs)
+    slot_bytes = _native.cache_slot_bytes(
+        C, max(l.up_row_bytes for l in info.layers), max(l.down_t_row_bytes for l in info.layers)
+    )
     plan = types.SimpleNamespace(
+        slot_bytes=slot_bytes,
+        hot_slots=sum(len(h) for h in hot),
         hot_clusters=hot,
         cluster_prob=probs,
         cluster_size=C,

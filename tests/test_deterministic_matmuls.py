@@ -226,18 +226,23 @@ def test_offload_chunks_are_the_batch_the_planner_counts_scratch_for():
 
 
 @pytest.mark.parametrize("n_batch", [7, 16])
-def test_offload_takes_63_row_batches_with_the_bits_of_any_other(dense_converted, forced_plan, n_batch):
-    """Flash offload (the sparse lane, lossy, rows through the neuron cache): 63-row batches, which
-    the lane computes in chunks of 7 tokens (the scratch the planner counts), and a prompt evaluated
-    in batches of 7 or 16 gives every position the same bits."""
+def test_offload_computes_whole_layers_equal_to_stock_one_token_per_call(dense_converted, forced_plan, n_batch):
+    """Flash offload with deterministic=True: every FFN computed whole over the layer read from flash
+    (the layer stream; the sparse lane off), so every position equals stock evaluating one token per
+    call, in 63-row batches and in batches of 7 or 16; the stream read layers and pinned one."""
     from offload_helpers import make_plan
 
     model, sidecar = dense_converted
     forced_plan(make_plan(sidecar, 4, prefetch_layers=1))
     kw = dict(sidecar_path=str(sidecar), ram_budget_mb=64)
+    llm = llamaflash.Llama(str(model), deterministic=True, **KW, **kw)
+    off = llm.flash_stats()["offload"]
+    assert off["whole_layers"] is True and off["cold_slots"] == 2
+    llm.close()
     ids, scores, stats, sizes = _ours(model, **kw)
     assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS and max(sizes) == 63
-    assert stats["lossless"] is False and stats["matmuls"]["computed"] > 0
+    assert stats["lossless"] is True and stats["matmuls"]["computed"] > 0
+    assert np.array_equal(scores, _stock_scores(model, ids))
     other_ids, other, _, other_sizes = _ours(model, n_batch=n_batch, **kw)
     assert max(other_sizes) == n_batch
     assert other_ids == ids and np.array_equal(other, scores)

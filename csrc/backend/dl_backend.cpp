@@ -321,13 +321,19 @@ struct ExitReport {
         if (g_loaded->dense) {
             const FlashStatsSnapshot st = g_loaded->dense->stats().snapshot();
             std::string reads;
-            if (const OffloadState * off = g_loaded->dense->offload()) {
+            const OffloadState * off = g_loaded->dense->offload();
+            char wait[32];
+            if (const NeuronCache * cache = off != nullptr ? off->cache() : nullptr) {
                 // the neuron cache's reads from flash after its pinned clusters (llamaflash.Llama's
                 // flash_stats()["offload"]: misses + prefetched clusters, bytes_read, io_wait_seconds)
-                const NeuronCacheStats c = off->cache().stats();
-                char wait[32];
+                const NeuronCacheStats c = cache->stats();
                 std::snprintf(wait, sizeof wait, "%.2f", c.io_wait_seconds);
                 reads = "; flash reads: " + std::to_string(c.misses + c.prefetched) + " clusters, " +
+                        std::to_string(c.bytes_read >> 20) + " MiB, I/O wait " + wait + " s";
+            } else if (const LayerStream * stream = off != nullptr ? off->layer_stream() : nullptr) {
+                const LayerStreamStats c = stream->stats();  // whole layers (deterministic answers)
+                std::snprintf(wait, sizeof wait, "%.2f", c.io_wait_seconds);
+                reads = "; flash reads: " + std::to_string(c.misses + c.prefetched) + " layers, " +
                         std::to_string(c.bytes_read >> 20) + " MiB, I/O wait " + wait + " s";
             }
             say("served " + std::to_string(st.ffn_evals) + " FFN evaluations (" + std::to_string(st.tokens) +

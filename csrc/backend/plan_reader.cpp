@@ -263,6 +263,10 @@ EngineConfig read_dense(const PlanKeys & k, const PlanIdentity & id) {
         o.direct = k.boolean(pk::OFFLOAD_DIRECT);
         o.engine = k.str(pk::OFFLOAD_ENGINE);
         o.draft_copy = k.boolean(pk::OFFLOAD_DRAFT_COPY);
+        o.stream_layers = k.boolean(pk::OFFLOAD_STREAM_LAYERS);
+        if (k.has(pk::OFFLOAD_HOT_LAYERS)) {  // absent: none pinned
+            for (int64_t p : k.ints(pk::OFFLOAD_HOT_LAYERS)) o.hot_layers.push_back(static_cast<int32_t>(p));
+        }
         o.hot = k.ragged<int32_t>(pk::OFFLOAD_HOT, GGUF_TYPE_INT32, pk::OFFLOAD_HOT_COUNTS, n);
         o.cluster_prob =
             k.ragged<float>(pk::OFFLOAD_CLUSTER_PROB, GGUF_TYPE_FLOAT32, pk::OFFLOAD_CLUSTER_PROB_COUNTS, n);

@@ -176,6 +176,9 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
     }
     // 1. lane
     const Route r = route(split, WeightRegistry::instance());
+    if (r.model != nullptr && r.model->offload() != nullptr && r.model->offload()->layer_stream() != nullptr) {
+        return compute_streamed(split, *r.model, r.layer, t_begin);
+    }
     const bool sparse = r.sparse != nullptr;
     if (sparse && r.model->offload() != nullptr && r.ffn.x->ne[1] > kSparseChunkTokens) {
         return compute_sparse_chunks(split, r.ffn, *r.sparse, t_begin);
@@ -225,6 +228,56 @@ ggml_status SplitExecutor::compute(const ggml_cgraph * split) {
         }
         counted->stats().count_split(seconds, seconds_between(t_begin, t0));
     }
+    ggml_free(ctx);
+    return status;
+}
+
+ggml_status SplitExecutor::compute_streamed(const ggml_cgraph * split, FlashModel & model, int layer,
+                                            std::chrono::steady_clock::time_point t_begin) {
+    OffloadState & offload = *model.offload();
+    LayerStream & stream = *offload.layer_stream();
+    const int pos = model.layer_position(layer);
+    LayerStream::Rows rows;
+    try {
+        stream.plan(pos);
+        rows = stream.wait(pos);
+    } catch (const std::exception & e) {  // IoError / IntegrityError: nothing is computed from the slot
+        offload.set_error(e.what());
+        return GGML_STATUS_FAILED;
+    }
+    ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
+    const int n_nodes = ggml_graph_n_nodes(g);
+    ggml_cgraph * graph = nullptr;
+    ggml_context * ctx = arena_.begin(n_nodes + 1, &graph);
+    dense_.begin(ctx, split);
+    const WeightRegistry & registry = WeightRegistry::instance();
+    for (int i = 0; i < n_nodes; ++i) {
+        const ggml_tensor * node = ggml_graph_node(g, i);
+        const BoundWeight * b = node->op == GGML_OP_MUL_MAT ? registry.lookup(node->src[0]) : nullptr;
+        if (b == nullptr || b->model.get() != &model || b->layer != layer) {
+            continue;
+        }
+        const uint8_t * data = b->kind == FfnWeightKind::gate ? rows.gate
+                               : b->kind == FfnWeightKind::up ? rows.up
+                                                              : rows.down;
+        if (data == nullptr) {
+            continue;  // a resident gate: the model's own weight
+        }
+        const ggml_tensor * phantom = node->src[0];
+        ggml_tensor * w = ggml_new_tensor(ctx, phantom->type, GGML_MAX_DIMS, phantom->ne);
+        w->data = const_cast<uint8_t *>(data);
+        dense_.use_weight(phantom, w);
+    }
+    dense_.append_all(graph);
+    const auto t0 = std::chrono::steady_clock::now();
+    ggml_status status = ggml_backend_graph_compute(cpu_, graph);
+    const double seconds = seconds_between(t0, std::chrono::steady_clock::now());
+    status = checked_finite(split, model, layer, status);
+    for (const auto & [l, n_tokens] : dense_.evaluations()) {
+        model.stats().count_ffn_eval(model.layer_position(l), n_tokens);
+    }
+    model.stats().count_dense_call();
+    model.stats().count_split(seconds, seconds_between(t_begin, t0));
     ggml_free(ctx);
     return status;
 }

@@ -21,6 +21,12 @@
 //             and the planner counts it for kSparseChunkTokens tokens (plan_budget.VERIFY_ROWS). A
 //             chunk's clusters are mostly resident after the chunk before it (the cold region holds a
 //             layer's clusters), so the batch still reads each about once.
+//             Under flash offload with whole layers (OffloadConfig::stream_layers, layer_stream.h) a
+//             split over a served layer's weights instead waits for that layer in the stream (its
+//             reads and the next layer's read-ahead are started first) and runs on the dense lane
+//             with the split's streamed weights over the slot's rows (compute_streamed); an I/O or
+//             checksum error fails the split (GGML_STATUS_FAILED, the message kept by the offload
+//             state).
 //   4. count  into the model's FlashStats (flash_stats.h): the split and its times, the lane call,
 //             FFN evaluations, the sparse lane's active neurons.
 #pragma once
@@ -63,6 +69,9 @@ private:
     // of its own; its tokens' results are those of the whole batch, sparse_lane.h by cluster).
     ggml_status compute_sparse_chunks(const ggml_cgraph * split, const GluFfnPattern & ffn,
                                       const SparseLayerView & view, std::chrono::steady_clock::time_point t_begin);
+    // A split over weights of `layer` of `model`, whose layers come whole from its layer stream.
+    ggml_status compute_streamed(const ggml_cgraph * split, FlashModel & model, int layer,
+                                 std::chrono::steady_clock::time_point t_begin);
     void append_sparse(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPattern & ffn,
                        const SparseLayerView & view);
     // Counts the sparse lane's call just computed (a draft's, or its active neurons and FFN evaluations).

@@ -108,6 +108,11 @@ void bind_config(py::module_ & m) {
         .def_readwrite("direct", &OffloadConfig::direct)
         .def_readwrite("engine", &OffloadConfig::engine)
         .def_readwrite("draft_copy", &OffloadConfig::draft_copy)
+        .def_readwrite("stream_layers", &OffloadConfig::stream_layers)
+        .def_property(
+            "hot_layers", [](const OffloadConfig & o) { return o.hot_layers; },
+            [](OffloadConfig & o, const std::vector<int32_t> & v) { o.hot_layers = v; },
+            "with stream_layers: the positions of the served layers to pin")
         .def_property(
             "hot", [](const OffloadConfig & o) { return o.hot; },
             [](OffloadConfig & o, const py::sequence & v) { o.hot = to_vectors<int32_t>(v); },

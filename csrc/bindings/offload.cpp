@@ -52,9 +52,37 @@ py::dict cache_stats(const NeuronCacheStats & s) {
     return d;
 }
 
+py::dict stream_stats(const LayerStream & stream) {
+    const LayerStreamStats s = stream.stats();
+    py::dict d;
+    d["plans"] = s.plans;
+    d["hits_hot"] = s.hits_hot;
+    d["hits_cold"] = s.hits_cold;
+    d["hits_prefetch"] = s.hits_prefetch;
+    d["misses"] = s.misses;
+    d["prefetched"] = s.prefetched;
+    d["bytes_read"] = s.bytes_read;
+    d["hot_bytes_loaded"] = s.hot_bytes_loaded;
+    d["verified_bytes"] = s.verified_bytes;
+    d["io_wait_seconds"] = s.io_wait_seconds;
+    d["verify_seconds"] = s.verify_seconds;
+    d["hot_slots"] = s.hot_slots;
+    d["cold_slots"] = s.cold_slots;
+    d["slot_bytes"] = s.slot_bytes;
+    d["memory_bytes"] = stream.memory_bytes();
+    d["engine"] = s.engine;
+    d["direct"] = s.direct;
+    d["fallback_reason"] = s.fallback_reason;
+    return d;
+}
+
 }  // namespace
 
 void bind_offload(py::module_ & m) {
+    m.def("layer_stream_slot_bytes", &layer_stream_slot_bytes, py::arg("gate_bytes"), py::arg("up_bytes"),
+          py::arg("down_bytes"), py::arg("alignment") = 4096,
+          "Bytes of one layer-stream slot (layer_stream.h): for each part round_up(bytes, A) + A (0 for a "
+          "part of 0 bytes), A = max(4096, alignment), the bytes being the largest over the served layers.");
     m.def("cache_min_cold_slots", &neuron_cache_min_cold_slots, py::arg("prefetch_layers"),
           py::arg("max_clusters_per_layer"),
           "The fewest cold slots the neuron cache accepts (neuron_cache.h): (1 + prefetch_layers) x the most "
@@ -98,22 +126,32 @@ void bind_offload(py::module_ & m) {
             "Bytes of the resident draft copy (0: none); draft-mode splits compute from it.")
         .def("cache_stats",
              [](const FlashModel & fm) -> py::object {
-                 if (fm.offload() == nullptr) return py::none();
-                 const NeuronCache & c = fm.offload()->cache();
-                 py::dict d = cache_stats(c.stats());
-                 d["memory_bytes"] = c.memory_bytes();
-                 d["cluster_size"] = c.cluster_size();
+                 const NeuronCache * c = fm.offload() != nullptr ? fm.offload()->cache() : nullptr;
+                 if (c == nullptr) return py::none();
+                 py::dict d = cache_stats(c->stats());
+                 d["memory_bytes"] = c->memory_bytes();
+                 d["cluster_size"] = c->cluster_size();
                  return d;
              })
+        .def(
+            "layer_stream_stats",
+            [](const FlashModel & fm) -> py::object {
+                const LayerStream * s = fm.offload() != nullptr ? fm.offload()->layer_stream() : nullptr;
+                if (s == nullptr) return py::none();
+                return stream_stats(*s);
+            },
+            "The layer stream's counters (layer_stream.h; offload with whole layers), else None.")
         .def("reset_cache_stats",
              [](FlashModel & fm) {
-                 if (fm.offload() != nullptr) fm.offload()->cache().reset_stats();
+                 if (fm.offload() == nullptr) return;
+                 if (NeuronCache * c = fm.offload()->cache()) c->reset_stats();
+                 if (LayerStream * s = fm.offload()->layer_stream()) s->reset_stats();
              })
         .def(
             "verify_files",
             [](const FlashModel & fm) {
                 try {
-                    if (fm.offload() != nullptr) fm.offload()->cache().verify();
+                    if (fm.offload() != nullptr) fm.offload()->verify_files();
                 } catch (const IoError & e) {
                     raise_flash_io_error(e.what());
                 }

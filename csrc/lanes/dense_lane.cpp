@@ -101,6 +101,15 @@ ggml_tensor * DenseLane::map_src(const ggml_tensor * src) {
     return mapped;
 }
 
+void DenseLane::use_weight(const ggml_tensor * phantom, ggml_tensor * weight) {
+    const BoundWeight * bound = WeightRegistry::instance().lookup(phantom);
+    if (bound == nullptr || !ggml_are_same_shape(weight, phantom) || weight->type != phantom->type) {
+        GGML_ABORT("llamaflash: the streamed weight for '%s' is not the served weight llama.cpp expects", phantom->name);
+    }
+    model_ = bound->model.get();
+    mirror_[phantom] = weight;
+}
+
 ggml_tensor * DenseLane::mirror_node(const ggml_tensor * node) {
     ggml_tensor * m = nullptr;
     if (InvariantMatmuls * matmuls = rows_alone(node)) {

@@ -77,6 +77,10 @@ public:
     // resident weight (aborts if there is none, or its shape/type differs); a leaf → itself; a
     // tensor computed outside the split → a leaf over its memory.
     ggml_tensor * map_src(const ggml_tensor * src);
+    // Before append_all: the split's phantom weight `phantom` (bound to a served layer) is computed over
+    // `weight` instead of the model's resident weight: a tensor of the same shape and type whose rows
+    // were read from flash (the layer stream's slot). Aborts on another shape or type.
+    void use_weight(const ggml_tensor * phantom, ggml_tensor * weight);
     // A node of the split, computed by the same op over mirrored sources into the same memory.
     ggml_tensor * mirror_node(const ggml_tensor * node);
     // Mirrors every node of the split into `graph`, fusing gate/up pairs where possible.

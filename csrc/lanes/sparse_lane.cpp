@@ -249,7 +249,7 @@ void SparseLane::append(ggml_context * ctx, ggml_cgraph * graph, const GluFfnPat
     // the mapping or from the neuron cache (sparse_ffn.h, cluster phase).
     const bool by_cluster = sparse_ffn_by_cluster(params_);
     OffloadState * offload = ffn.model->offload();
-    cache_ = offload != nullptr ? &offload->cache() : nullptr;
+    cache_ = offload != nullptr ? offload->cache() : nullptr;
     draft_ = DraftMode::none;
     const size_t nc = static_cast<size_t>((layer_.n_ff + cluster_size - 1) / cluster_size);
     if (by_cluster) {

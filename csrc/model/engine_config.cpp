@@ -34,10 +34,28 @@ void validate_layer(const LayerSpec & s) {
 void validate_offload(const EngineConfig & c) {
     const OffloadConfig & o = *c.offload;
     const size_t n = c.layers.size();
-    if (!c.sparse.enabled) {
+    if (o.stream_layers) {
+        if (c.sparse.enabled) {
+            invalid("offload.stream_layers runs every FFN split on the dense lane: sparse.enabled must be false");
+        }
+        std::vector<bool> seen(n, false);
+        for (int32_t p : o.hot_layers) {
+            if (p < 0 || static_cast<size_t>(p) >= n || seen[static_cast<size_t>(p)]) {
+                invalid("offload.hot_layers: position " + std::to_string(p) + " is out of range or listed twice");
+            }
+            seen[static_cast<size_t>(p)] = true;
+        }
+        if (o.draft_copy) {
+            invalid("offload.draft_copy serves the sparse lane's self-drafts: not with stream_layers");
+        }
+        if (o.cold_slots < 1 + o.prefetch_layers) {
+            invalid("offload.cold_slots must be >= 1 + prefetch_layers with stream_layers, got " +
+                    std::to_string(o.cold_slots));
+        }
+    } else if (!c.sparse.enabled) {
         invalid(
-            "flash offload needs the sparse lane (sparse.enabled): the dense lane would stream every "
-            "layer from flash");
+            "flash offload needs the sparse lane (sparse.enabled) or whole layers (offload.stream_layers): the "
+            "dense lane alone would stream every layer from flash");
     }
     if (o.hot.size() != n || o.cluster_prob.size() != n) {
         invalid("offload.hot and offload.cluster_prob need one entry per served layer (" + std::to_string(n) +

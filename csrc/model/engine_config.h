@@ -7,7 +7,8 @@
 //   in memory : offload empty. Dense weights from the sidecar bundles / base file (weight_store.h);
 //               with sparse.enabled also the sparse lane's mappings of bundles and down_t.
 //   offload   : offload set (needs sparse.enabled). Gate resident or streamed, up and down_t rows
-//               through the neuron cache (neuron_cache.h), prefill streaming from the base file.
+//               through the neuron cache (neuron_cache.h), prefill streaming from the base file; or,
+//               with offload.stream_layers (sparse off), whole layers through a layer stream.
 #pragma once
 
 #include "ggml.h"
@@ -92,6 +93,14 @@ struct OffloadConfig {
     // keep every layer's draft copy resident (read at open) and compute draft-mode splits from it
     // (offload_state.h); needs a draft copy in every layer
     bool draft_copy = false;
+    // Whole layers instead of neuron clusters (layer_stream.h): every FFN split of a served layer runs
+    // on the dense lane over the layer's base up, down (and gate, when streamed) read whole from flash
+    // into a layer slot, so every row is computed as stock computes it (deterministic answers). Then
+    // cold_slots counts layer slots (>= 1 + prefetch_layers), hot_layers lists the positions pinned,
+    // the sparse lane is off (sparse.enabled false) and no neuron cache is opened (hot, cluster_prob
+    // and prefetch_min_prob unused).
+    bool stream_layers = false;
+    std::vector<int32_t> hot_layers;
 };
 
 struct EngineConfig {

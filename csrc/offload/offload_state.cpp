@@ -26,6 +26,37 @@ NeuronCacheConfig cache_config(const EngineConfig & config) {
     return c;
 }
 
+// The layer stream over every served layer's base rows (gate only when streamed), checked against the
+// store's checksums when it verifies.
+std::unique_ptr<LayerStream> open_layer_stream(const EngineConfig & config, const WeightStore & store) {
+    const OffloadConfig & o = *config.offload;
+    std::vector<StreamLayerSource> sources(config.layers.size());
+    for (size_t p = 0; p < sources.size(); ++p) {
+        const LayerSpec & s = config.layers[p];
+        StreamLayerSource & src = sources[p];
+        src.layer = s.layer;
+        const auto part = [&](StreamPart & dst, RowSet set, uint64_t offset, int64_t rows, uint64_t row_bytes) {
+            dst.offset = offset;
+            dst.rows = rows;
+            dst.row_bytes = row_bytes;
+            if (store.verifying()) {
+                const LayerChecksums & sums = store.checksums(p);
+                dst.crc = set == RowSet::base_gate ? sums.base_gate : set == RowSet::base_up ? sums.base_up : sums.base_down;
+                dst.source = row_source(s, set, config.sidecar_path, config.base_path);
+            }
+        };
+        if (o.stream_gate) part(src.gate, RowSet::base_gate, s.base_gate_offset, s.n_ff, s.gate_row_bytes);
+        part(src.up, RowSet::base_up, s.base_up_offset, s.n_ff, s.up_row_bytes);
+        part(src.down, RowSet::base_down, s.base_down_offset, s.n_embd, s.base_down_row_bytes);
+    }
+    LayerStreamConfig c;
+    c.hot = o.hot_layers;
+    c.cold_slots = o.cold_slots;
+    c.prefetch_layers = o.prefetch_layers;
+    c.io = cache_config(config).io;
+    return std::make_unique<LayerStream>(config.base_path, std::move(sources), c);
+}
+
 }  // namespace
 
 OffloadState::OffloadState(const EngineConfig & config, const WeightStore & store)
@@ -33,6 +64,13 @@ OffloadState::OffloadState(const EngineConfig & config, const WeightStore & stor
     const std::vector<LayerSpec> & layers = config.layers;
     const OffloadConfig & o = *config.offload;
     const size_t n = layers.size();
+    if (o.stream_layers) {
+        if (!store.dense_loaded()) {
+            throw std::logic_error("llamaflash: the layer stream needs the dense weights loaded");
+        }
+        stream_ = open_layer_stream(config, store);
+        return;
+    }
     if (!store.dense_loaded() || !store.sparse_loaded()) {
         throw std::logic_error("llamaflash: the offload state needs the dense weights and sparse views loaded");
     }
@@ -157,7 +195,15 @@ void OffloadState::load_draft_copy(const EngineConfig & config, bool verify) {
 
 OffloadState::~OffloadState() = default;
 
-void OffloadState::load_hot() { cache_->load_hot(); }
+void OffloadState::load_hot() {
+    if (cache_) cache_->load_hot();
+    if (stream_) stream_->load_hot();
+}
+
+void OffloadState::verify_files() const {
+    if (cache_) cache_->verify();
+    if (stream_) stream_->verify();
+}
 
 void OffloadState::release(const Region & r) const {
     (void)madvise(r.map->mapping(), r.map->mapping_size(), MADV_DONTNEED);
@@ -180,7 +226,7 @@ bool OffloadState::before_split(int pos, bool sparse, bool prompt_batch) {
     if (pos < 0) {
         return true;
     }
-    if (prompt_batch) {
+    if (prompt_batch && cache_) {
         cache_->release_cold();
     }
     bool ok = true;

@@ -26,6 +26,12 @@
 //                             and the split reports failure (returns false).
 // So at most about two layers' gates (the computing one and the next) are resident at a time.
 //
+// Whole layers (OffloadConfig::stream_layers): instead of the neuron cache, a layer stream
+// (layer_stream.h) over the base file's up and down (and gate, when streamed) of every served layer,
+// each row checked against the sidecar's base-row checksums when the store verifies. The split
+// executor plans and waits for a layer itself and computes its split on the dense lane over the
+// slot; before_split / after_split are not called for those splits.
+//
 // Draft copy (OffloadConfig::draft_copy): every layer's draft up and down_t rows (n_ff rows each of
 // one compact type, sidecar tensors blk.L.ffn_draft_up / ffn_draft_down_t, bundle order) read at
 // construction into one resident buffer of draft_copy_bytes(), every row checked against the
@@ -40,6 +46,7 @@
 #include "io/file_reader.h"
 #include "io/integrity.h"
 #include "model/engine_config.h"
+#include "offload/layer_stream.h"
 #include "offload/neuron_cache.h"
 
 #include <atomic>
@@ -66,14 +73,17 @@ public:
     // Opens the neuron cache over the layers' base up rows and sidecar down_t rows with the
     // config's sizing (cluster size = config.sparse.cluster_size) and collects the store's base-file
     // views to release. Needs the store's dense weights and sparse views loaded in the offload
-    // layout and a sidecar in base neuron order. Throws std::invalid_argument / IoError.
+    // layout and a sidecar in base neuron order. With stream_layers, opens the layer stream instead
+    // (dense weights only). Throws std::invalid_argument / IoError.
     OffloadState(const EngineConfig & config, const WeightStore & store);
     ~OffloadState();
     OffloadState(const OffloadState &) = delete;
     OffloadState & operator=(const OffloadState &) = delete;
 
-    void load_hot();  // reads the cache's pinned clusters (blocking); throws IoError
-    NeuronCache & cache() const { return *cache_; }
+    void load_hot();  // reads the pinned clusters or layers (blocking); throws IoError / IntegrityError
+    NeuronCache * cache() const { return cache_.get(); }          // nullptr with stream_layers
+    LayerStream * layer_stream() const { return stream_.get(); }  // nullptr without
+    void verify_files() const;  // IoError when a file read from flash changed on disk
 
     bool stream_gate() const { return stream_gate_; }
     // Gate bytes a decode token reads from flash: Σ over served layers of n_ff · gate_row_bytes
@@ -120,6 +130,7 @@ private:
     void load_draft_copy(const EngineConfig & config, bool verify);
 
     std::unique_ptr<NeuronCache> cache_;
+    std::unique_ptr<LayerStream> stream_;
     std::vector<int> next_;                      // [pos] -> position of the next served layer id, cyclic
     std::vector<std::vector<Region>> streamed_;  // [pos] -> its up/down (and gate) views
     std::vector<std::vector<Region>> gate_;      // [pos] -> its gate view when streamed (0 or 1)

@@ -160,6 +160,9 @@ def _dense_kv(kv: _Kv, config) -> None:
     kv.add(K.OFFLOAD_DIRECT, bool(o.direct), T.BOOL)
     kv.add(K.OFFLOAD_ENGINE, str(o.engine), T.STRING)
     kv.add(K.OFFLOAD_DRAFT_COPY, bool(o.draft_copy), T.BOOL)
+    kv.add(K.OFFLOAD_STREAM_LAYERS, bool(o.stream_layers), T.BOOL)
+    if o.hot_layers:  # GGUF has no empty arrays: none pinned = the key is absent
+        kv.ints(K.OFFLOAD_HOT_LAYERS, list(o.hot_layers))
     kv.ragged(K.OFFLOAD_HOT, K.OFFLOAD_HOT_COUNTS, o.hot, T.INT32)
     kv.ragged(K.OFFLOAD_CLUSTER_PROB, K.OFFLOAD_CLUSTER_PROB_COUNTS, o.cluster_prob, T.FLOAT32)
 

@@ -76,7 +76,9 @@ BATCH_INVARIANT_SPECULATIVE = (
 def numerics(llm: "Llama") -> Dict[str, Any]:
     """Which answers are reproducible, and the stock configuration the lossless lanes equal."""
     deterministic = bool(llm._deterministic)
-    lossy = llm._flash_mode in ("sparse", "offload") and llm._experts is None
+    # under a budget with deterministic=True every FFN is computed whole (offload.stream_stats): exact
+    whole_layers = llm._flash is not None and llm._flash.layer_stream_stats() is not None
+    lossy = llm._flash_mode in ("sparse", "offload") and llm._experts is None and not whole_layers
     if deterministic:
         kv = "its KV cache as given" if llm._kv_may_split else "a q8_0 KV cache (-ctk q8_0 -ctv q8_0)"
         equals = (
@@ -142,8 +144,9 @@ def integrity_stats(llm: "Llama", off: Optional[Dict[str, Any]]) -> Optional[Dic
             out.update(
                 read_verified_bytes=off["verified_bytes"],
                 read_verify_seconds=off["verify_seconds"],
-                read_clusters_checked_by_compute=off["clusters_checked_by_compute"],
-                read_compute_verify_seconds=off["compute_verify_seconds"],
+                # whole layers are checked by the thread waiting for them (offload.stream_stats)
+                read_clusters_checked_by_compute=off.get("clusters_checked_by_compute", 0),
+                read_compute_verify_seconds=off.get("compute_verify_seconds", 0.0),
             )
     elif llm._base_check is not None:  # stock: the base model's FFN rows, checked while llama.cpp loaded
         out.update(

@@ -395,11 +395,14 @@ def _plan_offload(plan: ModelPlan, thresholds, request: LoadRequest):
         True if request.speculation is None else request.speculation
     )
     # the draft copy serves self-drafts only: without them the plan is the one without speculation
-    self_drafts = speculation is not None and speculation.self_draft and not request.user_draft
+    # deterministic answers compute whole layers (offload.stream_layers): no sparse lane to draft over
+    self_drafts = (
+        speculation is not None and speculation.self_draft and not request.user_draft and not request.deterministic
+    )
     if request.draft_copy and not self_drafts:
         raise ValueError(
             "flash_draft_copy=True keeps the draft copy for speculative self-drafts, which are off here "
-            "(flash_speculative=False, self_draft=False, or a draft_model given); leave flash_draft_copy "
+            "(flash_speculative=False, self_draft=False, a draft_model given, or deterministic=True); leave flash_draft_copy "
             "unset or turn self-drafts on"
         )
     offload_plan, config, plan.speculation, plan.speculation_off_reason = offload.configure(
@@ -423,10 +426,16 @@ def _plan_offload(plan: ModelPlan, thresholds, request: LoadRequest):
         speculation_by_default=by_default,
         prompt_tokens=request.prompt_tokens,
         prompt_pages_freed=request.prompt_pages_freed,
+        whole_layers=request.deterministic,
     )
     plan.offload = offload_plan
     plan.llama_defaults.update(n_batch=offload_plan.n_batch, n_ubatch=offload_plan.n_ubatch)
     plan.reason = f"flash offload: {offload_plan.cluster_size}-neuron clusters through a cache under the budget"
+    if config.offload.stream_layers:
+        plan.reason = (
+            f"flash offload, deterministic: every FFN computed whole as stock computes it, the layers read from "
+            f"flash one at a time ({len(config.offload.hot_layers)} of {len(config.layers)} pinned)"
+        )
     return config
 
 

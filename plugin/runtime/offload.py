@@ -12,10 +12,16 @@ Order of operations (what `Llama(..., ram_budget_mb=N)` does):
      pinned clusters, which are read now;
   3. llama.cpp loads the rest with the plan's batch sizes; decode runs on the sparse lane, whose up and
      down_t rows come from the cache (csrc/offload/neuron_cache.h); `stats` reports what it did.
+
+With ``deterministic=True`` (``whole_layers``) the plan's cache memory holds whole layers instead
+(:func:`stream_layers`, csrc/offload/layer_stream.h): every FFN row is computed by the dense lane over
+the base model's own up and down (and gate, when streamed) as stock computes a row alone, read from
+flash a layer at a time, a few layers pinned; the sparse lane and the self-draft are off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
@@ -50,6 +56,7 @@ def configure(
     speculation_by_default: bool = False,
     prompt_tokens: Optional[int] = None,
     prompt_pages_freed: bool = True,
+    whole_layers: bool = False,
 ) -> Tuple["OffloadPlan", "_native.EngineConfig", Optional[speculative.SpeculativeSettings], Optional[str]]:
     """Steps 1 and 2: the plan for the budget at llama.cpp's ``n_ctx``, ``n_ubatch`` (None: the plan
     chooses; the plan's n_batch and n_ubatch are what llama.cpp should run with), ``logits_all`` and
@@ -57,7 +64,8 @@ def configure(
     plan weighs (None: DEFAULT_PROMPT_TOKENS); ``prompt_pages_freed``: the host frees a prompt's
     compute pages after it (llamaflash.Llama.eval; planner.plan_offload). Returns the plan, the engine
     configuration, the speculative settings to use and, where speculation that was on only by default
-    is turned off (:func:`default_speculation_off`), the reason."""
+    is turned off (:func:`default_speculation_off`), the reason. ``whole_layers``: the FFN of every
+    served layer computed whole and exactly, over the plan's memory as layer slots (:func:`stream_layers`)."""
     from ..planning import disk_probe, planner  # numpy-heavy; only offload needs them
     from ..planning.prefill_speed import DEFAULT_PROMPT_TOKENS
 
@@ -82,6 +90,16 @@ def configure(
     off_reason = default_speculation_off(plan) if speculation_by_default and spec_settings is not None else None
     if off_reason is not None:
         spec_settings = None
+    if whole_layers:
+        if spec_settings is not None and spec_settings.self_draft:  # it drafts over the sparse lane's clusters
+            spec_settings = dataclasses.replace(spec_settings, self_draft=False)
+        o = engine.offload_config(plan, engine=io_engine)
+        o.stream_layers = True
+        o.draft_copy = False
+        o.prefetch_layers = STREAM_PREFETCH_LAYERS
+        o.hot_layers, o.cold_slots = stream_layers(plan, info)
+        config = engine.engine_config(info, model_path, thresholds, engine.sparse_config(False), o, verify=verify)
+        return plan, config, spec_settings, off_reason
     # every decode split of a layer with a threshold runs on the sparse lane (the dense lane
     # would stream the whole layer from flash), and so do verify batches (1 + k drafted
     # tokens, reading the union of their clusters once); prefill streams on the dense lane
@@ -95,6 +113,28 @@ def configure(
         verify=verify,
     )
     return plan, config, spec_settings, off_reason
+
+
+#: layers read ahead of the one computing in a layer stream: one keeps the disk busy (a layer is
+#: ~15-27 MB of reads on Qwen2.5-1.5B, one request per matrix)
+STREAM_PREFETCH_LAYERS = 1
+
+
+def stream_layers(plan: "OffloadPlan", info: "SidecarInfo") -> Tuple[list, int]:
+    """The layer stream's sizing in the memory the plan gives its neuron cache, (hot_slots +
+    cold_slots) x slot_bytes: 1 + STREAM_PREFETCH_LAYERS cold layer slots (the fewest the stream takes,
+    even where that memory holds fewer), and as many pinned layers as the rest holds, the layers with the
+    most bytes first (each saves its bytes on every token). Returns (pinned positions, cold slots)."""
+    sizes = [
+        (l.n_ff * l.gate_row_bytes if plan.stream_gate else 0, l.n_ff * l.up_row_bytes, l.n_embd * l.base_down_row_bytes)
+        for l in info.layers
+    ]
+    slot = _native.layer_stream_slot_bytes(*(max(s[k] for s in sizes) for k in range(3)))
+    memory = (int(plan.hot_slots) + int(plan.cold_slots)) * int(plan.slot_bytes)
+    cold = 1 + STREAM_PREFETCH_LAYERS
+    n_hot = max(0, min(len(sizes), memory // slot - cold))
+    by_bytes = sorted(range(len(sizes)), key=lambda p: (-sum(sizes[p]), p))
+    return sorted(by_bytes[:n_hot]), cold
 
 
 def _reads_nothing(plan: "OffloadPlan") -> bool:
@@ -184,7 +224,7 @@ def stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
     demand; bytes_read_per_token / io_wait_per_token: flash traffic and time blocked on it."""
     raw = flash.cache_stats()
     if raw is None:
-        return None
+        return stream_stats(flash, plan)
     needed = raw["clusters_needed"] or 0
     tokens = raw["plans"] / max(1, len(flash.served_layers))  # decode tokens through the cache
     per = (lambda v: v / tokens) if tokens else (lambda v: None)
@@ -202,6 +242,29 @@ def stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
         io_wait_per_token=per(raw["io_wait_seconds"]),
         budget_mb=plan.budget_bytes / 2**20 if plan is not None else None,
         prefill=prefill_stats(flash, plan),
+        plan=plan.to_dict() if plan is not None else None,
+    )
+    return out
+
+
+def stream_stats(flash: "_native.FlashModel", plan: Any) -> Optional[Dict[str, Any]]:
+    """Whole layers (deterministic answers): the layer stream's counters since load (or the last
+    reset), ``whole_layers`` True, and per token (plans / served layers) the bytes read and the time
+    blocked on them; hit_rate: layers resident when planned (pinned, or still in a cold slot)."""
+    raw = flash.layer_stream_stats()
+    if raw is None:
+        return None
+    tokens = raw["plans"] / max(1, len(flash.served_layers))
+    per = (lambda v: v / tokens) if tokens else (lambda v: None)
+    out = dict(raw)
+    out.update(
+        whole_layers=True,
+        tokens=tokens,
+        hit_rate=(raw["hits_hot"] + raw["hits_cold"]) / raw["plans"] if raw["plans"] else None,
+        prefetch_coverage=raw["hits_prefetch"] / raw["plans"] if raw["plans"] else None,
+        bytes_read_per_token=per(raw["bytes_read"]),
+        io_wait_per_token=per(raw["io_wait_seconds"]),
+        budget_mb=plan.budget_bytes / 2**20 if plan is not None else None,
         plan=plan.to_dict() if plan is not None else None,
     )
     return out
