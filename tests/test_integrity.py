@@ -342,3 +342,35 @@ def test_offload_views_are_checked_at_every_split_that_reads_them(converted, tmp
         else:
             llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])  # decode: the streamed gate
     llm.close()
+
+
+def test_whole_layers_check_each_flash_read_before_the_layer_is_computed(tiny_model_factory, tmp_path, forced_plan):
+    """deterministic=True under a budget reads whole layers from flash (the layer stream, csrc/offload/
+    layer_stream.h) and checks every row of each read before the dense lane computes from it. A row
+    rewritten in place (its modification time put back) fails every evaluation that reads it, naming
+    the tensor and the row: the slot is dropped, never computed from. (Four layers, two slots: every
+    layer is read again for each token.)"""
+    from synth import FAST_CONVERT
+
+    m = tmp_path / "m.gguf"
+    shutil.copy(tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192, n_layer=4), m)
+    s = convert(m, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
+    lay = validate_pair(m, s).layers[1]
+    forced_plan(make_plan(s, 0, prefetch_layers=1, stream_gate=True))
+    kw = dict(model_path=str(m), sidecar_path=str(s), ram_budget_mb=64, deterministic=True, **KW)
+    llm = llamaflash.Llama(**kw)
+    prompt = llm.tokenize(b"hello there")
+    llm.eval(prompt)
+    stats = llm.flash_stats()
+    off = stats["offload"]
+    assert off["whole_layers"] and off["hot_slots"] == 0 and off["misses"] + off["prefetched"] > 0
+    assert stats["integrity"]["read_verified_bytes"] > 0 and stats["numerics"]["lossless"]
+    st = os.stat(m)
+    _flip(m, lay.base_up_offset + 100 * lay.up_row_bytes + 9)
+    os.utime(m, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for _ in range(2):
+        llm.reset()
+        with pytest.raises(SidecarIntegrityError, match=fmt.base_ffn_up_name(1)) as e:
+            llm.eval(prompt)
+        assert "row 100 " in str(e.value)
+    llm.close()

@@ -169,3 +169,30 @@ def test_a_prompt_empties_the_cold_region_and_frees_its_compute_pages(converted,
     assert llm.flash_stats()["offload"]["prompt_pages_freed_bytes"] == freed
     llm.close()
     ref.close()
+
+
+@pytest.mark.parametrize("stream_gate", [False, True])
+def test_whole_layers_take_the_memory_the_plan_gives_the_cache(converted, stream_gate):
+    """deterministic=True under a budget (runtime/offload.stream_layers): two cold layer slots (the
+    layer computing, the one read ahead) and as many pinned layers as the rest of the plan's cache
+    memory holds, the largest first; two slots even where that memory holds fewer."""
+    import types
+
+    from llamaflash import _native
+    from llamaflash.runtime.offload import STREAM_PREFETCH_LAYERS, stream_layers
+
+    _, sidecar = converted
+    info = read_sidecar(sidecar)
+    parts = [
+        max(l.n_ff * l.gate_row_bytes for l in info.layers) if stream_gate else 0,
+        max(l.n_ff * l.up_row_bytes for l in info.layers),
+        max(l.n_embd * l.base_down_row_bytes for l in info.layers),
+    ]
+    slot = _native.layer_stream_slot_bytes(*parts)
+    assert slot >= sum(parts) and slot % 4096 == 0
+    for n_slots in (1, 2, 3, 100):
+        plan = types.SimpleNamespace(stream_gate=stream_gate, hot_slots=n_slots, cold_slots=0, slot_bytes=slot)
+        hot, cold = stream_layers(plan, info)
+        assert cold == 1 + STREAM_PREFETCH_LAYERS == 2
+        assert hot == sorted(set(hot)) and len(hot) == min(len(info.layers), max(0, n_slots - 2))
+        assert all(0 <= p < len(info.layers) for p in hot)

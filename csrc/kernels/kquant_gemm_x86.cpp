@@ -8,11 +8,12 @@
 // then applies the same float operations in the same order (kquant_gemm.h), so every output has
 // vec_dot's bits:
 //  - the AVX2 kernels run vec_dot's own instructions, the weight side hoisted out of the column loop;
-//  - the AVX-512 kernels hold a 32-byte chunk's two sub-blocks in one 64-byte register (lanes 0..7:
-//    the first, 8..15: the second) and multiply-add with vpdpwssd; the two halves are then added
-//    (exact integers), which gives vec_dot's 8 lane totals. They take weight rows in pairs, so that
-//    each column's loads serve two rows (the Q4_K kernel also runs both rows' float steps in one
-//    register, lane by lane vec_dot's). With at most kReadAheadMaxCols columns they ask for each row
+//  - the AVX-512 kernels take weight rows in pairs, so that each column's loads serve two rows, and
+//    multiply-add with vpdpwssd. The Q6_K kernel holds a 32-byte chunk's two sub-blocks in one 64-byte
+//    register (lanes 0..7: the first, 8..15: the second) and adds the two halves (exact integers),
+//    which gives vec_dot's 8 lane totals; the Q4_K kernel holds one sub-block of both rows in one
+//    register (lanes 0..7: row r, 8..15: row r + 1), so its sums are both rows' lane totals at once,
+//    and runs both rows' float steps in one register, lane by lane vec_dot's. With at most kReadAheadMaxCols columns they ask for each row
 //    pair's bytes 4 KiB ahead (row_prefetch.h), which changes no result.
 #include "kernels/kquant_gemm_kernels.h"
 
@@ -162,35 +163,56 @@ LF_AVX2 void q4_k_avx2(int64_t ne0, const void * w, size_t w_row_bytes, int64_t 
     }
 }
 
-// One Q4_K superblock unpacked for the AVX-512 kernel: chunk j as [32 low nibbles (sub-block 2j) |
-// 32 high nibbles (sub-block 2j + 1)], its scales as int16 [sc[2j] × 16 | sc[2j + 1] × 16], the mins
-// as 8 int16, and d, dmin.
-struct Q4KBlock512 {
-    __m512i wq[4], ws[4];
-    __m128i mins16;
-    float xd, xdmin;
+// One Q4_K superblock of a pair of weight rows unpacked for the AVX-512 kernel: sub-block k of both
+// rows in one register, wq[k] = [row 0's 32 values | row 1's 32 values] (chunk k/2's low nibbles for
+// even k, high for odd), ws[k] = their scales as int16 [sc0[k] × 16 | sc1[k] × 16]; the mins as int16
+// [row 0's 8 | row 1's 8]; xd = [d0 × 8 | d1 × 8], xdmin = [dmin0 × 4 | dmin1 × 4]. Multiplied by a
+// column's sub-block k in both halves, vpmaddubsw + vpdpwssd add each row's products to the lanes vec_dot
+// adds them to (lane l of a half: values 4l..4l+3 of every sub-block), so the sums over k are vec_dot's 8
+// lane totals of each row, with no fold of halves.
+struct Q4KPair512 {
+    __m512i wq[8], ws[8];
+    __m256i mins16;
+    __m512 xd;
+    __m256 xdmin;
 };
 
-LF_AVX512 inline __attribute__((always_inline)) void unpack_q4_k_512(const uint8_t * xb, Q4KBlock512 & b) {
+LF_AVX512 inline __attribute__((always_inline)) void unpack_q4_k_pair_512(const uint8_t * x0, const uint8_t * x1,
+                                                                           Q4KPair512 & p) {
     const __m512i m4 = _mm512_set1_epi8(0xF);
-    // d and dmin: the two fp16 values converted together
-    const __m128 dd =
-        _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u16(xb) | (uint32_t{load_u16(xb + 2)} << 16))));
-    b.xd = _mm_cvtss_f32(dd);
-    b.xdmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
-    uint32_t utmp[4];
-    q4_k_scales_mins(xb + 4, utmp);
-    b.mins16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, utmp[3], utmp[2]));
-    // scales as int16 in lanes 0..7, each chunk's pair spread by one permutation
-    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, utmp[1], utmp[0])));
+    // d and dmin of each row: the two fp16 values converted together
+    const __m128 dd0 =
+        _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u16(x0) | (uint32_t{load_u16(x0 + 2)} << 16))));
+    const __m128 dd1 =
+        _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u16(x1) | (uint32_t{load_u16(x1 + 2)} << 16))));
+    p.xd = _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(_mm_cvtss_f32(dd0)))),
+                           _mm256_castps_pd(_mm256_set1_ps(_mm_cvtss_f32(dd1))), 1));
+    p.xdmin = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(_mm_cvtss_f32(_mm_movehdup_ps(dd0)))),
+                                   _mm_set1_ps(_mm_cvtss_f32(_mm_movehdup_ps(dd1))), 1);
+    uint32_t u0[4], u1[4];
+    q4_k_scales_mins(x0 + 4, u0);
+    q4_k_scales_mins(x1 + 4, u1);
+    p.mins16 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, u0[3], u0[2]))),
+                                       _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, u1[3], u1[2])), 1);
+    // scales as int16: row 0's in words 0..7, row 1's in words 16..23; each sub-block's pair spread by
+    // one permutation
+    const __m512i sc16 = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, u0[1], u0[0])))),
+        _mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, u1[1], u1[0]))), 1);
     for (int j = 0; j < 4; ++j) {
-        // the chunk's 32 bytes in both halves; the upper half shifted down a nibble, then both masked
-        const __m512i bits =
-            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 16 + 32 * j)));
-        b.wq[j] = _mm512_and_si512(_mm512_mask_srli_epi16(bits, 0xFFFF0000u, bits, 4), m4);
-        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(2 * j))),
-                                               _mm256_set1_epi16(static_cast<int16_t>(2 * j + 1)), 1);
-        b.ws[j] = _mm512_permutexvar_epi16(idx, sc16);
+        // chunk j of both rows: low nibbles = sub-block 2j, high nibbles = sub-block 2j + 1
+        const __m512i bits = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(x0 + 16 + 32 * j))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x1 + 16 + 32 * j)), 1);
+        p.wq[2 * j] = _mm512_and_si512(bits, m4);
+        p.wq[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(bits, 4), m4);
+        for (int h = 0; h < 2; ++h) {
+            const int k = 2 * j + h;
+            const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(k))),
+                                                   _mm256_set1_epi16(static_cast<int16_t>(16 + k)), 1);
+            p.ws[k] = _mm512_permutexvar_epi16(idx, sc16);
+        }
     }
 }
 
@@ -246,8 +268,8 @@ struct Q8KColumnsFill {
 // register (acc: lanes 0..7 row r, 8..15 row r + 1; accm: lanes 0..3 and 4..7), lane by lane the
 // operations vec_dot applies to each. (Four rows at a time spill the unpacked blocks out of the 32
 // registers: measured slower.) Per (row pair, column, superblock): the integer totals by
-// vpmaddubsw + vpdpwssd in two chains (exact integers, so the split changes no bit), folded to each
-// row's 8 lanes by one add of the two 256-bit halves.
+// vpmaddubsw + vpdpwssd over each sub-block of both rows at once (Q4KPair512) in two chains, added
+// (exact integers, so the split changes no bit); q8.d·d and -q8.d·dmin of both rows by one product each.
 LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
                                size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
     const int64_t nb = ne0 / kQK;
@@ -273,47 +295,30 @@ LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, 
                     accm[c] = _mm256_setzero_ps();
                 }
                 for (int64_t i = 0; i < nb; ++i) {
-                    Q4KBlock512 b0, b1;
-                    unpack_q4_k_512(x0 + static_cast<size_t>(i) * kQ4_KBytes, b0);
-                    unpack_q4_k_512(x1 + static_cast<size_t>(i) * kQ4_KBytes, b1);
-                    const __m256i mins16 = _mm256_inserti128_si256(_mm256_castsi128_si256(b0.mins16), b1.mins16, 1);
+                    Q4KPair512 b;
+                    unpack_q4_k_pair_512(x0 + static_cast<size_t>(i) * kQ4_KBytes, x1 + static_cast<size_t>(i) * kQ4_KBytes,
+                                         b);
                     const Q8KColumns & t = tile[i];
-                    // per column: q8.d·d and -q8.d·dmin of each row
-                    alignas(32) float dx0[kQ4KTileCols], dx1[kQ4KTileCols], dm0[kQ4KTileCols], dm1[kQ4KTileCols];
-                    for (int g = 0; g < nc; g += 8) {
-                        const __m256 yd = _mm256_load_ps(t.yd + g), nyd = _mm256_load_ps(t.nyd + g);
-                        _mm256_store_ps(dx0 + g, _mm256_mul_ps(yd, _mm256_set1_ps(b0.xd)));
-                        _mm256_store_ps(dx1 + g, _mm256_mul_ps(yd, _mm256_set1_ps(b1.xd)));
-                        _mm256_store_ps(dm0 + g, _mm256_mul_ps(nyd, _mm256_set1_ps(b0.xdmin)));
-                        _mm256_store_ps(dm1 + g, _mm256_mul_ps(nyd, _mm256_set1_ps(b1.xdmin)));
-                    }
                     for (int c = 0; c < nc; ++c) {
                         const uint8_t * y =
                             qc + static_cast<size_t>(c) * q_col_bytes + static_cast<size_t>(i) * kQ8_KBytes;
-                        // the minimum's term: madd(mins, hadd(bsums)), both rows
+                        // the minimum's term: (-q8.d·dmin) · madd(mins, hadd(bsums)), both rows
                         const __m256i q8s = _mm256_broadcastsi128_si256(t.q8s[c]);
-                        const __m256 dm =
-                            _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(dm0[c])), _mm_set1_ps(dm1[c]), 1);
-                        accm[c] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(_mm256_madd_epi16(mins16, q8s)), accm[c]);
+                        const __m256 dm = _mm256_mul_ps(b.xdmin, _mm256_set1_ps(t.nyd[c]));
+                        accm[c] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(_mm256_madd_epi16(b.mins16, q8s)), accm[c]);
+                        // the column's sub-block k in both halves, against both rows' sub-block k
                         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-                        __m512i u0 = _mm512_setzero_si512(), u1 = _mm512_setzero_si512();
-                        for (int j = 0; j < 4; j += 2) {
-                            const __m512i q8 = _mm512_loadu_si512(y + 4 + 64 * j);
-                            const __m512i q8n = _mm512_loadu_si512(y + 4 + 64 * (j + 1));
-                            s0 = _mm512_dpwssd_epi32(s0, _mm512_maddubs_epi16(b0.wq[j], q8), b0.ws[j]);
-                            s1 = _mm512_dpwssd_epi32(s1, _mm512_maddubs_epi16(b1.wq[j], q8), b1.ws[j]);
-                            u0 = _mm512_dpwssd_epi32(u0, _mm512_maddubs_epi16(b0.wq[j + 1], q8n), b0.ws[j + 1]);
-                            u1 = _mm512_dpwssd_epi32(u1, _mm512_maddubs_epi16(b1.wq[j + 1], q8n), b1.ws[j + 1]);
+                        for (int k = 0; k < 8; k += 2) {
+                            const __m512i ya =
+                                _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 32 * k)));
+                            const __m512i yb = _mm512_broadcast_i64x4(
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 32 * (k + 1))));
+                            s0 = _mm512_dpwssd_epi32(s0, _mm512_maddubs_epi16(b.wq[k], ya), b.ws[k]);
+                            s1 = _mm512_dpwssd_epi32(s1, _mm512_maddubs_epi16(b.wq[k + 1], yb), b.ws[k + 1]);
                         }
-                        s0 = _mm512_add_epi32(s0, u0);
-                        s1 = _mm512_add_epi32(s1, u1);
-                        // [lo(s0) | lo(s1)] + [hi(s0) | hi(s1)]: each row's 8 lane totals
-                        const __m512i sumi =
-                            _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
-                        const __m512 dx = _mm512_castpd_ps(
-                            _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(dx0[c]))),
-                                               _mm256_castps_pd(_mm256_set1_ps(dx1[c])), 1));
-                        acc[c] = _mm512_fmadd_ps(dx, _mm512_cvtepi32_ps(sumi), acc[c]);
+                        // q8.d·d of each row (the scalar product's bits, lane by lane)
+                        const __m512 dx = _mm512_mul_ps(b.xd, _mm512_set1_ps(t.yd[c]));
+                        acc[c] = _mm512_fmadd_ps(dx, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[c]);
                     }
                 }
                 for (int c = 0; c < nc; ++c) {
