@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 
 import llama_cpp
+import llama_cpp.llama_cpp as raw
 import numpy as np
 import pytest
 
@@ -176,6 +177,27 @@ def test_no_sidecar_notice_for_deterministic_in_memory(dense_model, monkeypatch)
             llamaflash.Llama(str(dense_model), deterministic=deterministic, **KW).close()
         said = [w for w in seen if "no sidecar" in str(w.message)]
         assert len(said) == expected, [str(w.message) for w in said]
+
+
+def test_inner_batches_compute_no_logits_and_change_no_bit(dense_model):
+    """A prompt longer than one deterministic batch, logits_all=False: the batches before the last
+    ask for no logits (nothing samples them: no product by the output matrix), and the last position's
+    logits equal those of the evaluation where every row is an output."""
+    llm = llamaflash.Llama(str(dense_model), deterministic=True, **{**KW, "logits_all": False})
+    ids = _prompt(llm)
+    outputs, decode = [], llm._ctx.decode
+
+    def counting(batch):
+        outputs.append(sum(int(batch.batch.logits[i]) for i in range(batch.batch.n_tokens)))
+        return decode(batch)
+
+    llm._ctx.decode = counting
+    llm.eval(ids)
+    last = np.ctypeslib.as_array(raw.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+    llm.close()
+    assert len(outputs) >= 2 and outputs == [0] * (len(outputs) - 1) + [1]
+    _, scores, _, _ = _ours(dense_model)
+    assert np.array_equal(last, scores[len(ids) - 1])
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,9 @@ def eval_invariant(llm: "Llama", tokens, all_logits: bool) -> None:
     """Evaluates `tokens` at n_tokens in batch-invariant chunks (eval_shapes.invariant_chunks): a
     lone token past the split-KV length is decoded with a filler row after it (the same token), whose
     KV entry is removed and whose logits are replaced by the token's, so that sampling the last
-    output row samples the token's."""
+    output row samples the token's. A chunk before the last computes no logits unless `all_logits`
+    (nothing samples them): no product by the output matrix, and no last-layer FFN for its last row
+    (llama.cpp runs the last layer's FFN on output rows only); every KV entry is the same."""
     n_past = llm.n_tokens
     t0 = time.perf_counter()
     # any 1..MAX_ROWS rows are invariant: chunks also fit a smaller n_batch / n_ubatch (an MoE plan's)
@@ -32,7 +34,8 @@ def eval_invariant(llm: "Llama", tokens, all_logits: bool) -> None:
     always = llm._tinyblas_matrix is not None
     pad_lone = (llm._deterministic or llm._speculator is not None) and (llm._kv_may_split or always)
     end = n_past + len(tokens)
-    for first, rows in eval_shapes.invariant_chunks(n_past, len(tokens), max_rows, pad_lone, always):
+    chunks = eval_shapes.invariant_chunks(n_past, len(tokens), max_rows, pad_lone, always)
+    for i, (first, rows) in enumerate(chunks):
         real = min(rows, end - first)
         chunk = tokens[first - n_past : first - n_past + real]
         chunk = chunk + [chunk[-1]] * (rows - real)  # filler rows after a lone token
@@ -40,6 +43,8 @@ def eval_invariant(llm: "Llama", tokens, all_logits: bool) -> None:
         llm._ctx.kv_cache_seq_rm(-1, first, -1)
         llm._kv_history.cut(first)
         llm._batch.set_batch(batch=chunk, n_past=first, logits_all=outputs)
+        if not outputs and i + 1 < len(chunks):
+            llm._batch.batch.logits[rows - 1] = False  # an inner chunk: no row is sampled
         llm._ctx.decode(llm._batch)
         if rows > real:
             llm._ctx.kv_cache_seq_rm(-1, first + real, -1)
