@@ -32,7 +32,7 @@ def make_plan(sidecar, hot_per_layer: int, prefetch_layers: int = 1, extra_cold:
         hot.append(np.argsort(-padded.reshape(nc, C).sum(1))[:hot_per_layer].astype(np.int32))
     n_clusters = max(len(p) for p in probs)
     slot_bytes = _native.cache_slot_bytes(
-        C, max(l.up_row_bytes for l in info.layers), max(l.down_t_row_bytes for l in info.layers)
+        C, max(lay.up_row_bytes for lay in info.layers), max(lay.down_t_row_bytes for lay in info.layers)
     )
     plan = types.SimpleNamespace(
         slot_bytes=slot_bytes,

@@ -184,9 +184,9 @@ def test_whole_layers_take_the_memory_the_plan_gives_the_cache(converted, stream
     _, sidecar = converted
     info = read_sidecar(sidecar)
     parts = [
-        max(l.n_ff * l.gate_row_bytes for l in info.layers) if stream_gate else 0,
-        max(l.n_ff * l.up_row_bytes for l in info.layers),
-        max(l.n_embd * l.base_down_row_bytes for l in info.layers),
+        max(lay.n_ff * lay.gate_row_bytes for lay in info.layers) if stream_gate else 0,
+        max(lay.n_ff * lay.up_row_bytes for lay in info.layers),
+        max(lay.n_embd * lay.base_down_row_bytes for lay in info.layers),
     ]
     slot = _native.layer_stream_slot_bytes(*parts)
     assert slot >= sum(parts) and slot % 4096 == 0

@@ -178,7 +178,7 @@ struct Q4KPair512 {
 };
 
 LF_AVX512 inline __attribute__((always_inline)) void unpack_q4_k_pair_512(const uint8_t * x0, const uint8_t * x1,
-                                                                           Q4KPair512 & p) {
+                                                                          Q4KPair512 & p) {
     const __m512i m4 = _mm512_set1_epi8(0xF);
     // d and dmin of each row: the two fp16 values converted together
     const __m128 dd0 =
@@ -296,8 +296,8 @@ LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, 
                 }
                 for (int64_t i = 0; i < nb; ++i) {
                     Q4KPair512 b;
-                    unpack_q4_k_pair_512(x0 + static_cast<size_t>(i) * kQ4_KBytes, x1 + static_cast<size_t>(i) * kQ4_KBytes,
-                                         b);
+                    unpack_q4_k_pair_512(x0 + static_cast<size_t>(i) * kQ4_KBytes,
+                                         x1 + static_cast<size_t>(i) * kQ4_KBytes, b);
                     const Q8KColumns & t = tile[i];
                     for (int c = 0; c < nc; ++c) {
                         const uint8_t * y =
@@ -309,8 +309,8 @@ LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, 
                         // the column's sub-block k in both halves, against both rows' sub-block k
                         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
                         for (int k = 0; k < 8; k += 2) {
-                            const __m512i ya =
-                                _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 32 * k)));
+                            const __m512i ya = _mm512_broadcast_i64x4(
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 32 * k)));
                             const __m512i yb = _mm512_broadcast_i64x4(
                                 _mm256_loadu_si256(reinterpret_cast<const __m256i *>(y + 4 + 32 * (k + 1))));
                             s0 = _mm512_dpwssd_epi32(s0, _mm512_maddubs_epi16(b.wq[k], ya), b.ws[k]);

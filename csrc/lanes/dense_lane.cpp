@@ -104,7 +104,8 @@ ggml_tensor * DenseLane::map_src(const ggml_tensor * src) {
 void DenseLane::use_weight(const ggml_tensor * phantom, ggml_tensor * weight) {
     const BoundWeight * bound = WeightRegistry::instance().lookup(phantom);
     if (bound == nullptr || !ggml_are_same_shape(weight, phantom) || weight->type != phantom->type) {
-        GGML_ABORT("llamaflash: the streamed weight for '%s' is not the served weight llama.cpp expects", phantom->name);
+        GGML_ABORT("llamaflash: the streamed weight for '%s' is not the served weight llama.cpp expects",
+                   phantom->name);
     }
     model_ = bound->model.get();
     mirror_[phantom] = weight;

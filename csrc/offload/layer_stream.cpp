@@ -169,7 +169,8 @@ void LayerStream::check(int64_t s) {
     const Rows r = rows_of(s);
     const StreamLayerSource & L = layers_[static_cast<size_t>(slot.pos)];
     const auto check_part = [](const uint8_t * data, const StreamPart & p) -> uint64_t {
-        return data != nullptr && !p.crc.empty() ? verify_rows(data, p.row_bytes, 0, p.rows, p.crc.data(), p.source) : 0;
+        return data != nullptr && !p.crc.empty() ? verify_rows(data, p.row_bytes, 0, p.rows, p.crc.data(), p.source)
+                                                 : 0;
     };
     try {
         stats_.verified_bytes += check_part(r.gate, L.gate) + check_part(r.up, L.up) + check_part(r.down, L.down);

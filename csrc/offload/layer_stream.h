@@ -117,10 +117,10 @@ public:
 
 private:
     struct Slot {
-        int pos = -1;       // layer position held, -1 free
+        int pos = -1;  // layer position held, -1 free
         bool hot = false;
-        bool loading = false;  // reads submitted, not yet waited for
-        bool checked = false;  // rows compared with their checksums (or nothing to compare)
+        bool loading = false;     // reads submitted, not yet waited for
+        bool checked = false;     // rows compared with their checksums (or nothing to compare)
         bool prefetched = false;  // read ahead and not yet planned
         FlashReader::Ticket ticket = 0;
     };
@@ -131,9 +131,9 @@ private:
     // a cold slot for a layer `dist` steps ahead in the walk from `from`: free, or holding the layer
     // that comes up latest, later than `dist`; -1 when none (read-ahead only: demand always gets one)
     int64_t take_cold_slot(int from, int dist, bool demand);
-    void await(int64_t s);    // waits for the slot's reads (IoError: the slot is freed, rethrown)
-    void check(int64_t s);    // the slot's rows against their checksums (IntegrityError: freed, rethrown)
-    void drop(int64_t s);     // forgets the slot's layer
+    void await(int64_t s);  // waits for the slot's reads (IoError: the slot is freed, rethrown)
+    void check(int64_t s);  // the slot's rows against their checksums (IntegrityError: freed, rethrown)
+    void drop(int64_t s);   // forgets the slot's layer
     Rows rows_of(int64_t s) const;
     int distance(int from, int to) const;  // steps from `from` to `to` in the walk (0..n-1)
 

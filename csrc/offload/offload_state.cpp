@@ -41,7 +41,9 @@ std::unique_ptr<LayerStream> open_layer_stream(const EngineConfig & config, cons
             dst.row_bytes = row_bytes;
             if (store.verifying()) {
                 const LayerChecksums & sums = store.checksums(p);
-                dst.crc = set == RowSet::base_gate ? sums.base_gate : set == RowSet::base_up ? sums.base_up : sums.base_down;
+                dst.crc = set == RowSet::base_gate ? sums.base_gate
+                          : set == RowSet::base_up ? sums.base_up
+                                                   : sums.base_down;
                 dst.source = row_source(s, set, config.sidecar_path, config.base_path);
             }
         };

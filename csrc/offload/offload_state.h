@@ -83,7 +83,7 @@ public:
     void load_hot();  // reads the pinned clusters or layers (blocking); throws IoError / IntegrityError
     NeuronCache * cache() const { return cache_.get(); }          // nullptr with stream_layers
     LayerStream * layer_stream() const { return stream_.get(); }  // nullptr without
-    void verify_files() const;  // IoError when a file read from flash changed on disk
+    void verify_files() const;                                    // IoError when a file read from flash changed on disk
 
     bool stream_gate() const { return stream_gate_; }
     // Gate bytes a decode token reads from flash: Σ over served layers of n_ff · gate_row_bytes

@@ -126,8 +126,12 @@ def stream_layers(plan: "OffloadPlan", info: "SidecarInfo") -> Tuple[list, int]:
     even where that memory holds fewer), and as many pinned layers as the rest holds, the layers with the
     most bytes first (each saves its bytes on every token). Returns (pinned positions, cold slots)."""
     sizes = [
-        (l.n_ff * l.gate_row_bytes if plan.stream_gate else 0, l.n_ff * l.up_row_bytes, l.n_embd * l.base_down_row_bytes)
-        for l in info.layers
+        (
+            lay.n_ff * lay.gate_row_bytes if plan.stream_gate else 0,
+            lay.n_ff * lay.up_row_bytes,
+            lay.n_embd * lay.base_down_row_bytes,
+        )
+        for lay in info.layers
     ]
     slot = _native.layer_stream_slot_bytes(*(max(s[k] for s in sizes) for k in range(3)))
     memory = (int(plan.hot_slots) + int(plan.cold_slots)) * int(plan.slot_bytes)
