@@ -258,8 +258,9 @@ def test_offload_computes_whole_layers_equal_to_stock_one_token_per_call(dense_c
     forced_plan(make_plan(sidecar, 4, prefetch_layers=1))
     kw = dict(sidecar_path=str(sidecar), ram_budget_mb=64)
     llm = llamaflash.Llama(str(model), deterministic=True, **KW, **kw)
-    off = llm.flash_stats()["offload"]
-    assert off["whole_layers"] is True and off["cold_slots"] == 2
+    stats = llm.flash_stats()
+    assert stats["offload"]["whole_layers"] is True and stats["offload"]["cold_slots"] == 2
+    assert "whole layers" in stats["speculative"]["self_draft_off_reason"]  # prompt lookup stays
     llm.close()
     ids, scores, stats, sizes = _ours(model, **kw)
     assert stats["invariant_rows"] == eval_shapes.UNTILED_MAX_ROWS and max(sizes) == 63

@@ -165,9 +165,16 @@ def default_speculation_off(plan: "OffloadPlan") -> Optional[str]:
 def attach_self_draft(
     llm, speculator: speculative.Speculator, plan: "OffloadPlan", info: "SidecarInfo", spec_settings
 ) -> Optional[str]:
-    """The speculator's self-draft under a budget (no user draft model): off when the gate is streamed
-    from flash (the reason is returned), else the offload lane's draft mode with the plan's predicted
+    """The speculator's self-draft under a budget (no user draft model): off when whole layers are
+    computed (deterministic answers) or the gate is streamed from flash (the reason is returned), else the offload lane's draft mode with the plan's predicted
     acceptance as its prior. ``llm``: the `llamaflash.Llama` drafting, held by weak reference."""
+    if llm._flash is not None and llm._flash.layer_stream_stats() is not None:
+        reason = (
+            "self-draft off: deterministic answers compute whole layers from flash, and a self-draft drafts over "
+            "the sparse lane's resident clusters"
+        )
+        speculator.disable_source("self_draft", "off: " + reason)
+        return reason
     if plan.stream_gate:
         reason = "self-draft off: the gate is streamed from flash under this budget"
         speculator.disable_source("self_draft", "off: " + reason)
