@@ -36,7 +36,8 @@ std::shared_ptr<FlashModel> FlashModel::open(EngineConfig config) {
     model->sidecar_watch_ = std::make_unique<FileReader>(config.sidecar_path);
     model->base_watch_ = std::make_unique<FileReader>(config.base_path);
     const bool offload = config.offload.has_value();
-    model->store_.load_dense(offload, offload && config.offload->stream_gate, config.repack);
+    model->store_.load_dense(offload, offload && config.offload->stream_gate, config.repack,
+                             !(offload && config.offload->stream_layers));
     if (config.sparse.enabled) {
         model->store_.load_sparse(model->activation_, offload);
     }

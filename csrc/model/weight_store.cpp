@@ -189,7 +189,7 @@ std::vector<std::vector<int32_t>> WeightStore::read_orders(const FileReader & si
     return orders;
 }
 
-void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
+void WeightStore::load_dense(bool offload, bool stream_gate, bool repack, bool views_used) {
     if (dense_loaded()) {
         throw std::logic_error("llamaflash: dense weights loaded twice");
     }
@@ -374,9 +374,11 @@ void WeightStore::load_dense(bool offload, bool stream_gate, bool repack) {
         // what is used in place: in memory the mappings (their pages are read now, as computing would);
         // offload the base file's prefill views, read in chunks without keeping their pages
         if (offload) {
-            check_file_rows(li, RowSet::base_up, base);
-            check_file_rows(li, RowSet::base_down, base);
-            if (stream_gate) check_file_rows(li, RowSet::base_gate, base);
+            if (views_used) {
+                check_file_rows(li, RowSet::base_up, base);
+                check_file_rows(li, RowSet::base_down, base);
+                if (stream_gate) check_file_rows(li, RowSet::base_gate, base);
+            }
             continue;
         }
         auto bundle_map = regions_.find({kSidecar, s.bundle_offset});

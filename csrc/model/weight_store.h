@@ -26,7 +26,8 @@
 // same page cache the mapping shows) or the copy's read buffer (bundles, down_t, base up and down,
 // as used); offload: the gate copy's bundle reads, and the
 // base file's up, down (and streamed gate) prefill views read in chunks and dropped from the page
-// cache again. The neuron cache checks its own reads (neuron_cache.h) with checksums() of the store.
+// cache again (not with whole layers: the layer stream checks what it reads). The neuron cache and the
+// layer stream check their own reads with checksums() of the store.
 //
 // Lifetime: owned by FlashModel; the tensors and mappings live as long as the store.
 #pragma once
@@ -61,8 +62,10 @@ public:
 
     // Reads or maps every layer's dense weights (see Placement). Throws IoError (truncated file,
     // unreadable), std::runtime_error (order not a permutation, allocation failed).
-    // repack false: plain CPU copies only (EngineConfig::repack).
-    void load_dense(bool offload, bool stream_gate, bool repack = true);
+    // repack false: plain CPU copies only (EngineConfig::repack). views_used false (offload with whole
+    // layers, OffloadConfig::stream_layers): nothing computes from the base file's views, whose rows
+    // come through the layer stream and are checked there on every read, so they are not checked here.
+    void load_dense(bool offload, bool stream_gate, bool repack = true, bool views_used = true);
     // Maps every layer's bundle and down_t regions for the kernel (in memory), or leaves the kernel's
     // rows to the neuron cache (offload: placeholders until the lane points them at slots). Needs
     // load_dense. Throws std::invalid_argument (down_t row size) / IoError.
