@@ -344,16 +344,22 @@ def test_offload_views_are_checked_at_every_split_that_reads_them(converted, tmp
     llm.close()
 
 
-def test_whole_layers_check_each_flash_read_before_the_layer_is_computed(tiny_model_factory, tmp_path, forced_plan):
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_K_M"])
+def test_whole_layers_check_each_flash_read_before_its_result_is_used(
+    tiny_model_factory, tmp_path, forced_plan, weight_type
+):
     """deterministic=True under a budget reads whole layers from flash (the layer stream, csrc/offload/
-    layer_stream.h) and checks every row of each read before the dense lane computes from it. A row
-    rewritten in place (its modification time put back) fails every evaluation that reads it, naming
-    the tensor and the row: the slot is dropped, never computed from. (Four layers, two slots: every
-    layer is read again for each token.)"""
+    layer_stream.h) and checks every row of each read before anything computed from it is used: K-quant
+    rows by the products that multiply them (each block once multiplied, backend/matmul_rows.h
+    CheckedWeight), Q8_0 rows (which ggml-cpu multiplies) before the layer is computed. A row rewritten
+    in place (its modification time put back) fails every evaluation that reads it, naming the tensor
+    and the row: the slot is dropped. (Four layers, two slots: every layer is read again for each
+    token.)"""
     from synth import FAST_CONVERT
 
     m = tmp_path / "m.gguf"
-    shutil.copy(tiny_model_factory(weight_type="Q8_0", n_embd=96, n_ff=192, n_layer=4), m)
+    n_embd = 96 if weight_type == "Q8_0" else 256
+    shutil.copy(tiny_model_factory(weight_type=weight_type, n_embd=n_embd, n_ff=2 * n_embd, n_layer=4), m)
     s = convert(m, progress=False, sparsity=0.5, measure_quality=False, **FAST_CONVERT)
     lay = validate_pair(m, s).layers[1]
     forced_plan(make_plan(s, 0, prefetch_layers=1, stream_gate=True))
@@ -365,6 +371,10 @@ def test_whole_layers_check_each_flash_read_before_the_layer_is_computed(tiny_mo
     off = stats["offload"]
     assert off["whole_layers"] and off["hot_slots"] == 0 and off["misses"] + off["prefetched"] > 0
     assert stats["integrity"]["read_verified_bytes"] > 0 and stats["numerics"]["lossless"]
+    # K-quant rows are checked while they are multiplied, Q8_0 rows before
+    by_products = stats["integrity"]["read_verified_by_products_bytes"]
+    assert by_products == (0 if weight_type == "Q8_0" else stats["integrity"]["read_verified_bytes"])
+    assert (off["verify_seconds"] > 0) == (weight_type == "Q8_0")
     st = os.stat(m)
     _flip(m, lay.base_up_offset + 100 * lay.up_row_bytes + 9)
     os.utime(m, ns=(st.st_atime_ns, st.st_mtime_ns))

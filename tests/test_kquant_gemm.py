@@ -73,3 +73,24 @@ def test_bad_input_is_refused():
         T.kquant_gemm(w, 12, 512, np.zeros((1, 512), np.float32))
     with pytest.raises(ValueError, match="no vec_dot with Q8_K"):
         T.kquant_gemm(w, 0, 256, np.zeros((1, 256), np.float32))
+
+
+@pytest.mark.parametrize("type_name", sorted(TYPES))
+def test_a_row_check_sees_every_row_once_after_it_is_multiplied_and_changes_no_bit(type_name):
+    """kquant_gemm's RowBlockHook (how a layer read from flash is checked as it is multiplied,
+    backend/matmul_rows.h CheckedWeight): called once per block of at most 64 rows, in order, covering
+    every row; the outputs are those without it; a row whose bytes differ from its checksum is found."""
+    from llamaflash import _native
+
+    tid = TYPES[type_name]
+    rng = np.random.default_rng(11)
+    w, x = _case(rng, type_name, 512, 150, 9)
+    crc = _native.crc32c_rows(w, w.shape[1])
+    for cols in (1, 2, 7, 9):
+        for isa in ["auto"] + T.kquant_gemm_isas(tid):
+            out, bad, blocks = T.kquant_gemm(w, tid, 512, x[:cols], isa=isa, crc=crc)
+            np.testing.assert_array_equal(_bits(out), _bits(T.kquant_gemm(w, tid, 512, x[:cols], isa=isa)))
+            assert bad == -1 and blocks == [(0, 64), (64, 64), (128, 22)], (cols, isa)
+    changed = crc.copy()
+    changed[[100, 140]] ^= 1  # as if rows 100 and 140 had been read wrong
+    assert T.kquant_gemm(w, tid, 512, x, crc=changed)[1] == 100

@@ -2,6 +2,7 @@
 #include "backend/matmul_rows.h"
 
 #include "backend/weight_registry.h"
+#include "io/crc32c.h"
 #include "kernels/kquant_gemm.h"
 
 #include "ggml-cpu.h"
@@ -67,24 +68,55 @@ void quantize_op(ggml_tensor * dst, int ith, int nth, void *) {
     }
 }
 
-// The custom op of one MUL_MAT: dst [ne01, ne11, ne12, ne13] f32 contiguous, src[0] = x quantized
-// (quantize_op), userdata = the weight [ne00, ne01]:
-//   dst[c * ne01 + r] = vec_dot(ne00, W[r], q[c])   (kquant_gemm's bits)
-// Threads take shares of the weight's rows.
-void matmul_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const auto * w = static_cast<const ggml_tensor *>(userdata);
+// The product of one MUL_MAT over rows [r0, r1) of w (see matmul_op), hook as kquant_gemm's.
+void multiply_rows(ggml_tensor * dst, const ggml_tensor * w, int64_t r0, int64_t r1, const RowBlockHook * hook) {
     const int64_t ne00 = w->ne[0], ne01 = w->ne[1];
     const int64_t n_cols = dst->ne[1] * dst->ne[2] * dst->ne[3];
-    const size_t q_bytes = ggml_row_size(GGML_TYPE_Q8_K, ne00);
-    // rows in even-sized shares: the kernels take rows in pairs
-    const int64_t r0 = (ne01 * ith / nth) & ~int64_t(1);
-    const int64_t r1 = ith + 1 == nth ? ne01 : (ne01 * (ith + 1) / nth) & ~int64_t(1);
-    if (r1 <= r0) {
-        return;
-    }
     kquant_gemm(w->type, ne00, static_cast<const uint8_t *>(w->data) + static_cast<size_t>(r0) * w->nb[1], w->nb[1],
-                r1 - r0, static_cast<const uint8_t *>(dst->src[0]->data), q_bytes, n_cols,
-                static_cast<float *>(dst->data) + r0, static_cast<size_t>(ne01));
+                r1 - r0, static_cast<const uint8_t *>(dst->src[0]->data), ggml_row_size(GGML_TYPE_Q8_K, ne00), n_cols,
+                static_cast<float *>(dst->data) + r0, static_cast<size_t>(ne01), hook);
+}
+
+// The next run of the task's rows for one of nth threads, in *r0 and *r1; false when none is left.
+bool take_rows(MatmulTask & task, int nth, int64_t * r0, int64_t * r1) {
+    const int64_t n_rows = task.w->ne[1];
+    int64_t first = task.next.load(std::memory_order_relaxed);
+    int64_t n = 0;
+    do {
+        if (first >= n_rows) {
+            return false;
+        }
+        const int64_t quarter = (n_rows - first) / (4 * static_cast<int64_t>(nth));
+        n = std::min(n_rows - first,
+                     std::max<int64_t>(1, (quarter + kGemmRowBlock - 1) / kGemmRowBlock) * kGemmRowBlock);
+    } while (!task.next.compare_exchange_weak(first, first + n, std::memory_order_relaxed));
+    *r0 = first;
+    *r1 = first + n;
+    return true;
+}
+
+// The custom op of one MUL_MAT: dst [ne01, ne11, ne12, ne13] f32 contiguous, src[0] = x quantized
+// (quantize_op), userdata = its MatmulTask (the weight [ne00, ne01]):
+//   dst[c * ne01 + r] = vec_dot(ne00, W[r], q[c])   (kquant_gemm's bits)
+// Threads take runs of the weight's rows as they come free. With a CheckedWeight, each block of rows
+// is checked once multiplied (its rows then in cache).
+void matmul_op(ggml_tensor * dst, int, int nth, void * userdata) {
+    auto & task = *static_cast<MatmulTask *>(userdata);
+    struct Run {
+        CheckedWeight * checked;
+        int64_t first;
+    } run{task.checked, 0};
+    RowBlockHook hook;
+    hook.ctx = &run;
+    hook.fn = [](void * ctx, int64_t b0, int64_t n) {
+        const auto * r = static_cast<const Run *>(ctx);
+        r->checked->check(r->first + b0, n);
+    };
+    int64_t r0 = 0, r1 = 0;
+    while (take_rows(task, nth, &r0, &r1)) {
+        run.first = r0;
+        multiply_rows(dst, task.w, r0, r1, task.checked != nullptr ? &hook : nullptr);
+    }
 }
 
 bool contiguous_rows(const ggml_tensor * t) {
@@ -112,6 +144,25 @@ const BoundWeight * bound_matmul(const ggml_tensor * node) {
 }
 
 }  // namespace
+
+void CheckedWeight::check(int64_t r0, int64_t n) {
+    constexpr int64_t kRows = 64;
+    uint32_t got[kRows];
+    const auto * rows = static_cast<const uint8_t *>(weight->data);
+    const size_t row_bytes = ggml_row_size(weight->type, weight->ne[0]);
+    for (int64_t b = r0; b < r0 + n; b += kRows) {
+        const int64_t m = std::min(kRows, r0 + n - b);
+        crc32c_rows(rows + static_cast<size_t>(b) * weight->nb[1], m, row_bytes, weight->nb[1], got);
+        for (int64_t i = 0; i < m; ++i) {
+            if (got[i] != crc[b + i]) {
+                int64_t seen = bad_.load(std::memory_order_relaxed);
+                while (b + i < seen && !bad_.compare_exchange_weak(seen, b + i, std::memory_order_relaxed)) {
+                }
+                return;
+            }
+        }
+    }
+}
 
 InvariantMatmuls::~InvariantMatmuls() {
     for (auto & [path, map] : files_) {
@@ -160,7 +211,8 @@ ggml_tensor * quantize_x_node(ggml_context * ctx, ggml_tensor * x, void * q_data
 }
 
 ggml_tensor * rows_alone_matmul_node(ggml_context * ctx, const ggml_tensor * node, const ggml_tensor * w,
-                                     ggml_tensor * q, InvariantMatmuls * model) {
+                                     ggml_tensor * q, InvariantMatmuls * model, MatmulTasks & tasks,
+                                     CheckedWeight * checked) {
     const ggml_tensor * x = node->src[1];
     if (x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || node->type != GGML_TYPE_F32 ||
         !contiguous_rows(node) || node->ne[0] != w->ne[1] || x->ne[0] != w->ne[0] || w->type != node->src[0]->type ||
@@ -168,9 +220,15 @@ ggml_tensor * rows_alone_matmul_node(ggml_context * ctx, const ggml_tensor * nod
         GGML_ABORT("llamaflash: MUL_MAT '%s' over '%s' has a layout the row-invariant matmul does not take", node->name,
                    node->src[0]->name);
     }
+    if (checked != nullptr && (checked->weight != w || checked->crc == nullptr)) {
+        GGML_ABORT("llamaflash: MUL_MAT '%s': the rows to check are not the weight multiplied", node->name);
+    }
     ggml_tensor * args[1] = {q};
     ggml_tensor * m = ggml_custom_4d(ctx, GGML_TYPE_F32, node->ne[0], node->ne[1], node->ne[2], node->ne[3], args, 1,
-                                     matmul_op, GGML_N_TASKS_MAX, const_cast<ggml_tensor *>(w));
+                                     matmul_op, GGML_N_TASKS_MAX, tasks.add(w, checked));
+    if (checked != nullptr) {
+        checked->attached = true;
+    }
     std::memcpy(m->nb, node->nb, sizeof(m->nb));
     m->data = node->data;
     m->buffer = node->buffer;
@@ -223,6 +281,7 @@ ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * mo
     ggml_context * ctx = arena_.begin(2 * n_nodes, &graph);
     std::unordered_map<const ggml_tensor *, ggml_tensor *> mirror;
     quantized_.begin();
+    tasks_.begin();
     auto map = [&](const ggml_tensor * src) -> ggml_tensor * {
         if (src == nullptr) {
             return nullptr;
@@ -241,7 +300,7 @@ ggml_status MatmulRows::compute(const ggml_cgraph * split, InvariantMatmuls * mo
         if (const BoundWeight * b = bound_matmul(node)) {
             const ggml_tensor * x = node->src[1];
             ggml_tensor * q = quantized_.of(ctx, x, [&] { return map(x); });
-            m = rows_alone_matmul_node(ctx, node, weight_bytes(ctx, node->src[0], *b), q, model);
+            m = rows_alone_matmul_node(ctx, node, weight_bytes(ctx, node->src[0], *b), q, model, tasks_);
         } else {
             m = node_copy(ctx, node);
             for (int j = 0; j < GGML_MAX_SRC; ++j) {

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <string>
@@ -80,21 +81,80 @@ bool invariant_gate_or_up_name(const char * name);
 // unsupported graph pattern, never a silent wrong answer).
 bool match_matmul_split(const ggml_cgraph * split, InvariantMatmuls ** model);
 
+// A weight whose rows are checked against their CRC-32C (io/crc32c.h) while the product reads them:
+// rows read from flash that no check has covered yet (offload/layer_stream.h). Passed to
+// rows_alone_matmul_node as `checked` (with w == checked->weight), the product checksums each block of
+// a thread's rows once it has multiplied it (kquant_gemm's RowBlockHook), reading the rows from cache:
+// one pass over memory instead of two. A mismatch does not stop the product (its
+// values are then unspecified); the lowest failing row is kept, and the caller must fail the
+// evaluation when first_bad() >= 0 after the graph.
+struct CheckedWeight {
+    const ggml_tensor * weight = nullptr;  // [ne00, ne01], data: the rows (nb[1] apart)
+    const uint32_t * crc = nullptr;        // [ne01] the rows' expected CRC-32C
+    bool attached = false;                 // a product node checks it (set by rows_alone_matmul_node)
+
+    void reset(const ggml_tensor * w, const uint32_t * expected) {
+        weight = w;
+        crc = expected;
+        attached = false;
+        bad_.store(kNone, std::memory_order_relaxed);
+    }
+    // rows [r0, r0 + n) against their checksums; records the first failing one (any thread)
+    void check(int64_t r0, int64_t n);
+    int64_t first_bad() const {
+        const int64_t b = bad_.load(std::memory_order_relaxed);
+        return b == kNone ? -1 : b;
+    }
+
+private:
+    static constexpr int64_t kNone = INT64_MAX;
+    std::atomic<int64_t> bad_{kNone};
+};
+
+// The work of one row-invariant product node: its weight, its row check (nullptr: none) and the next
+// row no thread has taken yet. Each thread takes runs of whole kGemmRowBlock-row blocks, a quarter of
+// what is left per thread (at least one block), until none is left: a thread slowed down (by another
+// process, an interrupt, a colder cache) takes fewer rows instead of holding the others at the node's
+// barrier. Every output is one row's vec_dot, so no split changes a bit.
+struct MatmulTask {
+    const ggml_tensor * w = nullptr;
+    CheckedWeight * checked = nullptr;
+    std::atomic<int64_t> next{0};
+};
+
+// The tasks of one private graph: begin() per split; each lives until the next begin().
+class MatmulTasks {
+public:
+    void begin() { tasks_.clear(); }
+    MatmulTask * add(const ggml_tensor * w, CheckedWeight * checked) {
+        MatmulTask & t = tasks_.emplace_back();
+        t.w = w;
+        t.checked = checked;
+        return &t;
+    }
+
+private:
+    std::deque<MatmulTask> tasks_;
+};
+
 // The nodes a private graph computes a row-invariant MUL_MAT with, for MatmulRows and the FFN lanes
 // (dense_lane.h) of a model whose load armed InvariantMatmuls:
 //   q = quantize_x_node(ctx, x, q_data)        x f32 [ne0, ne1, ne2, ne3] (any row strides) → its
 //       rows as Q8_K columns at q_data (quantized_x_bytes(x) bytes, caller-owned, live through the
 //       compute); threads take shares of the columns
-//   y = rows_alone_matmul_node(ctx, node, w, q, model)
+//   y = rows_alone_matmul_node(ctx, node, w, q, model, tasks)
 //       the MUL_MAT `node` (W·x) computed from q into node's memory, y[c·ne01 + r] = vec_dot(W[r],
 //       q[c]) (kquant_gemm); `w` holds the weight's bytes (the bound weight, or a lane's resident
-//       copy of it), same type and shape as node->src[0]. Threads take shares of W's rows. Counts the
+//       copy of it), same type and shape as node->src[0]. Threads take runs of W's rows as they come
+//       free (its MatmulTask, kept in `tasks` through the compute). Counts the
 //       MUL_MAT and its columns in `model`. Aborts on a layout it does not take (an unsupported
-//       graph pattern, never a silent wrong answer).
+//       graph pattern, never a silent wrong answer). With `checked`, the rows are checked as they are
+//       multiplied (CheckedWeight).
 size_t quantized_x_bytes(const ggml_tensor * x);
 ggml_tensor * quantize_x_node(ggml_context * ctx, ggml_tensor * x, void * q_data);
 ggml_tensor * rows_alone_matmul_node(ggml_context * ctx, const ggml_tensor * node, const ggml_tensor * w,
-                                     ggml_tensor * q, InvariantMatmuls * model);
+                                     ggml_tensor * q, InvariantMatmuls * model, MatmulTasks & tasks,
+                                     CheckedWeight * checked = nullptr);
 
 // One private graph's quantize_x_node per distinct x (gate and up share theirs), with the memory for
 // them: blocks reused from split to split, each handed out once per split (begin()).
@@ -136,6 +196,7 @@ public:
 private:
     GraphArena arena_;
     QuantizedX quantized_;
+    MatmulTasks tasks_;
 };
 
 }  // namespace llamaflash

@@ -240,38 +240,106 @@ ggml_status SplitExecutor::compute_streamed(const ggml_cgraph * split, FlashMode
     LayerStream::Rows rows;
     try {
         stream.plan(pos);
-        rows = stream.wait(pos);
-    } catch (const std::exception & e) {  // IoError / IntegrityError: nothing is computed from the slot
+        rows = stream.wait(pos, false);   // rows not checked yet: checked below, as they are multiplied
+    } catch (const std::exception & e) {  // IoError: nothing is computed from the slot
         offload.set_error(e.what());
         return GGML_STATUS_FAILED;
     }
+    const StreamLayerSource & source = stream.source(pos);
     ggml_cgraph * g = const_cast<ggml_cgraph *>(split);
     const int n_nodes = ggml_graph_n_nodes(g);
     ggml_cgraph * graph = nullptr;
     ggml_context * ctx = arena_.begin(n_nodes + 1, &graph);
     dense_.begin(ctx, split);
     const WeightRegistry & registry = WeightRegistry::instance();
+    const StreamPart * parts[3] = {};  // the parts checks_[k] checks
+    int n_checks = 0;
     for (int i = 0; i < n_nodes; ++i) {
         const ggml_tensor * node = ggml_graph_node(g, i);
         const BoundWeight * b = node->op == GGML_OP_MUL_MAT ? registry.lookup(node->src[0]) : nullptr;
         if (b == nullptr || b->model.get() != &model || b->layer != layer) {
             continue;
         }
-        const uint8_t * data = b->kind == FfnWeightKind::gate ? rows.gate
-                               : b->kind == FfnWeightKind::up ? rows.up
-                                                              : rows.down;
+        const bool gate = b->kind == FfnWeightKind::gate, up = b->kind == FfnWeightKind::up;
+        const uint8_t * data = gate ? rows.gate : up ? rows.up : rows.down;
+        const StreamPart & part = gate ? source.gate : up ? source.up : source.down;
         if (data == nullptr) {
             continue;  // a resident gate: the model's own weight
         }
         const ggml_tensor * phantom = node->src[0];
         ggml_tensor * w = ggml_new_tensor(ctx, phantom->type, GGML_MAX_DIMS, phantom->ne);
         w->data = const_cast<uint8_t *>(data);
-        dense_.use_weight(phantom, w);
+        CheckedWeight * checked = nullptr;
+        if (!rows.checked && !part.crc.empty() && n_checks < static_cast<int>(checks_.size())) {
+            checked = &checks_[static_cast<size_t>(n_checks)];
+            checked->reset(w, part.crc.data());
+            parts[n_checks++] = &part;
+        }
+        dense_.use_weight(phantom, w, checked);
     }
     dense_.append_all(graph);
+
+    // A slot's rows are checked once, before anything computed from them is used: by the products that
+    // multiply them, or here (a part no row-invariant product checks; every part, when the split does
+    // not multiply all of them)
+    const auto fail = [&](const std::exception & e) {
+        stream.checked(pos, false, {});  // the slot is dropped: the layer is read again next time
+        offload.set_error(e.what());
+        ggml_free(ctx);
+        return GGML_STATUS_FAILED;
+    };
+    LayerStream::CheckReport report;
+    try {
+        int needed = 0;
+        for (const StreamPart * p : {&source.gate, &source.up, &source.down}) {
+            needed += !rows.checked && p->rows > 0 && !p->crc.empty() ? 1 : 0;
+        }
+        if (n_checks < needed) {
+            stream.wait(pos, true);  // throws IntegrityError; then the slot is checked
+            n_checks = 0;
+        }
+        const auto t_check = std::chrono::steady_clock::now();
+        for (int k = 0; k < n_checks; ++k) {
+            if (!checks_[static_cast<size_t>(k)].attached) {
+                const StreamPart & p = *parts[k];
+                report.bytes_before +=
+                    verify_rows(static_cast<const uint8_t *>(checks_[static_cast<size_t>(k)].weight->data), p.row_bytes,
+                                0, p.rows, p.crc.data(), p.source);
+            }
+        }
+        if (report.bytes_before > 0) {
+            report.seconds_before = seconds_between(t_check, std::chrono::steady_clock::now());
+        }
+    } catch (const std::exception & e) {
+        return fail(e);
+    }
+
     const auto t0 = std::chrono::steady_clock::now();
     ggml_status status = ggml_backend_graph_compute(cpu_, graph);
     const double seconds = seconds_between(t0, std::chrono::steady_clock::now());
+    try {
+        for (int k = 0; k < n_checks; ++k) {
+            const CheckedWeight & c = checks_[static_cast<size_t>(k)];
+            const StreamPart & p = *parts[k];
+            if (!c.attached) {
+                continue;
+            }
+            if (const int64_t bad = c.first_bad(); bad >= 0) {  // named as the check before computing names it
+                const auto * row =
+                    static_cast<const uint8_t *>(c.weight->data) + static_cast<size_t>(bad) * p.row_bytes;
+                verify_rows(row, p.row_bytes, bad, 1, p.crc.data(), p.source);
+                throw IntegrityError(std::string(kIntegrityErrorPrefix) + " in '" + p.source.file + "': tensor " +
+                                     p.source.tensor + ", row " + std::to_string(bad) +
+                                     " (it changed in memory while it was multiplied)");
+            }
+            report.bytes_in_products += p.bytes();
+        }
+    } catch (const std::exception & e) {
+        return fail(e);
+    }
+    if (n_checks > 0) {
+        stream.checked(pos, true, report);
+    }
     status = checked_finite(split, model, layer, status);
     for (const auto & [l, n_tokens] : dense_.evaluations()) {
         model.stats().count_ffn_eval(model.layer_position(l), n_tokens);

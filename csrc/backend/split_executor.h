@@ -24,9 +24,11 @@
 //             Under flash offload with whole layers (OffloadConfig::stream_layers, layer_stream.h) a
 //             split over a served layer's weights instead waits for that layer in the stream (its
 //             reads and the next layer's read-ahead are started first) and runs on the dense lane
-//             with the split's streamed weights over the slot's rows (compute_streamed); an I/O or
-//             checksum error fails the split (GGML_STATUS_FAILED, the message kept by the offload
-//             state).
+//             with the split's streamed weights over the slot's rows (compute_streamed). Rows read
+//             since their last check are checked by the products as they read them (matmul_rows.h
+//             CheckedWeight; before computing where ggml-cpu multiplies a part); an I/O or checksum
+//             error fails the split (GGML_STATUS_FAILED, the message kept by the offload state) and
+//             the slot is dropped.
 //   4. count  into the model's FlashStats (flash_stats.h): the split and its times, the lane call,
 //             FFN evaluations, the sparse lane's active neurons.
 #pragma once
@@ -41,6 +43,7 @@
 #include "lanes/graph_mirror.h"
 #include "lanes/sparse_lane.h"
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <vector>
@@ -84,6 +87,7 @@ private:
     ExpertLane experts_;
     RouterRows routers_;
     MatmulRows matmul_rows_;
+    std::array<CheckedWeight, 3> checks_;     // compute_streamed: a streamed layer's parts checked as multiplied
     PromptBuffers prompt_buffers_;            // the compute buffers of the last prompt batch under a budget
     int n_threads_ = GGML_DEFAULT_N_THREADS;  // the internal CPU backend's, kept in step by set_n_threads
 };

@@ -64,6 +64,7 @@ py::dict stream_stats(const LayerStream & stream) {
     d["bytes_read"] = s.bytes_read;
     d["hot_bytes_loaded"] = s.hot_bytes_loaded;
     d["verified_bytes"] = s.verified_bytes;
+    d["product_verified_bytes"] = s.product_verified_bytes;
     d["io_wait_seconds"] = s.io_wait_seconds;
     d["verify_seconds"] = s.verify_seconds;
     d["hot_slots"] = s.hot_slots;

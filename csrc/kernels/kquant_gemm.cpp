@@ -50,19 +50,25 @@ using gemm::KernelFn;
 constexpr int64_t kMinColsAvx512 = 2;
 constexpr int64_t kMinColsAvx2 = 4;
 
-// One output per vec_dot call: ggml-cpu's own computation, the rows read ahead (row_prefetch.h).
+// One output per vec_dot call: ggml-cpu's own computation, the rows read ahead (row_prefetch.h), in
+// blocks of kGemmRowBlock rows (each block by every column before the next block).
 void gemm_by_vec_dot(ggml_type type, int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
-                     size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
+                     size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride,
+                     const RowBlockHook * hook) {
     const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(type)->vec_dot;
     const uint8_t * rows = static_cast<const uint8_t *>(w);
     const uint8_t * rows_end = rows + static_cast<size_t>(n_rows) * w_row_bytes;
-    for (int64_t c = 0; c < n_cols; ++c) {
-        const void * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c) * q_col_bytes;
-        for (int64_t r = 0; r < n_rows; ++r) {
-            const uint8_t * row = rows + static_cast<size_t>(r) * w_row_bytes;
-            prefetch_row_ahead(row, w_row_bytes, rows_end);
-            vec_dot(static_cast<int>(ne0), out + static_cast<size_t>(c) * out_col_stride + r, 0, row, 0, qc, 0, 1);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += kGemmRowBlock) {
+        const int64_t r1 = std::min(n_rows, r0 + kGemmRowBlock);
+        for (int64_t c = 0; c < n_cols; ++c) {
+            const void * qc = static_cast<const uint8_t *>(q) + static_cast<size_t>(c) * q_col_bytes;
+            for (int64_t r = r0; r < r1; ++r) {
+                const uint8_t * row = rows + static_cast<size_t>(r) * w_row_bytes;
+                prefetch_row_ahead(row, w_row_bytes, rows_end);
+                vec_dot(static_cast<int>(ne0), out + static_cast<size_t>(c) * out_col_stride + r, 0, row, 0, qc, 0, 1);
+            }
         }
+        if (hook != nullptr) (*hook)(r0, r1 - r0);
     }
 }
 
@@ -91,10 +97,10 @@ bool kernel_matches_vec_dot(ggml_type type, KernelFn kernel) {
         ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float(x.data(), q.data() + c * q_col, ne0);
     }
     std::vector<float> want(static_cast<size_t>(n_rows * max_cols)), got(want.size());
-    gemm_by_vec_dot(type, ne0, w.data(), w_row, n_rows, q.data(), q_col, max_cols, want.data(), n_rows);
+    gemm_by_vec_dot(type, ne0, w.data(), w_row, n_rows, q.data(), q_col, max_cols, want.data(), n_rows, nullptr);
     for (int64_t n_cols = 1; n_cols <= max_cols; ++n_cols) {
         std::fill(got.begin(), got.end(), -1.0f);
-        kernel(ne0, w.data(), w_row, n_rows, q.data(), q_col, n_cols, got.data(), n_rows);
+        kernel(ne0, w.data(), w_row, n_rows, q.data(), q_col, n_cols, got.data(), n_rows, nullptr);
         if (std::memcmp(got.data(), want.data(), sizeof(float) * static_cast<size_t>(n_rows * n_cols)) != 0) {
             return false;
         }
@@ -128,14 +134,14 @@ const Picked * checked_kernel(ggml_type type) {
 bool kquant_gemm_supported(ggml_type type) { return checked_kernel(type) != nullptr; }
 
 void kquant_gemm(ggml_type type, int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
-                 size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
+                 size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride, const RowBlockHook * hook) {
     // few columns: vec_dot itself is faster (too few to amortize the unpacking over) and has the bits
     const Picked * p = checked_kernel(type);
     if (p != nullptr && n_cols >= p->min_cols) {
-        p->kernel(ne0, w, w_row_bytes, n_rows, q, q_col_bytes, n_cols, out, out_col_stride);
+        p->kernel(ne0, w, w_row_bytes, n_rows, q, q_col_bytes, n_cols, out, out_col_stride, hook);
         return;
     }
-    gemm_by_vec_dot(type, ne0, w, w_row_bytes, n_rows, q, q_col_bytes, n_cols, out, out_col_stride);
+    gemm_by_vec_dot(type, ne0, w, w_row_bytes, n_rows, q, q_col_bytes, n_cols, out, out_col_stride, hook);
 }
 
 }  // namespace llamaflash

@@ -38,6 +38,19 @@ namespace llamaflash {
 
 // Columns one unpacked weight block is reused for (the AVX-512 kernels: 16, kquant_gemm_kernels.h).
 constexpr int kGemmCols = 8;
+// Weight rows multiplied by every column before the next rows: the block's rows stay in cache while
+// the columns' tiles pass over them.
+constexpr int64_t kGemmRowBlock = 64;
+
+// Called by kquant_gemm after it has multiplied rows [r0, r0 + n) of w by every column: every row once,
+// in order, in blocks of at most kGemmRowBlock rows (r0 relative to w). The block's rows are then in
+// cache: a check of rows fresh from flash (crc32c) reads them from there instead of memory, while the
+// product's own reads from memory overlap its arithmetic as without a check. It changes no output.
+struct RowBlockHook {
+    void (*fn)(void * ctx, int64_t r0, int64_t n) = nullptr;
+    void * ctx = nullptr;
+    void operator()(int64_t r0, int64_t n) const { fn(ctx, r0, n); }
+};
 
 // True if kquant_gemm computes this weight type with its own kernel (Q4_K, Q6_K on x86 with AVX2),
 // having found it bit-identical to this process's ggml-cpu vec_dot (probed on first call per type:
@@ -51,7 +64,9 @@ bool kquant_gemm_supported(ggml_type type);
 // Any type with a vec_dot whose vec_dot_type is Q8_K. Single-threaded: callers split rows or columns.
 // The AVX-512 kernels keep per-thread tables of the columns' Q8_K sums and scales (grown to the largest
 // call: (n_cols / 16 rounded up) · (ne0 / 256) · 384 bytes for Q4_K, 576 for Q6_K).
+// hook: nullptr, or called per block of rows once they are multiplied (RowBlockHook).
 void kquant_gemm(ggml_type type, int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
-                 size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride);
+                 size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride,
+                 const RowBlockHook * hook = nullptr);
 
 }  // namespace llamaflash

@@ -39,7 +39,7 @@ constexpr size_t kQ8_KBytes = 292;      // d (f32), qs[256] (int8), bsums[16] (i
 constexpr size_t kQ8_KBsums = 4 + kQK;  // offset of bsums in a Q8_K block
 // Weight rows multiplied by one tile of columns before the next tile: the tile's activations
 // (kGemmCols × ne0 / 256 Q8_K blocks) stay in L1 / L2 while the block's rows stream past them.
-constexpr int64_t kRowBlock = 64;
+constexpr int64_t kRowBlock = kGemmRowBlock;
 // Up to this many columns the AVX-512 kernels read the weights ahead (row_prefetch.h): with so few
 // columns per unpacked block they wait on the memory stream. Measured single-threaded over 113-165 MB
 // of expert rows (out of cache): Q6_K 0.62-0.73× the time at 2 and 3 columns, Q4_K 0.88× at 2 and
@@ -102,7 +102,8 @@ LF_AVX2 inline __m128i q4_k_min_products(__m128i mins16, const uint8_t * y) {
 // Q4_K
 
 LF_AVX2 void q4_k_avx2(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
-                       size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
+                       size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride,
+                       const RowBlockHook * hook) {
     const int64_t nb = ne0 / kQK;
     const __m256i m4 = _mm256_set1_epi8(0xF);
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
@@ -160,6 +161,7 @@ LF_AVX2 void q4_k_avx2(int64_t ne0, const void * w, size_t w_row_bytes, int64_t 
                 }
             }
         }
+        if (hook != nullptr) (*hook)(r0, std::min(kRowBlock, n_rows - r0));  // rows now in cache
     }
 }
 
@@ -271,7 +273,8 @@ struct Q8KColumnsFill {
 // vpmaddubsw + vpdpwssd over each sub-block of both rows at once (Q4KPair512) in two chains, added
 // (exact integers, so the split changes no bit); q8.d·d and -q8.d·dmin of both rows by one product each.
 LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
-                               size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
+                               size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride,
+                               const RowBlockHook * hook) {
     const int64_t nb = ne0 / kQK;
     const Q8KColumns * const tables = column_tables<Q8KColumns, kQ4KTileCols, Q8KColumnsFill>(
         static_cast<const uint8_t *>(q), q_col_bytes, n_cols, nb);
@@ -331,6 +334,7 @@ LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, 
                 }
             }
         }
+        if (hook != nullptr) (*hook)(r0, std::min(kRowBlock, n_rows - r0));  // rows now in cache
     }
 }
 
@@ -338,7 +342,8 @@ LF_AVX512 void q4_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, 
 // Q6_K: a value is (6-bit q - 32) · scale; vec_dot sums q · scale and subtracts 32 · Σ scale · bsums.
 
 LF_AVX2 void q6_k_avx2(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
-                       size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
+                       size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride,
+                       const RowBlockHook * hook) {
     const int64_t nb = ne0 / kQK;
     const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowBlock) {
@@ -400,6 +405,7 @@ LF_AVX2 void q6_k_avx2(int64_t ne0, const void * w, size_t w_row_bytes, int64_t 
                 }
             }
         }
+        if (hook != nullptr) (*hook)(r0, std::min(kRowBlock, n_rows - r0));  // rows now in cache
     }
 }
 
@@ -457,7 +463,8 @@ struct Q6KColumnsFill {
 // Rows in pairs, as the Q4_K kernel: both rows' integer totals folded, less 32 · Σ scale · bsums, in one
 // register (lanes 0..7 row r, 8..15 row r + 1), then one conversion and one multiply-add for both.
 LF_AVX512 void q6_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, int64_t n_rows, const void * q,
-                               size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride) {
+                               size_t q_col_bytes, int64_t n_cols, float * out, size_t out_col_stride,
+                               const RowBlockHook * hook) {
     const int64_t nb = ne0 / kQK;
     const Q6KColumns * const tables = column_tables<Q6KColumns, kQ6KTileCols, Q6KColumnsFill>(
         static_cast<const uint8_t *>(q), q_col_bytes, n_cols, nb);
@@ -526,6 +533,7 @@ LF_AVX512 void q6_k_avx512vnni(int64_t ne0, const void * w, size_t w_row_bytes, 
                 }
             }
         }
+        if (hook != nullptr) (*hook)(r0, std::min(kRowBlock, n_rows - r0));  // rows now in cache
     }
 }
 

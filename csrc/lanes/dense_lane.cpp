@@ -61,10 +61,12 @@ void DenseLane::begin(ggml_context * ctx, const ggml_cgraph * split) {
     n_nodes_ = ggml_graph_n_nodes(const_cast<ggml_cgraph *>(split));
     mirror_.clear();
     mirror_.reserve(static_cast<size_t>(n_nodes_) * (GGML_MAX_SRC + 1));
+    checked_.clear();
     n_fused_ = 0;
     model_ = nullptr;
     evaluations_.clear();
     quantized_.begin();
+    tasks_.begin();
 }
 
 InvariantMatmuls * DenseLane::rows_alone(const ggml_tensor * node) {
@@ -101,7 +103,7 @@ ggml_tensor * DenseLane::map_src(const ggml_tensor * src) {
     return mapped;
 }
 
-void DenseLane::use_weight(const ggml_tensor * phantom, ggml_tensor * weight) {
+void DenseLane::use_weight(const ggml_tensor * phantom, ggml_tensor * weight, CheckedWeight * checked) {
     const BoundWeight * bound = WeightRegistry::instance().lookup(phantom);
     if (bound == nullptr || !ggml_are_same_shape(weight, phantom) || weight->type != phantom->type) {
         GGML_ABORT("llamaflash: the streamed weight for '%s' is not the served weight llama.cpp expects",
@@ -109,13 +111,18 @@ void DenseLane::use_weight(const ggml_tensor * phantom, ggml_tensor * weight) {
     }
     model_ = bound->model.get();
     mirror_[phantom] = weight;
+    if (checked != nullptr) {
+        checked_[phantom] = checked;
+    }
 }
 
 ggml_tensor * DenseLane::mirror_node(const ggml_tensor * node) {
     ggml_tensor * m = nullptr;
     if (InvariantMatmuls * matmuls = rows_alone(node)) {
         ggml_tensor * q = quantized_.of(ctx_, node->src[1], [&] { return map_src(node->src[1]); });
-        m = rows_alone_matmul_node(ctx_, node, map_src(node->src[0]), q, matmuls);
+        const auto checked = checked_.find(node->src[0]);
+        m = rows_alone_matmul_node(ctx_, node, map_src(node->src[0]), q, matmuls, tasks_,
+                                   checked != checked_.end() ? checked->second : nullptr);
         std::memcpy(m->name, node->name, sizeof(m->name));
     } else {
         m = node_copy(ctx_, node);

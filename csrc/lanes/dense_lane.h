@@ -79,8 +79,10 @@ public:
     ggml_tensor * map_src(const ggml_tensor * src);
     // Before append_all: the split's phantom weight `phantom` (bound to a served layer) is computed over
     // `weight` instead of the model's resident weight: a tensor of the same shape and type whose rows
-    // were read from flash (the layer stream's slot). Aborts on another shape or type.
-    void use_weight(const ggml_tensor * phantom, ggml_tensor * weight);
+    // were read from flash (the layer stream's slot). Aborts on another shape or type. With `checked`
+    // (reset over `weight` and its rows' checksums, alive through the compute), a row-invariant product
+    // of it checks the rows as it reads them (matmul_rows.h CheckedWeight; `attached` then says so).
+    void use_weight(const ggml_tensor * phantom, ggml_tensor * weight, CheckedWeight * checked = nullptr);
     // A node of the split, computed by the same op over mirrored sources into the same memory.
     ggml_tensor * mirror_node(const ggml_tensor * node);
     // Mirrors every node of the split into `graph`, fusing gate/up pairs where possible.
@@ -109,12 +111,14 @@ private:
     const ggml_cgraph * split_ = nullptr;
     int n_nodes_ = 0;
     std::unordered_map<const ggml_tensor *, ggml_tensor *> mirror_;
+    std::unordered_map<const ggml_tensor *, CheckedWeight *> checked_;  // use_weight's, by phantom
     std::vector<std::vector<float>> scratch_;  // fused gate/up products z, one per fused pair of a split
     size_t n_fused_ = 0;
     FlashModel * model_ = nullptr;
     std::vector<std::pair<int, int64_t>> evaluations_;
     std::vector<float> chunk_scratch_;  // [3][n_ff · C] of the chunked splits, reused
     QuantizedX quantized_;              // row-invariant matmuls: the split's x quantized (Q8_K columns)
+    MatmulTasks tasks_;                 // and their nodes' work
 };
 
 }  // namespace llamaflash

@@ -259,19 +259,34 @@ void LayerStream::plan(int pos) {
     }
 }
 
-LayerStream::Rows LayerStream::wait(int pos) {
+LayerStream::Rows LayerStream::wait(int pos, bool check_rows) {
     const int64_t s = where_[static_cast<size_t>(pos)];
     if (s < 0) fail("wait() for a layer not planned");
     const auto t0 = std::chrono::steady_clock::now();
     try {
         await(s);
-        check(s);
+        if (check_rows) check(s);
     } catch (...) {
         stats_.io_wait_seconds += seconds_since(t0);
         throw;
     }
     stats_.io_wait_seconds += seconds_since(t0);
-    return rows_of(s);
+    Rows rows = rows_of(s);
+    rows.checked = slots_[static_cast<size_t>(s)].checked;
+    return rows;
+}
+
+void LayerStream::checked(int pos, bool ok, const CheckReport & report) {
+    const int64_t s = pos >= 0 && pos < static_cast<int>(layers_.size()) ? where_[static_cast<size_t>(pos)] : -1;
+    if (s < 0) return;  // dropped already (wait()'s own check failed)
+    stats_.verified_bytes += report.bytes_before + report.bytes_in_products;
+    stats_.product_verified_bytes += report.bytes_in_products;
+    stats_.verify_seconds += report.seconds_before;
+    if (ok) {
+        slots_[static_cast<size_t>(s)].checked = true;
+    } else {
+        drop(s);
+    }
 }
 
 LayerStreamStats LayerStream::stats() const { return stats_; }

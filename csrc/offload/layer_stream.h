@@ -27,6 +27,10 @@
 //   wait(p)  blocks until p's reads are complete, checks its rows against their checksums once (when
 //            given), returns the parts' addresses, valid until the next plan(). Throws IoError (file,
 //            offset, cause) or IntegrityError; the slot is dropped, so the layer is read again next time.
+//   wait(p, false)  the same without the check: a slot not checked yet comes back with checked false,
+//            and the caller checks the rows as it computes with them (one pass over memory; the dense
+//            lane's products do, matmul_rows.h CheckedWeight), then reports with checked(p, ok, ...):
+//            ok marks the slot checked, a failure drops it.
 // Not thread-safe: the backend computes one split at a time per model.
 #pragma once
 
@@ -79,9 +83,10 @@ struct LayerStreamStats {
     uint64_t prefetched = 0;     // layers read ahead
     uint64_t bytes_read = 0;     // bytes requested (the parts' file ranges, rounding included)
     uint64_t hot_bytes_loaded = 0;
-    uint64_t verified_bytes = 0;
-    double io_wait_seconds = 0;  // time blocked in wait() (checking included)
-    double verify_seconds = 0;
+    uint64_t verified_bytes = 0;          // checked: in wait(), or by the caller (checked())
+    uint64_t product_verified_bytes = 0;  // of those, by the products as they multiplied them (untimed)
+    double io_wait_seconds = 0;           // time blocked in wait() (checking included)
+    double verify_seconds = 0;            // the checks made before computing
     int64_t hot_slots = 0, cold_slots = 0;
     size_t slot_bytes = 0;
     std::string engine;  // "io_uring" / "pool"
@@ -105,9 +110,21 @@ public:
         const uint8_t * gate = nullptr;  // nullptr when the gate is resident
         const uint8_t * up = nullptr;
         const uint8_t * down = nullptr;
+        bool checked = true;  // every part with checksums was checked (false only after wait(pos, false))
     };
     void plan(int pos);
-    Rows wait(int pos);
+    Rows wait(int pos, bool check = true);
+    // After wait(pos, false) returned rows not checked: the caller's check of every part with checksums
+    // passed (ok: the slot counts as checked) or failed (the slot is dropped), with what it checked.
+    // Nothing for a layer no longer held.
+    struct CheckReport {
+        uint64_t bytes_before = 0;       // checked before computing
+        double seconds_before = 0;       // and the time it took
+        uint64_t bytes_in_products = 0;  // checked by the products as they multiplied the rows
+    };
+    void checked(int pos, bool ok, const CheckReport & report);
+    // The layer at `pos` as the stream reads it (its parts' checksums and names).
+    const StreamLayerSource & source(int pos) const { return layers_.at(static_cast<size_t>(pos)); }
 
     size_t slot_bytes() const { return slot_bytes_; }
     size_t memory_bytes() const { return pool_.size(); }

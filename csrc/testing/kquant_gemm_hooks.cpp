@@ -1,6 +1,7 @@
 // testing/kquant_gemm_hooks.cpp — see kquant_gemm_hooks.h.
 #include "testing/kquant_gemm_hooks.h"
 
+#include "io/crc32c.h"
 #include "kernels/kquant_gemm.h"
 #include "kernels/kquant_gemm_kernels.h"
 
@@ -23,9 +24,31 @@ namespace {
 
 using U8Array = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
 using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using U32Array = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
+
+// The row check a product can run on the rows it has just multiplied (kquant_gemm's RowBlockHook): the
+// blocks it was called with, and the first row whose CRC-32C is not the expected one (-1: none).
+struct RowCheck {
+    const uint8_t * w = nullptr;
+    size_t row_bytes = 0;
+    const uint32_t * crc = nullptr;
+    std::vector<std::pair<int64_t, int64_t>> blocks;
+    int64_t first_bad = -1;
+
+    static void visit(void * ctx, int64_t r0, int64_t n) {
+        auto * c = static_cast<RowCheck *>(ctx);
+        c->blocks.emplace_back(r0, n);
+        std::vector<uint32_t> got(static_cast<size_t>(n));
+        llamaflash::crc32c_rows(c->w + static_cast<size_t>(r0) * c->row_bytes, n, c->row_bytes, c->row_bytes,
+                                got.data());
+        for (int64_t i = 0; i < n && c->first_bad < 0; ++i) {
+            if (got[static_cast<size_t>(i)] != c->crc[r0 + i]) c->first_bad = r0 + i;
+        }
+    }
+};
 
 py::object gemm(const U8Array & weights, int type_id, int64_t ne0, const F32Array & x, bool reference, int repeat,
-                const std::string & isa) {
+                const std::string & isa, const py::object & crc) {
     ggml_cpu_init();  // vec_dot's fp16 table, where this build reads fp16 through it
     const auto type = static_cast<ggml_type>(type_id);
     if (type_id < 0 || type_id >= GGML_TYPE_COUNT || ggml_get_type_traits_cpu(type)->vec_dot == nullptr ||
@@ -58,6 +81,20 @@ py::object gemm(const U8Array & weights, int type_id, int64_t ne0, const F32Arra
     F32Array out({n_cols, n_rows});
     float * o = out.mutable_data();
     const uint8_t * w = weights.data();
+    U32Array expected;
+    RowCheck check;
+    llamaflash::RowBlockHook hook_fn{&RowCheck::visit, &check};
+    const llamaflash::RowBlockHook * hook = nullptr;
+    if (!crc.is_none()) {
+        expected = crc.cast<U32Array>();
+        if (expected.ndim() != 1 || expected.shape(0) != n_rows) {
+            throw std::invalid_argument("kquant_gemm: crc must be uint32 [n_rows]");
+        }
+        check.w = w;
+        check.row_bytes = row_bytes;
+        check.crc = expected.data();
+        hook = &hook_fn;
+    }
     auto run = [&] {
         if (reference) {
             const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(type)->vec_dot;
@@ -68,15 +105,20 @@ py::object gemm(const U8Array & weights, int type_id, int64_t ne0, const F32Arra
                 }
             }
         } else if (kernel != nullptr) {
-            kernel(ne0, w, row_bytes, n_rows, q.data(), q_bytes, n_cols, o, static_cast<size_t>(n_rows));
+            kernel(ne0, w, row_bytes, n_rows, q.data(), q_bytes, n_cols, o, static_cast<size_t>(n_rows), hook);
         } else {
             llamaflash::kquant_gemm(type, ne0, w, row_bytes, n_rows, q.data(), q_bytes, n_cols, o,
-                                    static_cast<size_t>(n_rows));
+                                    static_cast<size_t>(n_rows), hook);
         }
     };
     if (repeat <= 0) {
-        py::gil_scoped_release release;
-        run();
+        {
+            py::gil_scoped_release release;
+            run();
+        }
+        if (hook != nullptr) {
+            return py::make_tuple(out, check.first_bad, check.blocks);
+        }
         return std::move(out);
     }
     std::vector<double> seconds;
@@ -95,10 +137,12 @@ py::object gemm(const U8Array & weights, int type_id, int64_t ne0, const F32Arra
 
 void bind_kquant_gemm_hooks(py::module_ & m) {
     m.def("kquant_gemm", &gemm, py::arg("weights"), py::arg("type"), py::arg("ne0"), py::arg("x"),
-          py::arg("reference") = false, py::arg("repeat") = 0, py::arg("isa") = "auto",
+          py::arg("reference") = false, py::arg("repeat") = 0, py::arg("isa") = "auto", py::arg("crc") = py::none(),
           "kquant_gemm (csrc/kernels/kquant_gemm.h) of uint8 weights [n_rows, row_bytes] and f32 x [n_cols, ne0] ->\n"
           "f32 [n_cols, n_rows]; reference=True: ggml-cpu's vec_dot per output; repeat > 0: seconds per run;\n"
-          "isa='avx2' / 'avx512vnni': that kernel unchecked (ValueError where this CPU has none).");
+          "isa='avx2' / 'avx512vnni': that kernel unchecked (ValueError where this CPU has none);\n"
+          "crc=uint32 [n_rows]: each row block checked once multiplied (RowBlockHook) -> (out, first bad row\n"
+          "or -1, [(r0, n) per hook call]).");
     m.def(
         "kquant_gemm_isas",
         [](int type_id) {

@@ -144,7 +144,8 @@ def integrity_stats(llm: "Llama", off: Optional[Dict[str, Any]]) -> Optional[Dic
             out.update(
                 read_verified_bytes=off["verified_bytes"],
                 read_verify_seconds=off["verify_seconds"],
-                # whole layers are checked by the thread waiting for them (offload.stream_stats)
+                # whole layers: K-quant rows checked by the products as they multiply them (untimed)
+                read_verified_by_products_bytes=off.get("product_verified_bytes", 0),
                 read_clusters_checked_by_compute=off.get("clusters_checked_by_compute", 0),
                 read_compute_verify_seconds=off.get("compute_verify_seconds", 0.0),
             )
