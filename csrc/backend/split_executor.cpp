@@ -280,50 +280,40 @@ ggml_status SplitExecutor::compute_streamed(const ggml_cgraph * split, FlashMode
     dense_.append_all(graph);
 
     // A slot's rows are checked once, before anything computed from them is used: by the products that
-    // multiply them, or here (a part no row-invariant product checks; every part, when the split does
-    // not multiply all of them)
+    // multiply them where every part with checksums has one, else all of them here, before computing
+    // (parts ggml-cpu multiplies itself; a split that does not multiply every part)
     const auto fail = [&](const std::exception & e) {
-        stream.checked(pos, false, {});  // the slot is dropped: the layer is read again next time
+        stream.checked(pos, false, 0);  // the slot is dropped: the layer is read again next time
         offload.set_error(e.what());
         ggml_free(ctx);
         return GGML_STATUS_FAILED;
     };
-    LayerStream::CheckReport report;
-    try {
-        int needed = 0;
+    if (!rows.checked) {
+        int needed = 0, attached = 0;
         for (const StreamPart * p : {&source.gate, &source.up, &source.down}) {
-            needed += !rows.checked && p->rows > 0 && !p->crc.empty() ? 1 : 0;
+            needed += p->rows > 0 && !p->crc.empty() ? 1 : 0;
         }
-        if (n_checks < needed) {
-            stream.wait(pos, true);  // throws IntegrityError; then the slot is checked
-            n_checks = 0;
-        }
-        const auto t_check = std::chrono::steady_clock::now();
         for (int k = 0; k < n_checks; ++k) {
-            if (!checks_[static_cast<size_t>(k)].attached) {
-                const StreamPart & p = *parts[k];
-                report.bytes_before +=
-                    verify_rows(static_cast<const uint8_t *>(checks_[static_cast<size_t>(k)].weight->data), p.row_bytes,
-                                0, p.rows, p.crc.data(), p.source);
+            attached += checks_[static_cast<size_t>(k)].attached ? 1 : 0;
+        }
+        if (attached < needed) {
+            try {
+                stream.wait(pos, true);  // IntegrityError, or the slot is checked
+            } catch (const std::exception & e) {
+                return fail(e);
             }
+            n_checks = 0;  // what the products check besides is not looked at
         }
-        if (report.bytes_before > 0) {
-            report.seconds_before = seconds_between(t_check, std::chrono::steady_clock::now());
-        }
-    } catch (const std::exception & e) {
-        return fail(e);
     }
 
     const auto t0 = std::chrono::steady_clock::now();
     ggml_status status = ggml_backend_graph_compute(cpu_, graph);
     const double seconds = seconds_between(t0, std::chrono::steady_clock::now());
+    uint64_t checked_bytes = 0;
     try {
         for (int k = 0; k < n_checks; ++k) {
             const CheckedWeight & c = checks_[static_cast<size_t>(k)];
             const StreamPart & p = *parts[k];
-            if (!c.attached) {
-                continue;
-            }
             if (const int64_t bad = c.first_bad(); bad >= 0) {  // named as the check before computing names it
                 const auto * row =
                     static_cast<const uint8_t *>(c.weight->data) + static_cast<size_t>(bad) * p.row_bytes;
@@ -332,13 +322,13 @@ ggml_status SplitExecutor::compute_streamed(const ggml_cgraph * split, FlashMode
                                      p.source.tensor + ", row " + std::to_string(bad) +
                                      " (it changed in memory while it was multiplied)");
             }
-            report.bytes_in_products += p.bytes();
+            checked_bytes += p.bytes();
         }
     } catch (const std::exception & e) {
         return fail(e);
     }
     if (n_checks > 0) {
-        stream.checked(pos, true, report);
+        stream.checked(pos, true, checked_bytes);
     }
     status = checked_finite(split, model, layer, status);
     for (const auto & [l, n_tokens] : dense_.evaluations()) {

@@ -276,12 +276,11 @@ LayerStream::Rows LayerStream::wait(int pos, bool check_rows) {
     return rows;
 }
 
-void LayerStream::checked(int pos, bool ok, const CheckReport & report) {
+void LayerStream::checked(int pos, bool ok, uint64_t bytes) {
     const int64_t s = pos >= 0 && pos < static_cast<int>(layers_.size()) ? where_[static_cast<size_t>(pos)] : -1;
     if (s < 0) return;  // dropped already (wait()'s own check failed)
-    stats_.verified_bytes += report.bytes_before + report.bytes_in_products;
-    stats_.product_verified_bytes += report.bytes_in_products;
-    stats_.verify_seconds += report.seconds_before;
+    stats_.verified_bytes += bytes;
+    stats_.product_verified_bytes += bytes;
     if (ok) {
         slots_[static_cast<size_t>(s)].checked = true;
     } else {

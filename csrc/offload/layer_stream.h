@@ -83,10 +83,10 @@ struct LayerStreamStats {
     uint64_t prefetched = 0;     // layers read ahead
     uint64_t bytes_read = 0;     // bytes requested (the parts' file ranges, rounding included)
     uint64_t hot_bytes_loaded = 0;
-    uint64_t verified_bytes = 0;          // checked: in wait(), or by the caller (checked())
-    uint64_t product_verified_bytes = 0;  // of those, by the products as they multiplied them (untimed)
+    uint64_t verified_bytes = 0;          // checked: in wait(), or by the caller's products (checked())
+    uint64_t product_verified_bytes = 0;  // of those, by the products as they multiplied them
     double io_wait_seconds = 0;           // time blocked in wait() (checking included)
-    double verify_seconds = 0;            // the checks made before computing
+    double verify_seconds = 0;            // wait()'s checks (the products' are not timed)
     int64_t hot_slots = 0, cold_slots = 0;
     size_t slot_bytes = 0;
     std::string engine;  // "io_uring" / "pool"
@@ -114,15 +114,10 @@ public:
     };
     void plan(int pos);
     Rows wait(int pos, bool check = true);
-    // After wait(pos, false) returned rows not checked: the caller's check of every part with checksums
-    // passed (ok: the slot counts as checked) or failed (the slot is dropped), with what it checked.
-    // Nothing for a layer no longer held.
-    struct CheckReport {
-        uint64_t bytes_before = 0;       // checked before computing
-        double seconds_before = 0;       // and the time it took
-        uint64_t bytes_in_products = 0;  // checked by the products as they multiplied the rows
-    };
-    void checked(int pos, bool ok, const CheckReport & report);
+    // After wait(pos, false) returned rows not checked: the caller's products checked every part with
+    // checksums (`bytes` of rows, not timed) and found them right (ok: the slot counts as checked) or
+    // not (the slot is dropped). Nothing for a layer no longer held.
+    void checked(int pos, bool ok, uint64_t bytes);
     // The layer at `pos` as the stream reads it (its parts' checksums and names).
     const StreamLayerSource & source(int pos) const { return layers_.at(static_cast<size_t>(pos)); }
 

@@ -1,7 +1,7 @@
 // testing/kquant_gemm_hooks.cpp — see kquant_gemm_hooks.h.
 #include "testing/kquant_gemm_hooks.h"
 
-#include "io/crc32c.h"
+#include "backend/matmul_rows.h"
 #include "kernels/kquant_gemm.h"
 #include "kernels/kquant_gemm_kernels.h"
 
@@ -26,24 +26,16 @@ using U8Array = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
 using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using U32Array = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
 
-// The row check a product can run on the rows it has just multiplied (kquant_gemm's RowBlockHook): the
-// blocks it was called with, and the first row whose CRC-32C is not the expected one (-1: none).
+// A product's row check (backend/matmul_rows.h CheckedWeight) called through kquant_gemm's
+// RowBlockHook, and the blocks it was called with.
 struct RowCheck {
-    const uint8_t * w = nullptr;
-    size_t row_bytes = 0;
-    const uint32_t * crc = nullptr;
+    llamaflash::CheckedWeight checked;
     std::vector<std::pair<int64_t, int64_t>> blocks;
-    int64_t first_bad = -1;
 
     static void visit(void * ctx, int64_t r0, int64_t n) {
         auto * c = static_cast<RowCheck *>(ctx);
         c->blocks.emplace_back(r0, n);
-        std::vector<uint32_t> got(static_cast<size_t>(n));
-        llamaflash::crc32c_rows(c->w + static_cast<size_t>(r0) * c->row_bytes, n, c->row_bytes, c->row_bytes,
-                                got.data());
-        for (int64_t i = 0; i < n && c->first_bad < 0; ++i) {
-            if (got[static_cast<size_t>(i)] != c->crc[r0 + i]) c->first_bad = r0 + i;
-        }
+        c->checked.check(r0, n);
     }
 };
 
@@ -82,6 +74,7 @@ py::object gemm(const U8Array & weights, int type_id, int64_t ne0, const F32Arra
     float * o = out.mutable_data();
     const uint8_t * w = weights.data();
     U32Array expected;
+    ggml_tensor weight{};  // what CheckedWeight reads of the weight: type, ne[0], nb[1], data
     RowCheck check;
     llamaflash::RowBlockHook hook_fn{&RowCheck::visit, &check};
     const llamaflash::RowBlockHook * hook = nullptr;
@@ -90,9 +83,12 @@ py::object gemm(const U8Array & weights, int type_id, int64_t ne0, const F32Arra
         if (expected.ndim() != 1 || expected.shape(0) != n_rows) {
             throw std::invalid_argument("kquant_gemm: crc must be uint32 [n_rows]");
         }
-        check.w = w;
-        check.row_bytes = row_bytes;
-        check.crc = expected.data();
+        weight.type = type;
+        weight.ne[0] = ne0;
+        weight.ne[1] = n_rows;
+        weight.nb[1] = row_bytes;
+        weight.data = const_cast<uint8_t *>(w);
+        check.checked.reset(&weight, expected.data());
         hook = &hook_fn;
     }
     auto run = [&] {
@@ -117,7 +113,7 @@ py::object gemm(const U8Array & weights, int type_id, int64_t ne0, const F32Arra
             run();
         }
         if (hook != nullptr) {
-            return py::make_tuple(out, check.first_bad, check.blocks);
+            return py::make_tuple(out, check.checked.first_bad(), check.blocks);
         }
         return std::move(out);
     }

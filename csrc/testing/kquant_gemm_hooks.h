@@ -10,7 +10,8 @@ namespace llamaflash_testing {
 //       → f32 [n_cols, n_rows]: kquant_gemm's outputs (reference: ggml's vec_dot, one per output);
 //         with repeat > 0, the seconds of each of `repeat` runs instead (the quantization of x excluded);
 //         isa "avx2" / "avx512vnni": that kernel itself, unchecked; crc (uint32 [n_rows]): the rows
-//         checked by a RowBlockHook as they are multiplied → (out, first bad row or -1, hook's blocks)
+//         checked by a CheckedWeight through the RowBlockHook as they are multiplied → (out, first bad
+//         row or -1, hook's blocks)
 //   kquant_gemm_isas(type) → the kernels this CPU can run for `type`
 //   kquant_gemm_supported(type) → whether the kernel (not vec_dot) computes `type` in this process
 void bind_kquant_gemm_hooks(pybind11::module_ & m);

@@ -166,23 +166,22 @@ def attach_self_draft(
     llm, speculator: speculative.Speculator, plan: "OffloadPlan", info: "SidecarInfo", spec_settings
 ) -> Optional[str]:
     """The speculator's self-draft under a budget (no user draft model): off when whole layers are
-    computed (deterministic answers) or the gate is streamed from flash (the reason is returned), else the offload lane's draft mode with the plan's predicted
-    acceptance as its prior. ``llm``: the `llamaflash.Llama` drafting, held by weak reference."""
+    computed (deterministic answers), the gate is streamed from flash or every cluster is resident (the
+    reason is returned), else the offload lane's draft mode with the plan's predicted acceptance as its
+    prior. ``llm``: the `llamaflash.Llama` drafting, held by weak reference."""
+    reason = None
     if llm._flash is not None and llm._flash.layer_stream_stats() is not None:
         reason = (
             "self-draft off: deterministic answers compute whole layers from flash, and a self-draft drafts over "
             "the sparse lane's resident clusters"
         )
-        speculator.disable_source("self_draft", "off: " + reason)
-        return reason
-    if plan.stream_gate:
+    elif plan.stream_gate:
         reason = "self-draft off: the gate is streamed from flash under this budget"
-        speculator.disable_source("self_draft", "off: " + reason)
-        return reason
-    if spec_settings.self_draft and _reads_nothing(plan):
+    elif spec_settings.self_draft and _reads_nothing(plan):
         # a self-draft skips the clusters that are not resident; with every cluster resident it computes
         # what a plain pass computes, so a draft token costs a whole pass and can never pay
         reason = "self-draft off: every cluster is resident under this budget (a draft would cost a full pass)"
+    if reason is not None:
         speculator.disable_source("self_draft", "off: " + reason)
         return reason
     if spec_settings.self_draft:
